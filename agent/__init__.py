@@ -1,0 +1,1 @@
+"""The Hivenet agent daemon, run beside each inference engine."""

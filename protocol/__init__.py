@@ -1,0 +1,1 @@
+"""What the router and the agent share: frames, messages, tokens, error codes."""

@@ -1,0 +1,154 @@
+"""Error codes shared by the router, the agent and the HTTP API.
+
+A code carries its HTTP status and how routing treats it: request-level codes stop
+the routing session at once, retryable codes consume a forward try, and
+`agent_disconnected` is the connection-level failure that earns one free recovery.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class ErrorCode(StrEnum):
+    REQUEST_INVALID = "request_invalid"
+    CONTEXT_LENGTH_EXCEEDED = "context_length_exceeded"
+    INVALID_PARAMETER = "invalid_parameter"
+    UNAUTHORIZED = "unauthorized"
+    MODEL_NOT_FOUND = "model_not_found"
+    PAYLOAD_TOO_LARGE = "payload_too_large"
+    RATE_LIMIT_EXCEEDED = "rate_limit_exceeded"
+    TOKEN_LIMIT_EXCEEDED = "token_limit_exceeded"
+    NO_AGENTS_AVAILABLE = "no_agents_available"
+    NO_CAPACITY = "no_capacity"
+    AGENT_DISCONNECTED = "agent_disconnected"
+    BACKEND_UNAVAILABLE = "backend_unavailable"
+    BACKEND_ERROR = "backend_error"
+    REQUEST_TIMEOUT = "request_timeout"
+    NOT_FOUND = "not_found"
+
+
+STATUS: dict[ErrorCode, int] = {
+    ErrorCode.REQUEST_INVALID: 400,
+    ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
+    ErrorCode.INVALID_PARAMETER: 400,
+    ErrorCode.UNAUTHORIZED: 401,
+    ErrorCode.MODEL_NOT_FOUND: 404,
+    ErrorCode.NOT_FOUND: 404,
+    ErrorCode.PAYLOAD_TOO_LARGE: 413,
+    ErrorCode.RATE_LIMIT_EXCEEDED: 429,
+    ErrorCode.TOKEN_LIMIT_EXCEEDED: 429,
+    ErrorCode.NO_AGENTS_AVAILABLE: 503,
+    ErrorCode.NO_CAPACITY: 503,
+    ErrorCode.AGENT_DISCONNECTED: 503,
+    ErrorCode.BACKEND_UNAVAILABLE: 503,
+    ErrorCode.BACKEND_ERROR: 502,
+    ErrorCode.REQUEST_TIMEOUT: 504,
+}
+
+# The client's request is at fault: another agent would answer the same.
+REQUEST_LEVEL: frozenset[ErrorCode] = frozenset(
+    {
+        ErrorCode.REQUEST_INVALID,
+        ErrorCode.INVALID_PARAMETER,
+        ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+        ErrorCode.TOKEN_LIMIT_EXCEEDED,
+    }
+)
+
+# Another agent may succeed: these consume one forward try.
+RETRYABLE: frozenset[ErrorCode] = frozenset(
+    {
+        ErrorCode.BACKEND_UNAVAILABLE,
+        ErrorCode.BACKEND_ERROR,
+        ErrorCode.RATE_LIMIT_EXCEEDED,
+        ErrorCode.AGENT_DISCONNECTED,
+    }
+)
+
+# OpenAI's `type` field, chosen so SDKs raise the matching exception class.
+_OPENAI_TYPE: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "invalid_request_error",
+    429: "rate_limit_error",
+    502: "api_error",
+    503: "api_error",
+    504: "timeout_error",
+}
+
+# Anthropic's error `type` names for the same statuses.
+_ANTHROPIC_TYPE: dict[int, str] = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    502: "api_error",
+    503: "overloaded_error",
+    504: "timeout_error",
+}
+
+
+def status_of(code: ErrorCode) -> int:
+    return STATUS.get(code, 500)
+
+
+@dataclass(frozen=True)
+class RouterError(Exception):
+    """An error the router answers with; `source` is `router` or `backend`."""
+
+    code: ErrorCode
+    message: str
+    source: str = "router"
+    status: int | None = None
+
+    @property
+    def http_status(self) -> int:
+        return self.status if self.status is not None else status_of(self.code)
+
+    def __str__(self) -> str:
+        return f"{self.code}: {self.message}"
+
+
+def openai_error_body(err: RouterError) -> dict:
+    return {
+        "error": {
+            "code": str(err.code),
+            "message": err.message,
+            "type": _OPENAI_TYPE.get(err.http_status, "api_error"),
+            "source": err.source,
+        }
+    }
+
+
+def anthropic_error_body(err: RouterError) -> dict:
+    return {
+        "type": "error",
+        "error": {
+            "code": str(err.code),
+            "message": err.message,
+            "type": _ANTHROPIC_TYPE.get(err.http_status, "api_error"),
+            "source": err.source,
+        },
+    }
+
+
+def classify_backend_status(status: int, body: bytes) -> ErrorCode | None:
+    """Map an engine's HTTP answer to an error code; None when it is a success."""
+    if status < 400:
+        return None
+    if status in (400, 422):
+        text = body[:4096].decode("utf-8", "replace").lower()
+        if "context length" in text or "context_length" in text or "maximum context" in text:
+            return ErrorCode.CONTEXT_LENGTH_EXCEEDED
+        return ErrorCode.INVALID_PARAMETER
+    if status in (429, 503):
+        return ErrorCode.BACKEND_UNAVAILABLE
+    if status >= 500:
+        return ErrorCode.BACKEND_ERROR
+    if status == 413:
+        return ErrorCode.REQUEST_INVALID
+    return ErrorCode.INVALID_PARAMETER

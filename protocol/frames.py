@@ -1,0 +1,63 @@
+"""Length-prefixed msgpack frames: a 4-byte big-endian length, then one msgpack map."""
+
+from __future__ import annotations
+
+import struct
+
+import msgpack
+
+from protocol.messages import ProtocolError, validate
+
+HEADER = struct.Struct(">I")
+# A 10 MiB request body plus its headers fits; anything bigger is refused unread.
+MAX_FRAME_BYTES = 16 * 1024 * 1024
+
+
+class FrameError(ProtocolError):
+    """The byte stream is not a sequence of valid frames; the session must end."""
+
+
+def encode_frame(message: dict) -> bytes:
+    payload = msgpack.packb(message, use_bin_type=True)
+    if len(payload) > MAX_FRAME_BYTES:
+        raise FrameError(f"frame of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
+    return HEADER.pack(len(payload)) + payload
+
+
+class FrameDecoder:
+    """Incremental decoder: feed bytes as they arrive, get whole validated messages."""
+
+    def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self._buf = bytearray()
+        self._max = max_frame_bytes
+
+    def feed(self, data: bytes) -> list[dict]:
+        self._buf += data
+        out: list[dict] = []
+        buf = self._buf
+        pos = 0
+        while len(buf) - pos >= HEADER.size:
+            (length,) = HEADER.unpack_from(buf, pos)
+            if length > self._max:
+                raise FrameError(f"oversized frame: {length} bytes > limit {self._max}")
+            end = pos + HEADER.size + length
+            if len(buf) < end:
+                break
+            out.append(decode_payload(bytes(buf[pos + HEADER.size : end])))
+            pos = end
+        if pos:
+            del buf[:pos]
+        return out
+
+    @property
+    def buffered(self) -> int:
+        return len(self._buf)
+
+
+def decode_payload(payload: bytes) -> dict:
+    try:
+        message = msgpack.unpackb(payload, raw=False, strict_map_key=True)
+    except Exception as exc:  # msgpack raises several unrelated types on bad input
+        raise FrameError(f"malformed frame: {type(exc).__name__}: {exc}") from None
+    validate(message)
+    return message

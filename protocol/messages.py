@@ -1,0 +1,136 @@
+"""Messages of the agent link and their validation.
+
+Every message is a msgpack map with a `type`; per-request messages carry an integer
+`id` chosen by the router. Validation checks the fields each type needs, so a daemon
+never acts on a half-formed message.
+"""
+
+from __future__ import annotations
+
+PROTOCOL_ID = "/hivenet/agent/1.0.0"
+VERSION = "0.1.0"
+
+HELLO = "hello"
+WELCOME = "welcome"
+REFUSAL = "refusal"
+HEARTBEAT = "heartbeat"
+REQUEST = "request"
+RESPONSE_HEAD = "response_head"
+RESPONSE_CHUNK = "response_chunk"
+RESPONSE_END = "response_end"
+ERROR = "error"
+CANCEL = "cancel"
+DRAIN = "drain"
+
+
+class ProtocolError(Exception):
+    """A message that breaks the link protocol."""
+
+
+_NUM = (int, float)
+_OPT_DICT = (dict, type(None))
+
+# type -> ((field, accepted types), ...)
+_REQUIRED: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
+    HELLO: (("token", str), ("metadata", dict)),
+    WELCOME: (("heartbeat_interval", _NUM),),
+    REFUSAL: (("reason", str),),
+    HEARTBEAT: (("ts", _NUM),),
+    REQUEST: (
+        ("id", int),
+        ("method", str),
+        ("path", str),
+        ("headers", dict),
+        ("body", bytes),
+        ("stream", bool),
+    ),
+    RESPONSE_HEAD: (("id", int), ("status", int), ("headers", dict)),
+    RESPONSE_CHUNK: (("id", int), ("data", bytes)),
+    RESPONSE_END: (("id", int),),
+    ERROR: (("id", int), ("code", str), ("message", str)),
+    CANCEL: (("id", int),),
+    DRAIN: (),
+}
+
+
+def validate(message: object) -> None:
+    if not isinstance(message, dict):
+        raise ProtocolError(f"message is {type(message).__name__}, not a map")
+    kind = message.get("type")
+    fields = _REQUIRED.get(kind) if isinstance(kind, str) else None
+    if fields is None:
+        raise ProtocolError(f"unknown message type {kind!r}")
+    for name, types in fields:
+        value = message.get(name)
+        if not isinstance(value, types) or (types is int and isinstance(value, bool)):
+            raise ProtocolError(f"{kind}: field {name!r} missing or of the wrong type")
+
+
+def hello(token: str, metadata: dict) -> dict:
+    return {"type": HELLO, "token": token, "metadata": metadata}
+
+
+def welcome(heartbeat_interval: float, router_peer_id: str) -> dict:
+    return {
+        "type": WELCOME,
+        "heartbeat_interval": heartbeat_interval,
+        "router_peer_id": router_peer_id,
+        "version": VERSION,
+    }
+
+
+def refusal(reason: str) -> dict:
+    return {"type": REFUSAL, "reason": reason}
+
+
+def heartbeat(
+    ts: float,
+    backend_healthy: bool | None = None,
+    engine: dict | None = None,
+    hardware: dict | None = None,
+) -> dict:
+    msg: dict = {"type": HEARTBEAT, "ts": ts}
+    if backend_healthy is not None:
+        msg["backend_healthy"] = backend_healthy
+        msg["engine"] = engine or {}
+        msg["hardware"] = hardware or {}
+    return msg
+
+
+def request(req_id: int, method: str, path: str, headers: dict, body: bytes, stream: bool) -> dict:
+    return {
+        "type": REQUEST,
+        "id": req_id,
+        "method": method,
+        "path": path,
+        "headers": headers,
+        "body": body,
+        "stream": stream,
+    }
+
+
+def response_head(req_id: int, status: int, headers: dict) -> dict:
+    return {"type": RESPONSE_HEAD, "id": req_id, "status": status, "headers": headers}
+
+
+def response_chunk(req_id: int, data: bytes) -> dict:
+    return {"type": RESPONSE_CHUNK, "id": req_id, "data": data}
+
+
+def response_end(req_id: int) -> dict:
+    return {"type": RESPONSE_END, "id": req_id}
+
+
+def error(req_id: int, code: str, message: str, status: int | None = None) -> dict:
+    msg: dict = {"type": ERROR, "id": req_id, "code": code, "message": message}
+    if status is not None:
+        msg["status"] = status
+    return msg
+
+
+def cancel(req_id: int) -> dict:
+    return {"type": CANCEL, "id": req_id}
+
+
+def drain() -> dict:
+    return {"type": DRAIN}

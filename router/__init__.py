@@ -1,0 +1,1 @@
+"""The Hivenet router daemon."""

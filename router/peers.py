@@ -1,0 +1,189 @@
+"""The peer table: one record per agent session, indexed by model.
+
+The routing core reads it; the link writes it. Each model's list is kept in peer-ID
+order as agents join and leave, so a routing decision never sorts and ties in the
+least-loaded ranking fall to the lowest peer ID, as the seeds specify.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+ENGINE_FIELDS = (
+    "kv_cache_utilization",
+    "running_requests",
+    "waiting_requests",
+    "avg_ttft_seconds",
+    "p90_ttft_seconds",
+    "avg_itl_seconds",
+    "p90_itl_seconds",
+)
+HARDWARE_FIELDS = (
+    "gpu_temperature_c",
+    "gpu_util_percent",
+    "gpu_vram_used_percent",
+    "memory_used_percent",
+    "cpu_usage_percent",
+)
+UNIVERSAL_FIELDS = ("capacity_utilization", "success_rate", "srtt", "consecutive_failures")
+CAPABILITIES = ("llm", "embedding", "reranker")
+
+
+@dataclass(frozen=True)
+class AgentMetadata:
+    model: str
+    capability: str
+    engine: str
+    capacity: int
+    region: str = ""
+    organization: str = ""
+    machine: str = ""
+    gpu_model: str = ""
+    tags: tuple[str, ...] = ()
+    version: str = ""
+
+    def to_json(self) -> dict:
+        return {
+            "model": self.model,
+            "capability": self.capability,
+            "engine": self.engine,
+            "region": self.region,
+            "organization": self.organization,
+            "machine": self.machine,
+            "gpu_model": self.gpu_model,
+            "tags": list(self.tags),
+            "capacity": self.capacity,
+            "version": self.version,
+        }
+
+
+@dataclass
+class UniversalStats:
+    """Router-side history of one agent (RFC 6298 SRTT in milliseconds)."""
+
+    successes: int = 0
+    failures: int = 0
+    consecutive_failures: int = 0
+    srtt_ms: float | None = None
+    rttvar_ms: float | None = None
+
+    @property
+    def success_rate(self) -> float | None:
+        total = self.successes + self.failures
+        return self.successes / total if total else None
+
+    def record_rtt(self, sample_ms: float) -> None:
+        if self.srtt_ms is None or self.rttvar_ms is None:
+            self.srtt_ms = sample_ms
+            self.rttvar_ms = sample_ms / 2
+        else:
+            self.rttvar_ms = 0.75 * self.rttvar_ms + 0.25 * abs(self.srtt_ms - sample_ms)
+            self.srtt_ms = 0.875 * self.srtt_ms + 0.125 * sample_ms
+
+    def record_success(self) -> None:
+        self.successes += 1
+        self.consecutive_failures = 0
+
+    def record_failure(self) -> None:
+        self.failures += 1
+        self.consecutive_failures += 1
+
+
+@dataclass(eq=False)
+class Peer:
+    """One agent session. `send` writes a link message to that agent's stream."""
+
+    peer_id: str
+    metadata: AgentMetadata
+    send: Callable[[dict], Awaitable[None]]
+    connected_at: float
+    last_seen: float
+    healthy: bool = True
+    backend_healthy: bool = True
+    draining: bool = False
+    connected: bool = True
+    active: int = 0
+    # Latest engine and hardware values in policy units; None = not reported.
+    engine: dict[str, float | None] = field(default_factory=dict)
+    hardware: dict[str, float | None] = field(default_factory=dict)
+    # Router clock time each snapshot was taken, and the agent's sampling period.
+    engine_at: float = 0.0
+    hardware_at: float = 0.0
+    engine_interval: float = 0.5
+    hardware_interval: float = 2.0
+    stats: UniversalStats = field(default_factory=UniversalStats)
+
+    @property
+    def capacity(self) -> int:
+        return self.metadata.capacity
+
+    @property
+    def load_ratio(self) -> float:
+        return self.active / self.metadata.capacity
+
+    @property
+    def routable(self) -> bool:
+        """Gate 2: the agent, its link and its backend are all healthy."""
+        return self.healthy and self.backend_healthy and self.connected and not self.draining
+
+
+class PeerTable:
+    def __init__(self) -> None:
+        self._by_id: dict[str, Peer] = {}
+        self._by_model: dict[str, list[Peer]] = {}
+        self._listeners: list[Callable[[str], None]] = []
+
+    def __len__(self) -> int:
+        return len(self._by_id)
+
+    def get(self, peer_id: str) -> Peer | None:
+        return self._by_id.get(peer_id)
+
+    def all(self) -> list[Peer]:
+        return list(self._by_id.values())
+
+    def models(self) -> list[str]:
+        return sorted(m for m, peers in self._by_model.items() if peers)
+
+    def for_model(self, model: str) -> list[Peer]:
+        """Gate 1's pool, in peer-ID order. The list is shared: do not mutate it."""
+        return self._by_model.get(model, _EMPTY)
+
+    def add(self, peer: Peer) -> Peer | None:
+        """Insert `peer`; returns the record it replaced when the peer reconnected."""
+        old = self._by_id.get(peer.peer_id)
+        if old is not None:
+            self.remove(old)
+        self._by_id[peer.peer_id] = peer
+        peers = self._by_model.setdefault(peer.metadata.model, [])
+        keys = [p.peer_id for p in peers]
+        peers.insert(bisect.bisect(keys, peer.peer_id), peer)
+        self.changed(peer.metadata.model)
+        return old
+
+    def remove(self, peer: Peer) -> bool:
+        """Remove this exact session; a newer session of the same peer stays."""
+        if self._by_id.get(peer.peer_id) is not peer:
+            return False
+        del self._by_id[peer.peer_id]
+        peer.connected = False
+        peers = self._by_model.get(peer.metadata.model, [])
+        if peer in peers:
+            peers.remove(peer)
+        if not peers:
+            self._by_model.pop(peer.metadata.model, None)
+        self.changed(peer.metadata.model)
+        return True
+
+    def on_change(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(model)` whenever that model's pool may have gained room."""
+        self._listeners.append(listener)
+
+    def changed(self, model: str) -> None:
+        for listener in self._listeners:
+            listener(model)
+
+
+_EMPTY: list[Peer] = []
