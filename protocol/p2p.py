@@ -1,0 +1,163 @@
+"""libp2p pieces both daemons use: identity keys, quiet logging, the framed stream.
+
+py-libp2p 0.8.1 interleaves concurrent large writes and kills a stream whose reader
+stalls (see shared/notes/py-libp2p.md), so each side of a session has exactly one
+writer task, which drains a queue and joins frames into large writes, and exactly one
+reader task, which only decodes and dispatches.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import trio
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.crypto.keys import KeyPair
+from libp2p.peer.id import ID
+
+from protocol.frames import MAX_FRAME_BYTES, FrameDecoder, encode_frame
+
+WRITE_BATCH_BYTES = 256 * 1024
+READ_BYTES = 256 * 1024
+SEED_BYTES = 32
+
+
+def load_or_create_identity(path: str | os.PathLike[str]) -> KeyPair:
+    """Ed25519 key from a 32-byte seed file, created 0600 on first use."""
+    p = Path(path)
+    if p.exists():
+        seed = p.read_bytes()
+        if len(seed) != SEED_BYTES:
+            raise ValueError(f"identity file {p} holds {len(seed)} bytes, expected {SEED_BYTES}")
+    else:
+        p.parent.mkdir(parents=True, exist_ok=True)
+        seed = os.urandom(SEED_BYTES)
+        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(seed)
+    return create_new_key_pair(seed)
+
+
+def peer_id_of(key_pair: KeyPair) -> ID:
+    return ID.from_pubkey(key_pair.public_key)
+
+
+def quiet_libp2p_logging() -> None:
+    """libp2p logs routine failures at ERROR and multiaddr floods at DEBUG."""
+    for name in ("libp2p", "multiaddr", "async_service", "libp2p.transport"):
+        logging.getLogger(name).setLevel(logging.CRITICAL)
+
+
+class SessionClosed(Exception):
+    """The framed stream is gone; pending sends are dropped."""
+
+
+class FramedStream:
+    """One libp2p stream carrying length-prefixed msgpack frames in both directions."""
+
+    def __init__(self, stream: Any, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+        self.stream = stream
+        self._max = max_frame_bytes
+        self._send, self._queue = trio.open_memory_channel[bytes](math.inf)
+        self.closed = trio.Event()
+        self.close_reason = ""
+        self._scope: trio.CancelScope | None = None
+        self._abort_early = False
+        self._drained = trio.Event()
+
+    async def send(self, message: dict) -> None:
+        """Queue one message; never blocks the caller behind the network."""
+        self.send_nowait(message)
+
+    def send_nowait(self, message: dict) -> None:
+        if self.closed.is_set():
+            raise SessionClosed(self.close_reason or "session closed")
+        self._send.send_nowait(encode_frame(message))
+
+    async def run(self, on_message: Callable[[dict], Awaitable[None] | None]) -> str:
+        """Read and write until either side ends; returns why the session ended."""
+        try:
+            async with trio.open_nursery() as nursery:
+                self._scope = nursery.cancel_scope
+                if self._abort_early:
+                    nursery.cancel_scope.cancel()
+                nursery.start_soon(self._writer, nursery.cancel_scope)
+                await self._reader(on_message)
+                nursery.cancel_scope.cancel()
+        except Exception as exc:
+            self.close_reason = self.close_reason or f"{type(exc).__name__}: {exc}"
+        finally:
+            self.close_reason = self.close_reason or "stream closed"
+            self.closed.set()
+            self._send.close()
+            # The stream may already be gone: resetting it again is harmless.
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(1),
+                contextlib.suppress(Exception),
+            ):
+                await self.stream.reset()
+        return self.close_reason
+
+    def close(self, reason: str) -> None:
+        """End the session now, even while the peer is frozen mid-read."""
+        if not self.close_reason:
+            self.close_reason = reason
+        self._send.close()
+        if self._scope is None:
+            self._abort_early = True
+        else:
+            self._scope.cancel()
+
+    async def flush_and_close(self, reason: str, timeout: float = 1.0) -> None:
+        """Let queued frames (a refusal, say) reach the peer, then end the session."""
+        if not self.close_reason:
+            self.close_reason = reason
+        self._send.close()
+        with trio.move_on_after(timeout):
+            await self._drained.wait()
+        self.close(reason)
+
+    async def _reader(self, on_message: Callable[[dict], Awaitable[None] | None]) -> None:
+        decoder = FrameDecoder(self._max)
+        while True:
+            try:
+                data = await self.stream.read(READ_BYTES)
+            except Exception as exc:
+                self.close_reason = self.close_reason or f"read ended: {type(exc).__name__}"
+                return
+            if not data:
+                self.close_reason = self.close_reason or "peer closed the stream"
+                return
+            try:
+                for message in decoder.feed(data):
+                    result = on_message(message)
+                    if result is not None:
+                        await result
+            except Exception as exc:  # a bad frame or message ends this session only
+                self.close_reason = self.close_reason or f"{type(exc).__name__}: {exc}"
+                return
+
+    async def _writer(self, cancel_scope: trio.CancelScope) -> None:
+        try:
+            async for frame in self._queue:
+                batch = [frame]
+                size = len(frame)
+                while size < WRITE_BATCH_BYTES:
+                    try:
+                        more = self._queue.receive_nowait()
+                    except (trio.WouldBlock, trio.EndOfChannel):
+                        break
+                    batch.append(more)
+                    size += len(more)
+                await self.stream.write(batch[0] if len(batch) == 1 else b"".join(batch))
+        except Exception as exc:
+            self.close_reason = self.close_reason or f"write failed: {type(exc).__name__}"
+            cancel_scope.cancel()
+        self._drained.set()

@@ -1,0 +1,460 @@
+"""Agent sessions on the router: hello check, frame dispatch, liveness, forwarding.
+
+Each agent holds one stream. Frames for a request land in that request's own
+unbounded channel, so the session's single reader never waits on a slow client.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from protocol import messages as m
+from protocol.errors import ErrorCode, classify_backend_status
+from protocol.logs import quote
+from protocol.p2p import FramedStream, SessionClosed
+from protocol.tokens import TokenError, verify_token
+from router.metrics import RouterMetrics
+from router.peers import (
+    CAPABILITIES,
+    ENGINE_FIELDS,
+    HARDWARE_FIELDS,
+    AgentMetadata,
+    Peer,
+    PeerTable,
+)
+from router.session import ForwardFailure, RouteRequest, Slot
+
+log = logging.getLogger("link")
+
+HELLO_TIMEOUT = 10.0
+# Link liveness, separate from the agent's health heartbeat: a frozen peer is noticed
+# after LINK_TIMEOUT of silence; each side sends a ping when it has been quiet.
+LINK_PING = 1.0
+LINK_TIMEOUT = 3.0
+MAX_ERROR_BODY = 1024 * 1024
+
+
+class StreamBroken(Exception):
+    """The agent's answer stopped part way (agent gone, backend failed mid-stream)."""
+
+
+@dataclass
+class LinkSettings:
+    secret: bytes
+    heartbeat_interval: float
+    unhealthy_after: float
+    remove_after: float
+    router_peer_id: str
+    release_stream_slot_at_head: bool = True
+
+
+class _Pending:
+    __slots__ = ("recv", "send")
+
+    def __init__(self) -> None:
+        self.send, self.recv = trio.open_memory_channel[tuple](math.inf)
+
+
+class AgentSession:
+    def __init__(self, link: AgentLink, fs: FramedStream, remote_peer: str) -> None:
+        self.link = link
+        self.fs = fs
+        self.remote_peer = remote_peer
+        self.peer: Peer | None = None
+        self.pending: dict[int, _Pending] = {}
+        self.next_id = 1
+        self.last_rx = trio.current_time()
+        self.hello_seen = trio.Event()
+
+    def on_message(self, msg: dict) -> None:
+        self.last_rx = trio.current_time()
+        kind = msg["type"]
+        peer = self.peer
+        if peer is None:
+            if kind != m.HELLO:
+                raise m.ProtocolError(f"expected hello, got {kind}")
+            self.link.admit(self, msg)
+            return
+        if kind in (m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END, m.ERROR):
+            pending = self.pending.get(msg["id"])
+            if pending is not None:
+                pending.send.send_nowait((kind, msg))
+        elif kind == m.HEARTBEAT:
+            if "backend_healthy" in msg:
+                self.link.heartbeat(peer, msg)
+        elif kind == m.DRAIN:
+            peer.draining = True
+            log.info("agent_draining peer=%s", peer.peer_id)
+            self.link.table.changed(peer.metadata.model)
+        elif kind == m.HELLO:
+            raise m.ProtocolError("second hello on one session")
+
+    def open(self) -> tuple[int, _Pending]:
+        req_id = self.next_id
+        self.next_id += 1
+        pending = self.pending[req_id] = _Pending()
+        return req_id, pending
+
+    def finish(self, req_id: int, cancel: bool) -> None:
+        if self.pending.pop(req_id, None) is not None and cancel and not self.fs.closed.is_set():
+            with contextlib.suppress(SessionClosed):
+                self.fs.send_nowait(m.cancel(req_id))
+
+    def fail_all(self, reason: str) -> None:
+        for pending in self.pending.values():
+            pending.send.send_nowait(("closed", {"reason": reason}))
+        self.pending.clear()
+
+
+class AgentResponse:
+    """A successful answer from an agent: head now, body as it arrives."""
+
+    def __init__(
+        self,
+        session: AgentSession,
+        req_id: int,
+        pending: _Pending,
+        status: int,
+        headers: dict[str, str],
+        slot: Slot,
+    ) -> None:
+        self.session = session
+        self.req_id = req_id
+        self.pending = pending
+        self.status = status
+        self.headers = headers
+        self.slot = slot
+        self.done = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        try:
+            while True:
+                kind, msg = await self.pending.recv.receive()
+                if kind == m.RESPONSE_CHUNK:
+                    yield msg["data"]
+                elif kind == m.RESPONSE_END:
+                    self.done = True
+                    return
+                elif kind == m.ERROR:
+                    self.done = True
+                    raise StreamBroken(f"{msg['code']}: {msg['message']}")
+                elif kind == "closed":
+                    self.done = True
+                    raise StreamBroken(f"agent_disconnected: {msg['reason']}")
+        finally:
+            self.close()
+
+    async def read_all(self) -> bytes:
+        return b"".join([chunk async for chunk in self.chunks()])
+
+    def close(self) -> None:
+        """Release the slot and, if the answer is unfinished, tell the agent to stop."""
+        self.slot.release()
+        self.session.finish(self.req_id, cancel=not self.done)
+        self.done = True
+
+
+class AgentLink:
+    def __init__(self, table: PeerTable, metrics: RouterMetrics, settings: LinkSettings) -> None:
+        self.table = table
+        self.metrics = metrics
+        self.settings = settings
+        self.sessions: dict[Peer, AgentSession] = {}
+
+    # --- sessions -------------------------------------------------------------------
+
+    async def handle_stream(self, stream: Any) -> None:
+        """libp2p stream handler. Never lets an exception escape (it would wedge the
+        connection in py-libp2p 0.8.1)."""
+        try:
+            await self._serve(stream)
+        except Exception:
+            log.exception("session_error")
+
+    async def _serve(self, stream: Any) -> None:
+        remote = str(stream.muxed_conn.peer_id)
+        fs = FramedStream(stream)
+        session = AgentSession(self, fs, remote)
+        reason = "cancelled"
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._keepalive, session)
+                reason = await fs.run(session.on_message)
+                nursery.cancel_scope.cancel()
+        finally:
+            self._closed(session, reason)
+
+    async def _keepalive(self, session: AgentSession) -> None:
+        fs = session.fs
+        with trio.move_on_after(HELLO_TIMEOUT):
+            await session.hello_seen.wait()
+        if session.peer is None and not fs.closed.is_set():
+            fs.close("no hello within 10s")
+            return
+        while not fs.closed.is_set():
+            await trio.sleep(LINK_PING)
+            if trio.current_time() - session.last_rx > LINK_TIMEOUT:
+                fs.close(f"link heartbeat timeout: silent for more than {LINK_TIMEOUT:g}s")
+                return
+            try:
+                fs.send_nowait(m.heartbeat(time.time()))
+            except SessionClosed:
+                return
+
+    def admit(self, session: AgentSession, msg: dict) -> None:
+        """Check a hello; refuse with the reason, or put the agent in the table."""
+        try:
+            verify_token(self.settings.secret, msg["token"], session.remote_peer)
+            meta = parse_metadata(msg["metadata"])
+        except (TokenError, ValueError) as exc:
+            reason = str(exc)
+            log.warning("agent_refused peer=%s reason=%s", session.remote_peer, quote(reason))
+            self.metrics.sessions_refused.labels(reason.split(":")[0][:40]).inc()
+            session.fs.send_nowait(m.refusal(reason))
+            session.hello_seen.set()
+            trio.lowlevel.spawn_system_task(session.fs.flush_and_close, f"refused: {reason}")
+            return
+        now = trio.current_time()
+        peer = Peer(
+            peer_id=session.remote_peer,
+            metadata=meta,
+            send=session.fs.send,
+            connected_at=now,
+            last_seen=now,
+        )
+        old = self.table.get(peer.peer_id)
+        if old is not None:
+            peer.stats = old.stats
+            stale = self.sessions.pop(old, None)
+            if stale is not None:
+                stale.fs.close("replaced by a new session of the same agent")
+        session.peer = peer
+        self.sessions[peer] = session
+        self.table.add(peer)
+        session.fs.send_nowait(
+            m.welcome(self.settings.heartbeat_interval, self.settings.router_peer_id)
+        )
+        session.hello_seen.set()
+        self._count()
+        log.info(
+            "agent_joined peer=%s model=%s capability=%s engine=%s capacity=%d",
+            peer.peer_id,
+            quote(meta.model),
+            meta.capability,
+            quote(meta.engine),
+            meta.capacity,
+        )
+
+    def _closed(self, session: AgentSession, reason: str) -> None:
+        session.fail_all(reason)
+        peer = session.peer
+        if peer is None:
+            return
+        if self.sessions.get(peer) is session:
+            del self.sessions[peer]
+        peer.connected = False
+        peer.healthy = False
+        self.table.changed(peer.metadata.model)
+        self._count()
+        log.info("agent_disconnected peer=%s reason=%s", peer.peer_id, quote(reason))
+
+    def heartbeat(self, peer: Peer, msg: dict) -> None:
+        now = trio.current_time()
+        peer.last_seen = now
+        was = peer.routable
+        peer.healthy = True
+        peer.backend_healthy = bool(msg["backend_healthy"])
+        engine = msg.get("engine") or {}
+        if engine:
+            peer.engine = _floats(engine, ENGINE_FIELDS)
+            peer.engine_at = now - _age(engine)
+            peer.engine_interval = _interval(engine, peer.engine_interval)
+        hardware = msg.get("hardware") or {}
+        if hardware:
+            peer.hardware = _floats(hardware, HARDWARE_FIELDS)
+            peer.hardware_at = now - _age(hardware)
+            peer.hardware_interval = _interval(hardware, peer.hardware_interval)
+        if peer.routable != was:
+            self.table.changed(peer.metadata.model)
+            self._count()
+
+    async def sweep(self) -> None:
+        """Mark silent agents unhealthy, then forget them, as the flags say."""
+        s = self.settings
+        while True:
+            await trio.sleep(min(1.0, s.unhealthy_after / 3))
+            now = trio.current_time()
+            for peer in self.table.all():
+                silent = now - peer.last_seen
+                if silent > s.remove_after:
+                    self.table.remove(peer)
+                    session = self.sessions.pop(peer, None)
+                    if session is not None:
+                        session.fs.close(f"no heartbeat for {silent:.0f}s")
+                    log.info("agent_removed peer=%s silent_s=%.1f", peer.peer_id, silent)
+                elif silent > s.unhealthy_after and peer.healthy:
+                    peer.healthy = False
+                    log.warning("agent_unhealthy peer=%s silent_s=%.1f", peer.peer_id, silent)
+            self._count()
+
+    def _count(self) -> None:
+        self.metrics.agents_connected.set(len(self.sessions))
+        self.metrics.agents_healthy.set(sum(1 for p in self.table.all() if p.routable))
+
+    def close_all(self, reason: str) -> None:
+        for session in list(self.sessions.values()):
+            session.fs.close(reason)
+
+    # --- forwarding -----------------------------------------------------------------
+
+    async def forward(
+        self, peer: Peer, req: RouteRequest, slot: Slot
+    ) -> AgentResponse | ForwardFailure:
+        session = self.sessions.get(peer)
+        if session is None or session.fs.closed.is_set():
+            return ForwardFailure(
+                ErrorCode.AGENT_DISCONNECTED, "agent session is gone", connection_level=True
+            )
+        req_id, pending = session.open()
+        started = trio.current_time()
+        finished = False
+        try:
+            try:
+                session.fs.send_nowait(
+                    m.request(req_id, req.method, req.path, req.headers, req.body, req.stream)
+                )
+            except SessionClosed as exc:
+                finished = True
+                session.finish(req_id, cancel=False)
+                return ForwardFailure(ErrorCode.AGENT_DISCONNECTED, str(exc), connection_level=True)
+            req.sent_at = trio.current_time()
+            kind, msg = await pending.recv.receive()
+            if kind == "closed":
+                finished = True
+                session.finish(req_id, cancel=False)
+                return ForwardFailure(
+                    ErrorCode.AGENT_DISCONNECTED,
+                    f"agent session closed: {msg['reason']}",
+                    connection_level=True,
+                )
+            if kind == m.ERROR:
+                finished = True
+                session.finish(req_id, cancel=False)
+                peer.stats.record_failure()
+                return ForwardFailure(_code(msg["code"]), msg["message"], status=msg.get("status"))
+            if kind != m.RESPONSE_HEAD:
+                raise m.ProtocolError(f"{kind} before response_head")
+            peer.stats.record_rtt((trio.current_time() - started) * 1000.0)
+            status, headers = msg["status"], msg["headers"]
+            if status >= 400:
+                return await self._failed_answer(session, req_id, pending, peer, status, headers)
+            peer.stats.record_success()
+            response = AgentResponse(session, req_id, pending, status, headers, slot)
+            if req.stream and self.settings.release_stream_slot_at_head:
+                slot.release()
+            finished = True
+            return response
+        except BaseException:
+            if not finished:
+                session.finish(req_id, cancel=True)
+            raise
+
+    async def _failed_answer(
+        self,
+        session: AgentSession,
+        req_id: int,
+        pending: _Pending,
+        peer: Peer,
+        status: int,
+        headers: dict[str, str],
+    ) -> ForwardFailure:
+        body = bytearray()
+        while len(body) <= MAX_ERROR_BODY:
+            kind, msg = await pending.recv.receive()
+            if kind == m.RESPONSE_CHUNK:
+                body += msg["data"]
+            else:
+                break
+        session.finish(req_id, cancel=len(body) > MAX_ERROR_BODY)
+        code = classify_backend_status(status, bytes(body)) or ErrorCode.BACKEND_ERROR
+        if code in (ErrorCode.BACKEND_ERROR, ErrorCode.BACKEND_UNAVAILABLE):
+            peer.stats.record_failure()
+        text = bytes(body[:2000]).decode("utf-8", "replace")
+        return ForwardFailure(
+            code,
+            f"backend answered {status}: {text}",
+            status=status,
+            body=bytes(body),
+            headers=headers,
+        )
+
+
+def _code(value: str) -> ErrorCode:
+    try:
+        return ErrorCode(value)
+    except ValueError:
+        return ErrorCode.BACKEND_ERROR
+
+
+def _floats(values: dict, fields: tuple[str, ...]) -> dict[str, float | None]:
+    out: dict[str, float | None] = {}
+    for name in fields:
+        v = values.get(name)
+        out[name] = float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+    return out
+
+
+def _age(values: dict) -> float:
+    age = values.get("age")
+    return float(age) if isinstance(age, int | float) and age >= 0 else 0.0
+
+
+def _interval(values: dict, default: float) -> float:
+    iv = values.get("interval")
+    return float(iv) if isinstance(iv, int | float) and iv > 0 else default
+
+
+def parse_metadata(raw: dict) -> AgentMetadata:
+    """Validate the hello's metadata; ValueError names the bad field."""
+
+    def text(name: str, required: bool = False) -> str:
+        v = raw.get(name, "")
+        if v is None:
+            v = ""
+        if not isinstance(v, str):
+            raise ValueError(f"metadata.{name} must be a string")
+        if required and not v:
+            raise ValueError(f"metadata.{name} is required")
+        return v
+
+    capacity = raw.get("capacity")
+    if not isinstance(capacity, int) or isinstance(capacity, bool):
+        raise ValueError("metadata.capacity must be an integer")
+    if capacity <= 0:
+        raise ValueError(f"capacity must be positive, got {capacity}")
+    capability = text("capability", required=True)
+    if capability not in CAPABILITIES:
+        raise ValueError(f"metadata.capability {capability!r} is not one of {CAPABILITIES}")
+    tags = raw.get("tags") or []
+    if not isinstance(tags, list) or not all(isinstance(t, str) for t in tags):
+        raise ValueError("metadata.tags must be a list of strings")
+    return AgentMetadata(
+        model=text("model", required=True),
+        capability=capability,
+        engine=text("engine"),
+        capacity=capacity,
+        region=text("region"),
+        organization=text("organization"),
+        machine=text("machine"),
+        gpu_model=text("gpu_model"),
+        tags=tuple(tags),
+        version=text("version"),
+    )

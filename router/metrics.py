@@ -1,0 +1,101 @@
+"""Every Prometheus collector of the router, on one registry owned by the daemon."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+P = "hivenet_router_"
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+
+
+class RouterMetrics:
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        self.routed = Counter(
+            P + "routing_requests_routed_total",
+            "Requests served by a local agent",
+            ["model"],
+            registry=r,
+        )
+        self.primary = Counter(
+            P + "policy_primary_routed_total",
+            "Requests served by the primary routing_policy step",
+            ["model"],
+            registry=r,
+        )
+        self.fallback = Counter(
+            P + "policy_fallback_routed_total",
+            "Requests served by any local fallback step",
+            ["model"],
+            registry=r,
+        )
+        self.provider = Counter(
+            P + "policy_provider_fallback_total",
+            "Requests served by the external provider fallback",
+            ["model"],
+            registry=r,
+        )
+        self.exhausted = Counter(
+            P + "policy_exhausted_total",
+            "Requests whose local chain was exhausted with no successful result after it",
+            ["model"],
+            registry=r,
+        )
+        self.resets = Counter(
+            P + "agent_connection_resets_total",
+            "Stale agent connections discarded by connection-level recovery",
+            ["model"],
+            registry=r,
+        )
+        self.forward_failures = Counter(
+            P + "forward_failures_total",
+            "Failed forwards to agents by error code",
+            ["model", "code"],
+            registry=r,
+        )
+        self.requests = Counter(
+            P + "http_requests_total",
+            "Client requests by endpoint, status and tenant",
+            ["endpoint", "status", "tenant"],
+            registry=r,
+        )
+        self.duration = Histogram(
+            P + "request_duration_seconds",
+            "Whole client request time, to the last byte",
+            ["endpoint"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.overhead = Histogram(
+            P + "router_overhead_seconds",
+            "Time spent in the router before the forward was written to the agent",
+            ["endpoint"],
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.queue_depth = Gauge(
+            P + "queue_depth", "Requests waiting for capacity", ["model"], registry=r
+        )
+        self.queue_wait = Histogram(
+            P + "queue_wait_seconds",
+            "Time spent in the capacity queue",
+            ["model"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.agents_connected = Gauge(
+            P + "agents_connected", "Agent sessions connected", registry=r
+        )
+        self.agents_healthy = Gauge(
+            P + "agents_healthy", "Agents passing the health gate", registry=r
+        )
+        self.reloads = Counter(
+            P + "policy_reloads_total", "Policy reloads by result", ["result"], registry=r
+        )
+        self.sessions_refused = Counter(
+            P + "agent_sessions_refused_total",
+            "Agent hellos refused, by reason",
+            ["reason"],
+            registry=r,
+        )

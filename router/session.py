@@ -1,0 +1,274 @@
+"""One request's routing session: steps, slots, queue, tries, recovery, exhaustion.
+
+The session knows nothing of libp2p or HTTP. It is handed a `forward` function that
+sends the request to one agent and reports how that went, and a clock; so the whole
+of the seeds' routing behaviour is testable with plain objects.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from protocol.errors import REQUEST_LEVEL, ErrorCode, RouterError
+from protocol.logs import quote
+from router.capacity import Waiter, WaitQueue, try_acquire
+from router.metrics import RouterMetrics
+from router.peers import Peer, PeerTable
+from router.policy.gates import evaluate
+from router.policy.schema import Policy, Step
+
+log = logging.getLogger("policy")
+
+
+@dataclass
+class RouteRequest:
+    request_id: str
+    model: str
+    capability: str
+    tenant: str
+    method: str
+    path: str
+    headers: dict[str, str]
+    body: bytes
+    stream: bool
+    # The parsed JSON body, for the provider fallback.
+    payload: dict = field(default_factory=dict)
+    received_at: float = 0.0
+    # When the successful forward was written to the agent (router overhead ends).
+    sent_at: float = 0.0
+
+
+class Slot:
+    """One capacity slot on one agent; released exactly once, on every path."""
+
+    __slots__ = ("_on_release", "peer", "released")
+
+    def __init__(self, peer: Peer, on_release: Callable[[Peer], None]) -> None:
+        self.peer = peer
+        self._on_release = on_release
+        self.released = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.peer.active -= 1
+            self._on_release(self.peer)
+
+
+@dataclass
+class ForwardFailure:
+    """A forward that did not produce a usable answer."""
+
+    code: ErrorCode
+    message: str
+    # Connection-level: the agent's session broke, not its backend.
+    connection_level: bool = False
+    # What the backend answered, passed to the client for request-level errors.
+    status: int | None = None
+    body: bytes = b""
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+# A successful forward hands back whatever the link returned as the response.
+Forward = Callable[[Peer, RouteRequest, Slot], Awaitable["object | ForwardFailure"]]
+
+
+@dataclass
+class Served:
+    response: object
+    peer: Peer
+    step_index: int
+    step_name: str
+
+
+@dataclass
+class Exhausted:
+    """The local chain could not serve; the error the client gets without a provider."""
+
+    error: RouterError
+    reason: str
+    chain: list[str]
+    steps_tried: int
+
+
+class BackendRejected(Exception):
+    """A request-level error from a backend, passed to the client as it answered."""
+
+    def __init__(self, failure: ForwardFailure) -> None:
+        super().__init__(failure.message)
+        self.failure = failure
+
+
+class RoutingSession:
+    def __init__(
+        self,
+        table: PeerTable,
+        queue: WaitQueue,
+        metrics: RouterMetrics,
+        forward: Forward,
+        default_max_tries: int,
+        on_release: Callable[[Peer], None],
+    ) -> None:
+        self.table = table
+        self.queue = queue
+        self.metrics = metrics
+        self.forward = forward
+        self.default_max_tries = default_max_tries
+        self.on_release = on_release
+
+    async def route(self, policy: Policy, req: RouteRequest) -> Served | Exhausted:
+        """Serve `req` through the policy's local steps, or report why none could.
+
+        Raises BackendRejected for request-level errors; trio.Cancelled on deadline.
+        """
+        reasons: list[str] = []
+        steps = policy.steps
+        recovered: set[str] = set()
+        last_failure: ForwardFailure | None = None
+        capacity_drained = False
+        for index, step in enumerate(steps):
+            outcome = await self._run_step(index, step, req, recovered)
+            if isinstance(outcome, Served):
+                return outcome
+            reason, failure, full = outcome
+            reasons.append(f"{step.name}: {reason}")
+            last_failure = failure or last_failure
+            capacity_drained = capacity_drained or full
+        return self._exhausted(req, steps, reasons, last_failure, capacity_drained)
+
+    async def _run_step(
+        self, index: int, step: Step, req: RouteRequest, recovered: set[str]
+    ) -> Served | tuple[str, ForwardFailure | None, bool]:
+        budget = step.budget(self.default_max_tries)
+        failed: set[str] = set()
+        tries = 0
+        last_failure: ForwardFailure | None = None
+        wait = _QueuePlace(self.queue, self.metrics, req.model)
+        try:
+            while True:
+                ev = evaluate(
+                    self.table.for_model(req.model),
+                    step,
+                    req.capability,
+                    failed,
+                    trio.current_time(),
+                )
+                peer = ev.best
+                if peer is None:
+                    if not ev.waitable:
+                        return ev.drain or "no eligible agents", last_failure, False
+                    if not wait.enter():
+                        return f"{ev.drain} queue_full", last_failure, True
+                    log.debug("req=%s queued step=%s", req.request_id, step.name)
+                    # The request's own deadline bounds the wait (cancellation).
+                    await wait.wait()
+                    continue
+                wait.leave()
+                if not try_acquire(peer):
+                    continue  # lost the race for the last slot: select again, no try used
+                slot = Slot(peer, self.on_release)
+                try:
+                    result = await self.forward(peer, req, slot)
+                except BaseException:
+                    slot.release()
+                    raise
+                if not isinstance(result, ForwardFailure):
+                    return Served(result, peer, index, step.name)
+                slot.release()
+                self.metrics.forward_failures.labels(req.model, str(result.code)).inc()
+                log.info(
+                    "req=%s forward_error step=%s peer=%s code=%s message=%s",
+                    req.request_id,
+                    step.name,
+                    peer.peer_id,
+                    result.code,
+                    quote(result.message),
+                )
+                if result.code in REQUEST_LEVEL:
+                    raise BackendRejected(result)
+                if result.connection_level and peer.peer_id not in recovered:
+                    # The first connection failure per agent and request is free.
+                    recovered.add(peer.peer_id)
+                    self.metrics.resets.labels(req.model).inc()
+                    continue
+                last_failure = result
+                failed.add(peer.peer_id)
+                tries += 1
+                if tries >= budget:
+                    return "max_tries exhausted", last_failure, False
+        finally:
+            wait.leave()
+
+    def _exhausted(
+        self,
+        req: RouteRequest,
+        steps: tuple[Step, ...],
+        reasons: list[str],
+        last_failure: ForwardFailure | None,
+        capacity_drained: bool,
+    ) -> Exhausted:
+        chain = [s.name for s in steps]
+        reason = " | ".join(reasons)
+        if last_failure is not None:
+            error = RouterError(
+                last_failure.code, f"all local routing steps failed: {reason}", "router"
+            )
+        elif capacity_drained:
+            error = RouterError(ErrorCode.NO_CAPACITY, f"no capacity: {reason}")
+        else:
+            error = RouterError(ErrorCode.NO_AGENTS_AVAILABLE, f"no agents available: {reason}")
+        return Exhausted(error, reason, chain, len(reasons))
+
+
+class _QueuePlace:
+    """A request's place in its model's wait queue, kept across wake-ups."""
+
+    def __init__(self, queue: WaitQueue, metrics: RouterMetrics, model: str) -> None:
+        self.queue = queue
+        self.model = model
+        self.gauge = metrics.queue_depth.labels(model)
+        self.wait_hist = metrics.queue_wait.labels(model)
+        self.waiter: Waiter | None = None
+        self.since = 0.0
+
+    def enter(self) -> bool:
+        """Join the queue, or keep the place after a fruitless wake-up; False when full."""
+        if self.waiter is not None:
+            self.queue.woke(self.model, self.waiter)
+            return True
+        if self.queue.full(self.model):
+            return False
+        self.waiter = self.queue.join(self.model)
+        self.since = trio.current_time()
+        self.gauge.set(self.queue.length(self.model))
+        return True
+
+    async def wait(self) -> None:
+        assert self.waiter is not None
+        await self.waiter.event.wait()
+
+    def leave(self) -> None:
+        if self.waiter is None:
+            return
+        self.queue.leave(self.model, self.waiter)
+        self.waiter = None
+        self.wait_hist.observe(trio.current_time() - self.since)
+        self.gauge.set(self.queue.length(self.model))
+
+
+def exhaustion_line(req: RouteRequest, ex: Exhausted) -> str:
+    """The seeds' `policy_exhausted` warning, key for key."""
+    return (
+        f"req={req.request_id} model={quote_always(req.model)} "
+        f"capability={quote_always(req.capability)} tenant={quote(req.tenant)} "
+        f"policy_exhausted chain=[{'→'.join(ex.chain)}] "
+        f"tried={ex.steps_tried}/{len(ex.chain)} reason={quote_always(ex.reason)}"
+    )
+
+
+def quote_always(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
