@@ -26,6 +26,7 @@ from protocol.frames import MAX_FRAME_BYTES, FrameDecoder, encode_frame
 WRITE_BATCH_BYTES = 256 * 1024
 READ_BYTES = 256 * 1024
 SEED_BYTES = 32
+FLUSH_TIMEOUT = 1.0
 
 
 def load_or_create_identity(path: str | os.PathLike[str]) -> KeyPair:
@@ -61,8 +62,14 @@ class SessionClosed(Exception):
 class FramedStream:
     """One libp2p stream carrying length-prefixed msgpack frames in both directions."""
 
-    def __init__(self, stream: Any, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
+    def __init__(
+        self,
+        stream: Any,
+        max_frame_bytes: int = MAX_FRAME_BYTES,
+        write_timeout: float = math.inf,
+    ) -> None:
         self.stream = stream
+        self._write_timeout = write_timeout
         self._max = max_frame_bytes
         self._send, self._queue = trio.open_memory_channel[bytes](math.inf)
         self.closed = trio.Event()
@@ -115,12 +122,12 @@ class FramedStream:
         else:
             self._scope.cancel()
 
-    async def flush_and_close(self, reason: str, timeout: float = 1.0) -> None:
+    async def flush_and_close(self, reason: str) -> None:
         """Let queued frames (a refusal, say) reach the peer, then end the session."""
         if not self.close_reason:
             self.close_reason = reason
         self._send.close()
-        with trio.move_on_after(timeout):
+        with trio.move_on_after(FLUSH_TIMEOUT):
             await self._drained.wait()
         self.close(reason)
 
@@ -156,7 +163,8 @@ class FramedStream:
                         break
                     batch.append(more)
                     size += len(more)
-                await self.stream.write(batch[0] if len(batch) == 1 else b"".join(batch))
+                with trio.fail_after(self._write_timeout):
+                    await self.stream.write(batch[0] if len(batch) == 1 else b"".join(batch))
         except Exception as exc:
             self.close_reason = self.close_reason or f"write failed: {type(exc).__name__}"
             cancel_scope.cancel()

@@ -1,0 +1,211 @@
+"""The agent daemon: engine probes, samplers and one session per router."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Any
+
+import httpx
+import trio
+from libp2p import new_host
+from libp2p.network.config import ConnectionConfig
+
+from agent.engines import EngineEndpoints, HealthTracker, get_adapter
+from agent.hardware import HardwareSampler
+from agent.link import RouterConnection, RouterSession, Status, hello_for
+from agent.settings import AgentSettings
+from protocol.logs import quote
+from protocol.messages import VERSION
+from protocol.p2p import load_or_create_identity, peer_id_of
+from protocol.sdnotify import sd_notify
+
+log = logging.getLogger("agent")
+
+
+class AgentDaemon:
+    def __init__(self, settings: AgentSettings) -> None:
+        self.settings = settings
+        self.adapter = get_adapter(settings.engine)
+        self.key_pair = load_or_create_identity(settings.identity_path)
+        self.peer_id = str(peer_id_of(self.key_pair))
+        self.status = Status(
+            engine_interval=settings.engine_sample_interval,
+            hardware_interval=settings.hardware_sample_interval,
+            changed=trio.Event(),
+        )
+        self.hardware = HardwareSampler()
+        self.health = HealthTracker()
+        self.connections: list[RouterConnection] = []
+        self.endpoints: EngineEndpoints | None = None
+        self.model = settings.model
+        self.sim_app: Any = None
+
+    def metadata(self) -> dict:
+        s = self.settings
+        return {
+            "model": self.model,
+            "capability": s.capability,
+            "engine": s.engine,
+            "capacity": s.capacity,
+            "region": s.region,
+            "organization": s.organization,
+            "machine": s.machine,
+            "gpu_model": s.gpu_model or self.hardware.gpu_model() or "",
+            "tags": list(s.tags),
+            "version": VERSION,
+        }
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        s = self.settings
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        timeout = httpx.Timeout(s.http_timeout, connect=min(10.0, s.http_timeout))
+        async with (
+            httpx.AsyncClient(limits=limits, timeout=timeout) as client,
+            httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as probe,
+            trio.open_nursery() as nursery,
+        ):
+            backend_url = s.backend_url
+            if s.engine == "sim":
+                backend_url = await self._start_sim(nursery)
+            ep = self.endpoints = self.adapter.endpoints(backend_url, s.health_url, s.metrics_url)
+            if not self.model:
+                self.model = await self._discover(probe, ep)
+            await self._probe_health(probe, ep)
+            nursery.start_soon(self._health_loop, probe, ep)
+            nursery.start_soon(self._engine_loop, probe, ep)
+            nursery.start_soon(self._hardware_loop)
+            host = new_host(
+                key_pair=self.key_pair,
+                listen_addrs=[],
+                enable_websocket=any("/ws" in r for r in s.routers),
+                connection_config=ConnectionConfig(max_connections_per_peer=1),
+            )
+            async with host.run(listen_addrs=[]):
+                for address in s.routers:
+                    conn = RouterConnection(
+                        host, address, lambda stream: self._session(stream, client, ep)
+                    )
+                    self.connections.append(conn)
+                    nursery.start_soon(conn.run)
+                log.info(
+                    "agent_started peer_id=%s model=%s engine=%s backend=%s routers=%d",
+                    self.peer_id,
+                    quote(self.model),
+                    s.engine,
+                    ep.backend_url,
+                    len(s.routers),
+                )
+                sd_notify("READY=1")
+                task_status.started()
+                await self._until_terminated()
+                await self._drain()
+                nursery.cancel_scope.cancel()
+
+    def _session(
+        self, stream: Any, client: httpx.AsyncClient, ep: EngineEndpoints
+    ) -> RouterSession:
+        s = self.settings
+        return RouterSession(
+            stream,
+            hello_for(s.jwt_secret, self.peer_id, self.metadata()),
+            self.status,
+            client,
+            ep.backend_url,
+            s.heartbeat_interval,
+            s.stream_write_timeout,
+        )
+
+    async def _start_sim(self, nursery: trio.Nursery) -> str:
+        from agent.engines.sim import create_sim_app, serve_sim
+
+        s = self.settings
+        self.sim_app = create_sim_app(
+            s.model or "sim-model",
+            token_latency=s.sim_token_latency,
+            ttft=s.sim_ttft,
+            capacity=max(64, s.capacity),
+        )
+        port = await nursery.start(serve_sim, self.sim_app, "127.0.0.1", s.sim_port)
+        log.info("sim_engine_listening url=http://127.0.0.1:%d", port)
+        return f"http://127.0.0.1:{port}"
+
+    async def _discover(self, probe: httpx.AsyncClient, ep: EngineEndpoints) -> str:
+        while True:
+            try:
+                model = await self.adapter.discover_model(probe, ep)
+            except Exception as exc:  # engines fail in many ways while starting
+                model = None
+                log.warning("model_discovery_failed error=%s", quote(repr(exc)))
+            if model:
+                log.info("model_discovered model=%s", quote(model))
+                return model
+            await trio.sleep(2)
+
+    async def _probe_health(self, probe: httpx.AsyncClient, ep: EngineEndpoints) -> None:
+        try:
+            ok = await self.adapter.check_health(probe, ep)
+        except Exception:  # an engine that cannot answer is unhealthy, nothing more
+            ok = False
+        healthy = self.health.record(ok)
+        if healthy != self.status.backend_healthy:
+            log.info("backend_health healthy=%s", healthy)
+            self.status.backend_healthy = healthy
+            self._changed()
+
+    async def _health_loop(self, probe: httpx.AsyncClient, ep: EngineEndpoints) -> None:
+        while True:
+            await trio.sleep(self.settings.heartbeat_interval)
+            await self._probe_health(probe, ep)
+
+    async def _engine_loop(self, probe: httpx.AsyncClient, ep: EngineEndpoints) -> None:
+        if ep.metrics_url is None:
+            return
+        sampler = self.adapter.new_sampler(self.model)
+        while True:
+            try:
+                response = await probe.get(ep.metrics_url)
+                if response.status_code == 200:
+                    values = sampler.update(response.text, trio.current_time())
+                    if values != self.status.engine:
+                        self.status.engine = values
+                        self._changed()
+                    self.status.engine_at = trio.current_time()
+            except Exception as exc:  # a failed scrape leaves the last values to age out
+                log.debug("engine_sample_failed error=%s", quote(repr(exc)))
+            await trio.sleep(self.settings.engine_sample_interval)
+
+    async def _hardware_loop(self) -> None:
+        while True:
+            values = await trio.to_thread.run_sync(self.hardware.sample)
+            if values != self.status.hardware:
+                self.status.hardware = values
+                self._changed()
+            self.status.hardware_at = trio.current_time()
+            await trio.sleep(self.settings.hardware_sample_interval)
+
+    def _changed(self) -> None:
+        """Wake the sessions' heartbeat loops so routers see new values promptly."""
+        event = self.status.changed
+        self.status.changed = trio.Event()
+        if event is not None:
+            event.set()
+
+    async def _until_terminated(self) -> None:
+        with trio.open_signal_receiver(signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                log.info("agent_draining signal=%s", signal.Signals(signum).name)
+                return
+
+    async def _drain(self) -> None:
+        """Tell every router to stop sending, finish what is in flight, then leave."""
+        sd_notify("STOPPING=1")
+        for conn in self.connections:
+            conn.stopping = True
+            if conn.session is not None:
+                conn.session.drain()
+        with trio.move_on_after(self.settings.drain_timeout):
+            for conn in self.connections:
+                if conn.session is not None:
+                    await conn.session.wait_idle()
+        log.info("agent_stopped")

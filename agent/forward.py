@@ -1,0 +1,51 @@
+"""The HTTP call from the agent to its engine, streamed back frame by frame."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+import httpx
+
+from protocol import messages as m
+from protocol.errors import ErrorCode
+
+log = logging.getLogger("agent")
+
+_HOP_BY_HOP = frozenset(
+    {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
+)
+
+
+async def forward(
+    client: httpx.AsyncClient, backend_url: str, msg: dict, send: Callable[[dict], None]
+) -> None:
+    """Run one request against the engine; every outcome is reported with `send`.
+
+    Cancellation (the router's cancel frame, or the session ending) closes the engine
+    connection, which is how engines notice an abandoned request.
+    """
+    req_id: int = msg["id"]
+    url = backend_url.rstrip("/") + msg["path"]
+    try:
+        request = client.build_request(
+            msg["method"], url, headers=msg["headers"], content=msg["body"]
+        )
+        response = await client.send(request, stream=True)
+    except httpx.TimeoutException as exc:
+        send(m.error(req_id, ErrorCode.BACKEND_UNAVAILABLE, f"engine timed out: {exc!r}"))
+        return
+    except httpx.HTTPError as exc:
+        send(m.error(req_id, ErrorCode.BACKEND_UNAVAILABLE, f"engine unreachable: {exc!r}"))
+        return
+    try:
+        headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP}
+        send(m.response_head(req_id, response.status_code, headers))
+        async for chunk in response.aiter_raw():
+            if chunk:
+                send(m.response_chunk(req_id, chunk))
+        send(m.response_end(req_id))
+    except httpx.HTTPError as exc:
+        send(m.error(req_id, ErrorCode.BACKEND_ERROR, f"engine answer broke off: {exc!r}"))
+    finally:
+        await response.aclose()

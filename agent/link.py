@@ -1,0 +1,223 @@
+"""The agent's side of the link: dial, hello, heartbeats, requests, reconnects."""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import multiaddr
+import trio
+from libp2p.peer.peerinfo import info_from_p2p_addr
+
+from agent.forward import forward
+from protocol import messages as m
+from protocol.logs import quote
+from protocol.p2p import FramedStream, SessionClosed
+from protocol.tokens import issue_token
+
+log = logging.getLogger("agent")
+
+CONNECT_TIMEOUT = 10.0
+WELCOME_TIMEOUT = 10.0
+LINK_PING = 1.0
+LINK_TIMEOUT = 3.0
+BACKOFF_START = 0.2
+BACKOFF_CAP = 5.0
+TOKEN_TTL = 3600.0
+
+
+class Refused(Exception):
+    """The router refused the hello; the reason is the router's."""
+
+
+@dataclass
+class Status:
+    """What heartbeats report, kept current by the daemon's samplers."""
+
+    backend_healthy: bool = False
+    engine: dict[str, float | None] | None = None
+    engine_at: float = 0.0
+    engine_interval: float = 0.5
+    hardware: dict[str, float | None] | None = None
+    hardware_at: float = 0.0
+    hardware_interval: float = 2.0
+    changed: trio.Event | None = None
+    draining: bool = False
+
+    def heartbeat(self) -> dict:
+        now = trio.current_time()
+        engine = dict(self.engine or {})
+        if engine:
+            engine["age"] = now - self.engine_at
+            engine["interval"] = self.engine_interval
+        hardware = dict(self.hardware or {})
+        if hardware:
+            hardware["age"] = now - self.hardware_at
+            hardware["interval"] = self.hardware_interval
+        return m.heartbeat(time.time(), self.backend_healthy, engine, hardware)
+
+
+class RouterSession:
+    """One session with one router over one stream."""
+
+    def __init__(
+        self,
+        stream: Any,
+        hello: dict,
+        status: Status,
+        client: httpx.AsyncClient,
+        backend_url: str,
+        heartbeat_interval: float,
+        write_timeout: float,
+    ) -> None:
+        self.fs = FramedStream(stream, write_timeout=write_timeout)
+        self.hello = hello
+        self.status = status
+        self.client = client
+        self.backend_url = backend_url
+        self.heartbeat_interval = heartbeat_interval
+        self.welcomed = trio.Event()
+        self.refusal: str | None = None
+        self.last_rx = trio.current_time()
+        self.last_tx = 0.0
+        self.requests: dict[int, trio.CancelScope] = {}
+        self._nursery: trio.Nursery | None = None
+        self._idle = trio.Event()
+
+    def send(self, msg: dict) -> None:
+        try:
+            self.fs.send_nowait(msg)
+            self.last_tx = trio.current_time()
+        except SessionClosed:
+            pass  # the session is ending; the router fails the request itself
+
+    async def run(self) -> str:
+        self.send(self.hello)
+        async with trio.open_nursery() as nursery:
+            self._nursery = nursery
+            nursery.start_soon(self._keepalive)
+            reason = await self.fs.run(self._on_message)
+            nursery.cancel_scope.cancel()
+        if self.refusal is not None:
+            raise Refused(self.refusal)
+        return reason
+
+    def _on_message(self, msg: dict) -> None:
+        self.last_rx = trio.current_time()
+        kind = msg["type"]
+        if kind == m.REQUEST:
+            if self._nursery is not None:
+                self._nursery.start_soon(self._serve, msg)
+        elif kind == m.CANCEL:
+            scope = self.requests.get(msg["id"])
+            if scope is not None:
+                scope.cancel()
+        elif kind == m.WELCOME:
+            self.welcomed.set()
+            log.info("router_joined router=%s", msg.get("router_peer_id", ""))
+        elif kind == m.REFUSAL:
+            self.refusal = msg["reason"]
+            self.fs.close(f"refused: {msg['reason']}")
+
+    async def _serve(self, msg: dict) -> None:
+        req_id = msg["id"]
+        with trio.CancelScope() as scope:
+            self.requests[req_id] = scope
+            try:
+                await forward(self.client, self.backend_url, msg, self.send)
+            finally:
+                del self.requests[req_id]
+                if not self.requests:
+                    self._idle.set()
+
+    async def _keepalive(self) -> None:
+        with trio.move_on_after(WELCOME_TIMEOUT):
+            await self.welcomed.wait()
+        if not self.welcomed.is_set():
+            self.fs.close("no welcome from the router")
+            return
+        self.send(self.status.heartbeat())
+        last_full = trio.current_time()
+        changed = self.status.changed
+        while True:
+            with trio.move_on_after(LINK_PING):
+                if changed is not None:
+                    await changed.wait()
+                else:
+                    await trio.sleep_forever()
+            now = trio.current_time()
+            if now - self.last_rx > LINK_TIMEOUT:
+                self.fs.close(f"router silent for more than {LINK_TIMEOUT:g}s")
+                return
+            if self.status.changed is not changed or now - last_full >= self.heartbeat_interval:
+                changed = self.status.changed
+                self.send(self.status.heartbeat())
+                last_full = now
+            elif now - self.last_tx >= LINK_PING:
+                self.send(m.heartbeat(time.time()))
+
+    def drain(self) -> None:
+        self.send(m.drain())
+
+    async def wait_idle(self) -> None:
+        while self.requests:
+            self._idle = trio.Event()
+            await self._idle.wait()
+
+
+class RouterConnection:
+    """Keeps a session with one router alive, reconnecting with capped backoff."""
+
+    def __init__(
+        self,
+        host: Any,
+        address: str,
+        make_session: Callable[[Any], RouterSession],
+    ) -> None:
+        self.host = host
+        self.address = address
+        self.info = info_from_p2p_addr(multiaddr.Multiaddr(address))
+        self.make_session = make_session
+        self.session: RouterSession | None = None
+        self.stopping = False
+
+    async def run(self) -> None:
+        backoff = BACKOFF_START
+        while not self.stopping:
+            joined = False
+            try:
+                # py-libp2p refuses to redial a peer for 60 s after a failed dial.
+                self.host.get_network().unblock_peer(self.info.peer_id)
+                with trio.fail_after(CONNECT_TIMEOUT):
+                    await self.host.connect(self.info)
+                    stream = await self.host.new_stream(self.info.peer_id, [m.PROTOCOL_ID])
+                session = self.session = self.make_session(stream)
+                reason = await session.run()
+                joined = session.welcomed.is_set()
+                log.warning("router_session_ended router=%s reason=%s", self.address, quote(reason))
+            except Refused as exc:
+                log.error("router_refused router=%s reason=%s", self.address, quote(str(exc)))
+                backoff = max(backoff, BACKOFF_CAP)
+            except (trio.TooSlowError, Exception) as exc:
+                log.warning(
+                    "router_dial_failed router=%s error=%s",
+                    self.address,
+                    quote(f"{type(exc).__name__}: {exc}"),
+                )
+            finally:
+                self.session = None
+            if self.stopping:
+                return
+            if joined:
+                backoff = BACKOFF_START
+            await trio.sleep(backoff * random.uniform(0.5, 1.0))
+            backoff = min(backoff * 2, BACKOFF_CAP)
+
+
+def hello_for(secret: bytes, peer_id: str, metadata: dict) -> dict:
+    return m.hello(issue_token(secret, peer_id, TOKEN_TTL), metadata)

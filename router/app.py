@@ -1,0 +1,175 @@
+"""The router daemon: p2p host, HTTP API, metrics and signals in one trio nursery."""
+
+from __future__ import annotations
+
+import logging
+import signal
+from typing import Any
+
+import multiaddr
+import trio
+from hypercorn.config import Config
+from hypercorn.trio import serve
+from prometheus_client import make_asgi_app
+
+from protocol.messages import PROTOCOL_ID
+from protocol.p2p import load_or_create_identity, peer_id_of
+from protocol.sdnotify import sd_notify
+from router.capacity import WaitQueue
+from router.dispatch import Dispatcher
+from router.http.app import RouterApp, with_lifespan
+from router.http.auth import AdminKeys, ClientKeys
+from router.http.client import ClientApi, ClientSettings
+from router.link import AgentLink, LinkSettings
+from router.metrics import RouterMetrics
+from router.p2p_host import close_listeners, router_host
+from router.peers import Peer, PeerTable
+from router.policy.store import PolicyStore
+from router.session import RoutingSession
+from router.settings import RouterSettings
+
+log = logging.getLogger("router")
+
+
+def listen_multiaddrs(settings: RouterSettings) -> list[multiaddr.Multiaddr]:
+    addrs = [multiaddr.Multiaddr(f"/ip4/{settings.p2p_listen_addr}/tcp/{settings.p2p_port}")]
+    if settings.p2p_ws_port:
+        ws = f"/ip4/{settings.p2p_listen_addr}/tcp/{settings.p2p_ws_port}/ws"
+        addrs.append(multiaddr.Multiaddr(ws))
+    return addrs
+
+
+def hypercorn_config(addr: tuple[str, int]) -> Config:
+    config = Config()
+    config.bind = [f"{addr[0]}:{addr[1]}"]
+    config.accesslog = None
+    config.errorlog = logging.getLogger("http")
+    config.keep_alive_timeout = 75
+    config.graceful_timeout = 1
+    return config
+
+
+class RouterDaemon:
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.metrics = RouterMetrics()
+        self.table = PeerTable()
+        self.queue = WaitQueue(settings.queue_depth)
+        self.table.on_change(self.queue.notify)
+        self.store = PolicyStore(self.metrics, settings.policy_file)
+        self.key_pair = load_or_create_identity(settings.identity_path)
+        self.peer_id = str(peer_id_of(self.key_pair))
+        self.link = AgentLink(
+            self.table,
+            self.metrics,
+            LinkSettings(
+                secret=settings.jwt_secret,
+                heartbeat_interval=settings.heartbeat_interval,
+                unhealthy_after=settings.unhealthy_after,
+                remove_after=settings.remove_after,
+                router_peer_id=self.peer_id,
+                release_stream_slot_at_head=settings.stream_slot_release == "head",
+            ),
+        )
+        self.session = RoutingSession(
+            self.table,
+            self.queue,
+            self.metrics,
+            self.link.forward,
+            settings.max_tries_per_step,
+            self._released,
+        )
+        self.dispatcher = Dispatcher(self.table, self.session, self.store, self.metrics)
+        self.client = ClientApi(
+            self.dispatcher,
+            self.table,
+            self.metrics,
+            ClientSettings(settings.max_request_bytes, settings.request_timeout),
+        )
+        self.app = RouterApp(
+            self.client,
+            self.table,
+            self.queue,
+            self.store,
+            self.metrics,
+            AdminKeys(settings.admin_api_keys, settings.allow_insecure_admin),
+            ClientKeys(settings.client_api_keys),
+        )
+        self._stop = trio.Event()
+        self._http_stop = trio.Event()
+
+    def _released(self, peer: Peer) -> None:
+        self.queue.notify(peer.metadata.model)
+
+    async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        s = self.settings
+        addrs = listen_multiaddrs(s)
+        host = router_host(self.key_pair, addrs, websocket=bool(s.p2p_ws_port))
+        async with host.run(listen_addrs=addrs):
+            host.set_stream_handler(PROTOCOL_ID, self.link.handle_stream)
+            try:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self.link.sweep)
+                    nursery.start_soon(self._signals, nursery.cancel_scope)
+                    await nursery.start(self._serve_http, self.app, s.http_addr)
+                    metrics_app = with_lifespan(make_asgi_app(self.metrics.registry))
+                    await nursery.start(self._serve_http, metrics_app, s.metrics_addr)
+                    for addr in self.announce_addrs(host):
+                        log.info("router_listening p2p=%s", addr)
+                    log.info(
+                        "router_ready peer_id=%s http=%s:%d metrics=%s:%d policy_chain=[%s]",
+                        self.peer_id,
+                        *s.http_addr,
+                        *s.metrics_addr,
+                        "→".join(self.store.current.chain_names()),
+                    )
+                    sd_notify("READY=1")
+                    task_status.started()
+                    await self._stop.wait()
+                    await self._drain()
+                    self._http_stop.set()
+                    nursery.cancel_scope.cancel()
+            finally:
+                self.link.close_all("router shutting down")
+                with trio.CancelScope(shield=True):
+                    await close_listeners(host)
+        log.info("router_stopped")
+
+    def announce_addrs(self, host: Any) -> list[str]:
+        if self.settings.p2p_announce_addr:
+            return [f"{self.settings.p2p_announce_addr}/p2p/{self.peer_id}"]
+        return [f"{a}/p2p/{self.peer_id}" for a in listen_multiaddrs(self.settings)]
+
+    async def _serve_http(
+        self,
+        app: Any,
+        addr: tuple[str, int],
+        *,
+        task_status: Any = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        config = hypercorn_config(addr)
+        # HTTP stays up while draining, so in-flight streams can finish.
+        await serve(app, config, shutdown_trigger=self._http_stop.wait, task_status=task_status)
+
+    async def _signals(self, cancel_scope: trio.CancelScope) -> None:
+        with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:
+            async for signum in signals:
+                if signum == signal.SIGHUP:
+                    errors = self.store.reload_file()
+                    if errors:
+                        log.warning("sighup_reload_rejected errors=%d", len(errors))
+                elif self._stop.is_set():
+                    cancel_scope.cancel()
+                else:
+                    log.info("router_draining signal=%s", signal.Signals(signum).name)
+                    sd_notify("STOPPING=1")
+                    self.app.draining = True
+                    self._stop.set()
+
+    async def _drain(self) -> None:
+        """Let in-flight requests finish, up to --drain-timeout."""
+        with trio.move_on_after(self.settings.drain_timeout):
+            while self.app.inflight:
+                await self.app.idle.wait()
+        if self.app.inflight:
+            log.warning("router_drain_timeout inflight=%d", self.app.inflight)

@@ -1,0 +1,164 @@
+"""`hivenet-router`: serve, check-policy, identity, token."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from protocol.durations import parse_duration
+from protocol.logs import setup_logging
+from protocol.secrets import load_secret
+from router.settings import RouterSettings, split_hostport
+
+
+def _env(name: str, default: str) -> str:
+    return os.environ.get(name) or default
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="hivenet-router")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    serve = sub.add_parser("serve", help="run the router daemon")
+    serve.add_argument("--http-port", default=_env("HIVENET_ROUTER_HTTP_PORT", ":8080"))
+    serve.add_argument("--metrics-port", default=_env("HIVENET_ROUTER_METRICS_PORT", ":2112"))
+    serve.add_argument("--p2p-port", type=int, default=int(_env("HIVENET_ROUTER_P2P_PORT", "9000")))
+    serve.add_argument(
+        "--p2p-ws-port", type=int, default=0, help="libp2p WebSocket port (0: no WebSocket)"
+    )
+    serve.add_argument("--p2p-listen-addr", default="127.0.0.1")
+    serve.add_argument("--p2p-announce-addr", default=None)
+    serve.add_argument("--identity-path", default="./router_identity.key")
+    serve.add_argument("--policy-file", default=os.environ.get("HIVENET_ROUTER_POLICY_FILE"))
+    serve.add_argument("--max-tries-per-step", type=int, default=3)
+    serve.add_argument("--queue-depth", type=int, default=30)
+    serve.add_argument("--request-timeout", type=parse_duration, default="60s")
+    serve.add_argument("--heartbeat-interval", type=parse_duration, default="5s")
+    serve.add_argument("--unhealthy-after", type=parse_duration, default="15s")
+    serve.add_argument("--remove-after", type=parse_duration, default="30s")
+    serve.add_argument("--drain-timeout", type=parse_duration, default="30s")
+    serve.add_argument("--stream-slot-release", choices=("head", "end"), default="head")
+    serve.add_argument("--jwt-secret-file", default=None)
+
+    check = sub.add_parser("check-policy", help="validate a policy file and print its chain")
+    check.add_argument("file")
+    check.add_argument("--max-tries-per-step", type=int, default=3)
+
+    ident = sub.add_parser("identity", help="create the key if missing; print the peer ID")
+    ident.add_argument("--identity-path", default="./router_identity.key")
+    ident.add_argument("--p2p-listen-addr", default="127.0.0.1")
+    ident.add_argument("--p2p-port", type=int, default=int(_env("HIVENET_ROUTER_P2P_PORT", "9000")))
+    ident.add_argument("--p2p-announce-addr", default=None)
+
+    token = sub.add_parser("token", help="print an agent JWT signed with the shared secret")
+    token.add_argument("--peer-id", required=True)
+    token.add_argument("--ttl", type=parse_duration, default="24h")
+    token.add_argument("--jwt-secret-file", default=None)
+    return parser
+
+
+def settings_from(args: argparse.Namespace) -> RouterSettings:
+    s = RouterSettings(
+        http_addr=split_hostport(args.http_port),
+        metrics_addr=split_hostport(args.metrics_port),
+        p2p_port=args.p2p_port,
+        p2p_ws_port=args.p2p_ws_port,
+        p2p_listen_addr=args.p2p_listen_addr,
+        p2p_announce_addr=args.p2p_announce_addr,
+        identity_path=args.identity_path,
+        policy_file=args.policy_file,
+        max_tries_per_step=args.max_tries_per_step,
+        queue_depth=args.queue_depth,
+        request_timeout=args.request_timeout,
+        heartbeat_interval=args.heartbeat_interval,
+        unhealthy_after=args.unhealthy_after,
+        remove_after=args.remove_after,
+        drain_timeout=args.drain_timeout,
+        stream_slot_release=args.stream_slot_release,
+        jwt_secret=load_secret(args.jwt_secret_file),
+    )
+    s.apply_environment()
+    if s.max_tries_per_step < 1:
+        raise ValueError("--max-tries-per-step must be at least 1")
+    if not s.admin_api_keys and not s.allow_insecure_admin:
+        raise ValueError(
+            "HIVENET_ROUTER_ADMIN_API_KEYS is empty: set admin keys, or "
+            "HIVENET_ROUTER_ALLOW_INSECURE_ADMIN=true to run the admin API without them"
+        )
+    return s
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    import trio
+
+    from router.app import RouterDaemon
+
+    try:
+        settings = settings_from(args)
+        daemon = RouterDaemon(settings)
+    except Exception as exc:  # every startup problem ends here with its reason
+        print(f"hivenet-router: {exc}", file=sys.stderr)
+        return 2
+    trio.run(daemon.run)
+    return 0
+
+
+def cmd_check_policy(args: argparse.Namespace) -> int:
+    from router.policy.describe import describe
+    from router.policy.schema import PolicyError, load_policy_file
+
+    try:
+        policy = load_policy_file(args.file)
+    except PolicyError as exc:
+        print(f"{args.file}: invalid policy", file=sys.stderr)
+        for error in exc.errors:
+            print(f"  - {error}", file=sys.stderr)
+        return 1
+    except OSError as exc:
+        print(f"{args.file}: {exc}", file=sys.stderr)
+        return 1
+    print(describe(policy, args.max_tries_per_step))
+    return 0
+
+
+def cmd_identity(args: argparse.Namespace) -> int:
+    from protocol.p2p import load_or_create_identity, peer_id_of
+
+    peer_id = peer_id_of(load_or_create_identity(args.identity_path))
+    print(f"peer_id: {peer_id}")
+    if args.p2p_announce_addr:
+        print(f"{args.p2p_announce_addr}/p2p/{peer_id}")
+    print(f"/ip4/{args.p2p_listen_addr}/tcp/{args.p2p_port}/p2p/{peer_id}")
+    return 0
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    from protocol.tokens import issue_token
+
+    try:
+        secret = load_secret(args.jwt_secret_file)
+    except (OSError, ValueError) as exc:
+        print(f"hivenet-router: {exc}", file=sys.stderr)
+        return 2
+    print(issue_token(secret, args.peer_id, args.ttl))
+    return 0
+
+
+COMMANDS = {
+    "serve": cmd_serve,
+    "check-policy": cmd_check_policy,
+    "identity": cmd_identity,
+    "token": cmd_token,
+}
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    setup_logging()
+    return COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

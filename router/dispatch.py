@@ -1,0 +1,94 @@
+"""From a parsed client request to an answer: local chain, then provider, with the
+exhaustion report and the policy counters in one place."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from protocol.errors import ErrorCode, RouterError
+from router.metrics import RouterMetrics
+from router.peers import PeerTable
+from router.policy.schema import ProviderFallback
+from router.policy.store import PolicyStore
+from router.session import Exhausted, RouteRequest, RoutingSession, Served, exhaustion_line
+
+log = logging.getLogger("policy")
+
+CHAT_PATH = "/v1/chat/completions"
+
+
+@dataclass
+class ProviderServed:
+    status: int
+    content_type: str
+    body: bytes
+    engine: str
+    headers: dict[str, str] = field(default_factory=dict)
+
+
+# Calls the external provider; raises RouterError when it fails.
+ProviderCall = Callable[[ProviderFallback, RouteRequest], Awaitable[ProviderServed]]
+
+
+class Dispatcher:
+    def __init__(
+        self,
+        table: PeerTable,
+        session: RoutingSession,
+        store: PolicyStore,
+        metrics: RouterMetrics,
+        provider_call: ProviderCall | None = None,
+        provider_available: Callable[[str], bool] = lambda engine: False,
+    ) -> None:
+        self.table = table
+        self.session = session
+        self.store = store
+        self.metrics = metrics
+        self.provider_call = provider_call
+        self.provider_available = provider_available
+
+    def provider_for(self, req: RouteRequest) -> ProviderFallback | None:
+        provider = self.store.current.fallback_provider
+        if (
+            provider is None
+            or self.provider_call is None
+            or req.capability != "llm"
+            or req.path != CHAT_PATH
+            or not self.provider_available(provider.engine)
+        ):
+            return None
+        return provider
+
+    async def dispatch(self, req: RouteRequest) -> Served | ProviderServed:
+        """Serve `req`, or raise RouterError (BackendRejected for request-level errors)."""
+        policy = self.store.current
+        outcome = await self.session.route(policy, req)
+        if isinstance(outcome, Served):
+            self.metrics.routed.labels(req.model).inc()
+            if outcome.step_index == 0:
+                self.metrics.primary.labels(req.model).inc()
+            else:
+                self.metrics.fallback.labels(req.model).inc()
+            return outcome
+        return await self._after_chain(req, outcome)
+
+    async def _after_chain(self, req: RouteRequest, ex: Exhausted) -> ProviderServed:
+        log.warning("%s", exhaustion_line(req, ex))
+        provider = self.provider_for(req)
+        if provider is not None and self.provider_call is not None:
+            try:
+                served = await self.provider_call(provider, req)
+            except RouterError:
+                self.metrics.exhausted.labels(req.model).inc()
+                raise
+            self.metrics.provider.labels(req.model).inc()
+            return served
+        self.metrics.exhausted.labels(req.model).inc()
+        if not self.table.for_model(req.model):
+            raise RouterError(
+                ErrorCode.MODEL_NOT_FOUND,
+                f"model {req.model!r} is not served by any registered agent",
+            )
+        raise ex.error

@@ -1,0 +1,226 @@
+"""The router's ASGI application: routes requests to the client and admin handlers."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from typing import Any
+from urllib.parse import unquote
+
+import trio
+
+from protocol.errors import ErrorCode, RouterError
+from protocol.logs import quote
+from router.capacity import WaitQueue
+from router.http import admin
+from router.http.asgi import (
+    BodyTooLarge,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    request_id,
+    send_bytes,
+    send_json,
+)
+from router.http.auth import AdminKeys, ClientKeys
+from router.http.client import ENDPOINTS, ClientApi, error_payload
+from router.metrics import RouterMetrics
+from router.peers import PeerTable
+from router.policy.store import PolicyStore
+
+log = logging.getLogger("http")
+
+MAX_POLICY_BYTES = 1024 * 1024
+
+
+class RouterApp:
+    def __init__(
+        self,
+        client: ClientApi,
+        table: PeerTable,
+        queue: WaitQueue,
+        store: PolicyStore,
+        metrics: RouterMetrics,
+        admin_keys: AdminKeys,
+        client_keys: ClientKeys,
+    ) -> None:
+        self.client = client
+        self.table = table
+        self.queue = queue
+        self.store = store
+        self.metrics = metrics
+        self.admin_keys = admin_keys
+        self.client_keys = client_keys
+        self.draining = False
+        self.inflight = 0
+        self.idle = trio.Event()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        rid = request_id(scope)
+        started = trio.current_time()
+        path: str = scope["path"]
+        method: str = scope["method"]
+        tenant = "-"
+        try:
+            if path.startswith("/v1/"):
+                status, tenant = await self._client(scope, receive, send, rid)
+            elif path.startswith("/admin/"):
+                status = await self._admin(scope, receive, send, rid)
+            elif path == "/health" and method == "GET":
+                status = 200
+                await send_json(send, 200, {"status": "ok"}, [("x-request-id", rid)])
+            else:
+                status = await _not_found(send, rid, "openai")
+        except Exception:
+            # A bug must cost one request, never the daemon.
+            log.exception("req=%s handler_error path=%s", rid, quote(path))
+            status = 500
+            err = RouterError(ErrorCode.BACKEND_ERROR, "internal router error", status=500)
+            # The response may have started; then the client sees a cut stream.
+            with contextlib.suppress(Exception):
+                await send_json(send, 500, error_payload("openai", err), [("x-request-id", rid)])
+        elapsed = trio.current_time() - started
+        if path in ENDPOINTS:
+            self.metrics.requests.labels(path, str(status), tenant).inc()
+            self.metrics.duration.labels(path).observe(elapsed)
+        log.info(
+            "req=%s method=%s path=%s status=%d tenant=%s duration_ms=%.1f",
+            rid,
+            method,
+            quote(path),
+            status,
+            tenant,
+            elapsed * 1000,
+        )
+
+    async def _client(
+        self, scope: Scope, receive: Receive, send: Send, rid: str
+    ) -> tuple[int, str]:
+        path, method = scope["path"], scope["method"]
+        protocol = ENDPOINTS.get(path, ("", "openai"))[1]
+        extra = [("x-request-id", rid)]
+        tenant = self.client_keys.tenant(scope)
+        if tenant is None:
+            err = RouterError(ErrorCode.UNAUTHORIZED, "missing or invalid API key")
+            await send_json(send, 401, error_payload(protocol, err), extra)
+            return 401, "-"
+        if path in ENDPOINTS and method == "POST":
+            if self.draining:
+                err = RouterError(ErrorCode.NO_AGENTS_AVAILABLE, "router is shutting down")
+                await send_json(send, 503, error_payload(protocol, err), extra)
+                return 503, tenant
+            self.inflight += 1
+            self.idle = trio.Event()
+            try:
+                return await self.client.inference(scope, receive, send, rid, tenant), tenant
+            finally:
+                self.inflight -= 1
+                if not self.inflight:
+                    self.idle.set()
+        if method == "GET" and path == "/v1/models":
+            await send_json(send, 200, {"object": "list", "data": self.client.models()}, extra)
+            return 200, tenant
+        if method == "GET" and path.startswith("/v1/models/"):
+            card = self.client.model_card(unquote(path[len("/v1/models/") :]))
+            if card is None:
+                err = RouterError(ErrorCode.MODEL_NOT_FOUND, "no agent serves this model")
+                await send_json(send, 404, error_payload(protocol, err), extra)
+                return 404, tenant
+            await send_json(send, 200, card, extra)
+            return 200, tenant
+        return await _not_found(send, rid, protocol), tenant
+
+    async def _admin(self, scope: Scope, receive: Receive, send: Send, rid: str) -> int:
+        extra = [("x-request-id", rid)]
+        if not self.admin_keys.allows(scope):
+            err = RouterError(ErrorCode.UNAUTHORIZED, "admin API key required")
+            await send_json(send, 401, error_payload("openai", err), extra)
+            return 401
+        path, method = scope["path"], scope["method"]
+        if method == "GET" and path == "/admin/routing-table":
+            await send_json(send, 200, admin.routing_table(self.table), extra)
+        elif method == "GET" and path == "/admin/health":
+            await send_json(send, 200, admin.health(self.table, self.queue), extra)
+        elif method == "GET" and path == "/admin/models":
+            await send_json(send, 200, {"object": "list", "data": self._admin_models()}, extra)
+        elif method == "GET" and path.startswith("/admin/models/"):
+            model = unquote(path[len("/admin/models/") :])
+            cards = [c for c in self._admin_models() if c["id"] == model]
+            if not cards:
+                return await _not_found(send, rid, "openai", "model_not_found")
+            await send_json(send, 200, cards[0], extra)
+        elif path == "/admin/policy" and method == "GET":
+            body = self.store.current.source.encode()
+            await send_bytes(send, 200, body, "application/yaml", extra)
+        elif path == "/admin/policy" and method == "PUT":
+            return await self._put_policy(scope, receive, send, extra)
+        else:
+            return await _not_found(send, rid, "openai")
+        return 200
+
+    def _admin_models(self) -> list[dict]:
+        cards = []
+        for card in self.client.models():
+            peers = self.table.for_model(card["id"])
+            card["agent_peer_ids"] = [p.peer_id for p in peers]
+            card["active_requests"] = sum(p.active for p in peers)
+            card["queue_length"] = self.queue.length(card["id"])
+            cards.append(card)
+        return cards
+
+    async def _put_policy(
+        self, scope: Scope, receive: Receive, send: Send, extra: list[tuple[str, str]]
+    ) -> int:
+        try:
+            body = await read_body(scope, receive, MAX_POLICY_BYTES)
+            text = body.decode("utf-8")
+        except (BodyTooLarge, UnicodeDecodeError):
+            errors = ["policy body must be UTF-8 YAML under 1 MiB"]
+        except ClientGone:
+            return 499
+        else:
+            errors = self.store.replace(text, "admin_api")
+        if errors:
+            err = RouterError(ErrorCode.REQUEST_INVALID, "policy rejected: " + "; ".join(errors))
+            payload = error_payload("openai", err)
+            payload["error"]["errors"] = errors
+            await send_json(send, 400, payload, extra)
+            return 400
+        chain = self.store.current.chain_names()
+        await send_json(send, 200, {"status": "ok", "chain": chain}, extra)
+        return 200
+
+
+async def _not_found(send: Send, rid: str, protocol: str, code: str = "not_found") -> int:
+    err = RouterError(ErrorCode(code), "no such endpoint or resource")
+    await send_json(send, 404, error_payload(protocol, err), [("x-request-id", rid)])
+    return 404
+
+
+async def _lifespan(receive: Receive, send: Send) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "lifespan.startup":
+            await send({"type": "lifespan.startup.complete"})
+        elif message["type"] == "lifespan.shutdown":
+            await send({"type": "lifespan.shutdown.complete"})
+            return
+
+
+def with_lifespan(app: Any) -> Any:
+    """Answer ASGI lifespan events for an app that does not (prometheus_client's)."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            await _lifespan(receive, send)
+        else:
+            await app(scope, receive, send)
+
+    return wrapped

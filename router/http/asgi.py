@@ -1,0 +1,92 @@
+"""Small ASGI helpers: reading bounded bodies, sending JSON, request ids."""
+
+from __future__ import annotations
+
+import json
+import uuid
+from collections.abc import Awaitable, Callable, Iterable
+from typing import Any
+
+Scope = dict[str, Any]
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+class BodyTooLarge(Exception):
+    pass
+
+
+class ClientGone(Exception):
+    pass
+
+
+def header(scope: Scope, name: bytes) -> str | None:
+    for key, value in scope["headers"]:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def request_id(scope: Scope) -> str:
+    """The client's X-Request-ID when it is a valid UUID, otherwise a new one."""
+    given = header(scope, b"x-request-id")
+    if given:
+        try:
+            return str(uuid.UUID(given))
+        except ValueError:
+            pass
+    return str(uuid.uuid4())
+
+
+async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    declared = header(scope, b"content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge
+    parts: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        parts.append(chunk)
+        if not message.get("more_body", False):
+            return b"".join(parts)
+
+
+def encode_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
+    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+
+
+async def start_response(send: Send, status: int, headers: Iterable[tuple[str, str]]) -> None:
+    await send(
+        {"type": "http.response.start", "status": status, "headers": encode_headers(headers)}
+    )
+
+
+async def send_body(send: Send, data: bytes, more: bool = False) -> None:
+    await send({"type": "http.response.body", "body": data, "more_body": more})
+
+
+async def send_bytes(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: str,
+    extra: Iterable[tuple[str, str]] = (),
+) -> None:
+    headers = [("content-type", content_type), ("content-length", str(len(body))), *extra]
+    await send(
+        {"type": "http.response.start", "status": status, "headers": encode_headers(headers)}
+    )
+    await send({"type": "http.response.body", "body": body})
+
+
+async def send_json(
+    send: Send, status: int, payload: object, extra: Iterable[tuple[str, str]] = ()
+) -> None:
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    await send_bytes(send, status, body, "application/json", extra)

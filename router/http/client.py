@@ -1,0 +1,328 @@
+"""The client API: inference endpoints forwarded through the dispatcher, and models."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+
+import trio
+
+from protocol.errors import (
+    ErrorCode,
+    RouterError,
+    anthropic_error_body,
+    openai_error_body,
+)
+from protocol.logs import quote
+from router.dispatch import Dispatcher, ProviderServed
+from router.http.asgi import (
+    BodyTooLarge,
+    ClientGone,
+    Receive,
+    Scope,
+    Send,
+    read_body,
+    send_body,
+    send_bytes,
+    send_json,
+    start_response,
+)
+from router.link import AgentResponse, StreamBroken
+from router.metrics import RouterMetrics
+from router.peers import PeerTable
+from router.session import BackendRejected, RouteRequest
+
+log = logging.getLogger("http")
+
+# endpoint -> (capability, error protocol)
+ENDPOINTS: dict[str, tuple[str, str]] = {
+    "/v1/chat/completions": ("llm", "openai"),
+    "/v1/messages": ("llm", "anthropic"),
+    "/v1/embeddings": ("embedding", "openai"),
+    "/v1/rerank": ("reranker", "openai"),
+}
+_FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "anthropic-version", "anthropic-beta")
+_DROPPED_RESPONSE_HEADERS = frozenset(
+    {"content-length", "transfer-encoding", "connection", "date", "server", "keep-alive"}
+)
+
+
+@dataclass
+class ClientSettings:
+    max_request_bytes: int
+    request_timeout: float
+
+
+def error_payload(protocol: str, err: RouterError) -> dict:
+    return anthropic_error_body(err) if protocol == "anthropic" else openai_error_body(err)
+
+
+def sse_error(protocol: str, err: RouterError) -> bytes:
+    payload = json.dumps(error_payload(protocol, err), separators=(",", ":"))
+    if protocol == "anthropic":
+        return f"event: error\ndata: {payload}\n\n".encode()
+    return f"data: {payload}\n\n".encode()
+
+
+class ClientApi:
+    def __init__(
+        self,
+        dispatcher: Dispatcher,
+        table: PeerTable,
+        metrics: RouterMetrics,
+        settings: ClientSettings,
+    ) -> None:
+        self.dispatcher = dispatcher
+        self.table = table
+        self.metrics = metrics
+        self.settings = settings
+
+    async def inference(
+        self, scope: Scope, receive: Receive, send: Send, rid: str, tenant: str
+    ) -> int:
+        """Serve one inference request; returns the HTTP status sent."""
+        path = scope["path"]
+        capability, protocol = ENDPOINTS[path]
+        received = trio.current_time()
+        extra = [("x-request-id", rid)]
+
+        async def fail(err: RouterError) -> int:
+            await send_json(send, err.http_status, error_payload(protocol, err), extra)
+            return err.http_status
+
+        try:
+            body = await read_body(scope, receive, self.settings.max_request_bytes)
+        except BodyTooLarge:
+            limit = self.settings.max_request_bytes
+            return await fail(
+                RouterError(ErrorCode.PAYLOAD_TOO_LARGE, f"request body exceeds {limit} bytes")
+            )
+        except ClientGone:
+            return 499
+        try:
+            payload = json.loads(body)
+        except (ValueError, UnicodeDecodeError) as exc:
+            return await fail(RouterError(ErrorCode.REQUEST_INVALID, f"body is not JSON: {exc}"))
+        if not isinstance(payload, dict):
+            return await fail(RouterError(ErrorCode.REQUEST_INVALID, "body must be a JSON object"))
+        model = payload.get("model")
+        if not isinstance(model, str) or not model:
+            return await fail(
+                RouterError(ErrorCode.REQUEST_INVALID, "field 'model' is required (a string)")
+            )
+        stream = payload.get("stream") is True
+        headers = {}
+        for key, value in scope["headers"]:
+            name = key.decode("latin-1")
+            if name in _FORWARDED_REQUEST_HEADERS:
+                headers[name] = value.decode("latin-1")
+        headers["x-request-id"] = rid
+        req = RouteRequest(
+            request_id=rid,
+            model=model,
+            capability=capability,
+            tenant=tenant,
+            method="POST",
+            path=path,
+            headers=headers,
+            body=body,
+            stream=stream,
+            payload=payload,
+            received_at=received,
+        )
+        return await self._serve(req, protocol, receive, send, extra)
+
+    async def _serve(
+        self,
+        req: RouteRequest,
+        protocol: str,
+        receive: Receive,
+        send: Send,
+        extra: list[tuple[str, str]],
+    ) -> int:
+        deadline = req.received_at + self.settings.request_timeout
+        state = _Progress()
+
+        async def tracked_send(message: dict) -> None:
+            # Once the last body part is on its way, a disconnect is the client's
+            # normal close, not an abandoned request.
+            if message["type"] == "http.response.body" and not message.get("more_body"):
+                state.done = True
+            await send(message)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, state)
+            with trio.move_on_at(deadline) as deadline_scope:
+                await self._answer(req, protocol, tracked_send, extra, state)
+            nursery.cancel_scope.cancel()
+        if state.client_gone:
+            log.info("req=%s client_disconnected", req.request_id)
+            return 499
+        if deadline_scope.cancelled_caught:
+            err = RouterError(
+                ErrorCode.REQUEST_TIMEOUT,
+                f"request not completed within {self.settings.request_timeout:g}s",
+            )
+            log.warning("req=%s request_timeout model=%s", req.request_id, quote(req.model))
+            if state.started:
+                await _end_stream_with_error(send, protocol, err, state)
+                return state.status
+            await send_json(send, err.http_status, error_payload(protocol, err), extra)
+            return err.http_status
+        return state.status
+
+    async def _answer(
+        self,
+        req: RouteRequest,
+        protocol: str,
+        send: Send,
+        extra: list[tuple[str, str]],
+        state: _Progress,
+    ) -> None:
+        try:
+            served = await self.dispatcher.dispatch(req)
+        except BackendRejected as exc:
+            f = exc.failure
+            err = RouterError(f.code, _backend_message(f.body) or f.message, "backend", f.status)
+            state.status = err.http_status
+            await send_json(send, err.http_status, error_payload(protocol, err), extra)
+            return
+        except RouterError as err:
+            state.status = err.http_status
+            await send_json(send, err.http_status, error_payload(protocol, err), extra)
+            return
+        if isinstance(served, ProviderServed):
+            await self._send_provider(served, send, extra, state)
+            return
+        response = served.response
+        assert isinstance(response, AgentResponse)
+        self.metrics.overhead.labels(req.path).observe(max(0.0, req.sent_at - req.received_at))
+        await self._relay(req, protocol, response, send, extra, state)
+
+    async def _relay(
+        self,
+        req: RouteRequest,
+        protocol: str,
+        response: AgentResponse,
+        send: Send,
+        extra: list[tuple[str, str]],
+        state: _Progress,
+    ) -> None:
+        headers = [
+            (k, v)
+            for k, v in response.headers.items()
+            if k.lower() not in _DROPPED_RESPONSE_HEADERS
+        ]
+        headers += extra
+        state.status = response.status
+        try:
+            if not req.stream:
+                body = await response.read_all()
+                headers.append(("content-length", str(len(body))))
+                state.started = True
+                await start_response(send, response.status, headers)
+                await send_body(send, body)
+                return
+            state.started = True
+            await start_response(send, response.status, headers)
+            async for chunk in response.chunks():
+                await send_body(send, chunk, more=True)
+            await send_body(send, b"")
+        except StreamBroken as exc:
+            code = (
+                ErrorCode.AGENT_DISCONNECTED
+                if str(exc).startswith("agent_disconnected")
+                else ErrorCode.BACKEND_ERROR
+            )
+            err = RouterError(code, f"answer interrupted: {exc}")
+            log.warning("req=%s stream_broken reason=%s", req.request_id, quote(str(exc)))
+            if state.started and req.stream:
+                await _end_stream_with_error(send, protocol, err, state)
+            else:
+                state.status = err.http_status
+                await send_json(send, err.http_status, error_payload(protocol, err), extra)
+        finally:
+            response.close()
+
+    async def _send_provider(
+        self,
+        served: ProviderServed,
+        send: Send,
+        extra: list[tuple[str, str]],
+        state: _Progress,
+    ) -> None:
+        state.status = served.status
+        state.started = True
+        headers = [*served.headers.items(), *extra]
+        await send_bytes(send, served.status, served.body, served.content_type, headers)
+
+    def models(self) -> list[dict]:
+        return [self.model_card(model) for model in self.table.models()]
+
+    def model_card(self, model: str) -> dict | None:
+        peers = self.table.for_model(model)
+        if not peers:
+            return None
+        created = int(time.time() - (trio.current_time() - min(p.connected_at for p in peers)))
+        return {
+            "id": model,
+            "object": "model",
+            "created": created,
+            "owned_by": "hivenet",
+            "capability": peers[0].metadata.capability,
+            "agents": {
+                "total": len(peers),
+                "healthy": sum(1 for p in peers if p.routable),
+                "total_capacity": sum(p.metadata.capacity for p in peers),
+                "engines": sorted({p.metadata.engine for p in peers if p.metadata.engine}),
+                "regions": sorted({p.metadata.region for p in peers if p.metadata.region}),
+            },
+        }
+
+
+@dataclass
+class _Progress:
+    started: bool = False
+    status: int = 200
+    client_gone: bool = False
+    done: bool = False
+
+
+async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, state: _Progress) -> None:
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            if not state.done:
+                state.client_gone = True
+                scope.cancel()
+            return
+
+
+async def _end_stream_with_error(
+    send: Send, protocol: str, err: RouterError, state: _Progress
+) -> None:
+    """A stream already started: end it with an error event the SDKs understand."""
+    with trio.CancelScope(shield=True), trio.move_on_after(5):
+        try:
+            await send(
+                {"type": "http.response.body", "body": sse_error(protocol, err), "more_body": True}
+            )
+            await send({"type": "http.response.body", "body": b""})
+        except Exception:  # the client may be gone too; nothing left to tell it
+            state.client_gone = True
+
+
+def _backend_message(body: bytes) -> str | None:
+    try:
+        data = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if isinstance(data, dict):
+        if isinstance(data.get("message"), str):
+            return data["message"]
+        inner = data.get("error")
+        if isinstance(inner, dict) and isinstance(inner.get("message"), str):
+            return inner["message"]
+    return None
