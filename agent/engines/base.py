@@ -1,0 +1,309 @@
+"""What every engine adapter shares: endpoints, health, model discovery, metric sampling.
+
+An adapter knows where its engine answers and which Prometheus names carry the policy's
+engine fields. The sampler turns one `/metrics` text after another into those fields in
+policy units: fractions 0-1 for cache use, counts for queues, seconds for latencies. A
+field no known name provides is None, never zero, so a gate on it is skipped rather than
+passed on a made-up value.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import ClassVar
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+FIELDS: tuple[str, ...] = (
+    "kv_cache_utilization",
+    "running_requests",
+    "waiting_requests",
+    "avg_ttft_seconds",
+    "p90_ttft_seconds",
+    "avg_itl_seconds",
+    "p90_itl_seconds",
+)
+
+# Series of the served model are picked by this label (vLLM and SGLang both use it).
+MODEL_LABEL = "model_name"
+
+
+@dataclass(frozen=True)
+class EngineEndpoints:
+    backend_url: str
+    health_url: str | None
+    metrics_url: str | None
+
+
+@dataclass(frozen=True)
+class MetricNames:
+    """Prometheus names per policy field, the current name first.
+
+    Engines rename metrics between releases; the first name present in a scrape wins, so
+    an engine exposing both an old and a new name during a deprecation is read once.
+    """
+
+    kv_cache_utilization: tuple[str, ...] = ()
+    running_requests: tuple[str, ...] = ()
+    waiting_requests: tuple[str, ...] = ()
+    ttft_histogram: tuple[str, ...] = ()
+    itl_histogram: tuple[str, ...] = ()
+
+    def __or__(self, other: MetricNames) -> MetricNames:
+        def join(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
+            return a + tuple(n for n in b if n not in a)
+
+        return MetricNames(
+            kv_cache_utilization=join(self.kv_cache_utilization, other.kv_cache_utilization),
+            running_requests=join(self.running_requests, other.running_requests),
+            waiting_requests=join(self.waiting_requests, other.waiting_requests),
+            ttft_histogram=join(self.ttft_histogram, other.ttft_histogram),
+            itl_histogram=join(self.itl_histogram, other.itl_histogram),
+        )
+
+    def sample_names(self) -> frozenset[str]:
+        gauges = self.kv_cache_utilization + self.running_requests + self.waiting_requests
+        histograms = self.ttft_histogram + self.itl_histogram
+        suffixed = (h + s for h in histograms for s in ("_sum", "_count", "_bucket"))
+        return frozenset((*gauges, *suffixed))
+
+
+Series = list[tuple[dict[str, str], float]]
+
+
+@dataclass(frozen=True)
+class _HistogramSnapshot:
+    name: str
+    total: float
+    count: float
+    # (upper bound, cumulative count), sorted by bound; the last bound is +Inf when present
+    buckets: tuple[tuple[float, float], ...]
+
+
+def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
+    """Quantile of cumulative buckets, interpolated linearly as Prometheus does.
+
+    Returns None where Prometheus would answer NaN: no +Inf bucket, fewer than two
+    buckets, or no observations.
+    """
+    ordered = sorted(buckets)
+    if len(ordered) < 2 or not math.isinf(ordered[-1][0]):
+        return None
+    observed = ordered[-1][1]
+    if observed <= 0:
+        return None
+    rank = q * observed
+    # First bucket whose cumulative count reaches the rank; the +Inf bucket is never
+    # interpolated into, as in Prometheus's bucketQuantile.
+    index = next((i for i, (_, c) in enumerate(ordered[:-1]) if c >= rank), len(ordered) - 1)
+    if index == len(ordered) - 1:
+        return ordered[-2][0]
+    upper, cumulative = ordered[index]
+    if index == 0 and upper <= 0:
+        return upper
+    lower, below = (0.0, 0.0) if index == 0 else ordered[index - 1]
+    in_bucket = cumulative - below
+    if in_bucket <= 0:
+        return upper
+    return lower + (upper - lower) * ((rank - below) / in_bucket)
+
+
+class MetricSampler:
+    """Turns successive `/metrics` scrapes of one engine into the policy's engine fields.
+
+    Stateful: histogram averages and P90s cover only the interval since the previous
+    scrape, so the first scrape, and an interval without new observations, give None.
+    """
+
+    def __init__(self, names: MetricNames, model: str | None) -> None:
+        self._names = names
+        self._model = model or None
+        self._wanted = names.sample_names()
+        self._previous: dict[str, _HistogramSnapshot | None] = {"ttft": None, "itl": None}
+
+    def update(self, text: str, now: float) -> dict[str, float | None]:
+        """Fields from one scrape taken at `now` (monotonic seconds).
+
+        Raises ValueError when `text` is not Prometheus text exposition format; the
+        histogram history is then left as it was.
+        """
+        series = self._collect(text)
+        avg_ttft, p90_ttft = self._interval("ttft", series, self._names.ttft_histogram)
+        avg_itl, p90_itl = self._interval("itl", series, self._names.itl_histogram)
+        return {
+            # Cache use of several series (data-parallel engines) is a pressure: the worst counts.
+            "kv_cache_utilization": self._gauge(series, self._names.kv_cache_utilization, max),
+            "running_requests": self._gauge(series, self._names.running_requests, sum),
+            "waiting_requests": self._gauge(series, self._names.waiting_requests, sum),
+            "avg_ttft_seconds": avg_ttft,
+            "p90_ttft_seconds": p90_ttft,
+            "avg_itl_seconds": avg_itl,
+            "p90_itl_seconds": p90_itl,
+        }
+
+    def _collect(self, text: str) -> dict[str, Series]:
+        # Indexed by sample name, not family name: untyped exposition (no # TYPE line)
+        # puts each `_bucket`/`_sum` sample in its own family.
+        series: dict[str, Series] = {}
+        if not self._wanted:
+            return series
+        try:
+            for family in text_string_to_metric_families(text):
+                for sample in family.samples:
+                    if sample.name in self._wanted:
+                        series.setdefault(sample.name, []).append((sample.labels, sample.value))
+        except (ValueError, TypeError, IndexError) as exc:
+            raise ValueError(f"malformed Prometheus text: {exc}") from exc
+        return {name: self._select(samples) for name, samples in series.items()}
+
+    def _select(self, samples: Series) -> Series:
+        """The served model's series when the engine labels them, else all of them.
+
+        The agent's public model name may differ from the engine's served name; then no
+        series matches and the engine's whole load is the best estimate.
+        """
+        if self._model is None:
+            return samples
+        mine = [s for s in samples if s[0].get(MODEL_LABEL) == self._model]
+        return mine or samples
+
+    @staticmethod
+    def _gauge(
+        series: dict[str, Series],
+        names: tuple[str, ...],
+        combine: Callable[[Iterable[float]], float],
+    ) -> float | None:
+        for name in names:
+            samples = series.get(name)
+            if samples:
+                return float(combine(value for _, value in samples))
+        return None
+
+    def _interval(
+        self, key: str, series: dict[str, Series], names: tuple[str, ...]
+    ) -> tuple[float | None, float | None]:
+        current = _snapshot(series, names)
+        previous = self._previous[key]
+        self._previous[key] = current
+        if current is None or previous is None or previous.name != current.name:
+            return None, None
+        observed = current.count - previous.count
+        added = current.total - previous.total
+        before = dict(previous.buckets)
+        deltas = [(bound, count - before.get(bound, 0.0)) for bound, count in current.buckets]
+        # A drop in any counter is an engine restart: the interval is not measurable.
+        if observed <= 0 or added < 0 or any(d < 0 for _, d in deltas):
+            return None, None
+        return added / observed, histogram_quantile(0.9, deltas)
+
+
+def _snapshot(series: dict[str, Series], names: tuple[str, ...]) -> _HistogramSnapshot | None:
+    for name in names:
+        counts = series.get(name + "_count")
+        if not counts:
+            continue
+        buckets: dict[float, float] = {}
+        for labels, value in series.get(name + "_bucket", ()):
+            bound = float(labels.get("le", "nan"))
+            if not math.isnan(bound):
+                buckets[bound] = buckets.get(bound, 0.0) + value
+        return _HistogramSnapshot(
+            name=name,
+            total=sum(v for _, v in series.get(name + "_sum", ())),
+            count=sum(v for _, v in counts),
+            buckets=tuple(sorted(buckets.items())),
+        )
+    return None
+
+
+@dataclass
+class HealthTracker:
+    """Backend health from single checks: unhealthy after `threshold` failures in a row.
+
+    One failed check is often a blip (a GC pause, a slow load); a success clears the
+    streak at once so a recovered backend takes traffic again on the next heartbeat.
+    """
+
+    threshold: int = 3
+    healthy: bool = True
+    _failures: int = field(default=0, repr=False)
+
+    def record(self, ok: bool) -> bool:
+        if ok:
+            self._failures = 0
+            self.healthy = True
+        else:
+            self._failures += 1
+            if self._failures >= self.threshold:
+                self.healthy = False
+        return self.healthy
+
+
+def join_url(base: str, path: str) -> str:
+    return base.rstrip("/") + path
+
+
+class EngineAdapter:
+    """Engine knowledge the agent needs; subclasses set the class attributes."""
+
+    name: ClassVar[str]
+    default_backend_url: ClassVar[str | None] = None
+    health_path: ClassVar[str | None] = "/health"
+    metrics_path: ClassVar[str | None] = "/metrics"
+    metric_names: ClassVar[MetricNames] = MetricNames()
+
+    def endpoints(
+        self, backend_url: str | None, health_url: str | None, metrics_url: str | None
+    ) -> EngineEndpoints:
+        """Operator overrides win; otherwise the engine's defaults.
+
+        Raises ValueError when the engine has no default for a URL it needs.
+        """
+        backend = (backend_url or self.default_backend_url or "").rstrip("/")
+        if not backend:
+            raise ValueError(f"engine {self.name}: --backend-url is required")
+        return EngineEndpoints(
+            backend_url=backend,
+            health_url=health_url or _default(backend, self.health_path),
+            metrics_url=metrics_url or _default(backend, self.metrics_path),
+        )
+
+    async def check_health(self, client: httpx.AsyncClient, ep: EngineEndpoints) -> bool:
+        if ep.health_url is None:
+            return True
+        try:
+            response = await client.get(ep.health_url)
+        except httpx.HTTPError:
+            return False
+        return response.is_success
+
+    async def discover_model(self, client: httpx.AsyncClient, ep: EngineEndpoints) -> str | None:
+        """The first model of the OpenAI-compatible `/v1/models` list."""
+        body = await get_json(client, join_url(ep.backend_url, "/v1/models"))
+        data = body.get("data") if isinstance(body, dict) else None
+        if isinstance(data, list) and data and isinstance(data[0], dict):
+            model = data[0].get("id")
+            if isinstance(model, str) and model:
+                return model
+        return None
+
+    def new_sampler(self, model: str | None) -> MetricSampler:
+        return MetricSampler(self.metric_names, model)
+
+
+def _default(backend: str, path: str | None) -> str | None:
+    return None if path is None else join_url(backend, path)
+
+
+async def get_json(client: httpx.AsyncClient, url: str) -> object:
+    """JSON body of a successful GET, or None: discovery failures are not fatal."""
+    try:
+        response = await client.get(url)
+        if not response.is_success:
+            return None
+        return response.json()
+    except (httpx.HTTPError, ValueError):
+        return None

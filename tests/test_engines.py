@@ -1,0 +1,645 @@
+"""Engine adapters: endpoints, health, model discovery and `/metrics` parsing.
+
+The fixtures are `/metrics` texts in each engine's own format (names, labels, bucket
+bounds, the unrelated series around them); expected values are computed by hand in the
+comments next to each test.
+"""
+
+# ruff: noqa: E501  (the fixtures are engine output lines, kept verbatim)
+from __future__ import annotations
+
+import httpx
+import pytest
+
+from agent.engines import ENGINES, FIELDS, EngineEndpoints, HealthTracker, get_adapter
+from agent.engines.base import histogram_quantile
+
+MODEL = "meta-llama/Llama-3.1-8B-Instruct"
+
+# vLLM V1 (current names). Scrape 1.
+VLLM_CURRENT_1 = """\
+# HELP python_gc_objects_collected_total Objects collected during gc
+# TYPE python_gc_objects_collected_total counter
+python_gc_objects_collected_total{generation="0"} 12034.0
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.42
+# HELP vllm:prompt_tokens_total Number of prefill tokens processed.
+# TYPE vllm:prompt_tokens_total counter
+vllm:prompt_tokens_total{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 5120.0
+# HELP vllm:request_success_total Count of successfully processed requests.
+# TYPE vllm:request_success_total counter
+vllm:request_success_total{engine="0",finished_reason="stop",model_name="meta-llama/Llama-3.1-8B-Instruct"} 10.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.2
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.005",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.01",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.02",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.04",model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.06",model_name="meta-llama/Llama-3.1-8B-Instruct"} 4.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.08",model_name="meta-llama/Llama-3.1-8B-Instruct"} 5.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 6.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.25",model_name="meta-llama/Llama-3.1-8B-Instruct"} 8.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="meta-llama/Llama-3.1-8B-Instruct"} 10.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.75",model_name="meta-llama/Llama-3.1-8B-Instruct"} 10.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="1.0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 10.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="2.5",model_name="meta-llama/Llama-3.1-8B-Instruct"} 10.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="5.0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 10.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 10.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 10.0
+# HELP vllm:time_to_first_token_seconds_created Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds_created gauge
+vllm:time_to_first_token_seconds_created{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.7649e+09
+# HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 8.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="meta-llama/Llama-3.1-8B-Instruct"} 100.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.025",model_name="meta-llama/Llama-3.1-8B-Instruct"} 300.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.05",model_name="meta-llama/Llama-3.1-8B-Instruct"} 390.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.075",model_name="meta-llama/Llama-3.1-8B-Instruct"} 400.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 400.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.15",model_name="meta-llama/Llama-3.1-8B-Instruct"} 400.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.2",model_name="meta-llama/Llama-3.1-8B-Instruct"} 400.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.3",model_name="meta-llama/Llama-3.1-8B-Instruct"} 400.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.5",model_name="meta-llama/Llama-3.1-8B-Instruct"} 400.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="1.0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 400.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 400.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 400.0
+"""
+
+# Scrape 2: 10 more TTFT observations (sum +2.0), 400 more ITL observations (sum +12.0).
+VLLM_CURRENT_2 = """\
+# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 7.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+# HELP vllm:kv_cache_usage_perc KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.875
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 3.2
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.005",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.01",model_name="meta-llama/Llama-3.1-8B-Instruct"} 0.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.02",model_name="meta-llama/Llama-3.1-8B-Instruct"} 1.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.04",model_name="meta-llama/Llama-3.1-8B-Instruct"} 2.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.06",model_name="meta-llama/Llama-3.1-8B-Instruct"} 4.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.08",model_name="meta-llama/Llama-3.1-8B-Instruct"} 7.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 12.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.25",model_name="meta-llama/Llama-3.1-8B-Instruct"} 18.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.5",model_name="meta-llama/Llama-3.1-8B-Instruct"} 20.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="0.75",model_name="meta-llama/Llama-3.1-8B-Instruct"} 20.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="1.0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 20.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="2.5",model_name="meta-llama/Llama-3.1-8B-Instruct"} 20.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="5.0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 20.0
+vllm:time_to_first_token_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 20.0
+vllm:time_to_first_token_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 20.0
+# HELP vllm:inter_token_latency_seconds Histogram of inter-token latency in seconds.
+# TYPE vllm:inter_token_latency_seconds histogram
+vllm:inter_token_latency_seconds_sum{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 20.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.01",model_name="meta-llama/Llama-3.1-8B-Instruct"} 150.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.025",model_name="meta-llama/Llama-3.1-8B-Instruct"} 500.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.05",model_name="meta-llama/Llama-3.1-8B-Instruct"} 690.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.075",model_name="meta-llama/Llama-3.1-8B-Instruct"} 790.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.1",model_name="meta-llama/Llama-3.1-8B-Instruct"} 800.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.15",model_name="meta-llama/Llama-3.1-8B-Instruct"} 800.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.2",model_name="meta-llama/Llama-3.1-8B-Instruct"} 800.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.3",model_name="meta-llama/Llama-3.1-8B-Instruct"} 800.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="0.5",model_name="meta-llama/Llama-3.1-8B-Instruct"} 800.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="1.0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 800.0
+vllm:inter_token_latency_seconds_bucket{engine="0",le="+Inf",model_name="meta-llama/Llama-3.1-8B-Instruct"} 800.0
+vllm:inter_token_latency_seconds_count{engine="0",model_name="meta-llama/Llama-3.1-8B-Instruct"} 800.0
+"""
+
+# vLLM V0 (older names, no `engine` label): gpu_cache_usage_perc, time_per_output_token_seconds.
+VLLM_OLDER_1 = """\
+# HELP vllm:num_requests_running Number of requests currently running on GPU.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="mistralai/Mistral-7B-Instruct-v0.3"} 2.0
+# HELP vllm:num_requests_swapped Number of requests swapped to CPU.
+# TYPE vllm:num_requests_swapped gauge
+vllm:num_requests_swapped{model_name="mistralai/Mistral-7B-Instruct-v0.3"} 0.0
+# HELP vllm:num_requests_waiting Number of requests waiting to be processed.
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="mistralai/Mistral-7B-Instruct-v0.3"} 5.0
+# HELP vllm:gpu_cache_usage_perc GPU KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="mistralai/Mistral-7B-Instruct-v0.3"} 0.9
+# HELP vllm:cpu_cache_usage_perc CPU KV-cache usage. 1 means 100 percent usage.
+# TYPE vllm:cpu_cache_usage_perc gauge
+vllm:cpu_cache_usage_perc{model_name="mistralai/Mistral-7B-Instruct-v0.3"} 0.0
+# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_sum{model_name="mistralai/Mistral-7B-Instruct-v0.3"} 2.0
+vllm:time_to_first_token_seconds_bucket{le="0.001",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 0.0
+vllm:time_to_first_token_seconds_bucket{le="0.25",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 2.0
+vllm:time_to_first_token_seconds_bucket{le="0.5",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 4.0
+vllm:time_to_first_token_seconds_bucket{le="1.0",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 4.0
+vllm:time_to_first_token_seconds_bucket{le="2.5",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 4.0
+vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 4.0
+vllm:time_to_first_token_seconds_count{model_name="mistralai/Mistral-7B-Instruct-v0.3"} 4.0
+# HELP vllm:time_per_output_token_seconds Histogram of time per output token in seconds.
+# TYPE vllm:time_per_output_token_seconds histogram
+vllm:time_per_output_token_seconds_sum{model_name="mistralai/Mistral-7B-Instruct-v0.3"} 1.0
+vllm:time_per_output_token_seconds_bucket{le="0.01",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 0.0
+vllm:time_per_output_token_seconds_bucket{le="0.025",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 20.0
+vllm:time_per_output_token_seconds_bucket{le="0.05",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 40.0
+vllm:time_per_output_token_seconds_bucket{le="0.075",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 40.0
+vllm:time_per_output_token_seconds_bucket{le="2.5",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 40.0
+vllm:time_per_output_token_seconds_bucket{le="+Inf",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 40.0
+vllm:time_per_output_token_seconds_count{model_name="mistralai/Mistral-7B-Instruct-v0.3"} 40.0
+"""
+
+# Scrape 2: TTFT +4 observations (sum +4.0), all in (0.5, 1.0]; TPOT +10 (sum +0.5), all in
+# (0.025, 0.05] except 2 above 2.5.
+VLLM_OLDER_2 = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{model_name="mistralai/Mistral-7B-Instruct-v0.3"} 4.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{model_name="mistralai/Mistral-7B-Instruct-v0.3"} 0.0
+# TYPE vllm:gpu_cache_usage_perc gauge
+vllm:gpu_cache_usage_perc{model_name="mistralai/Mistral-7B-Instruct-v0.3"} 0.5
+# TYPE vllm:time_to_first_token_seconds histogram
+vllm:time_to_first_token_seconds_sum{model_name="mistralai/Mistral-7B-Instruct-v0.3"} 6.0
+vllm:time_to_first_token_seconds_bucket{le="0.001",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 0.0
+vllm:time_to_first_token_seconds_bucket{le="0.25",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 2.0
+vllm:time_to_first_token_seconds_bucket{le="0.5",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 4.0
+vllm:time_to_first_token_seconds_bucket{le="1.0",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 8.0
+vllm:time_to_first_token_seconds_bucket{le="2.5",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 8.0
+vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 8.0
+vllm:time_to_first_token_seconds_count{model_name="mistralai/Mistral-7B-Instruct-v0.3"} 8.0
+# TYPE vllm:time_per_output_token_seconds histogram
+vllm:time_per_output_token_seconds_sum{model_name="mistralai/Mistral-7B-Instruct-v0.3"} 1.5
+vllm:time_per_output_token_seconds_bucket{le="0.01",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 0.0
+vllm:time_per_output_token_seconds_bucket{le="0.025",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 20.0
+vllm:time_per_output_token_seconds_bucket{le="0.05",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 48.0
+vllm:time_per_output_token_seconds_bucket{le="0.075",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 48.0
+vllm:time_per_output_token_seconds_bucket{le="2.5",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 48.0
+vllm:time_per_output_token_seconds_bucket{le="+Inf",model_name="mistralai/Mistral-7B-Instruct-v0.3"} 50.0
+vllm:time_per_output_token_seconds_count{model_name="mistralai/Mistral-7B-Instruct-v0.3"} 50.0
+"""
+
+# Data-parallel vLLM (engines 0 and 1 of one model) next to a second model's engine.
+VLLM_TWO_MODELS = """\
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="a"} 3.0
+vllm:num_requests_running{engine="1",model_name="a"} 4.0
+vllm:num_requests_running{engine="0",model_name="b"} 10.0
+# TYPE vllm:num_requests_waiting gauge
+vllm:num_requests_waiting{engine="0",model_name="a"} 1.0
+vllm:num_requests_waiting{engine="1",model_name="a"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="b"} 20.0
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="a"} 0.3
+vllm:kv_cache_usage_perc{engine="1",model_name="a"} 0.6
+vllm:kv_cache_usage_perc{engine="0",model_name="b"} 0.95
+"""
+
+# SGLang `--enable-metrics`, `sglang:` prefix; the `sglang_` variant is the same text
+# with the other prefix (exposition via multi-tokenizer/exporters).
+SGLANG_1 = """\
+# HELP sglang:num_running_reqs The number of running requests.
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{engine_type="unified",model_name="Qwen/Qwen2.5-7B-Instruct",pp_rank="0",tp_rank="0"} 4.0
+# HELP sglang:num_used_tokens The number of used tokens.
+# TYPE sglang:num_used_tokens gauge
+sglang:num_used_tokens{engine_type="unified",model_name="Qwen/Qwen2.5-7B-Instruct",pp_rank="0",tp_rank="0"} 5321.0
+# HELP sglang:token_usage The token usage.
+# TYPE sglang:token_usage gauge
+sglang:token_usage{engine_type="unified",model_name="Qwen/Qwen2.5-7B-Instruct",pp_rank="0",tp_rank="0"} 0.28
+# HELP sglang:gen_throughput The generation throughput (token/s).
+# TYPE sglang:gen_throughput gauge
+sglang:gen_throughput{engine_type="unified",model_name="Qwen/Qwen2.5-7B-Instruct",pp_rank="0",tp_rank="0"} 412.5
+# HELP sglang:num_queue_reqs The number of requests in the waiting queue.
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{engine_type="unified",model_name="Qwen/Qwen2.5-7B-Instruct",pp_rank="0",tp_rank="0"} 2.0
+# HELP sglang:prompt_tokens_total Number of prefill tokens processed.
+# TYPE sglang:prompt_tokens_total counter
+sglang:prompt_tokens_total{model_name="Qwen/Qwen2.5-7B-Instruct"} 81920.0
+# HELP sglang:time_to_first_token_seconds Histogram of time to first token in seconds.
+# TYPE sglang:time_to_first_token_seconds histogram
+sglang:time_to_first_token_seconds_sum{model_name="Qwen/Qwen2.5-7B-Instruct"} 3.0
+sglang:time_to_first_token_seconds_bucket{le="0.1",model_name="Qwen/Qwen2.5-7B-Instruct"} 2.0
+sglang:time_to_first_token_seconds_bucket{le="0.2",model_name="Qwen/Qwen2.5-7B-Instruct"} 4.0
+sglang:time_to_first_token_seconds_bucket{le="0.4",model_name="Qwen/Qwen2.5-7B-Instruct"} 6.0
+sglang:time_to_first_token_seconds_bucket{le="0.6",model_name="Qwen/Qwen2.5-7B-Instruct"} 8.0
+sglang:time_to_first_token_seconds_bucket{le="0.8",model_name="Qwen/Qwen2.5-7B-Instruct"} 10.0
+sglang:time_to_first_token_seconds_bucket{le="1.0",model_name="Qwen/Qwen2.5-7B-Instruct"} 10.0
+sglang:time_to_first_token_seconds_bucket{le="2.0",model_name="Qwen/Qwen2.5-7B-Instruct"} 10.0
+sglang:time_to_first_token_seconds_bucket{le="+Inf",model_name="Qwen/Qwen2.5-7B-Instruct"} 10.0
+sglang:time_to_first_token_seconds_count{model_name="Qwen/Qwen2.5-7B-Instruct"} 10.0
+# HELP sglang:inter_token_latency_seconds Histogram of inter-token latency in seconds.
+# TYPE sglang:inter_token_latency_seconds histogram
+sglang:inter_token_latency_seconds_sum{model_name="Qwen/Qwen2.5-7B-Instruct"} 1.0
+sglang:inter_token_latency_seconds_bucket{le="0.002",model_name="Qwen/Qwen2.5-7B-Instruct"} 0.0
+sglang:inter_token_latency_seconds_bucket{le="0.004",model_name="Qwen/Qwen2.5-7B-Instruct"} 0.0
+sglang:inter_token_latency_seconds_bucket{le="0.006",model_name="Qwen/Qwen2.5-7B-Instruct"} 10.0
+sglang:inter_token_latency_seconds_bucket{le="0.008",model_name="Qwen/Qwen2.5-7B-Instruct"} 50.0
+sglang:inter_token_latency_seconds_bucket{le="0.01",model_name="Qwen/Qwen2.5-7B-Instruct"} 100.0
+sglang:inter_token_latency_seconds_bucket{le="0.015",model_name="Qwen/Qwen2.5-7B-Instruct"} 100.0
+sglang:inter_token_latency_seconds_bucket{le="+Inf",model_name="Qwen/Qwen2.5-7B-Instruct"} 100.0
+sglang:inter_token_latency_seconds_count{model_name="Qwen/Qwen2.5-7B-Instruct"} 100.0
+"""
+
+# Scrape 2: TTFT +10 (sum +5.0), 5 in (0.4, 0.6], 5 in (0.6, 0.8]; ITL +100 (sum +1.5),
+# 60 in (0.01, 0.015], 40 in (0.008, 0.01].
+SGLANG_2 = """\
+# TYPE sglang:num_running_reqs gauge
+sglang:num_running_reqs{engine_type="unified",model_name="Qwen/Qwen2.5-7B-Instruct",pp_rank="0",tp_rank="0"} 1.0
+# TYPE sglang:token_usage gauge
+sglang:token_usage{engine_type="unified",model_name="Qwen/Qwen2.5-7B-Instruct",pp_rank="0",tp_rank="0"} 0.05
+# TYPE sglang:num_queue_reqs gauge
+sglang:num_queue_reqs{engine_type="unified",model_name="Qwen/Qwen2.5-7B-Instruct",pp_rank="0",tp_rank="0"} 0.0
+# TYPE sglang:time_to_first_token_seconds histogram
+sglang:time_to_first_token_seconds_sum{model_name="Qwen/Qwen2.5-7B-Instruct"} 8.0
+sglang:time_to_first_token_seconds_bucket{le="0.1",model_name="Qwen/Qwen2.5-7B-Instruct"} 2.0
+sglang:time_to_first_token_seconds_bucket{le="0.2",model_name="Qwen/Qwen2.5-7B-Instruct"} 4.0
+sglang:time_to_first_token_seconds_bucket{le="0.4",model_name="Qwen/Qwen2.5-7B-Instruct"} 6.0
+sglang:time_to_first_token_seconds_bucket{le="0.6",model_name="Qwen/Qwen2.5-7B-Instruct"} 13.0
+sglang:time_to_first_token_seconds_bucket{le="0.8",model_name="Qwen/Qwen2.5-7B-Instruct"} 20.0
+sglang:time_to_first_token_seconds_bucket{le="1.0",model_name="Qwen/Qwen2.5-7B-Instruct"} 20.0
+sglang:time_to_first_token_seconds_bucket{le="2.0",model_name="Qwen/Qwen2.5-7B-Instruct"} 20.0
+sglang:time_to_first_token_seconds_bucket{le="+Inf",model_name="Qwen/Qwen2.5-7B-Instruct"} 20.0
+sglang:time_to_first_token_seconds_count{model_name="Qwen/Qwen2.5-7B-Instruct"} 20.0
+# TYPE sglang:inter_token_latency_seconds histogram
+sglang:inter_token_latency_seconds_sum{model_name="Qwen/Qwen2.5-7B-Instruct"} 2.5
+sglang:inter_token_latency_seconds_bucket{le="0.002",model_name="Qwen/Qwen2.5-7B-Instruct"} 0.0
+sglang:inter_token_latency_seconds_bucket{le="0.004",model_name="Qwen/Qwen2.5-7B-Instruct"} 0.0
+sglang:inter_token_latency_seconds_bucket{le="0.006",model_name="Qwen/Qwen2.5-7B-Instruct"} 10.0
+sglang:inter_token_latency_seconds_bucket{le="0.008",model_name="Qwen/Qwen2.5-7B-Instruct"} 50.0
+sglang:inter_token_latency_seconds_bucket{le="0.01",model_name="Qwen/Qwen2.5-7B-Instruct"} 140.0
+sglang:inter_token_latency_seconds_bucket{le="0.015",model_name="Qwen/Qwen2.5-7B-Instruct"} 200.0
+sglang:inter_token_latency_seconds_bucket{le="+Inf",model_name="Qwen/Qwen2.5-7B-Instruct"} 200.0
+sglang:inter_token_latency_seconds_count{model_name="Qwen/Qwen2.5-7B-Instruct"} 200.0
+"""
+
+# llama-server --metrics, a release that still had the KV-cache ratio.
+LLAMACPP_WITH_KV = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 1024
+# HELP llamacpp:prompt_seconds_total Prompt process time
+# TYPE llamacpp:prompt_seconds_total counter
+llamacpp:prompt_seconds_total 0.512
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 2048
+# HELP llamacpp:tokens_predicted_seconds_total Predict process time
+# TYPE llamacpp:tokens_predicted_seconds_total counter
+llamacpp:tokens_predicted_seconds_total 40.96
+# HELP llamacpp:n_decode_total Total number of llama_decode() calls
+# TYPE llamacpp:n_decode_total counter
+llamacpp:n_decode_total 2100
+# HELP llamacpp:n_busy_slots_per_decode Average number of busy slots per llama_decode() call
+# TYPE llamacpp:n_busy_slots_per_decode counter
+llamacpp:n_busy_slots_per_decode 1.5
+# HELP llamacpp:prompt_tokens_seconds Average prompt throughput in tokens/s.
+# TYPE llamacpp:prompt_tokens_seconds gauge
+llamacpp:prompt_tokens_seconds 2000
+# HELP llamacpp:predicted_tokens_seconds Average generation throughput in tokens/s.
+# TYPE llamacpp:predicted_tokens_seconds gauge
+llamacpp:predicted_tokens_seconds 50
+# HELP llamacpp:kv_cache_usage_ratio KV-cache usage. 1 means 100 percent usage.
+# TYPE llamacpp:kv_cache_usage_ratio gauge
+llamacpp:kv_cache_usage_ratio 0.35
+# HELP llamacpp:kv_cache_tokens KV-cache tokens.
+# TYPE llamacpp:kv_cache_tokens gauge
+llamacpp:kv_cache_tokens 1434
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 2
+# HELP llamacpp:requests_deferred Number of requests deferred.
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 1
+"""
+
+# Current llama-server: no KV-cache ratio.
+LLAMACPP_CURRENT = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 4096
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 8192
+# HELP llamacpp:predicted_tokens_seconds Average generation throughput in tokens/s.
+# TYPE llamacpp:predicted_tokens_seconds gauge
+llamacpp:predicted_tokens_seconds 48.2
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 0
+# HELP llamacpp:requests_deferred Number of requests deferred.
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 0
+"""
+
+
+def _ttft_itl(values: dict[str, float | None]) -> tuple[float | None, ...]:
+    return (
+        values["avg_ttft_seconds"],
+        values["p90_ttft_seconds"],
+        values["avg_itl_seconds"],
+        values["p90_itl_seconds"],
+    )
+
+
+def test_engine_list_and_unknown_engine() -> None:
+    assert ENGINES == ("vllm", "sglang", "llamacpp", "ollama", "custom", "sim")
+    for engine in ENGINES:
+        assert get_adapter(engine).name == engine
+    with pytest.raises(ValueError, match="unknown engine"):
+        get_adapter("tgi")
+
+
+def test_vllm_current_names_and_interval_histograms() -> None:
+    sampler = get_adapter("vllm").new_sampler(MODEL)
+    first = sampler.update(VLLM_CURRENT_1, now=100.0)
+    assert set(first) == set(FIELDS)
+    assert first["kv_cache_utilization"] == pytest.approx(0.42)
+    assert first["running_requests"] == 3.0
+    assert first["waiting_requests"] == 1.0
+    # No previous scrape: no interval to average over.
+    assert _ttft_itl(first) == (None, None, None, None)
+
+    second = sampler.update(VLLM_CURRENT_2, now=100.5)
+    assert second["kv_cache_utilization"] == pytest.approx(0.875)
+    assert second["running_requests"] == 7.0
+    assert second["waiting_requests"] == 0.0
+    # TTFT: 10 new observations, sum 3.2 - 1.2 = 2.0 -> avg 0.2. Bucket deltas: 0.08:2,
+    # 0.1:6, 0.25:10, +Inf:10. Rank 9 falls in (0.1, 0.25] holding 4 with 6 below:
+    # 0.1 + 0.15 * 3/4 = 0.2125.
+    assert second["avg_ttft_seconds"] == pytest.approx(0.2)
+    assert second["p90_ttft_seconds"] == pytest.approx(0.2125)
+    # ITL: 400 new, sum 12.0 -> 0.03. Deltas: 0.01:50, 0.025:200, 0.05:300, 0.075:390.
+    # Rank 360 in (0.05, 0.075] holding 90 with 300 below: 0.05 + 0.025 * 60/90.
+    assert second["avg_itl_seconds"] == pytest.approx(0.03)
+    assert second["p90_itl_seconds"] == pytest.approx(0.05 + 0.025 * 60 / 90)
+
+
+def test_vllm_older_names() -> None:
+    sampler = get_adapter("vllm").new_sampler("mistralai/Mistral-7B-Instruct-v0.3")
+    first = sampler.update(VLLM_OLDER_1, now=0.0)
+    assert first["kv_cache_utilization"] == pytest.approx(0.9)
+    assert first["running_requests"] == 2.0
+    assert first["waiting_requests"] == 5.0
+    second = sampler.update(VLLM_OLDER_2, now=0.5)
+    assert second["kv_cache_utilization"] == pytest.approx(0.5)
+    # TTFT: 4 new, sum +4.0 -> 1.0; all 4 in (0.5, 1.0]: rank 3.6 -> 0.5 + 0.5 * 3.6/4.
+    assert second["avg_ttft_seconds"] == pytest.approx(1.0)
+    assert second["p90_ttft_seconds"] == pytest.approx(0.95)
+    # TPOT (older ITL name): 10 new, sum +0.5 -> 0.05. 8 in (0.025, 0.05], 2 above 2.5:
+    # rank 9 lies in the +Inf bucket, which Prometheus answers with the highest finite
+    # bound, 2.5.
+    assert second["avg_itl_seconds"] == pytest.approx(0.05)
+    assert second["p90_itl_seconds"] == pytest.approx(2.5)
+
+
+def test_vllm_current_name_wins_when_both_are_exposed() -> None:
+    both = (
+        VLLM_CURRENT_1
+        + '# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name="x"} 0.99\n'
+    )
+    values = get_adapter("vllm").new_sampler(MODEL).update(both, now=0.0)
+    assert values["kv_cache_utilization"] == pytest.approx(0.42)
+
+
+def test_vllm_series_of_the_served_model() -> None:
+    adapter = get_adapter("vllm")
+    a = adapter.new_sampler("a").update(VLLM_TWO_MODELS, now=0.0)
+    # Counts sum over the model's data-parallel engines; cache use is the fuller engine.
+    assert (a["running_requests"], a["waiting_requests"]) == (7.0, 3.0)
+    assert a["kv_cache_utilization"] == pytest.approx(0.6)
+    every = adapter.new_sampler(None).update(VLLM_TWO_MODELS, now=0.0)
+    assert (every["running_requests"], every["waiting_requests"]) == (17.0, 23.0)
+    assert every["kv_cache_utilization"] == pytest.approx(0.95)
+    # A public name the engine does not label with: the engine's whole load.
+    renamed = adapter.new_sampler("public-name").update(VLLM_TWO_MODELS, now=0.0)
+    assert renamed["running_requests"] == 17.0
+
+
+@pytest.mark.parametrize("prefix", ["sglang:", "sglang_"])
+def test_sglang_both_prefixes(prefix: str) -> None:
+    sampler = get_adapter("sglang").new_sampler("Qwen/Qwen2.5-7B-Instruct")
+    first = sampler.update(SGLANG_1.replace("sglang:", prefix), now=0.0)
+    assert first["kv_cache_utilization"] == pytest.approx(0.28)
+    assert first["running_requests"] == 4.0
+    assert first["waiting_requests"] == 2.0
+    assert _ttft_itl(first) == (None, None, None, None)
+    second = sampler.update(SGLANG_2.replace("sglang:", prefix), now=0.5)
+    assert second["kv_cache_utilization"] == pytest.approx(0.05)
+    assert (second["running_requests"], second["waiting_requests"]) == (1.0, 0.0)
+    # TTFT: 10 new, sum +5.0 -> 0.5. Deltas 0.6:5, 0.8:10; rank 9 in (0.6, 0.8] holding 5
+    # with 5 below: 0.6 + 0.2 * 4/5 = 0.76.
+    assert second["avg_ttft_seconds"] == pytest.approx(0.5)
+    assert second["p90_ttft_seconds"] == pytest.approx(0.76)
+    # ITL: 100 new, sum +1.5 -> 0.015. Deltas 0.01:40, 0.015:100; rank 90 in
+    # (0.01, 0.015] holding 60 with 40 below: 0.01 + 0.005 * 50/60.
+    assert second["avg_itl_seconds"] == pytest.approx(0.015)
+    assert second["p90_itl_seconds"] == pytest.approx(0.01 + 0.005 * 50 / 60)
+
+
+def test_llamacpp_with_and_without_kv_ratio() -> None:
+    adapter = get_adapter("llamacpp")
+    older = adapter.new_sampler(None).update(LLAMACPP_WITH_KV, now=0.0)
+    assert older["kv_cache_utilization"] == pytest.approx(0.35)
+    assert older["running_requests"] == 2.0
+    assert older["waiting_requests"] == 1.0
+    sampler = adapter.new_sampler("any")
+    for now in (0.0, 0.5):
+        current = sampler.update(LLAMACPP_CURRENT, now=now)
+        # Missing, not zero: a kv gate must skip this agent rather than pass it on 0.
+        assert current["kv_cache_utilization"] is None
+        assert current["running_requests"] == 0.0
+        assert current["waiting_requests"] == 0.0
+        # Throughput gauges are not latencies: no TTFT/ITL ever.
+        assert _ttft_itl(current) == (None, None, None, None)
+
+
+def test_ollama_has_no_metrics() -> None:
+    adapter = get_adapter("ollama")
+    ep = adapter.endpoints(None, None, None)
+    assert ep.metrics_url is None
+    values = adapter.new_sampler("llama3").update(VLLM_CURRENT_1, now=0.0)
+    assert values == dict.fromkeys(FIELDS)
+
+
+def test_custom_reads_every_known_name_from_an_explicit_url() -> None:
+    sampler = get_adapter("custom").new_sampler(None)
+    assert sampler.update(LLAMACPP_WITH_KV, now=0.0)["running_requests"] == 2.0
+    assert sampler.update(SGLANG_1, now=0.5)["kv_cache_utilization"] == pytest.approx(0.28)
+
+
+def test_no_new_observations_is_none_not_zero() -> None:
+    sampler = get_adapter("vllm").new_sampler(MODEL)
+    sampler.update(VLLM_CURRENT_1, now=0.0)
+    same = sampler.update(VLLM_CURRENT_1, now=0.5)
+    assert _ttft_itl(same) == (None, None, None, None)
+    assert same["running_requests"] == 3.0
+
+
+def test_counter_reset_is_not_a_negative_interval() -> None:
+    sampler = get_adapter("vllm").new_sampler(MODEL)
+    sampler.update(VLLM_CURRENT_2, now=0.0)
+    # The engine restarted: its counters went back down. The interval is unknown...
+    assert _ttft_itl(sampler.update(VLLM_CURRENT_1, now=0.5)) == (None, None, None, None)
+    # ...and the next one is measured from the restarted counters.
+    assert sampler.update(VLLM_CURRENT_2, now=1.0)["avg_ttft_seconds"] == pytest.approx(0.2)
+
+
+def test_missing_histogram_resets_history() -> None:
+    sampler = get_adapter("vllm").new_sampler(MODEL)
+    sampler.update(VLLM_CURRENT_1, now=0.0)
+    gauges_only = VLLM_TWO_MODELS
+    assert _ttft_itl(sampler.update(gauges_only, now=0.5)) == (None, None, None, None)
+    assert _ttft_itl(sampler.update(VLLM_CURRENT_2, now=1.0)) == (None, None, None, None)
+
+
+def test_empty_and_malformed_text() -> None:
+    sampler = get_adapter("vllm").new_sampler(MODEL)
+    assert sampler.update("", now=0.0) == dict.fromkeys(FIELDS)
+    with pytest.raises(ValueError, match="malformed"):
+        sampler.update('vllm:num_requests_running{model_name="x} 1\n', now=0.0)
+
+
+def test_untyped_exposition_is_read_by_sample_name() -> None:
+    text = (
+        "sglang_num_running_reqs 3\n"
+        'sglang_time_to_first_token_seconds_bucket{le="1.0"} 4\n'
+        'sglang_time_to_first_token_seconds_bucket{le="+Inf"} 4\n'
+        "sglang_time_to_first_token_seconds_sum 2\n"
+        "sglang_time_to_first_token_seconds_count 4\n"
+    )
+    sampler = get_adapter("sglang").new_sampler(None)
+    assert sampler.update(text, now=0.0)["running_requests"] == 3.0
+    later = text.replace("} 4", "} 8").replace("_sum 2", "_sum 6").replace("_count 4", "_count 8")
+    second = sampler.update(later, now=0.5)
+    assert second["avg_ttft_seconds"] == pytest.approx(1.0)
+    assert second["p90_ttft_seconds"] == pytest.approx(0.9)
+
+
+def test_histogram_quantile_edges() -> None:
+    assert histogram_quantile(0.9, []) is None
+    assert histogram_quantile(0.9, [(1.0, 5.0)]) is None  # no +Inf bucket
+    assert histogram_quantile(0.9, [(1.0, 0.0), (float("inf"), 0.0)]) is None
+    # Unordered input is sorted first; lowest bucket interpolates from 0.
+    assert histogram_quantile(0.5, [(float("inf"), 10.0), (2.0, 10.0)]) == pytest.approx(1.0)
+
+
+def test_health_tracker_three_strikes() -> None:
+    tracker = HealthTracker()
+    assert tracker.record(True) is True
+    assert tracker.record(False) is True
+    assert tracker.record(False) is True
+    assert tracker.record(False) is False
+    assert tracker.record(False) is False
+    assert tracker.record(True) is True
+    # The streak restarts after a success.
+    assert tracker.record(False) is True
+    assert tracker.record(False) is True
+    assert tracker.record(False) is False
+
+
+@pytest.mark.parametrize(
+    ("engine", "backend", "health", "metrics"),
+    [
+        ("vllm", "http://localhost:8000", "/health", "/metrics"),
+        ("sglang", "http://localhost:30000", "/health", "/metrics"),
+        ("llamacpp", "http://localhost:8080", "/health", "/metrics"),
+        ("ollama", "http://localhost:11434", "/api/version", None),
+    ],
+)
+def test_default_endpoints(engine: str, backend: str, health: str, metrics: str | None) -> None:
+    ep = get_adapter(engine).endpoints(None, None, None)
+    assert ep == EngineEndpoints(
+        backend_url=backend,
+        health_url=backend + health,
+        metrics_url=None if metrics is None else backend + metrics,
+    )
+
+
+def test_endpoint_overrides() -> None:
+    ep = get_adapter("vllm").endpoints("http://gpu1:9000/", None, "http://gpu1:9100/m")
+    assert ep == EngineEndpoints(
+        "http://gpu1:9000", "http://gpu1:9000/health", "http://gpu1:9100/m"
+    )
+    sim = get_adapter("sim").endpoints("http://127.0.0.1:4321", None, None)
+    assert sim.health_url == "http://127.0.0.1:4321/health"
+    assert sim.metrics_url == "http://127.0.0.1:4321/metrics"
+    with pytest.raises(ValueError, match="backend-url"):
+        get_adapter("sim").endpoints(None, None, None)
+
+
+def test_custom_needs_a_health_url() -> None:
+    custom = get_adapter("custom")
+    with pytest.raises(ValueError, match="health-url"):
+        custom.endpoints("http://localhost:7000", None, None)
+    ep = custom.endpoints(None, "http://10.0.0.5:7000/healthz", None)
+    assert ep == EngineEndpoints("http://10.0.0.5:7000", "http://10.0.0.5:7000/healthz", None)
+
+
+def _client(routes: dict[str, httpx.Response]) -> httpx.AsyncClient:
+    def handle(request: httpx.Request) -> httpx.Response:
+        return routes.get(request.url.path, httpx.Response(404))
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handle))
+
+
+async def test_health_checks() -> None:
+    vllm = get_adapter("vllm")
+    ep = vllm.endpoints(None, None, None)
+    async with _client({"/health": httpx.Response(200)}) as client:
+        assert await vllm.check_health(client, ep) is True
+    async with _client({"/health": httpx.Response(503)}) as client:
+        assert await vllm.check_health(client, ep) is False
+
+    def refuse(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("connection refused", request=request)
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(refuse)) as client:
+        assert await vllm.check_health(client, ep) is False
+
+    ollama = get_adapter("ollama")
+    async with _client({"/api/version": httpx.Response(200, json={"version": "0.5.7"})}) as client:
+        assert await ollama.check_health(client, ollama.endpoints(None, None, None)) is True
+
+
+async def test_openai_model_discovery() -> None:
+    listing = {"object": "list", "data": [{"id": MODEL, "object": "model"}, {"id": "lora-1"}]}
+    for engine in ("vllm", "sglang", "llamacpp"):
+        adapter = get_adapter(engine)
+        ep = adapter.endpoints(None, None, None)
+        async with _client({"/v1/models": httpx.Response(200, json=listing)}) as client:
+            assert await adapter.discover_model(client, ep) == MODEL
+        async with _client({"/v1/models": httpx.Response(200, json={"data": []})}) as client:
+            assert await adapter.discover_model(client, ep) is None
+        async with _client({"/v1/models": httpx.Response(200, text="<html>")}) as client:
+            assert await adapter.discover_model(client, ep) is None
+
+
+async def test_ollama_model_discovery() -> None:
+    ollama = get_adapter("ollama")
+    ep = ollama.endpoints(None, None, None)
+    tags = {"models": [{"name": "qwen2.5:7b", "model": "qwen2.5:7b", "size": 4683087332}]}
+    loaded = {"models": [{"name": "llama3.1:8b", "model": "llama3.1:8b", "size_vram": 1}]}
+    routes = {
+        "/api/ps": httpx.Response(200, json=loaded),
+        "/api/tags": httpx.Response(200, json=tags),
+    }
+    async with _client(routes) as client:
+        assert await ollama.discover_model(client, ep) == "llama3.1:8b"
+    # Nothing loaded yet: the first pulled model.
+    routes["/api/ps"] = httpx.Response(200, json={"models": []})
+    async with _client(routes) as client:
+        assert await ollama.discover_model(client, ep) == "qwen2.5:7b"
+    async with _client({}) as client:
+        assert await ollama.discover_model(client, ep) is None
