@@ -1,0 +1,157 @@
+"""Hardware sampling: NVML replaced at the pynvml call boundary, and the real host."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pynvml
+import pytest
+
+from agent.hardware import HardwareSampler
+
+GPU_FIELDS = ("gpu_temperature_c", "gpu_util_percent", "gpu_vram_used_percent")
+
+
+@dataclass
+class _Gpu:
+    name: bytes | str
+    temperature: int
+    utilization: int  # percent, as NVML reports it
+    used: int
+    total: int
+    broken: frozenset[str] = frozenset()
+
+
+@dataclass
+class _Utilization:
+    gpu: int
+    memory: int
+
+
+@dataclass
+class _Memory:
+    total: int
+    free: int
+    used: int
+
+
+def _fake_nvml(monkeypatch: pytest.MonkeyPatch, gpus: list[_Gpu]) -> list[str]:
+    calls: list[str] = []
+
+    def query(kind: str, handle: int) -> _Gpu:
+        calls.append(kind)
+        gpu = gpus[handle]
+        if kind in gpu.broken:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+        return gpu
+
+    def temperature(handle: int, sensor: int) -> int:
+        assert sensor == pynvml.NVML_TEMPERATURE_GPU
+        return query("temperature", handle).temperature
+
+    def utilization(handle: int) -> _Utilization:
+        return _Utilization(gpu=query("utilization", handle).utilization, memory=0)
+
+    def memory(handle: int) -> _Memory:
+        gpu = query("memory", handle)
+        return _Memory(total=gpu.total, free=gpu.total - gpu.used, used=gpu.used)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", lambda: calls.append("init"))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetCount", lambda: len(gpus))
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetHandleByIndex", lambda index: index)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetTemperature", temperature)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUtilizationRates", utilization)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", memory)
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda handle: query("name", handle).name)
+    return calls
+
+
+GIB = 1 << 30
+
+
+def test_two_gpus_highest_value_in_policy_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = _fake_nvml(
+        monkeypatch,
+        [
+            _Gpu(
+                b"NVIDIA H100 80GB HBM3",
+                temperature=61,
+                utilization=35,
+                used=70 * GIB,
+                total=80 * GIB,
+            ),
+            _Gpu(
+                b"NVIDIA H100 80GB HBM3",
+                temperature=86,
+                utilization=97,
+                used=20 * GIB,
+                total=80 * GIB,
+            ),
+        ],
+    )
+    sampler = HardwareSampler()
+    values = sampler.sample()
+    # The hot GPU gives temperature and utilization, the full one VRAM use.
+    assert values["gpu_temperature_c"] == 86.0
+    assert values["gpu_util_percent"] == pytest.approx(0.97)
+    assert values["gpu_vram_used_percent"] == pytest.approx(0.875)
+    assert 0.0 <= values["memory_used_percent"] <= 1.0
+    assert 0.0 <= values["cpu_usage_percent"] <= 1.0
+    assert sampler.gpu_model() == "NVIDIA H100 80GB HBM3"
+    sampler.sample()
+    assert calls.count("init") == 1
+
+
+def test_a_failing_gpu_query_is_left_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_nvml(
+        monkeypatch,
+        [
+            _Gpu(
+                "RTX4090",
+                temperature=90,
+                utilization=99,
+                used=1,
+                total=2,
+                broken=frozenset({"temperature", "utilization", "name"}),
+            ),
+            _Gpu("RTX4090", temperature=55, utilization=10, used=0, total=0),
+        ],
+    )
+    sampler = HardwareSampler()
+    values = sampler.sample()
+    assert values["gpu_temperature_c"] == 55.0
+    assert values["gpu_util_percent"] == pytest.approx(0.10)
+    # GPU 1 reports no total memory: only GPU 0's fraction counts.
+    assert values["gpu_vram_used_percent"] == pytest.approx(0.5)
+    assert sampler.gpu_model() is None
+
+
+def test_nvml_init_failure_is_remembered(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[str] = []
+
+    def fail() -> None:
+        calls.append("init")
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", fail)
+    sampler = HardwareSampler()
+    for _ in range(3):
+        values = sampler.sample()
+        assert all(values[name] is None for name in GPU_FIELDS)
+    assert sampler.gpu_model() is None
+    assert calls == ["init"]
+
+
+def test_this_host_without_nvml() -> None:
+    # The CI host has no NVIDIA driver; on a GPU host this checks real readings instead.
+    sampler = HardwareSampler()
+    values = sampler.sample()
+    assert set(values) == {*GPU_FIELDS, "memory_used_percent", "cpu_usage_percent"}
+    assert 0.0 <= values["memory_used_percent"] <= 1.0
+    assert 0.0 <= values["cpu_usage_percent"] <= 1.0
+    if sampler.gpu_model() is None:
+        assert all(values[name] is None for name in GPU_FIELDS)
+    else:
+        assert 0.0 <= values["gpu_util_percent"] <= 1.0
+        assert 0.0 <= values["gpu_vram_used_percent"] <= 1.0
+        assert values["gpu_temperature_c"] > 0.0
