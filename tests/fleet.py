@@ -1,0 +1,220 @@
+"""Real router and agent processes on loopback for end-to-end tests."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from protocol.p2p import load_or_create_identity, peer_id_of
+
+SECRET = "test-secret-0123456789-abcdefghijklmnop"
+ADMIN_KEY = "test-admin-key"
+VENV_BIN = Path(sys.executable).parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_until(check: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while time.monotonic() < deadline:
+        try:
+            last = check()
+        except (httpx.HTTPError, OSError):
+            last = None
+        if last:
+            return last
+        time.sleep(0.05)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+class Proc:
+    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> None:
+        self.name = name
+        self.argv = argv
+        self.env = env
+        self.log_path = log
+        self.popen: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> Proc:
+        with open(self.log_path, "ab") as log:
+            self.popen = subprocess.Popen(
+                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT
+            )
+        return self
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, pattern: str, timeout: float = 15.0) -> re.Match[str]:
+        return wait_until(
+            lambda: re.search(pattern, self.log()), timeout, f"{self.name}: {pattern}"
+        )
+
+    def send_signal(self, sig: int) -> None:
+        assert self.popen is not None
+        self.popen.send_signal(sig)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 10.0) -> int | None:
+        if self.popen is None:
+            return None
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGCONT)
+            self.popen.send_signal(sig)
+            try:
+                self.popen.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(5)
+        return self.popen.returncode
+
+
+class Router(Proc):
+    def __init__(self, fleet: Fleet, flags: list[str], env: dict[str, str]) -> None:
+        self.fleet = fleet
+        self.http_port = free_port()
+        self.metrics_port = free_port()
+        self.p2p_port = free_port()
+        self.identity = fleet.dir / f"router-{self.p2p_port}.key"
+        self.peer_id = str(peer_id_of(load_or_create_identity(self.identity)))
+        self.flags = flags
+        argv = [str(VENV_BIN / "hivenet-router"), "serve", *self.port_flags(), *flags]
+        super().__init__("router", argv, env, fleet.dir / f"router-{self.p2p_port}.log")
+
+    def port_flags(self) -> list[str]:
+        return [
+            "--http-port",
+            f"127.0.0.1:{self.http_port}",
+            "--metrics-port",
+            f"127.0.0.1:{self.metrics_port}",
+            "--p2p-port",
+            str(self.p2p_port),
+            "--identity-path",
+            str(self.identity),
+        ]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def multiaddr(self) -> str:
+        return f"/ip4/127.0.0.1/tcp/{self.p2p_port}/p2p/{self.peer_id}"
+
+    def start(self) -> Router:
+        super().start()
+        self.wait_log("router_ready")
+        return self
+
+    def admin(self, path: str) -> Any:
+        r = httpx.get(self.url + path, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
+        r.raise_for_status()
+        return r.json()
+
+    def agents(self) -> list[dict]:
+        return self.admin("/admin/routing-table")["agents"]
+
+    def agent(self, peer_id: str) -> dict | None:
+        return next((a for a in self.agents() if a["peer_id"] == peer_id), None)
+
+    def metrics(self) -> str:
+        return httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=10).text
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Sum of a sample's values whose labels include `labels`."""
+        total = 0.0
+        for line in self.metrics().splitlines():
+            if not line.startswith(name) or line.startswith("#"):
+                continue
+            head, _, value = line.rpartition(" ")
+            sample, _, label_text = head.partition("{")
+            if sample != name:
+                continue
+            if all(f'{k}="{v}"' in label_text for k, v in labels.items()):
+                total += float(value)
+        return total
+
+    def wait_agent(self, peer_id: str, timeout: float = 20.0, healthy: bool = True) -> dict:
+        def check() -> dict | None:
+            a = self.agent(peer_id)
+            return a if a is not None and a["status"]["healthy"] == healthy else None
+
+        return wait_until(check, timeout, f"agent {peer_id} healthy={healthy}")
+
+
+class Agent(Proc):
+    def __init__(
+        self, fleet: Fleet, routers: list[Router], model: str, flags: list[str], env: dict[str, str]
+    ) -> None:
+        self.identity = fleet.dir / f"agent-{len(fleet.procs)}-{model.replace('/', '_')}.key"
+        self.peer_id = str(peer_id_of(load_or_create_identity(self.identity)))
+        argv = [str(VENV_BIN / "hivenet-agent"), "--model", model, "--engine", "sim"]
+        for r in routers:
+            argv += ["--router", r.multiaddr]
+        argv += ["--identity-path", str(self.identity), *flags]
+        super().__init__(f"agent-{model}", argv, env, fleet.dir / f"{self.identity.stem}.log")
+        self.routers = routers
+
+    def sim_url(self) -> str:
+        return self.wait_log(r"sim_engine_listening url=(\S+)").group(1)
+
+    def sim_state(self, **changes: Any) -> dict:
+        url = self.sim_url() + "/sim/state"
+        if changes:
+            return httpx.post(url, json=changes, timeout=5).json()
+        return httpx.get(url, timeout=5).json()
+
+
+class Fleet:
+    def __init__(self, directory: Path) -> None:
+        self.dir = directory
+        self.procs: list[Proc] = []
+        self.env = {
+            **os.environ,
+            "HIVENET_ROUTER_JWT_SECRET": SECRET,
+            "HIVENET_ROUTER_ADMIN_API_KEYS": ADMIN_KEY,
+            "HIVENET_LOG_LEVEL": "info",
+        }
+
+    def router(self, *flags: str, env: dict[str, str] | None = None, start: bool = True) -> Router:
+        r = Router(self, list(flags), {**self.env, **(env or {})})
+        self.procs.append(r)
+        return r.start() if start else r
+
+    def agent(
+        self,
+        router: Router | list[Router],
+        model: str = "m1",
+        *flags: str,
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+    ) -> Agent:
+        routers = router if isinstance(router, list) else [router]
+        a = Agent(self, routers, model, list(flags), {**self.env, **(env or {})})
+        self.procs.append(a)
+        a.start()
+        if wait:
+            for r in routers:
+                r.wait_agent(a.peer_id)
+        return a
+
+    def close(self) -> None:
+        for p in reversed(self.procs):
+            p.stop()
