@@ -1,0 +1,463 @@
+"""Policy files: YAML in, immutable step objects out, or every reason it is invalid.
+
+A policy is a primary `routing_policy` step, an ordered `fallback_chain` of further
+steps, and an optional external `fallback_provider`. Validation collects every error
+with the path of the offending field, because an operator fixing a rejected file
+should not have to reload it once per mistake.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from router.peers import ENGINE_FIELDS, HARDWARE_FIELDS, UNIVERSAL_FIELDS
+from router.policy.rank import NOT_IMPLEMENTED, STRATEGIES
+
+GATE_FIELDS: tuple[str, ...] = UNIVERSAL_FIELDS + ENGINE_FIELDS + HARDWARE_FIELDS
+OPERATORS: tuple[str, ...] = ("gt", "gte", "lt", "lte")
+MATCH_FIELDS: tuple[str, ...] = ("region", "engine", "organization", "machine", "gpu_model")
+STEP_KEYS: tuple[str, ...] = ("name", "match", "exclude_if", "strategy", "max_tries")
+TOP_LEVEL_KEYS: tuple[str, ...] = ("routing_policy", "fallback_chain", "fallback_provider")
+PROVIDER_ENGINES: tuple[str, ...] = ("openai", "anthropic")
+PROVIDER_KEYS: tuple[str, ...] = ("engine", "model")
+PRIMARY = "routing_policy"
+
+DEFAULT_POLICY_YAML = "routing_policy:\n  match: {}\n  strategy: least-loaded\n"
+
+
+@dataclass(frozen=True)
+class Rule:
+    """One `exclude_if` gate: the agent is excluded when `value <op> threshold`."""
+
+    field: str
+    op: str  # gt | gte | lt | lte
+    threshold: float
+
+    def violated(self, value: float) -> bool:
+        if self.op == "gt":
+            return value > self.threshold
+        if self.op == "gte":
+            return value >= self.threshold
+        if self.op == "lt":
+            return value < self.threshold
+        return value <= self.threshold
+
+
+@dataclass(frozen=True)
+class Match:
+    """Static metadata filters; an empty field does not restrict."""
+
+    region: str = ""
+    engine: str = ""
+    organization: str = ""
+    machine: str = ""
+    gpu_model: str = ""
+    tags: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class Step:
+    name: str
+    match: Match
+    exclude_if: tuple[Rule, ...]
+    strategy: str
+    max_tries: int  # as written; zero or negative means "use the router-wide value"
+
+    def budget(self, default: int) -> int:
+        """Forward tries allowed in this step, given `--max-tries-per-step`."""
+        return self.max_tries if self.max_tries > 0 else default
+
+
+@dataclass(frozen=True)
+class ProviderFallback:
+    engine: str  # openai | anthropic
+    model: str
+
+
+@dataclass(frozen=True)
+class Policy:
+    routing_policy: Step
+    fallback_chain: tuple[Step, ...]
+    fallback_provider: ProviderFallback | None
+    source: str  # the YAML text it was loaded from, served back by GET /admin/policy
+
+    @property
+    def steps(self) -> tuple[Step, ...]:
+        """Every local step in evaluation order, the primary first."""
+        return (self.routing_policy, *self.fallback_chain)
+
+    def chain_names(self) -> list[str]:
+        return [step.name for step in self.steps]
+
+
+class PolicyError(ValueError):
+    """A policy that cannot be loaded; `errors` holds one message per problem."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("invalid policy: " + "; ".join(errors))
+        self.errors = errors
+
+
+def load_policy(text: str) -> Policy:
+    try:
+        document, errors = _parse(text)
+    except yaml.YAMLError as exc:
+        raise PolicyError([_yaml_error(exc)]) from None
+    policy = _Validator(errors).policy(document, text)
+    if errors or policy is None:
+        raise PolicyError(errors)
+    return policy
+
+
+def load_policy_file(path: str | Path) -> Policy:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise PolicyError([f"{path}: cannot read policy file ({exc})"]) from None
+    return load_policy(text)
+
+
+def default_policy() -> Policy:
+    """The seeds' policy for a router started without --policy-file."""
+    return load_policy(DEFAULT_POLICY_YAML)
+
+
+def _parse(text: str) -> tuple[object, list[str]]:
+    """The YAML document, and the duplicate keys PyYAML would silently overwrite."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, []
+        duplicates: list[str] = []
+        _find_duplicates(node, "", duplicates)
+        return loader.construct_document(node), duplicates
+    finally:
+        loader.dispose()
+
+
+def _find_duplicates(node: yaml.Node, path: str, found: list[str]) -> None:
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            key = str(key_node.value)
+            child = f"{path}.{key}" if path else key
+            if key in seen:
+                found.append(
+                    f"{child}: duplicate key at line {key_node.start_mark.line + 1}"
+                    " (only the last one would apply)"
+                )
+            seen.add(key)
+            _find_duplicates(value_node, child, found)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            _find_duplicates(item, f"{path}[{i}]", found)
+
+
+def _yaml_error(exc: yaml.YAMLError) -> str:
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    if mark is None:
+        return f"invalid YAML: {problem}"
+    return f"line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {problem}"
+
+
+def _hint(word: str, known: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(word, known, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _kind(value: object) -> str:
+    """How a wrong value reads in an error message."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        # YAML 1.1 reads bare yes/no/on/off (and NO, the country code) as booleans.
+        return f"boolean {str(value).lower()} (quote the value if it is text)"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    if isinstance(value, int | float):
+        return f"number {value}"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return type(value).__name__
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+class _Validator:
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = errors
+
+    def error(self, path: str, message: str) -> None:
+        self.errors.append(f"{path}: {message}")
+
+    def policy(self, document: object, source: str) -> Policy | None:
+        if document is None:
+            document = {}
+        if not isinstance(document, dict):
+            self.error(
+                "policy",
+                "the document must be a mapping with routing_policy at the top level,"
+                f" got {_kind(document)}",
+            )
+            return None
+        self.unknown_keys("", document, TOP_LEVEL_KEYS, "unknown top-level key", _MISPLACED_TOP)
+
+        primary = self.primary(document)
+        chain = self.chain(document.get("fallback_chain"))
+        provider = self.provider(document)
+        if primary is None or chain is None:
+            return None
+        self.unique_names((primary, *chain))
+        return Policy(primary, chain, provider, source)
+
+    def unknown_keys(
+        self,
+        prefix: str,
+        mapping: dict[Any, Any],
+        known: tuple[str, ...],
+        what: str,
+        misplaced: dict[str, str] | None = None,
+    ) -> None:
+        for key in mapping:
+            if key not in known:
+                word = str(key)
+                hint = (misplaced or {}).get(word) or _hint(word, known)
+                self.error(f"{prefix}{word}", f"{what} (known: {', '.join(known)}){hint}")
+
+    def primary(self, document: dict[Any, Any]) -> Step | None:
+        if PRIMARY not in document:
+            self.error(PRIMARY, "missing (required)")
+            return None
+        raw = document[PRIMARY]
+        if raw is None:
+            self.error(PRIMARY, "empty (required: a step with at least a strategy)")
+            return None
+        if isinstance(raw, dict) and "name" in raw:
+            self.error(f"{PRIMARY}.name", f"not allowed (the primary step is always {PRIMARY})")
+            raw = {k: v for k, v in raw.items() if k != "name"}
+        return self.step(PRIMARY, raw, PRIMARY)
+
+    def chain(self, raw: object) -> tuple[Step, ...] | None:
+        if raw is None:
+            return ()
+        if not isinstance(raw, list):
+            self.error("fallback_chain", f"must be a list of steps, got {_kind(raw)}")
+            return None
+        steps: list[Step] = []
+        valid = True
+        for i, item in enumerate(raw):
+            path = f"fallback_chain[{i}]"
+            step = self.step(path, item, path)
+            if step is None:
+                valid = False
+            else:
+                steps.append(step)
+        return tuple(steps) if valid else None
+
+    def step(self, path: str, raw: object, default_name: str) -> Step | None:
+        if not isinstance(raw, dict):
+            self.error(path, f"must be a mapping (a policy step), got {_kind(raw)}")
+            return None
+        before = len(self.errors)
+        self.unknown_keys(f"{path}.", raw, STEP_KEYS, "unknown step key", _MISPLACED_IN_STEP)
+        name = self.step_name(path, raw.get("name"), default_name)
+        match = self.match(f"{path}.match", raw.get("match"))
+        rules = self.exclude_if(f"{path}.exclude_if", raw.get("exclude_if"))
+        strategy = self.strategy(f"{path}.strategy", raw)
+        max_tries = self.max_tries(f"{path}.max_tries", raw.get("max_tries"))
+        if len(self.errors) > before:
+            return None
+        return Step(name, match, rules, strategy, max_tries)
+
+    def step_name(self, path: str, raw: object, default: str) -> str:
+        if raw is None:
+            return default
+        if not isinstance(raw, str) or not raw.strip():
+            self.error(f"{path}.name", f"must be a non-empty string, got {_kind(raw)}")
+            return default
+        return raw
+
+    def match(self, path: str, raw: object) -> Match:
+        if raw is None:
+            return Match()
+        if not isinstance(raw, dict):
+            self.error(path, f"must be a mapping of metadata fields, got {_kind(raw)}")
+            return Match()
+        self.unknown_keys(f"{path}.", raw, (*MATCH_FIELDS, "tags"), "unknown match field")
+        values: dict[str, str] = {}
+        for name in MATCH_FIELDS:
+            value = raw.get(name)
+            if value is None:
+                continue
+            if isinstance(value, str):
+                values[name] = value
+            else:
+                self.error(f"{path}.{name}", f"must be a string, got {_kind(value)}")
+        return Match(**values, tags=self.tags(f"{path}.tags", raw.get("tags")))
+
+    def tags(self, path: str, raw: object) -> tuple[str, ...]:
+        if raw is None:
+            return ()
+        if not isinstance(raw, list):
+            self.error(path, f"must be a list of strings, got {_kind(raw)}")
+            return ()
+        for i, tag in enumerate(raw):
+            if not isinstance(tag, str) or not tag:
+                self.error(f"{path}[{i}]", f"must be a non-empty string, got {_kind(tag)}")
+        return tuple(tag for tag in raw if isinstance(tag, str))
+
+    def exclude_if(self, path: str, raw: object) -> tuple[Rule, ...]:
+        if raw is None:
+            return ()
+        if not isinstance(raw, dict):
+            self.error(path, f"must be a mapping of gate fields, got {_kind(raw)}")
+            return ()
+        rules: list[Rule] = []
+        for key, body in raw.items():
+            field = str(key)
+            if key not in GATE_FIELDS:
+                self.error(
+                    f"{path}.{field}",
+                    f"unknown gate field (known: {', '.join(GATE_FIELDS)})"
+                    + _hint(field, GATE_FIELDS),
+                )
+                continue
+            rule = self.rule(f"{path}.{field}", field, body)
+            if rule is not None:
+                rules.append(rule)
+        return tuple(rules)
+
+    def rule(self, path: str, field: str, body: object) -> Rule | None:
+        if not isinstance(body, dict):
+            self.error(
+                path,
+                f"must be a mapping of one operator to a threshold, e.g. {{gt: 0.9}},"
+                f" got {_kind(body)}",
+            )
+            return None
+        unknown = [str(op) for op in body if op not in OPERATORS]
+        for op in unknown:
+            self.error(
+                f"{path}.{op}",
+                f"unknown operator (known: {', '.join(OPERATORS)}){_hint(op, OPERATORS)}",
+            )
+        ops = [op for op in body if op in OPERATORS]
+        if len(ops) != 1:
+            if len(ops) > 1 or not unknown:
+                listed = f" ({', '.join(ops)})" if ops else ""
+                self.error(path, f"exactly one operator required, got {len(ops)}{listed}")
+            return None
+        op = ops[0]
+        threshold = body[op]
+        if not _is_number(threshold):
+            self.error(f"{path}.{op}", f"threshold must be a number, got {_kind(threshold)}")
+            return None
+        if not math.isfinite(threshold):
+            self.error(f"{path}.{op}", f"threshold must be a finite number, got {threshold}")
+            return None
+        return Rule(field, op, float(threshold))
+
+    def strategy(self, path: str, raw: dict[Any, Any]) -> str:
+        if "strategy" not in raw or raw["strategy"] is None:
+            self.error(path, "missing (required)")
+            return ""
+        value = raw["strategy"]
+        if not isinstance(value, str):
+            self.error(path, f"must be a string, got {_kind(value)}")
+            return ""
+        if value in STRATEGIES:
+            return value
+        only = ", ".join(STRATEGIES)
+        if value in NOT_IMPLEMENTED:
+            self.error(path, f"unknown strategy {value!r} (not implemented; only {only})")
+        else:
+            self.error(path, f"unknown strategy {value!r} (only {only}){_hint(value, _KNOWN)}")
+        return ""
+
+    def max_tries(self, path: str, raw: object) -> int:
+        if raw is None:
+            return 0
+        if not isinstance(raw, int) or isinstance(raw, bool):
+            self.error(path, f"must be an integer, got {_kind(raw)}")
+            return 0
+        return raw
+
+    def provider(self, document: dict[Any, Any]) -> ProviderFallback | None:
+        if "fallback_provider" not in document:
+            return None
+        path = "fallback_provider"
+        raw = document[path]
+        if not isinstance(raw, dict):
+            self.error(
+                path,
+                f"must be a mapping with engine and model, got {_kind(raw)}"
+                " (remove the key for no provider fallback)",
+            )
+            return None
+        self.unknown_keys(f"{path}.", raw, PROVIDER_KEYS, "unknown key")
+        engine = self.required_string(f"{path}.engine", raw, "openai or anthropic")
+        if engine and engine not in PROVIDER_ENGINES:
+            self.error(f"{path}.engine", f"must be openai or anthropic, got {engine!r}")
+            engine = ""
+        model = self.required_string(f"{path}.model", raw, "the provider's model name")
+        if not engine or not model:
+            return None
+        return ProviderFallback(engine, model)
+
+    def required_string(self, path: str, raw: dict[Any, Any], what: str) -> str:
+        key = path.rsplit(".", 1)[1]
+        value = raw.get(key)
+        if value is None:
+            self.error(path, f"missing (required: {what})")
+            return ""
+        if not isinstance(value, str):
+            self.error(path, f"must be a string, got {_kind(value)}")
+            return ""
+        if not value.strip():
+            self.error(path, f"must not be empty (required: {what})")
+            return ""
+        return value
+
+    def unique_names(self, steps: tuple[Step, ...]) -> None:
+        first: dict[str, int] = {}
+        for i, step in enumerate(steps):
+            if step.name in first:
+                where = _step_path(i)
+                earlier = _step_path(first[step.name])
+                self.error(
+                    f"{where}.name",
+                    f"duplicate step name {step.name!r} (also {earlier}); logs could not"
+                    " tell the steps apart",
+                )
+            else:
+                first[step.name] = i
+
+
+_KNOWN: tuple[str, ...] = (*STRATEGIES, *NOT_IMPLEMENTED)
+
+# Keys that are valid one level up or down: usually lost or extra indentation.
+_MISPLACED_TOP: dict[str, str] = dict.fromkeys(
+    STEP_KEYS, "; check the indentation: it belongs inside routing_policy or a fallback step"
+)
+_MISPLACED_IN_STEP: dict[str, str] = {
+    **dict.fromkeys((*MATCH_FIELDS, "tags"), "; it belongs under match"),
+    **dict.fromkeys(GATE_FIELDS, "; it belongs under exclude_if"),
+    "fallback_provider": "; fallback_provider is a top-level field, not part of a step",
+    "fallback_chain": "; fallback_chain is a top-level field, not part of a step",
+}
+
+
+def _step_path(index: int) -> str:
+    return PRIMARY if index == 0 else f"fallback_chain[{index - 1}]"
