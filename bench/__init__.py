@@ -1,0 +1,1 @@
+"""Micro-benchmarks, run as `python -m bench.<name>` from the repository root."""
