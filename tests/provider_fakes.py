@@ -1,0 +1,262 @@
+"""Local stand-ins for the OpenAI and Anthropic APIs, for the provider fallback tests.
+
+Each fake is a small HTTP/1.1 server (trio + h11) on 127.0.0.1 and a free port. It
+checks what the real API checks first (path, key header, API version, required body
+fields), records every request it got, and answers in the provider's documented wire
+format. Knobs make it fail the ways a provider fails: an error status, a dropped
+connection, a slow answer, a body that is not JSON.
+
+    fake = FakeOpenAI("sk-test")
+    await nursery.start(fake.serve)
+    fake.knobs.fail_status = 429
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import h11
+import trio
+
+
+@dataclass
+class Recorded:
+    method: str
+    path: str
+    # Lower-cased names.
+    headers: dict[str, str]
+    # The parsed JSON body; None when it was not JSON.
+    body: Any
+
+
+@dataclass
+class Knobs:
+    # Answer with this status and the provider's error body.
+    fail_status: int | None = None
+    # Read the request, then close the connection without answering.
+    close_connection: bool = False
+    # Seconds to wait before answering.
+    delay: float = 0.0
+    # Answer 200 with a body that is not JSON.
+    malformed: bool = False
+    # Answer 200 with this JSON instead of the generated answer.
+    answer: Any = None
+
+
+@dataclass
+class FakeProvider:
+    api_key: str
+    knobs: Knobs = field(default_factory=Knobs)
+    requests: list[Recorded] = field(default_factory=list)
+    port: int = 0
+
+    @property
+    def root(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        self.port = listeners[0].socket.getsockname()[1]
+        task_status.started()
+        await trio.serve_listeners(self._connection, listeners)
+
+    # The provider's own rules, in the subclasses.
+    def check(self, request: Recorded) -> tuple[int, str, str] | None:
+        """(status, error type, message) when the real API would refuse the request."""
+        raise NotImplementedError
+
+    def reply(self, body: dict[str, Any]) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def error_body(self, kind: str, message: str) -> dict[str, Any]:
+        raise NotImplementedError
+
+    async def _connection(self, stream: trio.SocketStream) -> None:
+        conn = h11.Connection(h11.SERVER)
+        async with stream:
+            try:
+                while True:
+                    request = await _read_request(conn, stream)
+                    if request is None:
+                        return
+                    self.requests.append(request)
+                    if self.knobs.delay:
+                        await trio.sleep(self.knobs.delay)
+                    if self.knobs.close_connection:
+                        return
+                    status, body = self._answer(request)
+                    await _send_response(conn, stream, status, body)
+                    if conn.our_state is h11.MUST_CLOSE:
+                        return
+                    conn.start_next_cycle()
+            except (trio.BrokenResourceError, trio.ClosedResourceError, h11.ProtocolError):
+                return
+
+    def _answer(self, request: Recorded) -> tuple[int, bytes]:
+        refusal = self.check(request)
+        if refusal is not None:
+            status, kind, message = refusal
+            return status, _dump(self.error_body(kind, message))
+        if self.knobs.fail_status is not None:
+            status = self.knobs.fail_status
+            kind = "rate_limit_error" if status == 429 else "api_error"
+            return status, _dump(self.error_body(kind, f"fake failure {status}"))
+        if self.knobs.malformed:
+            return 200, b'{"id": "broken", "choices": ['
+        if self.knobs.answer is not None:
+            return 200, _dump(self.knobs.answer)
+        return 200, _dump(self.reply(request.body))
+
+
+class FakeOpenAI(FakeProvider):
+    """`POST /v1/chat/completions` with `Authorization: Bearer <key>`."""
+
+    @property
+    def base_url(self) -> str:
+        return f"{self.root}/v1"
+
+    def check(self, request: Recorded) -> tuple[int, str, str] | None:
+        if request.method != "POST" or request.path != "/v1/chat/completions":
+            return 404, "invalid_request_error", f"unknown url {request.path}"
+        if request.headers.get("authorization") != f"Bearer {self.api_key}":
+            return 401, "invalid_request_error", "Incorrect API key provided"
+        body = request.body
+        if not isinstance(body, dict):
+            return 400, "invalid_request_error", "We could not parse the JSON body"
+        if not isinstance(body.get("model"), str):
+            return 400, "invalid_request_error", "you must provide a model parameter"
+        if not isinstance(body.get("messages"), list) or not body["messages"]:
+            return 400, "invalid_request_error", "messages must be a non-empty array"
+        if body.get("stream_options") is not None and not body.get("stream"):
+            return 400, "invalid_request_error", "stream_options is only allowed with stream"
+        if body.get("stream"):
+            return 400, "invalid_request_error", "this fake does not stream"
+        return None
+
+    def reply(self, body: dict[str, Any]) -> dict[str, Any]:
+        text = f"echo: {_last_text(body['messages'])}"
+        prompt = sum(len(str(m.get("content", ""))) for m in body["messages"])
+        return {
+            "id": f"chatcmpl-fake-{len(self.requests)}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": body["model"],
+            "system_fingerprint": "fp_fake",
+            "choices": [
+                {
+                    "index": 0,
+                    "message": {"role": "assistant", "content": text, "refusal": None},
+                    "logprobs": None,
+                    "finish_reason": "stop",
+                }
+            ],
+            "usage": {
+                "prompt_tokens": prompt,
+                "completion_tokens": len(text),
+                "total_tokens": prompt + len(text),
+            },
+        }
+
+    def error_body(self, kind: str, message: str) -> dict[str, Any]:
+        return {"error": {"message": message, "type": kind, "param": None, "code": None}}
+
+
+class FakeAnthropic(FakeProvider):
+    """`POST /v1/messages` with `x-api-key` and `anthropic-version`."""
+
+    @property
+    def base_url(self) -> str:
+        return self.root
+
+    def check(self, request: Recorded) -> tuple[int, str, str] | None:
+        if request.method != "POST" or request.path != "/v1/messages":
+            return 404, "not_found_error", f"unknown url {request.path}"
+        if request.headers.get("x-api-key") != self.api_key:
+            return 401, "authentication_error", "invalid x-api-key"
+        if not request.headers.get("anthropic-version"):
+            return 400, "invalid_request_error", "anthropic-version: header is required"
+        body = request.body
+        if not isinstance(body, dict):
+            return 400, "invalid_request_error", "the body is not JSON"
+        if not isinstance(body.get("model"), str):
+            return 400, "invalid_request_error", "model: Field required"
+        if isinstance(body.get("max_tokens"), bool) or not isinstance(body.get("max_tokens"), int):
+            return 400, "invalid_request_error", "max_tokens: Field required"
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            return 400, "invalid_request_error", "messages: at least one message is required"
+        for index, message in enumerate(messages):
+            if message.get("role") not in ("user", "assistant"):
+                return 400, "invalid_request_error", f"messages.{index}.role: unexpected role"
+        if body.get("stream"):
+            return 400, "invalid_request_error", "this fake does not stream"
+        return None
+
+    def reply(self, body: dict[str, Any]) -> dict[str, Any]:
+        text = f"echo: {_last_text(body['messages'])}"
+        return {
+            "id": f"msg_fake_{len(self.requests)}",
+            "type": "message",
+            "role": "assistant",
+            "model": body["model"],
+            "content": [{"type": "text", "text": text}],
+            "stop_reason": "end_turn",
+            "stop_sequence": None,
+            "usage": {"input_tokens": 11, "output_tokens": len(text)},
+        }
+
+    def error_body(self, kind: str, message: str) -> dict[str, Any]:
+        return {"type": "error", "error": {"type": kind, "message": message}}
+
+
+def _last_text(messages: list[dict[str, Any]]) -> str:
+    """The text of the last message, from a string or from text parts/blocks."""
+    content = messages[-1].get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return ""
+
+
+def _dump(value: Any) -> bytes:
+    return json.dumps(value).encode()
+
+
+async def _read_request(conn: h11.Connection, stream: trio.SocketStream) -> Recorded | None:
+    request: h11.Request | None = None
+    data = b""
+    while True:
+        event = conn.next_event()
+        if event is h11.NEED_DATA:
+            conn.receive_data(await stream.receive_some(65536))
+        elif isinstance(event, h11.Request):
+            request = event
+        elif isinstance(event, h11.Data):
+            data += event.data
+        elif isinstance(event, h11.EndOfMessage) and request is not None:
+            try:
+                body = json.loads(data)
+            except ValueError:
+                body = None
+            return Recorded(
+                method=request.method.decode(),
+                path=request.target.decode(),
+                headers={k.decode().lower(): v.decode() for k, v in request.headers},
+                body=body,
+            )
+        elif isinstance(event, h11.ConnectionClosed):
+            return None
+
+
+async def _send_response(
+    conn: h11.Connection, stream: trio.SocketStream, status: int, body: bytes
+) -> None:
+    headers = [("content-type", "application/json"), ("content-length", str(len(body)))]
+    out = conn.send(h11.Response(status_code=status, headers=headers))
+    out += conn.send(h11.Data(data=body))
+    out += conn.send(h11.EndOfMessage())
+    await stream.send_all(out)
