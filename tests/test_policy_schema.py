@@ -455,6 +455,8 @@ def test_rule_violated() -> None:
     assert not Rule("success_rate", "lt", 0.95).violated(0.95)
     assert Rule("success_rate", "lte", 0.95).violated(0.95)
     assert not Rule("success_rate", "lte", 0.95).violated(0.96)
+    with pytest.raises(ValueError, match="unknown operator '=='"):
+        Rule("srtt", "==", 1).violated(1)
 
 
 # --- describe (check-policy) -----------------------------------------------------------

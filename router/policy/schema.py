@@ -46,7 +46,9 @@ class Rule:
             return value >= self.threshold
         if self.op == "lt":
             return value < self.threshold
-        return value <= self.threshold
+        if self.op == "lte":
+            return value <= self.threshold
+        raise ValueError(f"unknown operator {self.op!r}")
 
 
 @dataclass(frozen=True)
