@@ -127,6 +127,8 @@ class MetricSampler:
     def update(self, text: str, now: float) -> dict[str, float | None]:
         """Fields from one scrape taken at `now` (monotonic seconds).
 
+        The interval fields come from counter differences alone, so `now` does not enter
+        them; it is part of the signature for callers that time their scrapes.
         Raises ValueError when `text` is not Prometheus text exposition format; the
         histogram history is then left as it was.
         """
