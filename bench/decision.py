@@ -5,8 +5,9 @@
 The pool is the worst realistic case for the happy path: every agent serves the model,
 is healthy and matches, so each one is walked through all seven gates, including three
 exclude_if rules that read the universal, engine and hardware metric sources. About one
-agent in ten is excluded by a rule. A second column times a pool that every agent
-fails at gate 7, which adds the pass that explains the drain.
+agent in ten is excluded by a rule. The last two columns time pools that drain, which
+adds the pass that explains why: every agent over a gate 7 threshold, and every agent
+full (gate 6, what a request waiting in the capacity queue re-evaluates).
 """
 
 from __future__ import annotations
@@ -39,7 +40,9 @@ async def _send(message: dict) -> None:
     del message
 
 
-def make_pool(size: int, rng: random.Random, *, all_excluded: bool = False) -> list[Peer]:
+def make_pool(
+    size: int, rng: random.Random, *, all_excluded: bool = False, all_full: bool = False
+) -> list[Peer]:
     metadata = AgentMetadata(
         model=MODEL,
         capability="llm",
@@ -57,7 +60,7 @@ def make_pool(size: int, rng: random.Random, *, all_excluded: bool = False) -> l
             send=_send,
             connected_at=0.0,
             last_seen=NOW,
-            active=rng.randrange(0, 32),
+            active=32 if all_full else rng.randrange(0, 32),
             engine={"kv_cache_utilization": kv, "waiting_requests": 0.0},
             hardware={"gpu_temperature_c": rng.uniform(50, 80)},
             engine_at=NOW - 0.2,
@@ -79,17 +82,19 @@ def time_decision(pool: list[Peer], step: Step) -> float:
 def main() -> None:
     step = load_policy(POLICY).routing_policy
     rng = random.Random(7)
-    print("agents  µs/decision  µs/agent  survivors  drained µs/decision")
+    print("agents  µs/decision  µs/agent  survivors  gate 7 drain µs  gate 6 drain µs")
     for size in SIZES:
         pool = make_pool(size, rng)
-        drained = make_pool(size, rng, all_excluded=True)
+        excluded = make_pool(size, rng, all_excluded=True)
+        full = make_pool(size, rng, all_full=True)
         result = evaluate(pool, step, "llm", frozenset(), NOW)
         assert result.best is not None
-        assert evaluate(drained, step, "llm", frozenset(), NOW).best is None
+        assert evaluate(excluded, step, "llm", frozenset(), NOW).drain is not None
+        assert evaluate(full, step, "llm", frozenset(), NOW).waitable
         us = time_decision(pool, step)
         print(
             f"{size:>6}  {us:>11.1f}  {us / size:>8.3f}  {result.survivors:>9}"
-            f"  {time_decision(drained, step):>19.1f}"
+            f"  {time_decision(excluded, step):>15.1f}  {time_decision(full, step):>15.1f}"
         )
 
 
