@@ -127,8 +127,8 @@ def _compile(step: Step) -> _Survivors:
         constants[name] = value
         return name
 
-    def reject(condition: str, indent: str = "        ") -> list[str]:
-        return [f"{indent}if {condition}:", f"{indent}    continue"]
+    def reject(condition: str) -> list[str]:
+        return [f"        if {condition}:", "            continue"]
 
     body: list[str] = [
         *reject("not peer.routable"),
@@ -169,7 +169,6 @@ def _compile_rules(rules: tuple[Rule, ...], const: Callable[[object], str]) -> l
     Grouping changes the order rules are checked in, which only the drain detail's
     "first violated rule" depends on, and that is computed by the generic checks.
     """
-
     for rule in rules:
         # Steps normally come from the schema, but one built by hand must not reach
         # the generated source with a field or operator of its own.
