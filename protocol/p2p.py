@@ -129,6 +129,11 @@ class FramedStream:
         self._send.close()
         with trio.move_on_after(FLUSH_TIMEOUT):
             await self._drained.wait()
+            # A reset can overtake data still in flight: close our side and let the
+            # peer hang up first.
+            with contextlib.suppress(Exception):
+                await self.stream.close_write()
+            await self.closed.wait()
         self.close(reason)
 
     async def _reader(self, on_message: Callable[[dict], Awaitable[None] | None]) -> None:

@@ -106,7 +106,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_check_policy(args: argparse.Namespace) -> int:
-    from router.policy.describe import describe
+    from router.policy.describe import describe, policy_warnings
     from router.policy.schema import PolicyError, load_policy_file
 
     try:
@@ -119,7 +119,9 @@ def cmd_check_policy(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"{args.file}: {exc}", file=sys.stderr)
         return 1
-    print(describe(policy, args.max_tries_per_step))
+    print(describe(policy, args.max_tries_per_step), end="")
+    for warning in policy_warnings(policy):
+        print(f"warning: {warning}")
     return 0
 
 

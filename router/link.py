@@ -73,6 +73,7 @@ class AgentSession:
         self.next_id = 1
         self.last_rx = trio.current_time()
         self.hello_seen = trio.Event()
+        self.refused: str | None = None
 
     def on_message(self, msg: dict) -> None:
         self.last_rx = trio.current_time()
@@ -196,6 +197,9 @@ class AgentLink:
         fs = session.fs
         with trio.move_on_after(HELLO_TIMEOUT):
             await session.hello_seen.wait()
+        if session.refused is not None:
+            await fs.flush_and_close(f"refused: {session.refused}")
+            return
         if session.peer is None and not fs.closed.is_set():
             fs.close("no hello within 10s")
             return
@@ -219,8 +223,8 @@ class AgentLink:
             log.warning("agent_refused peer=%s reason=%s", session.remote_peer, quote(reason))
             self.metrics.sessions_refused.labels(reason.split(":")[0][:40]).inc()
             session.fs.send_nowait(m.refusal(reason))
+            session.refused = reason
             session.hello_seen.set()
-            trio.lowlevel.spawn_system_task(session.fs.flush_and_close, f"refused: {reason}")
             return
         now = trio.current_time()
         peer = Peer(
@@ -257,6 +261,9 @@ class AgentLink:
         session.fail_all(reason)
         peer = session.peer
         if peer is None:
+            log.warning(
+                "session_closed_before_join peer=%s reason=%s", session.remote_peer, quote(reason)
+            )
             return
         if self.sessions.get(peer) is session:
             del self.sessions[peer]

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import trio
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 P = "hivenet_router_"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
@@ -93,9 +94,29 @@ class RouterMetrics:
         self.reloads = Counter(
             P + "policy_reloads_total", "Policy reloads by result", ["result"], registry=r
         )
+        ProcessCollector(registry=r)
+        # A task left behind per past connection is how py-libp2p leaks; watch for it.
+        Gauge(P + "trio_tasks", "Live trio tasks in the router", registry=r).set_function(
+            _count_tasks
+        )
         self.sessions_refused = Counter(
             P + "agent_sessions_refused_total",
             "Agent hellos refused, by reason",
             ["reason"],
             registry=r,
         )
+
+
+def _count_tasks() -> float:
+    try:
+        root = trio.lowlevel.current_root_task()
+    except RuntimeError:  # scraped outside the trio thread: nothing to count
+        return 0.0
+    count = 0
+    stack = [root]
+    while stack:
+        task = stack.pop()
+        count += 1
+        for nursery in task.child_nurseries:
+            stack.extend(nursery.child_tasks)
+    return float(count)

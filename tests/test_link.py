@@ -1,0 +1,253 @@
+"""The agent link against a real router process, from in-process libp2p peers."""
+
+from __future__ import annotations
+
+import os
+import struct
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import jwt
+import msgpack
+import multiaddr
+import psutil
+import pytest
+import trio
+from libp2p import new_host
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.peerinfo import info_from_p2p_addr
+
+from protocol import messages as m
+from protocol.frames import MAX_FRAME_BYTES, FrameDecoder, encode_frame
+from protocol.p2p import FramedStream, peer_id_of
+from protocol.tokens import issue_token
+from tests.fleet import SECRET, Fleet, Router, wait_until
+
+METADATA = {"model": "m1", "capability": "llm", "engine": "sim", "capacity": 4}
+
+
+@asynccontextmanager
+async def raw_session(router: Router, seed: bytes | None = None) -> AsyncIterator[tuple[Any, str]]:
+    """A libp2p peer with one open agent stream to `router`."""
+    key_pair = create_new_key_pair(seed or os.urandom(32))
+    host = new_host(
+        key_pair=key_pair,
+        listen_addrs=[],
+        connection_config=ConnectionConfig(max_connections_per_peer=1),
+    )
+    info = info_from_p2p_addr(multiaddr.Multiaddr(router.multiaddr))
+    async with host.run(listen_addrs=[]):
+        await host.connect(info)
+        stream = await host.new_stream(info.peer_id, [m.PROTOCOL_ID])
+        try:
+            yield stream, str(peer_id_of(key_pair))
+        finally:
+            await stream.reset()
+            await host.close()
+
+
+async def first_reply(stream: Any) -> dict:
+    decoder = FrameDecoder()
+    with trio.fail_after(10):
+        while True:
+            for msg in decoder.feed(await stream.read(65536)):
+                if msg["type"] != m.HEARTBEAT:
+                    return msg
+
+
+async def hello_reply(router: Router, token_for: Any, metadata: dict = METADATA) -> dict:
+    async with raw_session(router) as (stream, peer_id):
+        await stream.write(encode_frame(m.hello(token_for(peer_id), metadata)))
+        return await first_reply(stream)
+
+
+def token_with(secret: bytes, **claims: Any) -> Any:
+    def make(peer_id: str) -> str:
+        now = int(time.time())
+        body = {"sub": peer_id, "iat": now, "exp": now + 600, **claims}
+        return jwt.encode(body, secret, algorithm="HS256")
+
+    return make
+
+
+@pytest.mark.parametrize(
+    ("name", "token_for", "metadata", "reason"),
+    [
+        ("wrong secret", token_with(b"w" * 40), METADATA, "bad token signature"),
+        ("expired", token_with(SECRET.encode(), exp=int(time.time()) - 100), METADATA, "expired"),
+        (
+            "not yet valid",
+            token_with(SECRET.encode(), nbf=int(time.time()) + 600),
+            METADATA,
+            "not yet valid",
+        ),
+        (
+            "alg none",
+            lambda pid: jwt.encode({"sub": pid, "exp": time.time() + 60}, None, algorithm="none"),
+            METADATA,
+            "algorithm 'none' refused",
+        ),
+        (
+            "other peer",
+            lambda pid: issue_token(SECRET.encode(), "12D3KooWother", 60),
+            METADATA,
+            "is not the connecting peer",
+        ),
+        (
+            "capacity 0",
+            lambda pid: issue_token(SECRET.encode(), pid, 60),
+            {**METADATA, "capacity": 0},
+            "capacity must be positive",
+        ),
+    ],
+)
+async def test_bad_hellos_are_refused_with_a_reason(
+    fleet: Fleet, name: str, token_for: Any, metadata: dict, reason: str
+) -> None:
+    router = fleet.router()
+    reply = await hello_reply(router, token_for, metadata)
+    assert reply["type"] == m.REFUSAL, name
+    assert reason in reply["reason"]
+    assert router.agents() == []
+    assert "agent_refused" in router.log()
+
+
+def test_agents_with_a_wrong_secret_or_no_capacity_never_join(fleet: Fleet) -> None:
+    router = fleet.router()
+    wrong = fleet.agent(router, "m1", env={"HIVENET_ROUTER_JWT_SECRET": "x" * 40}, wait=False)
+    empty = fleet.agent(router, "m1", "--capacity", "0", wait=False)
+    wrong.wait_log("router_refused .*bad token signature")
+    empty.wait_log("router_refused .*capacity must be positive")
+    assert router.agents() == []
+
+
+async def test_malformed_and_oversized_frames_end_only_that_session(fleet: Fleet) -> None:
+    router = fleet.router()
+    good = fleet.agent(router, "m1")
+    async with raw_session(router) as (stream, _):
+        await stream.write(struct.pack(">I", 5) + b"\xc1\xc1\xc1\xc1\xc1")
+        with trio.fail_after(10):
+            with pytest.raises(Exception):  # noqa: B017 - the router resets the stream
+                while True:
+                    await stream.read(65536)
+    async with raw_session(router) as (stream, peer_id):
+        await stream.write(
+            encode_frame(m.hello(issue_token(SECRET.encode(), peer_id, 60), METADATA))
+        )
+        assert (await first_reply(stream))["type"] == m.WELCOME
+        await stream.write(struct.pack(">I", MAX_FRAME_BYTES + 1) + b"x" * 100)
+        with trio.fail_after(10), pytest.raises(Exception):  # noqa: B017
+            while True:
+                await stream.read(65536)
+    async with raw_session(router) as (stream, _):
+        await stream.write(encode_frame({"type": "nonsense"}))
+        with trio.fail_after(10), pytest.raises(Exception):  # noqa: B017
+            while True:
+                await stream.read(65536)
+    log = router.log()
+    assert "malformed frame" in log
+    assert "oversized frame" in log
+    assert "unknown message type" in log
+    assert router.agent(good.peer_id)["status"]["healthy"]
+    answer = await trio.to_thread.run_sync(
+        lambda: __import__("httpx").post(
+            router.url + "/v1/chat/completions",
+            json={"model": "m1", "messages": [{"role": "user", "content": "ok"}]},
+            timeout=10,
+        )
+    )
+    assert answer.json()["choices"][0]["message"]["content"] == "Echo: ok"
+
+
+async def test_300_sequential_agent_connections_all_join(fleet: Fleet) -> None:
+    router = fleet.router()
+    proc = psutil.Process(router.popen.pid)
+
+    async def join_once() -> None:
+        async with raw_session(router) as (stream, peer_id):
+            token = issue_token(SECRET.encode(), peer_id, 60)
+            await stream.write(encode_frame(m.hello(token, METADATA)))
+            assert (await first_reply(stream))["type"] == m.WELCOME
+
+    rss: list[int] = []
+    tasks: list[float] = []
+    for i in range(300):
+        await join_once()
+        if i in (49, 299):
+            await trio.sleep(1)
+            rss.append(proc.memory_info().rss)
+            tasks.append(router.metric("hivenet_router_trio_tasks"))
+    # Later joins work like the first; no task per past connection is left behind.
+    assert tasks[1] - tasks[0] < 20, tasks
+    assert rss[1] - rss[0] < 40 * 1024 * 1024, rss
+    wait_until(lambda: router.metric("hivenet_router_agents_connected") == 0, 10, "sessions gone")
+
+
+async def test_large_messages_both_ways_arrive_intact_and_in_order() -> None:
+    sizes = [100, 1000, 16 * 1024, 64 * 1024, 300 * 1024, 1024 * 1024]
+    payloads = [os.urandom(sizes[i % len(sizes)]) for i in range(60)]
+    server_key = create_new_key_pair(os.urandom(32))
+    server = new_host(
+        key_pair=server_key, listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+    )
+    got_server: list[bytes] = []
+    got_client: list[bytes] = []
+    done = trio.Event()
+    server_done = trio.Event()
+
+    async def handler(stream: Any) -> None:
+        fs = FramedStream(stream)
+
+        def on(msg: dict) -> None:
+            got_server.append(msg["data"])
+            if len(got_server) == len(payloads):
+                server_done.set()
+
+        async with trio.open_nursery() as n:
+            n.start_soon(fs.run, on)
+            for i, p in enumerate(payloads):
+                await fs.send(m.response_chunk(i, p))
+            await done.wait()
+            await server_done.wait()
+            fs.close("done")
+
+    async with server.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        server.set_stream_handler("/test/1.0.0", handler)
+        client = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=[])
+        async with client.run(listen_addrs=[]):
+            info = info_from_p2p_addr(server.get_addrs()[0])
+            await client.connect(info)
+            stream = await client.new_stream(info.peer_id, ["/test/1.0.0"])
+            fs = FramedStream(stream)
+
+            def on(msg: dict) -> None:
+                got_client.append(msg["data"])
+                if len(got_client) == len(payloads):
+                    done.set()
+
+            with trio.fail_after(60):
+                async with trio.open_nursery() as n:
+                    n.start_soon(fs.run, on)
+                    for i, p in enumerate(payloads):
+                        await fs.send(m.response_chunk(i, p))
+                    await done.wait()
+                    await server_done.wait()
+                    fs.close("done")
+            await client.close()
+        await server.close()
+    assert got_client == payloads
+    assert got_server == payloads
+
+
+def test_frame_decoder_handles_split_and_joined_frames() -> None:
+    frames = b"".join(encode_frame(m.cancel(i)) for i in range(50))
+    decoder = FrameDecoder()
+    out = []
+    for i in range(0, len(frames), 7):
+        out += decoder.feed(frames[i : i + 7])
+    assert [msg["id"] for msg in out] == list(range(50))
+    assert decoder.buffered == 0
+    assert msgpack.unpackb(frames[4 : 4 + struct.unpack(">I", frames[:4])[0]])["id"] == 0
