@@ -12,6 +12,7 @@ from hypercorn.config import Config
 from hypercorn.trio import serve
 from prometheus_client import make_asgi_app
 
+from protocol.logs import quote
 from protocol.messages import PROTOCOL_ID
 from protocol.p2p import load_or_create_identity, peer_id_of
 from protocol.sdnotify import sd_notify
@@ -24,7 +25,10 @@ from router.link import AgentLink, LinkSettings
 from router.metrics import RouterMetrics
 from router.p2p_host import close_listeners, router_host
 from router.peers import Peer, PeerTable
+from router.policy.describe import policy_warnings
+from router.policy.schema import Policy
 from router.policy.store import PolicyStore
+from router.providers import ProviderClient
 from router.session import RoutingSession
 from router.settings import RouterSettings
 
@@ -79,7 +83,22 @@ class RouterDaemon:
             settings.max_tries_per_step,
             self._released,
         )
-        self.dispatcher = Dispatcher(self.table, self.session, self.store, self.metrics)
+        self.providers = ProviderClient(
+            settings.openai_api_key,
+            settings.anthropic_api_key,
+            settings.openai_base_url,
+            settings.anthropic_base_url,
+        )
+        self.dispatcher = Dispatcher(
+            self.table,
+            self.session,
+            self.store,
+            self.metrics,
+            provider_call=self.providers,
+            provider_available=self.providers.available,
+        )
+        self._warn_about_policy(self.store.current)
+        self.store.listeners.append(self._warn_about_policy)
         self.client = ClientApi(
             self.dispatcher,
             self.table,
@@ -97,6 +116,18 @@ class RouterDaemon:
         )
         self._stop = trio.Event()
         self._http_stop = trio.Event()
+
+    def _warn_about_policy(self, policy: Policy) -> None:
+        """A provider without its key is skipped, not fatal: say so at load."""
+        for warning in policy_warnings(policy):
+            log.warning("policy_warning %s", quote(warning))
+        provider = policy.fallback_provider
+        if provider is not None and not self.providers.available(provider.engine):
+            log.warning(
+                "provider_fallback_disabled engine=%s reason=%s",
+                provider.engine,
+                quote(f"HIVENET_ROUTER_{provider.engine.upper()}_API_KEY is not set"),
+            )
 
     def _released(self, peer: Peer) -> None:
         self.queue.notify(peer.metadata.model)
@@ -133,6 +164,7 @@ class RouterDaemon:
                 self.link.close_all("router shutting down")
                 with trio.CancelScope(shield=True):
                     await close_listeners(host)
+                    await self.providers.aclose()
         log.info("router_stopped")
 
     def announce_addrs(self, host: Any) -> list[str]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from protocol.logs import quote
@@ -17,6 +18,7 @@ class PolicyStore:
         self.metrics = metrics
         self.path = path
         self.current: Policy = default_policy()
+        self.listeners: list[Callable[[Policy], None]] = []
         if path is not None:
             self.current = load_policy(Path(path).read_text())
 
@@ -33,6 +35,8 @@ class PolicyStore:
         self.current = policy
         self.metrics.reloads.labels("success").inc()
         log.info("policy_reloaded origin=%s chain=[%s]", origin, "→".join(policy.chain_names()))
+        for listener in self.listeners:
+            listener(policy)
         return []
 
     def reload_file(self) -> list[str]:
