@@ -152,3 +152,18 @@ async def test_anthropic_provider_translates_both_ways(fleet: Fleet, tmp_path: P
         streamed = await trio.to_thread.run_sync(lambda: chat(router, stream=True))
         assert streamed == "echo: hello provider"
         nursery.cancel_scope.cancel()
+
+
+def test_a_provider_without_its_key_is_skipped_with_a_warning(fleet: Fleet, tmp_path: Path) -> None:
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(POLICY.format(engine="anthropic", model="claude-3-5-haiku-latest"))
+    router = fleet.router("--policy-file", str(policy))
+    fleet.agent(router, "m1")
+    assert "provider_fallback_disabled engine=anthropic" in router.log()
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={"model": "m1", "messages": [{"role": "user", "content": "x"}]},
+        timeout=10,
+    )
+    assert r.status_code == 503
+    assert r.json()["error"]["code"] == "no_agents_available"
