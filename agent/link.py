@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import random
 import time
@@ -24,8 +25,8 @@ log = logging.getLogger("agent")
 
 CONNECT_TIMEOUT = 10.0
 WELCOME_TIMEOUT = 10.0
-LINK_PING = 1.0
-LINK_TIMEOUT = 3.0
+# The router is declared frozen after this many of its heartbeat periods of silence.
+SILENT_PERIODS = 3
 BACKOFF_START = 0.2
 BACKOFF_CAP = 5.0
 TOKEN_TTL = 3600.0
@@ -84,17 +85,15 @@ class RouterSession:
         self.welcomed = trio.Event()
         self.refusal: str | None = None
         self.last_rx = trio.current_time()
-        self.last_tx = 0.0
+        self.router_interval = heartbeat_interval
         self.requests: dict[int, trio.CancelScope] = {}
         self._nursery: trio.Nursery | None = None
         self._idle = trio.Event()
 
     def send(self, msg: dict) -> None:
-        try:
+        # A closed session is ending; the router fails its requests itself.
+        with contextlib.suppress(SessionClosed):
             self.fs.send_nowait(msg)
-            self.last_tx = trio.current_time()
-        except SessionClosed:
-            pass  # the session is ending; the router fails the request itself
 
     async def run(self) -> str:
         self.send(self.hello)
@@ -118,6 +117,7 @@ class RouterSession:
             if scope is not None:
                 scope.cancel()
         elif kind == m.WELCOME:
+            self.router_interval = float(msg["heartbeat_interval"])
             self.welcomed.set()
             log.info("router_joined router=%s", msg.get("router_peer_id", ""))
         elif kind == m.REFUSAL:
@@ -141,25 +141,26 @@ class RouterSession:
         if not self.welcomed.is_set():
             self.fs.close("no welcome from the router")
             return
+        # Every frame costs both daemons real CPU in py-libp2p, so the heartbeat is the
+        # only liveness traffic: one per period, or sooner when the values change.
+        silent_limit = SILENT_PERIODS * max(self.heartbeat_interval, self.router_interval)
         self.send(self.status.heartbeat())
         last_full = trio.current_time()
         changed = self.status.changed
         while True:
-            with trio.move_on_after(LINK_PING):
+            with trio.move_on_after(self.heartbeat_interval):
                 if changed is not None:
                     await changed.wait()
                 else:
                     await trio.sleep_forever()
             now = trio.current_time()
-            if now - self.last_rx > LINK_TIMEOUT:
-                self.fs.close(f"router silent for more than {LINK_TIMEOUT:g}s")
+            if now - self.last_rx > silent_limit:
+                self.fs.close(f"router silent for more than {silent_limit:g}s")
                 return
             if self.status.changed is not changed or now - last_full >= self.heartbeat_interval:
                 changed = self.status.changed
                 self.send(self.status.heartbeat())
                 last_full = now
-            elif now - self.last_tx >= LINK_PING:
-                self.send(m.heartbeat(time.time()))
 
     def drain(self) -> None:
         self.send(m.drain())

@@ -13,6 +13,7 @@ import logging
 import math
 import os
 from collections.abc import Awaitable, Callable
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -20,13 +21,19 @@ import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
 from libp2p.peer.id import ID
+from libp2p.stream_muxer.yamux.yamux import YamuxStream
 
 from protocol.frames import MAX_FRAME_BYTES, FrameDecoder, encode_frame
 
 WRITE_BATCH_BYTES = 256 * 1024
 READ_BYTES = 256 * 1024
 SEED_BYTES = 32
+PATCHED_LIBP2P = "0.8.1"
 FLUSH_TIMEOUT = 1.0
+
+
+def libp2p_version() -> str:
+    return version("libp2p")
 
 
 def load_or_create_identity(path: str | os.PathLike[str]) -> KeyPair:
@@ -47,6 +54,31 @@ def load_or_create_identity(path: str | os.PathLike[str]) -> KeyPair:
 
 def peer_id_of(key_pair: KeyPair) -> ID:
     return ID.from_pubkey(key_pair.public_key)
+
+
+def tune_libp2p() -> None:
+    """Make py-libp2p's yamux release receive windows in batches, as go-yamux does.
+
+    py-libp2p 0.8.1 answers every read with a WINDOW_UPDATE frame (and reads its tuning
+    from the environment on each call), so every heartbeat costs the receiver a write:
+    the largest part of an idle agent session's cost on the router. Releasing once half
+    the window is consumed keeps flow control intact (a sender always has at least half
+    a window) at a fraction of the frames.
+    """
+    if libp2p_version() != PATCHED_LIBP2P:
+        raise RuntimeError(f"protocol/p2p.py patches py-libp2p {PATCHED_LIBP2P} yamux internals")
+    YamuxStream._auto_tune_and_send_window_update = _release_in_batches  # type: ignore[method-assign]
+
+
+async def _release_in_batches(self: YamuxStream, *, bytes_read: int = 0) -> None:
+    async with self.window_lock:
+        self._pending_recv_release += bytes_read
+        pending = self._pending_recv_release
+        if pending < self.target_recv_window // 2:
+            return
+        self._pending_recv_release = 0
+        self.recv_window += pending
+    await self.send_window_update(pending, skip_lock=True)
 
 
 def quiet_libp2p_logging() -> None:

@@ -35,10 +35,6 @@ from router.session import ForwardFailure, RouteRequest, Slot
 log = logging.getLogger("link")
 
 HELLO_TIMEOUT = 10.0
-# Link liveness, separate from the agent's health heartbeat: a frozen peer is noticed
-# after LINK_TIMEOUT of silence; each side sends a ping when it has been quiet.
-LINK_PING = 1.0
-LINK_TIMEOUT = 3.0
 MAX_ERROR_BODY = 1024 * 1024
 
 
@@ -203,10 +199,14 @@ class AgentLink:
         if session.peer is None and not fs.closed.is_set():
             fs.close("no hello within 10s")
             return
+        # Liveness both ways at the heartbeat period: a frozen agent (or a black-holed
+        # network, which libp2p never notices) ends its session after --unhealthy-after.
+        interval = self.settings.heartbeat_interval
+        limit = self.settings.unhealthy_after
         while not fs.closed.is_set():
-            await trio.sleep(LINK_PING)
-            if trio.current_time() - session.last_rx > LINK_TIMEOUT:
-                fs.close(f"link heartbeat timeout: silent for more than {LINK_TIMEOUT:g}s")
+            await trio.sleep(interval)
+            if trio.current_time() - session.last_rx > limit:
+                fs.close(f"link heartbeat timeout: silent for more than {limit:g}s")
                 return
             try:
                 fs.send_nowait(m.heartbeat(time.time()))

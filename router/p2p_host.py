@@ -25,6 +25,8 @@ from libp2p.network.swarm import Swarm
 from libp2p.rcmgr import new_resource_manager
 from libp2p.rcmgr.connection_limits import ConnectionLimits
 
+from protocol.p2p import tune_libp2p
+
 log = logging.getLogger("router.p2p")
 
 # The fleet size we promise; libp2p's defaults (300 connections) are far below it.
@@ -69,6 +71,7 @@ def _fix_inbound_handler(swarm: Swarm) -> None:
 def router_host(
     key_pair: KeyPair, listen_addrs: Sequence[multiaddr.Multiaddr], websocket: bool
 ) -> Any:
+    tune_libp2p()
     limits = ConnectionLimits(
         max_pending_inbound=512,
         max_pending_outbound=64,

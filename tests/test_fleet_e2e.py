@@ -112,9 +112,11 @@ def test_agents_rejoin_a_restarted_router_on_their_own(fleet: Fleet) -> None:
 
 
 async def test_frozen_agent_is_detected_and_its_requests_fail_over(fleet: Fleet) -> None:
-    router = fleet.router()
-    frozen = fleet.agent(router, "m1", "--sim-token-latency", "200ms")
-    fleet.agent(router, "m1", "--sim-token-latency", "200ms", wait=False)
+    # Detection takes --unhealthy-after: heartbeats are the only liveness traffic.
+    router = fleet.router("--heartbeat-interval", "1s", "--unhealthy-after", "3s")
+    fast = ("--sim-token-latency", "200ms", "--heartbeat-interval", "1s")
+    frozen = fleet.agent(router, "m1", *fast)
+    fleet.agent(router, "m1", *fast, wait=False)
     wait_until(lambda: len(router.agents()) == 2, 15, "two agents")
     outcomes: list[tuple[int, str]] = []
 

@@ -22,7 +22,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from protocol import messages as m
 from protocol.frames import MAX_FRAME_BYTES, FrameDecoder, encode_frame
-from protocol.p2p import FramedStream, peer_id_of
+from protocol.p2p import FramedStream, peer_id_of, tune_libp2p
 from protocol.tokens import issue_token
 from tests.fleet import SECRET, Fleet, Router, wait_until
 
@@ -187,6 +187,8 @@ async def test_300_sequential_agent_connections_all_join(fleet: Fleet) -> None:
 
 
 async def test_large_messages_both_ways_arrive_intact_and_in_order() -> None:
+    # With the daemons' yamux tuning: flow control must still carry 1 MiB messages.
+    tune_libp2p()
     sizes = [100, 1000, 16 * 1024, 64 * 1024, 300 * 1024, 1024 * 1024]
     payloads = [os.urandom(sizes[i % len(sizes)]) for i in range(60)]
     server_key = create_new_key_pair(os.urandom(32))

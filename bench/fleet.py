@@ -1,0 +1,91 @@
+"""Router cost of a connected fleet: CPU share and resident memory with 10, 100 and
+1,000 agent sessions heartbeating at the default period.
+
+    python -m bench.fleet [--sizes 10,100,1000] [--measure 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import httpx
+import psutil
+
+from bench.procs import ADMIN_KEY, Procs, free_port
+
+PER_PROCESS = 250
+
+
+def joined(url: str) -> int:
+    r = httpx.get(
+        url + "/admin/routing-table", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10
+    )
+    return sum(1 for a in r.json()["agents"] if a["status"]["healthy"])
+
+
+def run(size: int, measure: float) -> dict:
+    procs = Procs()
+    try:
+        http, metrics, p2p = free_port(), free_port(), free_port()
+        router, addr = procs.router(http, metrics, p2p)
+        url = f"http://127.0.0.1:{http}"
+        router_ps = psutil.Process(router.pid)
+        idle_rss = router_ps.memory_info().rss
+        remaining = size
+        while remaining > 0:
+            count = min(PER_PROCESS, remaining)
+            procs.spawn(
+                f"agents-{remaining}",
+                [
+                    sys.executable,
+                    "-m",
+                    "bench.fleet_agents",
+                    "--router",
+                    addr,
+                    "--count",
+                    str(count),
+                ],
+            )
+            remaining -= count
+        deadline = time.monotonic() + 120 + size / 10
+        while (n := joined(url)) < size:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"only {n}/{size} agents joined")
+            time.sleep(1)
+        time.sleep(5)  # let the join burst settle
+        cpu0 = sum(router_ps.cpu_times()[:2])
+        t0 = time.monotonic()
+        time.sleep(measure)
+        cpu = sum(router_ps.cpu_times()[:2]) - cpu0
+        share = cpu / (time.monotonic() - t0)
+        return {
+            "agents": size,
+            "joined": joined(url),
+            "router_cpu_share_of_one_core": round(share, 4),
+            "router_rss_mib": round(router_ps.memory_info().rss / 2**20, 1),
+            "router_rss_idle_mib": round(idle_rss / 2**20, 1),
+        }
+    finally:
+        procs.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--sizes", default="10,100,1000")
+    parser.add_argument("--measure", type=float, default=20.0)
+    args = parser.parse_args()
+    print("| agents | joined | router CPU (share of one core) | router RSS MiB (idle) |")
+    print("|---:|---:|---:|---:|")
+    for size in (int(s) for s in args.sizes.split(",")):
+        r = run(size, args.measure)
+        print(
+            f"| {r['agents']} | {r['joined']} | {r['router_cpu_share_of_one_core']:.3f} "
+            f"| {r['router_rss_mib']} ({r['router_rss_idle_mib']}) |",
+            flush=True,
+        )
+
+
+if __name__ == "__main__":
+    main()
