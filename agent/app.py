@@ -23,6 +23,21 @@ from protocol.sdnotify import sd_notify
 log = logging.getLogger("agent")
 
 
+async def _tick(next_at: float, interval: float) -> float:
+    """Sleep until the next period starts; returns its start.
+
+    Periods are kept on a fixed schedule, so a slow scrape does not stretch the sample
+    period the router's freshness limit is computed from; after an overrun the next
+    period starts at once, and missed ones are not made up in a burst.
+    """
+    next_at += interval
+    now = trio.current_time()
+    if next_at < now:
+        next_at = now
+    await trio.sleep_until(next_at)
+    return next_at
+
+
 class AgentDaemon:
     def __init__(self, settings: AgentSettings) -> None:
         self.settings = settings
@@ -159,30 +174,66 @@ class AgentDaemon:
             await self._probe_health(probe, ep)
 
     async def _engine_loop(self, probe: httpx.AsyncClient, ep: EngineEndpoints) -> None:
+        """Scrape the engine every sample period; only a good scrape refreshes the values.
+
+        A failed scrape (engine down, restarting, answering 5xx or garbage) leaves the last
+        values and their time as they were, so their age grows and the router treats them
+        as missing after three sample periods instead of trusting them forever.
+        """
         if ep.metrics_url is None:
-            return
+            return  # Ollama: no engine metrics; the fields stay missing, never zero
         sampler = self.adapter.new_sampler(self.model)
+        failing = False
+        next_at = trio.current_time()
         while True:
             try:
                 response = await probe.get(ep.metrics_url)
-                if response.status_code == 200:
-                    values = sampler.update(response.text, trio.current_time())
-                    if values != self.status.engine:
-                        self.status.engine = values
-                        self._changed()
-                    self.status.engine_at = trio.current_time()
-            except Exception as exc:  # a failed scrape leaves the last values to age out
-                log.debug("engine_sample_failed error=%s", quote(repr(exc)))
-            await trio.sleep(self.settings.engine_sample_interval)
+                if not response.is_success:
+                    raise ValueError(f"answered HTTP {response.status_code}")
+                values = sampler.update(response.text, trio.current_time())
+            except Exception as exc:  # engines fail in many ways; the values age out
+                if not failing:
+                    log.warning(
+                        "engine_metrics_failed url=%s error=%s",
+                        ep.metrics_url,
+                        quote(f"{type(exc).__name__}: {exc}"),
+                    )
+                failing = True
+            else:
+                if failing:
+                    log.info("engine_metrics_recovered url=%s", ep.metrics_url)
+                failing = False
+                self.status.engine = values
+                self.status.engine_at = trio.current_time()
+                self._fresh()
+            next_at = await _tick(next_at, self.settings.engine_sample_interval)
 
     async def _hardware_loop(self) -> None:
+        failing = False
+        next_at = trio.current_time()
         while True:
-            values = await trio.to_thread.run_sync(self.hardware.sample)
-            if values != self.status.hardware:
+            try:
+                values = await trio.to_thread.run_sync(self.hardware.sample)
+            except Exception as exc:  # a sampler error must not stop the agent
+                if not failing:
+                    log.warning("hardware_sample_failed error=%s", quote(repr(exc)))
+                failing = True
+            else:
+                failing = False
                 self.status.hardware = values
-                self._changed()
-            self.status.hardware_at = trio.current_time()
-            await trio.sleep(self.settings.hardware_sample_interval)
+                self.status.hardware_at = trio.current_time()
+                self._fresh()
+            next_at = await _tick(next_at, self.settings.hardware_sample_interval)
+
+    def _fresh(self) -> None:
+        """A new sample is news for the routers even when its values did not change.
+
+        The router ages engine and hardware values out after three sample periods; the
+        heartbeat every `--heartbeat-interval` (5 s) is far longer than that (1.5 s for
+        the default engine period), so each good sample wakes the heartbeat loops: a
+        change reaches the routers at once, and unchanged values stay fresh there.
+        """
+        self._changed()
 
     def _changed(self) -> None:
         """Wake the sessions' heartbeat loops so routers see new values promptly."""

@@ -8,11 +8,20 @@ comments next to each test.
 # ruff: noqa: E501  (the fixtures are engine output lines, kept verbatim)
 from __future__ import annotations
 
+import itertools
+import logging
+from pathlib import Path
+from typing import Any
+
 import httpx
 import pytest
+import trio
 
+from agent.app import AgentDaemon
 from agent.engines import ENGINES, FIELDS, EngineEndpoints, HealthTracker, get_adapter
 from agent.engines.base import histogram_quantile
+from agent.link import RouterSession
+from agent.settings import AgentSettings
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 
@@ -643,3 +652,192 @@ async def test_ollama_model_discovery() -> None:
         assert await ollama.discover_model(client, ep) == "qwen2.5:7b"
     async with _client({}) as client:
         assert await ollama.discover_model(client, ep) is None
+
+
+# --- the agent daemon's sampling loops and heartbeats ----------------------------------
+# Driven on trio's autojump clock against httpx.MockTransport engines, so the times at
+# which a scrape, a value and a heartbeat happen are exact.
+
+
+def _daemon(tmp_path: Path, engine: str = "vllm", **settings: Any) -> AgentDaemon:
+    return AgentDaemon(
+        AgentSettings(
+            routers=[],
+            model=MODEL,
+            engine=engine,
+            identity_path=str(tmp_path / "agent.key"),
+            **settings,
+        )
+    )
+
+
+def _engine(answers: list[httpx.Response | str]) -> tuple[httpx.AsyncClient, list[float]]:
+    """An engine whose n-th `/metrics` answer is answers[n] (the last one repeats)."""
+    times: list[float] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/metrics"
+        answer = answers[min(len(times), len(answers) - 1)]
+        times.append(trio.current_time())
+        return answer if isinstance(answer, httpx.Response) else httpx.Response(200, text=answer)
+
+    return httpx.AsyncClient(transport=httpx.MockTransport(handle)), times
+
+
+async def test_engine_loop_refreshes_values_only_on_good_scrapes(
+    tmp_path: Path, autojump_clock: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="agent")
+    daemon = _daemon(tmp_path, engine_sample_interval=0.5)
+    ep = daemon.adapter.endpoints("http://engine:8000", None, None)
+    down = httpx.Response(503, text="loading")
+    # Scrapes at 0, 0.5, ...: two good ones, four failures, garbage, then the engine is
+    # back after a restart (its histogram counters lower than before), then counting up.
+    answers = [VLLM_CURRENT_1, VLLM_CURRENT_2, *[down] * 4, "{{{", VLLM_CURRENT_1, VLLM_CURRENT_2]
+    probe, times = _engine(answers)
+    status = daemon.status
+    async with probe, trio.open_nursery() as nursery:
+        t0 = trio.current_time()
+        nursery.start_soon(daemon._engine_loop, probe, ep)
+        await trio.sleep(0.25)
+        assert status.engine is not None
+        assert status.engine["kv_cache_utilization"] == pytest.approx(0.42)
+        assert status.engine_at == pytest.approx(t0)
+        await trio.sleep(0.5)
+        assert status.engine["kv_cache_utilization"] == pytest.approx(0.875)
+        assert status.engine["avg_ttft_seconds"] == pytest.approx(0.2)
+        assert status.engine_at == pytest.approx(t0 + 0.5)
+        # Failed scrapes at 1.0-3.0 leave the values and their time alone: they age.
+        changed = status.changed
+        await trio.sleep(2.5)  # t0 + 3.25
+        assert status.changed is changed  # nothing new to tell the routers
+        assert status.engine_at == pytest.approx(t0 + 0.5)
+        assert status.heartbeat()["engine"]["age"] == pytest.approx(2.75)
+        assert status.heartbeat()["engine"]["interval"] == 0.5
+        await trio.sleep(0.5)  # t0 + 3.75: the restarted engine answered at 3.5
+        assert status.changed is not changed
+        assert status.engine_at == pytest.approx(t0 + 3.5)
+        assert status.engine["kv_cache_utilization"] == pytest.approx(0.42)
+        # Counters went down: that interval has no TTFT/ITL, rather than a negative one.
+        assert _ttft_itl(status.engine) == (None, None, None, None)
+        await trio.sleep(0.5)
+        assert status.engine["avg_ttft_seconds"] == pytest.approx(0.2)
+        nursery.cancel_scope.cancel()
+    # A fixed schedule: one scrape per period, whatever the answers.
+    assert [round(t - t0, 6) for t in times] == [i * 0.5 for i in range(9)]
+    failed = [r for r in caplog.records if "engine_metrics_failed" in r.getMessage()]
+    recovered = [r for r in caplog.records if "engine_metrics_recovered" in r.getMessage()]
+    assert len(failed) == 1  # one warning per failing streak, not one per scrape
+    assert len(recovered) == 1
+
+
+async def test_ollama_engine_loop_reports_nothing(tmp_path: Path) -> None:
+    daemon = _daemon(tmp_path, engine="ollama")
+    ep = daemon.adapter.endpoints("http://ollama:11434", None, None)
+    async with httpx.AsyncClient() as probe:
+        await daemon._engine_loop(probe, ep)  # returns at once: there is no /metrics
+    heartbeat = daemon.status.heartbeat()
+    assert heartbeat["engine"] == {}
+
+
+async def test_backend_health_three_strikes_through_the_daemon(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    daemon = _daemon(tmp_path)
+    ep = daemon.adapter.endpoints("http://engine:8000", None, None)
+    answers = iter([200, 500, 500, 500, 500, 200])
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        assert request.url.path == "/health"
+        return httpx.Response(next(answers))
+
+    seen = []
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as probe:
+        for _ in range(6):
+            changed = daemon.status.changed
+            await daemon._probe_health(probe, ep)
+            seen.append((daemon.status.backend_healthy, daemon.status.changed is not changed))
+    # (healthy, heartbeat woken): the first check reports healthy; the third failure in
+    # a row reports unhealthy; one success recovers. Only changes wake the heartbeats.
+    assert seen == [
+        (True, True),
+        (True, False),
+        (True, False),
+        (False, True),
+        (False, False),
+        (True, True),
+    ]
+
+
+class _Frames:
+    """Stands in for the FramedStream of a RouterSession: records what the agent sends."""
+
+    def __init__(self) -> None:
+        self.sent: list[tuple[float, dict]] = []
+        self.closed = trio.Event()
+
+    def send_nowait(self, msg: dict) -> None:
+        self.sent.append((trio.current_time(), msg))
+
+    def close(self, reason: str) -> None:
+        self.closed.set()
+
+
+def _kv_text(kv: float) -> str:
+    return f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} {kv}\n'
+
+
+async def test_heartbeats_carry_changes_at_once_and_keep_values_fresh(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    daemon = _daemon(tmp_path, engine_sample_interval=0.5, heartbeat_interval=5.0)
+    ep = daemon.adapter.endpoints("http://engine:8000", None, None)
+    kv = {"value": 0.1, "status": 200}
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(kv["status"], text=_kv_text(kv["value"]))
+
+    session = RouterSession(None, {}, daemon.status, None, "", 5.0, 60.0)  # type: ignore[arg-type]
+    frames = session.fs = _Frames()  # type: ignore[assignment]
+    session.welcomed.set()
+
+    async def router_pings() -> None:
+        while True:
+            session.last_rx = trio.current_time()
+            await trio.sleep(0.5)
+
+    def full() -> list[tuple[float, dict]]:
+        return [(t, msg) for t, msg in frames.sent if "backend_healthy" in msg]
+
+    async with (
+        httpx.AsyncClient(transport=httpx.MockTransport(handle)) as probe,
+        trio.open_nursery() as nursery,
+    ):
+        nursery.start_soon(router_pings)
+        nursery.start_soon(daemon._engine_loop, probe, ep)
+        await trio.sleep(0.1)
+        nursery.start_soon(session._keepalive)
+        await trio.sleep(3.0)
+        # Unchanged values: still one full heartbeat per sample period, so the router's
+        # copy is never older than its freshness limit of three periods.
+        sent = full()
+        assert len(sent) >= 6
+        assert max(b[0] - a[0] for a, b in itertools.pairwise(sent)) <= 0.5 + 1e-6
+        assert all(msg["engine"]["age"] < 0.5 for _, msg in sent)
+
+        changed_at = trio.current_time()
+        kv["value"] = 0.95
+        await trio.sleep(0.6)
+        first = next(t for t, msg in full() if msg["engine"]["kv_cache_utilization"] == 0.95)
+        assert first - changed_at <= 0.5 + 1e-6  # at the next sample, not the next 5 s beat
+
+        # Scrapes failing: full heartbeats fall back to the heartbeat interval, and the
+        # age they carry grows past the freshness limit.
+        kv["status"] = 500
+        failing_from = trio.current_time()
+        await trio.sleep(11.0)
+        late = [(t, msg) for t, msg in full() if t > failing_from + 0.5]
+        assert 1 <= len(late) <= 3
+        assert late[-1][1]["engine"]["age"] > 3 * 0.5
+        assert late[-1][1]["engine"]["kv_cache_utilization"] == 0.95
+        nursery.cancel_scope.cancel()
