@@ -79,6 +79,8 @@ class SimState:
     ttft: float
     kv_cache_utilization: float | None = None  # None: follows the load
     healthy: bool = True
+    # Anything but 200 makes `/metrics` fail with that status (an engine restarting).
+    metrics_status: int = 200
     fail_status: int = 500
     fail_body: Any = None  # JSON value; a str is sent verbatim as text/plain
     fail_count: int = 0
@@ -124,6 +126,7 @@ def _boolean(value: Any) -> bool:
 _SETTERS: dict[str, Callable[[Any], Any]] = {
     "kv_cache_utilization": _optional(_number(0.0, 1.0)),
     "healthy": _boolean,
+    "metrics_status": _integer(100, 599),
     "fail_status": _integer(100, 599),
     "fail_body": lambda value: value,
     "fail_count": _integer(0),
@@ -362,6 +365,10 @@ class SimEngine:
         await _Exchange(send).reply(200, self._models_body)
 
     async def _metrics(self, receive: Receive, send: Send) -> None:
+        status = self.state.metrics_status
+        if status != 200:
+            await _Exchange(send).reply(status, b"metrics unavailable\n", TEXT_TYPE)
+            return
         await _Exchange(send).reply(200, self.render_metrics().encode(), METRICS_TYPE)
 
     async def _get_state(self, receive: Receive, send: Send) -> None:
