@@ -16,6 +16,7 @@ from protocol.logs import quote
 from protocol.messages import PROTOCOL_ID
 from protocol.p2p import load_or_create_identity, peer_id_of
 from protocol.sdnotify import sd_notify
+from router.agent_metrics import AgentCollector
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
 from router.http.app import RouterApp, with_lifespan
@@ -58,6 +59,7 @@ class RouterDaemon:
         self.settings = settings
         self.metrics = RouterMetrics()
         self.table = PeerTable()
+        AgentCollector(self.table, self.metrics.registry)
         self.queue = WaitQueue(settings.queue_depth)
         self.table.on_change(self.queue.notify)
         self.store = PolicyStore(self.metrics, settings.policy_file)

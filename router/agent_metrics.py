@@ -1,0 +1,130 @@
+"""Per-agent gauges on `--metrics-port`, read from the peer table at scrape time.
+
+Every policy gate field of an agent is exported as `hivenet_router_agent_<field>` with
+the labels `peer_id`, `model` and `engine`, in the policy's own units, so a threshold
+in a policy file reads the same on a dashboard:
+
+- fractions 0-1 for `capacity_utilization`, `success_rate`, `kv_cache_utilization` and
+  the hardware `*_percent` fields (the names are the policy's; the values are not
+  percentages);
+- seconds for TTFT and ITL, degrees Celsius for `gpu_temperature_c`, counts for requests
+  and failures;
+- milliseconds for SRTT, exported as `hivenet_router_agent_srtt_milliseconds` (the
+  policy's `srtt` field and unit, with the unit in the name as Prometheus asks).
+
+A value the gates would treat as missing (never reported, no history yet, or older than
+three sample periods) has no sample at all, never a zero. `..._engine_age_seconds` and
+`..._hardware_age_seconds` say how old the latest snapshots are, as the routing table
+does. Health is `hivenet_router_agent_healthy` (agent and link) and
+`hivenet_router_agent_backend_healthy` (its inference backend), 1 or 0.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+import trio
+from prometheus_client import CollectorRegistry
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from router.peers import ENGINE_FIELDS, HARDWARE_FIELDS, Peer, PeerTable
+from router.policy.gates import metric_value
+
+PREFIX = "hivenet_router_agent_"
+LABELS = ("peer_id", "model", "engine")
+
+# (metric name suffix, policy field, help text)
+_UNIVERSAL = (
+    ("capacity_utilization", "capacity_utilization", "Active requests over declared capacity"),
+    ("success_rate", "success_rate", "Successful forwards over completed forwards (lifetime)"),
+    ("srtt_milliseconds", "srtt", "RFC 6298 smoothed request time to the response head, ms"),
+    ("consecutive_failures", "consecutive_failures", "Failed forwards since the last success"),
+)
+_HELP = {
+    "kv_cache_utilization": "Engine KV-cache use, fraction 0-1",
+    "running_requests": "Requests running in the engine",
+    "waiting_requests": "Requests queued in the engine",
+    "avg_ttft_seconds": "Average time to first token over the engine's last sample period",
+    "p90_ttft_seconds": "P90 time to first token over the engine's last sample period",
+    "avg_itl_seconds": "Average inter-token latency over the engine's last sample period",
+    "p90_itl_seconds": "P90 inter-token latency over the engine's last sample period",
+    "gpu_temperature_c": "Highest GPU temperature, degrees Celsius",
+    "gpu_util_percent": "Highest GPU compute utilization, fraction 0-1",
+    "gpu_vram_used_percent": "Highest GPU VRAM use, fraction 0-1",
+    "memory_used_percent": "System memory use, fraction 0-1",
+    "cpu_usage_percent": "CPU utilization, fraction 0-1",
+}
+
+
+class AgentCollector(Collector):
+    """Exports the table's agents; registered once on the router's registry."""
+
+    def __init__(self, table: PeerTable, registry: CollectorRegistry | None = None) -> None:
+        self.table = table
+        if registry is not None:
+            registry.register(self)
+
+    def describe(self) -> Iterable[Metric]:
+        # Without describe() the registry would collect once at registration; the names
+        # are fixed, so describing them is cheap and lets duplicates be caught early.
+        return list(self._families().values())
+
+    def collect(self) -> Iterator[Metric]:
+        try:
+            now = trio.current_time()
+        except RuntimeError:
+            # Scraped outside the router's trio thread: ages cannot be judged, so only
+            # the values that need no clock are exported.
+            now = None
+        families = self._families()
+        for peer in sorted(self.table.all(), key=lambda p: p.peer_id):
+            self._add(families, peer, now)
+        yield from families.values()
+
+    @staticmethod
+    def _families() -> dict[str, GaugeMetricFamily]:
+        def gauge(name: str, text: str) -> tuple[str, GaugeMetricFamily]:
+            return name, GaugeMetricFamily(PREFIX + name, text, labels=LABELS)
+
+        return dict(
+            [
+                gauge("healthy", "1 when the agent is connected and heartbeating, else 0"),
+                gauge("backend_healthy", "1 when the agent's inference backend is healthy"),
+                gauge("active_requests", "Requests the router has in flight on the agent"),
+                gauge("capacity", "Declared capacity (concurrent requests)"),
+                *(gauge(name, text) for name, _, text in _UNIVERSAL),
+                *(gauge(f, _HELP[f]) for f in ENGINE_FIELDS),
+                gauge("engine_age_seconds", "Age of the latest engine metrics snapshot"),
+                *(gauge(f, _HELP[f]) for f in HARDWARE_FIELDS),
+                gauge("hardware_age_seconds", "Age of the latest hardware snapshot"),
+            ]
+        )
+
+    @staticmethod
+    def _add(families: dict[str, GaugeMetricFamily], peer: Peer, now: float | None) -> None:
+        md = peer.metadata
+        labels = [peer.peer_id, md.model, md.engine]
+
+        def put(name: str, value: float | None) -> None:
+            if value is not None:
+                families[name].add_metric(labels, float(value))
+
+        put("healthy", 1.0 if peer.healthy and peer.connected else 0.0)
+        put("backend_healthy", 1.0 if peer.backend_healthy else 0.0)
+        put("active_requests", peer.active)
+        put("capacity", md.capacity)
+        put("capacity_utilization", peer.load_ratio)
+        stats = peer.stats
+        put("success_rate", stats.success_rate)
+        put("srtt_milliseconds", stats.srtt_ms)
+        if stats.successes + stats.failures:
+            put("consecutive_failures", stats.consecutive_failures)
+        if now is None:
+            return
+        for field in (*ENGINE_FIELDS, *HARDWARE_FIELDS):
+            put(field, metric_value(peer, field, now))
+        if peer.engine_at:
+            put("engine_age_seconds", now - peer.engine_at)
+        if peer.hardware_at:
+            put("hardware_age_seconds", now - peer.hardware_at)
