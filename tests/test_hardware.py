@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pynvml
 import pytest
@@ -155,3 +156,72 @@ def test_this_host_without_nvml() -> None:
         assert 0.0 <= values["gpu_util_percent"] <= 1.0
         assert 0.0 <= values["gpu_vram_used_percent"] <= 1.0
         assert values["gpu_temperature_c"] > 0.0
+
+
+def _agent_metadata(tmp_path: Path, gpu_model: str = "") -> dict:
+    from agent.app import AgentDaemon
+    from agent.settings import AgentSettings
+
+    settings = AgentSettings(
+        routers=[],
+        model="m1",
+        engine="sim",
+        gpu_model=gpu_model,
+        identity_path=str(tmp_path / "agent.key"),
+    )
+    return AgentDaemon(settings).metadata()
+
+
+def test_gpu_model_from_nvml_unless_given(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    _fake_nvml(
+        monkeypatch,
+        [
+            _Gpu("NVIDIA L40S", temperature=40, utilization=0, used=0, total=GIB),
+            _Gpu("NVIDIA L40S", temperature=41, utilization=0, used=0, total=GIB),
+        ],
+    )
+    assert _agent_metadata(tmp_path)["gpu_model"] == "NVIDIA L40S"
+    # The operator's --gpu-model wins: it is what policies match on.
+    assert _agent_metadata(tmp_path, "L40S-48GB")["gpu_model"] == "L40S-48GB"
+
+
+def test_gpu_model_empty_without_nvml(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    def fail() -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_DRIVER_NOT_LOADED)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", fail)
+    assert _agent_metadata(tmp_path)["gpu_model"] == ""
+
+
+def test_fractions_and_celsius_from_nvml_units(monkeypatch: pytest.MonkeyPatch) -> None:
+    # NVML reports utilization in percent and memory in bytes; the policy wants 0-1.
+    _fake_nvml(
+        monkeypatch,
+        [_Gpu("A100", temperature=100, utilization=100, used=80 * GIB, total=80 * GIB)],
+    )
+    values = HardwareSampler().sample()
+    assert values["gpu_util_percent"] == 1.0
+    assert values["gpu_vram_used_percent"] == 1.0
+    assert values["gpu_temperature_c"] == 100.0
+
+
+def test_cpu_and_memory_from_psutil_as_fractions(monkeypatch: pytest.MonkeyPatch) -> None:
+    import psutil
+
+    @dataclass
+    class _VirtualMemory:
+        percent: float
+
+    calls: list[object] = []
+
+    def cpu_percent(interval: float | None = None) -> float:
+        calls.append(interval)
+        return 37.5
+
+    monkeypatch.setattr(psutil, "virtual_memory", lambda: _VirtualMemory(percent=73.5))
+    monkeypatch.setattr(psutil, "cpu_percent", cpu_percent)
+    values = HardwareSampler().sample()
+    assert values["memory_used_percent"] == pytest.approx(0.735)
+    assert values["cpu_usage_percent"] == pytest.approx(0.375)
+    # Never blocking: CPU use since the previous call, primed when the sampler starts.
+    assert calls == [None, None]
