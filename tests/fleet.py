@@ -161,11 +161,17 @@ class Router(Proc):
 
 class Agent(Proc):
     def __init__(
-        self, fleet: Fleet, routers: list[Router], model: str, flags: list[str], env: dict[str, str]
+        self,
+        fleet: Fleet,
+        routers: list[Router],
+        model: str,
+        flags: list[str],
+        env: dict[str, str],
+        engine: str = "sim",
     ) -> None:
         self.identity = fleet.dir / f"agent-{len(fleet.procs)}-{model.replace('/', '_')}.key"
         self.peer_id = str(peer_id_of(load_or_create_identity(self.identity)))
-        argv = [str(VENV_BIN / "hivenet-agent"), "--model", model, "--engine", "sim"]
+        argv = [str(VENV_BIN / "hivenet-agent"), "--model", model, "--engine", engine]
         for r in routers:
             argv += ["--router", r.multiaddr]
         argv += ["--identity-path", str(self.identity), *flags]
@@ -205,9 +211,11 @@ class Fleet:
         *flags: str,
         env: dict[str, str] | None = None,
         wait: bool = True,
+        engine: str = "sim",
     ) -> Agent:
+        """An agent process; `engine` other than "sim" needs `--backend-url` in `flags`."""
         routers = router if isinstance(router, list) else [router]
-        a = Agent(self, routers, model, list(flags), {**self.env, **(env or {})})
+        a = Agent(self, routers, model, list(flags), {**self.env, **(env or {})}, engine)
         self.procs.append(a)
         a.start()
         if wait:
