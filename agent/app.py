@@ -249,14 +249,31 @@ class AgentDaemon:
                 return
 
     async def _drain(self) -> None:
-        """Tell every router to stop sending, finish what is in flight, then leave."""
-        sd_notify("STOPPING=1")
+        """Tell every router to stop sending, finish what is in flight, then leave.
+
+        A request a router sent before it read the drain frame is still served. Leaving
+        flushes each session: the last response frames reach the router before the
+        stream closes, and a request that arrives after that fails over at the router
+        (no answer had started). What outlives --drain-timeout ends at the router as
+        `agent_disconnected`, an error event on a started stream.
+        """
+        timeout = self.settings.drain_timeout
+        inflight = sum(len(c.session.requests) for c in self.connections if c.session)
+        log.info("agent_drain inflight=%d routers=%d", inflight, len(self.connections))
+        sd_notify(f"STOPPING=1\nSTATUS=draining {inflight} requests")
         for conn in self.connections:
             conn.stopping = True
             if conn.session is not None:
                 conn.session.drain()
-        with trio.move_on_after(self.settings.drain_timeout):
+        with trio.move_on_after(timeout):
             for conn in self.connections:
                 if conn.session is not None:
                     await conn.session.wait_idle()
+        left = sum(len(c.session.requests) for c in self.connections if c.session)
+        if left:
+            log.warning("agent_drain_timeout inflight=%d drain_timeout_s=%g", left, timeout)
+        async with trio.open_nursery() as nursery:
+            for conn in self.connections:
+                if conn.session is not None:
+                    nursery.start_soon(conn.session.fs.flush_and_close, "agent leaving")
         log.info("agent_stopped")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import signal
+import time
 from typing import Any
 
 import multiaddr
@@ -34,6 +35,11 @@ from router.session import RoutingSession
 from router.settings import RouterSettings
 
 log = logging.getLogger("router")
+
+# After --drain-timeout the router closes its agent sessions, so every request still in
+# flight ends with a clear error (an error event on a started stream, a 503 otherwise);
+# this is how long those answers get to reach their clients before HTTP stops.
+DRAIN_CUT_GRACE = 5.0
 
 
 def listen_multiaddrs(settings: RouterSettings) -> list[multiaddr.Multiaddr]:
@@ -156,10 +162,10 @@ class RouterDaemon:
                         *s.metrics_addr,
                         "→".join(self.store.current.chain_names()),
                     )
-                    sd_notify("READY=1")
+                    sd_notify(f"READY=1\nSTATUS=serving http={s.http_addr[0]}:{s.http_addr[1]}")
                     task_status.started()
                     await self._stop.wait()
-                    await self._drain()
+                    await self._drain(host)
                     self._http_stop.set()
                     nursery.cancel_scope.cancel()
             finally:
@@ -189,21 +195,53 @@ class RouterDaemon:
         with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
                 if signum == signal.SIGHUP:
+                    # systemd's `reload` (ExecReload=kill -HUP): tell it while we reload.
+                    sd_notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
                     errors = self.store.reload_file()
                     if errors:
                         log.warning("sighup_reload_rejected errors=%d", len(errors))
+                    status = "reload rejected, running policy kept" if errors else "reloaded"
+                    sd_notify(f"READY=1\nSTATUS=serving, policy {status}")
                 elif self._stop.is_set():
+                    log.warning("router_stop_now signal=%s", signal.Signals(signum).name)
                     cancel_scope.cancel()
                 else:
-                    log.info("router_draining signal=%s", signal.Signals(signum).name)
-                    sd_notify("STOPPING=1")
+                    log.info(
+                        "router_draining signal=%s inflight=%d drain_timeout_s=%g",
+                        signal.Signals(signum).name,
+                        self.app.inflight,
+                        self.settings.drain_timeout,
+                    )
+                    sd_notify(f"STOPPING=1\nSTATUS=draining {self.app.inflight} requests")
                     self.app.draining = True
                     self._stop.set()
 
-    async def _drain(self) -> None:
-        """Let in-flight requests finish, up to --drain-timeout."""
-        with trio.move_on_after(self.settings.drain_timeout):
-            while self.app.inflight:
-                await self.app.idle.wait()
+    async def _drain(self, host: Any) -> None:
+        """Let in-flight requests finish, up to --drain-timeout; then end the rest clearly.
+
+        New inference requests already get a 503 (`app.draining`). What outlives the
+        timeout is not cut off silently: the p2p listener closes (no agent rejoins) and
+        every agent session closes, so each request still waiting on an agent ends the
+        way a lost agent ends it: an `agent_disconnected` error event on a started
+        stream, a 503 otherwise. HTTP stays up for DRAIN_CUT_GRACE to deliver those.
+        """
+        timeout = self.settings.drain_timeout
+        with trio.move_on_after(timeout):
+            await self._until_idle()
+        if not self.app.inflight:
+            log.info("router_drained")
+            return
+        log.warning(
+            "router_drain_timeout inflight=%d drain_timeout_s=%g", self.app.inflight, timeout
+        )
+        sd_notify(f"STATUS=drain timeout, ending {self.app.inflight} requests")
+        await close_listeners(host)
+        self.link.close_all(f"router shutting down: drain timeout ({timeout:g}s) reached")
+        with trio.move_on_after(DRAIN_CUT_GRACE):
+            await self._until_idle()
         if self.app.inflight:
-            log.warning("router_drain_timeout inflight=%d", self.app.inflight)
+            log.warning("router_drain_cut inflight=%d", self.app.inflight)
+
+    async def _until_idle(self) -> None:
+        while self.app.inflight:
+            await self.app.idle.wait()
