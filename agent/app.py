@@ -17,7 +17,7 @@ from agent.link import RouterConnection, RouterSession, Status, hello_for
 from agent.settings import AgentSettings
 from protocol.logs import quote
 from protocol.messages import VERSION
-from protocol.p2p import load_or_create_identity, peer_id_of
+from protocol.p2p import load_or_create_identity, peer_id_of, tune_libp2p
 from protocol.sdnotify import sd_notify
 
 log = logging.getLogger("agent")
@@ -90,6 +90,7 @@ class AgentDaemon:
             nursery.start_soon(self._health_loop, probe, ep)
             nursery.start_soon(self._engine_loop, probe, ep)
             nursery.start_soon(self._hardware_loop)
+            tune_libp2p()
             host = new_host(
                 key_pair=self.key_pair,
                 listen_addrs=[],
@@ -176,9 +177,9 @@ class AgentDaemon:
     async def _engine_loop(self, probe: httpx.AsyncClient, ep: EngineEndpoints) -> None:
         """Scrape the engine every sample period; only a good scrape refreshes the values.
 
-        A failed scrape (engine down, restarting, answering 5xx or garbage) leaves the last
-        values and their time as they were, so their age grows and the router treats them
-        as missing after three sample periods instead of trusting them forever.
+        A failed scrape (engine down, restarting, answering 5xx or garbage) keeps the last
+        values until they are three sample periods old; then they are reported as missing
+        at once, so a router never trusts values the agent could not confirm.
         """
         if ep.metrics_url is None:
             return  # Ollama: no engine metrics; the fields stay missing, never zero
@@ -199,13 +200,12 @@ class AgentDaemon:
                         quote(f"{type(exc).__name__}: {exc}"),
                     )
                 failing = True
+                self._expire("engine", self.settings.engine_sample_interval)
             else:
                 if failing:
                     log.info("engine_metrics_recovered url=%s", ep.metrics_url)
                 failing = False
-                self.status.engine = values
-                self.status.engine_at = trio.current_time()
-                self._fresh()
+                self._sampled("engine", values)
             next_at = await _tick(next_at, self.settings.engine_sample_interval)
 
     async def _hardware_loop(self) -> None:
@@ -218,22 +218,27 @@ class AgentDaemon:
                 if not failing:
                     log.warning("hardware_sample_failed error=%s", quote(repr(exc)))
                 failing = True
+                self._expire("hardware", self.settings.hardware_sample_interval)
             else:
                 failing = False
-                self.status.hardware = values
-                self.status.hardware_at = trio.current_time()
-                self._fresh()
+                self._sampled("hardware", values)
             next_at = await _tick(next_at, self.settings.hardware_sample_interval)
 
-    def _fresh(self) -> None:
-        """A new sample is news for the routers even when its values did not change.
+    def _sampled(self, kind: str, values: dict[str, float | None]) -> None:
+        """A good sample: routers hear of a change at once, of the same values with the
+        next heartbeat (every frame costs both daemons CPU; an idle fleet is quiet)."""
+        setattr(self.status, f"{kind}_at", trio.current_time())
+        if values != getattr(self.status, kind):
+            setattr(self.status, kind, values)
+            self._changed()
 
-        The router ages engine and hardware values out after three sample periods; the
-        heartbeat every `--heartbeat-interval` (5 s) is far longer than that (1.5 s for
-        the default engine period), so each good sample wakes the heartbeat loops: a
-        change reaches the routers at once, and unchanged values stay fresh there.
-        """
-        self._changed()
+    def _expire(self, kind: str, interval: float) -> None:
+        """Values not confirmed for three sample periods are reported missing at once."""
+        values = getattr(self.status, kind)
+        age = trio.current_time() - getattr(self.status, f"{kind}_at")
+        if values and any(v is not None for v in values.values()) and age > 3 * interval:
+            setattr(self.status, kind, dict.fromkeys(values))
+            self._changed()
 
     def _changed(self) -> None:
         """Wake the sessions' heartbeat loops so routers see new values promptly."""

@@ -40,6 +40,14 @@ async def forward(
         return
     try:
         headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP}
+        if not msg["stream"]:
+            # Head, body and end queued together leave in one write and one frame read.
+            # Raw bytes: the engine's content-encoding header travels with them.
+            body = b"".join([chunk async for chunk in response.aiter_raw()])
+            send(m.response_head(req_id, response.status_code, headers))
+            send(m.response_chunk(req_id, body))
+            send(m.response_end(req_id))
+            return
         send(m.response_head(req_id, response.status_code, headers))
         async for chunk in response.aiter_raw():
             if chunk:

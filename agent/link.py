@@ -50,16 +50,19 @@ class Status:
     changed: trio.Event | None = None
     draining: bool = False
 
-    def heartbeat(self) -> dict:
+    def heartbeat(self, confirm_period: float) -> dict:
+        """`confirm_period`: the agent re-sends unchanged values at least this often and
+        reports a change or a failed sampler at once, so a router may trust the values
+        for three such periods after a heartbeat, as it trusts the sample's own age."""
         now = trio.current_time()
         engine = dict(self.engine or {})
         if engine:
             engine["age"] = now - self.engine_at
-            engine["interval"] = self.engine_interval
+            engine["interval"] = max(self.engine_interval, confirm_period)
         hardware = dict(self.hardware or {})
         if hardware:
             hardware["age"] = now - self.hardware_at
-            hardware["interval"] = self.hardware_interval
+            hardware["interval"] = max(self.hardware_interval, confirm_period)
         return m.heartbeat(time.time(), self.backend_healthy, engine, hardware)
 
 
@@ -144,7 +147,7 @@ class RouterSession:
         # Every frame costs both daemons real CPU in py-libp2p, so the heartbeat is the
         # only liveness traffic: one per period, or sooner when the values change.
         silent_limit = SILENT_PERIODS * max(self.heartbeat_interval, self.router_interval)
-        self.send(self.status.heartbeat())
+        self.send(self.status.heartbeat(self.heartbeat_interval))
         last_full = trio.current_time()
         changed = self.status.changed
         while True:
@@ -159,7 +162,7 @@ class RouterSession:
                 return
             if self.status.changed is not changed or now - last_full >= self.heartbeat_interval:
                 changed = self.status.changed
-                self.send(self.status.heartbeat())
+                self.send(self.status.heartbeat(self.heartbeat_interval))
                 last_full = now
 
     def drain(self) -> None:

@@ -8,7 +8,6 @@ comments next to each test.
 # ruff: noqa: E501  (the fixtures are engine output lines, kept verbatim)
 from __future__ import annotations
 
-import itertools
 import logging
 from pathlib import Path
 from typing import Any
@@ -707,13 +706,23 @@ async def test_engine_loop_refreshes_values_only_on_good_scrapes(
         assert status.engine["kv_cache_utilization"] == pytest.approx(0.875)
         assert status.engine["avg_ttft_seconds"] == pytest.approx(0.2)
         assert status.engine_at == pytest.approx(t0 + 0.5)
-        # Failed scrapes at 1.0-3.0 leave the values and their time alone: they age.
+        # Failed scrapes from 1.0 leave the values and their time alone while they are
+        # at most three periods old; the scrape at 2.5 finds them older and reports them
+        # missing at once.
         changed = status.changed
-        await trio.sleep(2.5)  # t0 + 3.25
+        await trio.sleep(1.5)  # t0 + 2.25
         assert status.changed is changed  # nothing new to tell the routers
+        assert status.engine["kv_cache_utilization"] == pytest.approx(0.875)
         assert status.engine_at == pytest.approx(t0 + 0.5)
-        assert status.heartbeat()["engine"]["age"] == pytest.approx(2.75)
-        assert status.heartbeat()["engine"]["interval"] == 0.5
+        await trio.sleep(1.0)  # t0 + 3.25
+        assert status.changed is not changed
+        assert status.engine == dict.fromkeys(status.engine)
+        heartbeat = status.heartbeat(5.0)["engine"]
+        assert heartbeat["age"] == pytest.approx(2.75)
+        # The agent confirms unchanged values with each 5 s heartbeat.
+        assert heartbeat["interval"] == 5.0
+        assert status.heartbeat(0.1)["engine"]["interval"] == 0.5
+        changed = status.changed
         await trio.sleep(0.5)  # t0 + 3.75: the restarted engine answered at 3.5
         assert status.changed is not changed
         assert status.engine_at == pytest.approx(t0 + 3.5)
@@ -736,7 +745,7 @@ async def test_ollama_engine_loop_reports_nothing(tmp_path: Path) -> None:
     ep = daemon.adapter.endpoints("http://ollama:11434", None, None)
     async with httpx.AsyncClient() as probe:
         await daemon._engine_loop(probe, ep)  # returns at once: there is no /metrics
-    heartbeat = daemon.status.heartbeat()
+    heartbeat = daemon.status.heartbeat(5.0)
     assert heartbeat["engine"] == {}
 
 
@@ -787,7 +796,7 @@ def _kv_text(kv: float) -> str:
     return f'vllm:kv_cache_usage_perc{{model_name="{MODEL}"}} {kv}\n'
 
 
-async def test_heartbeats_carry_changes_at_once_and_keep_values_fresh(
+async def test_heartbeats_carry_changes_at_once_and_confirm_values_each_period(
     tmp_path: Path, autojump_clock: Any
 ) -> None:
     daemon = _daemon(tmp_path, engine_sample_interval=0.5, heartbeat_interval=5.0)
@@ -818,12 +827,14 @@ async def test_heartbeats_carry_changes_at_once_and_keep_values_fresh(
         await trio.sleep(0.1)
         nursery.start_soon(session._keepalive)
         await trio.sleep(3.0)
-        # Unchanged values: still one full heartbeat per sample period, so the router's
-        # copy is never older than its freshness limit of three periods.
+        # Unchanged values: one heartbeat, re-sent each heartbeat period; it carries the
+        # sample's own age and the period the agent vouches for the values.
         sent = full()
-        assert len(sent) >= 6
-        assert max(b[0] - a[0] for a, b in itertools.pairwise(sent)) <= 0.5 + 1e-6
-        assert all(msg["engine"]["age"] < 0.5 for _, msg in sent)
+        assert len(sent) == 1
+        assert sent[0][1]["engine"]["age"] < 0.5
+        assert sent[0][1]["engine"]["interval"] == 5.0
+        await trio.sleep(2.5)  # past the first heartbeat period
+        assert len(full()) == 2
 
         changed_at = trio.current_time()
         kv["value"] = 0.95
@@ -831,13 +842,12 @@ async def test_heartbeats_carry_changes_at_once_and_keep_values_fresh(
         first = next(t for t, msg in full() if msg["engine"]["kv_cache_utilization"] == 0.95)
         assert first - changed_at <= 0.5 + 1e-6  # at the next sample, not the next 5 s beat
 
-        # Scrapes failing: full heartbeats fall back to the heartbeat interval, and the
-        # age they carry grows past the freshness limit.
+        # Scrapes failing: once the values are three sample periods old, they go out as
+        # missing at once, not with the next heartbeat.
         kv["status"] = 500
         failing_from = trio.current_time()
-        await trio.sleep(11.0)
-        late = [(t, msg) for t, msg in full() if t > failing_from + 0.5]
-        assert 1 <= len(late) <= 3
-        assert late[-1][1]["engine"]["age"] > 3 * 0.5
-        assert late[-1][1]["engine"]["kv_cache_utilization"] == 0.95
+        await trio.sleep(3.0)
+        gone = [t for t, msg in full() if msg["engine"]["kv_cache_utilization"] is None]
+        assert gone
+        assert gone[0] - failing_from <= 4 * 0.5 + 1e-6
         nursery.cancel_scope.cancel()
