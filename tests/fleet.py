@@ -116,6 +116,10 @@ class Router(Proc):
 
     @property
     def multiaddr(self) -> str:
+        """The address agents dial: WebSocket when the router listens on one."""
+        if "--p2p-ws-port" in self.flags:
+            ws = self.flags[self.flags.index("--p2p-ws-port") + 1]
+            return f"/ip4/127.0.0.1/tcp/{ws}/ws/p2p/{self.peer_id}"
         return f"/ip4/127.0.0.1/tcp/{self.p2p_port}/p2p/{self.peer_id}"
 
     def start(self) -> Router:

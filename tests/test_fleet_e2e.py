@@ -9,7 +9,7 @@ import httpx
 import openai
 import trio
 
-from tests.fleet import Fleet, wait_until
+from tests.fleet import Fleet, free_port, wait_until
 
 
 def client_for(router_url: str) -> openai.OpenAI:
@@ -150,3 +150,13 @@ async def test_frozen_agent_is_detected_and_its_requests_fail_over(fleet: Fleet)
     router.wait_agent(frozen.peer_id, timeout=15)
     assert "link heartbeat timeout" in router.log()
     assert_no_slots_held(router)
+
+
+def test_agents_can_join_over_websocket(fleet: Fleet) -> None:
+    router = fleet.router("--p2p-ws-port", str(free_port()))
+    assert "/ws/p2p/" in router.multiaddr
+    fleet.agent(router, "m1")
+    answer = client_for(router.url).chat.completions.create(
+        model="m1", messages=[{"role": "user", "content": "over websocket"}]
+    )
+    assert answer.choices[0].message.content == "Echo: over websocket"
