@@ -26,7 +26,10 @@ class ErrorCode(StrEnum):
     BACKEND_UNAVAILABLE = "backend_unavailable"
     BACKEND_ERROR = "backend_error"
     REQUEST_TIMEOUT = "request_timeout"
+    # Not in INTERFACE.md's list; the router's own answers where none of those fits.
     NOT_FOUND = "not_found"
+    METHOD_NOT_ALLOWED = "method_not_allowed"
+    INTERNAL_ERROR = "internal_error"
 
 
 STATUS: dict[ErrorCode, int] = {
@@ -36,6 +39,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.NOT_FOUND: 404,
+    ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.RATE_LIMIT_EXCEEDED: 429,
     ErrorCode.TOKEN_LIMIT_EXCEEDED: 429,
@@ -45,6 +49,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.BACKEND_UNAVAILABLE: 503,
     ErrorCode.BACKEND_ERROR: 502,
     ErrorCode.REQUEST_TIMEOUT: 504,
+    ErrorCode.INTERNAL_ERROR: 500,
 }
 
 # The client's request is at fault: another agent would answer the same.
@@ -72,8 +77,11 @@ _OPENAI_TYPE: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "invalid_request_error",
+    422: "invalid_request_error",
     429: "rate_limit_error",
+    500: "api_error",
     502: "api_error",
     503: "api_error",
     504: "timeout_error",
@@ -84,8 +92,11 @@ _ANTHROPIC_TYPE: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
     404: "not_found_error",
+    405: "invalid_request_error",
     413: "request_too_large",
+    422: "invalid_request_error",
     429: "rate_limit_error",
+    500: "api_error",
     502: "api_error",
     503: "overloaded_error",
     504: "timeout_error",
@@ -137,7 +148,14 @@ def anthropic_error_body(err: RouterError) -> dict:
 
 
 def classify_backend_status(status: int, body: bytes) -> ErrorCode | None:
-    """Map an engine's HTTP answer to an error code; None when it is a success."""
+    """Map an engine's HTTP answer to an error code; None when it is a success.
+
+    INTERFACE.md fixes 400/422 (the request's fault), 429/503 (busy, retryable) and
+    other 5xx. The rest: 408 is the engine being slow (retryable like 503); 413 is the
+    request's size (request-level); any other 4xx (401/403 from a mis-keyed engine, 404
+    from an engine that lacks the model or the endpoint) is that agent's fault, so
+    another agent may succeed: `backend_error`, retryable.
+    """
     if status < 400:
         return None
     if status in (400, 422):
@@ -145,10 +163,8 @@ def classify_backend_status(status: int, body: bytes) -> ErrorCode | None:
         if "context length" in text or "context_length" in text or "maximum context" in text:
             return ErrorCode.CONTEXT_LENGTH_EXCEEDED
         return ErrorCode.INVALID_PARAMETER
-    if status in (429, 503):
+    if status in (408, 429, 503):
         return ErrorCode.BACKEND_UNAVAILABLE
-    if status >= 500:
-        return ErrorCode.BACKEND_ERROR
     if status == 413:
         return ErrorCode.REQUEST_INVALID
-    return ErrorCode.INVALID_PARAMETER
+    return ErrorCode.BACKEND_ERROR

@@ -63,14 +63,16 @@ class RouterMetrics:
         )
         self.duration = Histogram(
             P + "request_duration_seconds",
-            "Whole client request time, to the last byte",
-            ["endpoint"],
+            "Whole client request time, from the first byte read to the last byte sent",
+            ["endpoint", "tenant"],
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
         self.overhead = Histogram(
             P + "router_overhead_seconds",
-            "Time spent in the router before the forward was written to the agent",
+            "Time from a request's arrival to its answering forward being written to the "
+            "agent: parsing, keys, policy gates, any capacity-queue wait and failed tries "
+            "(agent and engine time after the write is excluded)",
             ["endpoint"],
             buckets=_OVERHEAD_BUCKETS,
             registry=r,

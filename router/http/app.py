@@ -5,7 +5,6 @@ from __future__ import annotations
 import contextlib
 import logging
 from typing import Any
-from urllib.parse import unquote
 
 import trio
 
@@ -56,6 +55,11 @@ class RouterApp:
         self.draining = False
         self.inflight = 0
         self.idle = trio.Event()
+        if not admin_keys.keys and admin_keys.insecure:
+            log.warning(
+                "admin_api_insecure reason=%s",
+                quote("no HIVENET_ROUTER_ADMIN_API_KEYS: /admin/* answers without a key"),
+            )
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -68,6 +72,7 @@ class RouterApp:
         path: str = scope["path"]
         method: str = scope["method"]
         tenant = "-"
+        protocol = protocol_of(path)
         try:
             if path.startswith("/v1/"):
                 status, tenant = await self._client(scope, receive, send, rid)
@@ -77,26 +82,26 @@ class RouterApp:
                 status = 200
                 await send_json(send, 200, {"status": "ok"}, [("x-request-id", rid)])
             else:
-                status = await _not_found(send, rid, "openai")
+                status = await _not_found(send, rid, protocol)
         except Exception:
             # A bug must cost one request, never the daemon.
             log.exception("req=%s handler_error path=%s", rid, quote(path))
             status = 500
-            err = RouterError(ErrorCode.BACKEND_ERROR, "internal router error", status=500)
+            err = RouterError(ErrorCode.INTERNAL_ERROR, "internal router error")
             # The response may have started; then the client sees a cut stream.
             with contextlib.suppress(Exception):
-                await send_json(send, 500, error_payload("openai", err), [("x-request-id", rid)])
+                await send_json(send, 500, error_payload(protocol, err), [("x-request-id", rid)])
         elapsed = trio.current_time() - started
         if path in ENDPOINTS:
             self.metrics.requests.labels(path, str(status), tenant).inc()
-            self.metrics.duration.labels(path).observe(elapsed)
+            self.metrics.duration.labels(path, tenant).observe(elapsed)
         log.info(
             "req=%s method=%s path=%s status=%d tenant=%s duration_ms=%.1f",
             rid,
-            method,
+            quote(method),
             quote(path),
             status,
-            tenant,
+            quote(tenant),
             elapsed * 1000,
         )
 
@@ -104,14 +109,19 @@ class RouterApp:
         self, scope: Scope, receive: Receive, send: Send, rid: str
     ) -> tuple[int, str]:
         path, method = scope["path"], scope["method"]
-        protocol = ENDPOINTS.get(path, ("", "openai"))[1]
+        protocol = protocol_of(path)
         extra = [("x-request-id", rid)]
         tenant = self.client_keys.tenant(scope)
         if tenant is None:
-            err = RouterError(ErrorCode.UNAUTHORIZED, "missing or invalid API key")
-            await send_json(send, 401, error_payload(protocol, err), extra)
+            err = RouterError(
+                ErrorCode.UNAUTHORIZED,
+                "missing or invalid API key (send Authorization: Bearer <key> or x-api-key)",
+            )
+            await send_json(send, 401, error_payload(protocol, err), [*extra, _CHALLENGE])
             return 401, "-"
-        if path in ENDPOINTS and method == "POST":
+        if path in ENDPOINTS and method != "POST":
+            return await _not_allowed(send, rid, protocol, "POST"), tenant
+        if path in ENDPOINTS:
             if self.draining:
                 err = RouterError(ErrorCode.NO_AGENTS_AVAILABLE, "router is shutting down")
                 await send_json(send, 503, error_payload(protocol, err), extra)
@@ -124,11 +134,14 @@ class RouterApp:
                 self.inflight -= 1
                 if not self.inflight:
                     self.idle.set()
-        if method == "GET" and path == "/v1/models":
+        if (path == "/v1/models" or path.startswith("/v1/models/")) and method != "GET":
+            return await _not_allowed(send, rid, protocol, "GET"), tenant
+        if path == "/v1/models":
             await send_json(send, 200, {"object": "list", "data": self.client.models()}, extra)
             return 200, tenant
-        if method == "GET" and path.startswith("/v1/models/"):
-            card = self.client.model_card(unquote(path[len("/v1/models/") :]))
+        if path.startswith("/v1/models/"):
+            # ASGI paths arrive percent-decoded: `org/model` names need no unquoting.
+            card = self.client.model_card(path[len("/v1/models/") :])
             if card is None:
                 err = RouterError(ErrorCode.MODEL_NOT_FOUND, "no agent serves this model")
                 await send_json(send, 404, error_payload(protocol, err), extra)
@@ -140,8 +153,10 @@ class RouterApp:
     async def _admin(self, scope: Scope, receive: Receive, send: Send, rid: str) -> int:
         extra = [("x-request-id", rid)]
         if not self.admin_keys.allows(scope):
-            err = RouterError(ErrorCode.UNAUTHORIZED, "admin API key required")
-            await send_json(send, 401, error_payload("openai", err), extra)
+            err = RouterError(
+                ErrorCode.UNAUTHORIZED, "admin API key required (Authorization: Bearer <key>)"
+            )
+            await send_json(send, 401, error_payload("openai", err), [*extra, _CHALLENGE])
             return 401
         path, method = scope["path"], scope["method"]
         if method == "GET" and path == "/admin/routing-table":
@@ -151,7 +166,7 @@ class RouterApp:
         elif method == "GET" and path == "/admin/models":
             await send_json(send, 200, {"object": "list", "data": self._admin_models()}, extra)
         elif method == "GET" and path.startswith("/admin/models/"):
-            model = unquote(path[len("/admin/models/") :])
+            model = path[len("/admin/models/") :]
             cards = [c for c in self._admin_models() if c["id"] == model]
             if not cards:
                 return await _not_found(send, rid, "openai", "model_not_found")
@@ -161,6 +176,8 @@ class RouterApp:
             await send_bytes(send, 200, body, "application/yaml", extra)
         elif path == "/admin/policy" and method == "PUT":
             return await self._put_policy(scope, receive, send, extra)
+        elif path in _ADMIN_METHODS:
+            return await _not_allowed(send, rid, "openai", _ADMIN_METHODS[path])
         else:
             return await _not_found(send, rid, "openai")
         return 200
@@ -198,10 +215,33 @@ class RouterApp:
         return 200
 
 
+_CHALLENGE = ("www-authenticate", "Bearer")
+_ADMIN_METHODS = {
+    "/admin/routing-table": "GET",
+    "/admin/health": "GET",
+    "/admin/models": "GET",
+    "/admin/policy": "GET, PUT",
+}
+
+
+def protocol_of(path: str) -> str:
+    """The error format a caller of `path` understands (Anthropic's under /v1/messages)."""
+    if path == "/v1/messages" or path.startswith("/v1/messages/"):
+        return "anthropic"
+    return "openai"
+
+
 async def _not_found(send: Send, rid: str, protocol: str, code: str = "not_found") -> int:
     err = RouterError(ErrorCode(code), "no such endpoint or resource")
     await send_json(send, 404, error_payload(protocol, err), [("x-request-id", rid)])
     return 404
+
+
+async def _not_allowed(send: Send, rid: str, protocol: str, allow: str) -> int:
+    err = RouterError(ErrorCode.METHOD_NOT_ALLOWED, f"method not allowed; use {allow}")
+    headers = [("x-request-id", rid), ("allow", allow)]
+    await send_json(send, 405, error_payload(protocol, err), headers)
+    return 405
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

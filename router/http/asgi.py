@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any
@@ -27,10 +28,21 @@ def header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
+_CANONICAL_UUID = re.compile(r"[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}")
+
+
 def request_id(scope: Scope) -> str:
-    """The client's X-Request-ID when it is a valid UUID, otherwise a new one."""
+    """The client's X-Request-ID when it is a valid UUID, otherwise a new one.
+
+    The usual 8-4-4-4-12 form is kept exactly as sent, so the client's own string finds
+    the router's log lines; other spellings Python accepts (braces, `urn:uuid:`, bare
+    hex) are written in that usual form.
+    """
     given = header(scope, b"x-request-id")
     if given:
+        given = given.strip()
+        if _CANONICAL_UUID.fullmatch(given):
+            return given
         try:
             return str(uuid.UUID(given))
         except ValueError:
@@ -39,8 +51,10 @@ def request_id(scope: Scope) -> str:
 
 
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
+    """The whole request body; BodyTooLarge past `limit` (declared or sent), ClientGone
+    when the client leaves first."""
     declared = header(scope, b"content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
+    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
         raise BodyTooLarge
     parts: list[bytes] = []
     size = 0

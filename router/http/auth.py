@@ -9,13 +9,24 @@ from router.http.asgi import Scope, header
 DEFAULT_TENANT = "default"
 
 
-def presented_key(scope: Scope, allow_x_api_key: bool) -> str | None:
+def bearer_key(scope: Scope) -> str | None:
     auth = header(scope, b"authorization")
     if auth and auth[:7].lower() == "bearer ":
-        return auth[7:].strip()
-    if allow_x_api_key:
-        return header(scope, b"x-api-key")
+        return auth[7:].strip() or None
     return None
+
+
+def presented_keys(scope: Scope, allow_x_api_key: bool) -> list[str]:
+    """`Authorization: Bearer` (OpenAI SDKs) and, for clients, `x-api-key` (Anthropic's)."""
+    keys = []
+    bearer = bearer_key(scope)
+    if bearer is not None:
+        keys.append(bearer)
+    if allow_x_api_key:
+        x_api_key = header(scope, b"x-api-key")
+        if x_api_key and x_api_key.strip():
+            keys.append(x_api_key.strip())
+    return keys
 
 
 def _matches(given: str, known: str) -> bool:
@@ -30,7 +41,7 @@ class AdminKeys:
     def allows(self, scope: Scope) -> bool:
         if not self.keys:
             return self.insecure
-        given = presented_key(scope, allow_x_api_key=False)
+        given = bearer_key(scope)
         if given is None:
             return False
         # Compare against every key so timing does not reveal which one matched.
@@ -44,7 +55,8 @@ class ClientKeys:
         self.tenants: dict[str, str] = {}
         for part in filter(None, (p.strip() for p in spec.split(","))):
             key, _, tenant = part.partition(":")
-            self.tenants[key.strip()] = tenant.strip() or DEFAULT_TENANT
+            if key.strip():
+                self.tenants[key.strip()] = tenant.strip() or DEFAULT_TENANT
 
     @property
     def required(self) -> bool:
@@ -54,11 +66,10 @@ class ClientKeys:
         """The caller's tenant, or None when keys are required and none matches."""
         if not self.tenants:
             return DEFAULT_TENANT
-        given = presented_key(scope, allow_x_api_key=True)
-        if given is None:
-            return None
         found = None
-        for key, tenant in self.tenants.items():
-            if _matches(given, key):
-                found = tenant
+        # Every presented key against every known key: timing reveals nothing.
+        for given in presented_keys(scope, allow_x_api_key=True):
+            for key, tenant in self.tenants.items():
+                if _matches(given, key) and found is None:
+                    found = tenant
         return found

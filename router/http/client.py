@@ -43,6 +43,8 @@ ENDPOINTS: dict[str, tuple[str, str]] = {
     "/v1/embeddings": ("embedding", "openai"),
     "/v1/rerank": ("reranker", "openai"),
 }
+# Model names are short; a longer one is an error, not a multi-megabyte log line.
+MAX_MODEL_NAME = 1024
 _FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "anthropic-version", "anthropic-beta")
 _DROPPED_RESPONSE_HEADERS = frozenset(
     {"content-length", "transfer-encoding", "connection", "date", "server", "keep-alive"}
@@ -53,6 +55,19 @@ _DROPPED_RESPONSE_HEADERS = frozenset(
 class ClientSettings:
     max_request_bytes: int
     request_timeout: float
+
+
+def parse_json_object(body: bytes) -> tuple[dict | None, str]:
+    """The body as a JSON object, or None and what is wrong with it."""
+    try:
+        payload = json.loads(body)
+    except (ValueError, UnicodeDecodeError) as exc:
+        return None, f"body is not JSON: {exc}"
+    except RecursionError:
+        return None, "body is not JSON the router accepts: nested too deeply"
+    if not isinstance(payload, dict):
+        return None, "body must be a JSON object"
+    return payload, ""
 
 
 def error_payload(protocol: str, err: RouterError) -> dict:
@@ -92,8 +107,10 @@ class ClientApi:
             await send_json(send, err.http_status, error_payload(protocol, err), extra)
             return err.http_status
 
+        deadline = received + self.settings.request_timeout
         try:
-            body = await read_body(scope, receive, self.settings.max_request_bytes)
+            with trio.fail_at(deadline):
+                body = await read_body(scope, receive, self.settings.max_request_bytes)
         except BodyTooLarge:
             limit = self.settings.max_request_bytes
             return await fail(
@@ -101,16 +118,26 @@ class ClientApi:
             )
         except ClientGone:
             return 499
-        try:
-            payload = json.loads(body)
-        except (ValueError, UnicodeDecodeError) as exc:
-            return await fail(RouterError(ErrorCode.REQUEST_INVALID, f"body is not JSON: {exc}"))
-        if not isinstance(payload, dict):
-            return await fail(RouterError(ErrorCode.REQUEST_INVALID, "body must be a JSON object"))
+        except trio.TooSlowError:
+            return await fail(
+                RouterError(
+                    ErrorCode.REQUEST_TIMEOUT,
+                    f"request body not received within {self.settings.request_timeout:g}s",
+                )
+            )
+        payload, problem = parse_json_object(body)
+        if payload is None:
+            return await fail(RouterError(ErrorCode.REQUEST_INVALID, problem))
         model = payload.get("model")
         if not isinstance(model, str) or not model:
             return await fail(
                 RouterError(ErrorCode.REQUEST_INVALID, "field 'model' is required (a string)")
+            )
+        if len(model) > MAX_MODEL_NAME:
+            return await fail(
+                RouterError(
+                    ErrorCode.REQUEST_INVALID, f"field 'model' is longer than {MAX_MODEL_NAME}"
+                )
             )
         stream = payload.get("stream") is True
         headers = {}
