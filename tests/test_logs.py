@@ -1,0 +1,196 @@
+"""`key=value` logs: per-subsystem levels from the environment, quoting, laziness."""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Iterator
+
+import pytest
+
+from protocol import logs
+from protocol.logs import (
+    SUBSYSTEMS,
+    invalid_levels,
+    kv,
+    levels_from,
+    parse_levels,
+    quote,
+    setup_logging,
+)
+
+
+@pytest.fixture
+def restore_logging() -> Iterator[None]:
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    names = (*SUBSYSTEMS, "libp2p", "hypercorn.error", "logs")
+    levels = {n: logging.getLogger(n).level for n in names}
+    try:
+        yield
+    finally:
+        root.handlers[:] = handlers
+        root.setLevel(level)
+        for n, lv in levels.items():
+            logging.getLogger(n).setLevel(lv)
+
+
+# --- level parsing -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("spec", "default", "per"),
+    [
+        ("", None, {}),
+        ("info", logging.INFO, {}),
+        ("DEBUG", logging.DEBUG, {}),
+        ("policy=debug,router=debug", None, {"policy": logging.DEBUG, "router": logging.DEBUG}),
+        (" warn , link = error ", logging.WARNING, {"link": logging.ERROR}),
+        ("error,policy=debug", logging.ERROR, {"policy": logging.DEBUG}),
+        ("policy=verbose,router=info", None, {"router": logging.INFO}),
+        ("fatal", logging.CRITICAL, {}),
+        ("warning", logging.WARNING, {}),
+        (",,", None, {}),
+    ],
+)
+def test_parse_levels(spec: str, default: int | None, per: dict[str, int]) -> None:
+    assert parse_levels(spec) == (default, per)
+
+
+def test_invalid_levels_are_reported() -> None:
+    assert invalid_levels("policy=verbose,info,router=loud") == ["policy=verbose", "router=loud"]
+    assert invalid_levels("policy=debug,info") == []
+
+
+def test_levels_default_to_info() -> None:
+    assert levels_from({}) == dict.fromkeys(SUBSYSTEMS, logging.INFO)
+
+
+def test_seeds_golog_form_sets_only_the_named_subsystems() -> None:
+    levels = levels_from({"GOLOG_LOG_LEVEL": "policy=debug,router=debug"})
+    assert levels["policy"] == logging.DEBUG
+    assert levels["router"] == logging.DEBUG
+    assert levels["http"] == logging.INFO
+    assert levels["link"] == logging.INFO
+
+
+def test_both_variables_are_read_and_golog_wins_where_both_speak() -> None:
+    env = {"HIVENET_LOG_LEVEL": "warn,http=debug,link=error", "GOLOG_LOG_LEVEL": "link=info"}
+    levels = levels_from(env)
+    assert levels["http"] == logging.DEBUG  # only HIVENET names it
+    assert levels["link"] == logging.INFO  # both name it: GOLOG
+    assert levels["policy"] == logging.WARNING  # HIVENET's bare level
+    levels = levels_from({"HIVENET_LOG_LEVEL": "info", "GOLOG_LOG_LEVEL": "debug"})
+    assert set(levels.values()) == {logging.DEBUG}
+    levels = levels_from({"HIVENET_LOG_LEVEL": "debug", "GOLOG_LOG_LEVEL": "policy=warn"})
+    assert levels["policy"] == logging.WARNING and levels["router"] == logging.DEBUG
+
+
+def test_other_loggers_can_be_named_too() -> None:
+    assert levels_from({"GOLOG_LOG_LEVEL": "libp2p=debug"})["libp2p"] == logging.DEBUG
+
+
+def test_setup_logging_applies_the_levels(restore_logging: None) -> None:
+    setup_logging({"GOLOG_LOG_LEVEL": "policy=debug,router=debug", "HIVENET_LOG_LEVEL": "warn"})
+    assert logging.getLogger("policy").level == logging.DEBUG
+    assert logging.getLogger("router").level == logging.DEBUG
+    assert logging.getLogger("http").level == logging.WARNING
+    assert logging.getLogger("policy").isEnabledFor(logging.DEBUG)
+    assert not logging.getLogger("http").isEnabledFor(logging.INFO)
+    # libp2p stays quiet unless named.
+    assert logging.getLogger("libp2p").level == logging.CRITICAL
+    setup_logging({"GOLOG_LOG_LEVEL": "libp2p=debug"})
+    assert logging.getLogger("libp2p").level == logging.DEBUG
+
+
+def test_an_unknown_level_is_reported_once_not_fatal(
+    restore_logging: None, capsys: pytest.CaptureFixture[str]
+) -> None:
+    setup_logging({"HIVENET_LOG_LEVEL": "policy=chatty"})
+    err = capsys.readouterr().err
+    assert 'log_level_ignored variable=HIVENET_LOG_LEVEL parts="policy=chatty"' in err
+    assert logging.getLogger("policy").level == logging.INFO
+
+
+# --- line format and quoting -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("plain", "plain"),
+        ("m1", "m1"),
+        ("org/model-8B", "org/model-8B"),
+        (42, "42"),
+        ("", '""'),
+        ("two words", '"two words"'),
+        ('say "hi"', '"say \\"hi\\""'),
+        ("a=b", '"a=b"'),
+        ("line\nbreak", '"line\\nbreak"'),
+        ("tab\there", '"tab\\there"'),
+        ("cr\rhere", '"cr\\rhere"'),
+        ("back\\slash", '"back\\\\slash"'),
+        ("bell\x07", '"bell\\x07"'),
+        ("Zürich", "Zürich"),
+        ("chain→step", "chain→step"),
+    ],
+)
+def test_quote(value: object, expected: str) -> None:
+    assert quote(value) == expected
+
+
+def test_kv_skips_none_and_quotes_values() -> None:
+    assert kv(req="abc", model="a b", tenant=None, n=3) == 'req=abc model="a b" n=3'
+
+
+def _capture(name: str, level: int) -> tuple[logging.Logger, io.StringIO]:
+    stream = io.StringIO()
+    handler = logging.StreamHandler(stream)
+    handler.setFormatter(logs._Formatter())
+    logger = logging.getLogger(name)
+    logger.handlers[:] = [handler]
+    logger.propagate = False
+    logger.setLevel(level)
+    return logger, stream
+
+
+def test_record_format_is_one_key_value_line() -> None:
+    logger, stream = _capture("test.logs.format", logging.DEBUG)
+    try:
+        logger.warning("req=%s thing_happened model=%s", "r-1", quote("two\nlines"))
+        logger.info("raw newline\nin message")
+        try:
+            raise ValueError("boom\nbang")
+        except ValueError:
+            logger.exception("failed")
+    finally:
+        logger.handlers.clear()
+        logger.propagate = True
+    lines = stream.getvalue().splitlines()
+    assert len(lines) == 3
+    first = lines[0]
+    assert first.startswith("ts=")
+    assert " level=warn subsystem=test.logs.format req=r-1 thing_happened " in first
+    assert first.endswith('model="two\\nlines"')
+    assert lines[1].endswith("raw newline\\nin message")
+    assert " level=error " in lines[2] and ' exc="Traceback' in lines[2]
+
+
+def test_a_disabled_level_does_not_format_its_arguments() -> None:
+    calls = []
+
+    class Expensive:
+        def __str__(self) -> str:
+            calls.append(1)
+            return "expensive"
+
+    logger, stream = _capture("test.logs.lazy", logging.INFO)
+    try:
+        logger.debug("value=%s", Expensive())
+        assert calls == []
+        assert stream.getvalue() == ""
+        logger.info("value=%s", Expensive())
+        assert calls == [1]
+    finally:
+        logger.handlers.clear()
+        logger.propagate = True
