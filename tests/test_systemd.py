@@ -592,3 +592,20 @@ def test_sandbox_flags_are_applied_to_the_children(tmp_path: Path) -> None:
             check=True,
         ).stdout
         assert out.strip() == "refused"
+
+
+def test_sd_notify_paths_abstract_names_and_no_supervisor(tmp_path: Path) -> None:
+    from protocol.sdnotify import sd_notify
+
+    assert sd_notify("READY=1", {}) is False  # not under systemd: a no-op
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind(str(tmp_path / "n"))
+        assert sd_notify("READY=1\nSTATUS=x", {"NOTIFY_SOCKET": str(tmp_path / "n")})
+        assert sock.recv(100) == b"READY=1\nSTATUS=x"
+    name = f"hivenet-test-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as sock:
+        sock.bind("\0" + name)  # systemd writes an abstract name with a leading @
+        assert sd_notify("STOPPING=1", {"NOTIFY_SOCKET": "@" + name})
+        assert sock.recv(100) == b"STOPPING=1"
+    # A supervisor that went away must not take the daemon with it.
+    assert sd_notify("READY=1", {"NOTIFY_SOCKET": str(tmp_path / "gone")}) is False
