@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import io
 import logging
+import re
+import threading
+import uuid
 from collections.abc import Iterator
+from pathlib import Path
 
+import httpx
 import pytest
 
 from protocol import logs
@@ -18,6 +24,7 @@ from protocol.logs import (
     quote,
     setup_logging,
 )
+from tests.fleet import Fleet, wait_until
 
 
 @pytest.fixture
@@ -194,3 +201,47 @@ def test_a_disabled_level_does_not_format_its_arguments() -> None:
     finally:
         logger.handlers.clear()
         logger.propagate = True
+
+
+# --- a live router ---------------------------------------------------------------------------
+
+
+def test_a_router_honours_the_seeds_debug_setting(tmp_path: Path) -> None:
+    """`GOLOG_LOG_LEVEL=policy=debug,router=debug` over `HIVENET_LOG_LEVEL=warn`: policy
+    debug lines appear, the http subsystem's info lines (the access log) do not."""
+    fleet = Fleet(tmp_path)
+    try:
+        router = fleet.router(
+            "--queue-depth",
+            "0",
+            env={"HIVENET_LOG_LEVEL": "warn", "GOLOG_LOG_LEVEL": "policy=debug,router=debug"},
+        )
+        agent = fleet.agent(router, "m1", "--capacity", "1")
+        agent.sim_state(stall_after_tokens=0)
+        body = {"model": "m1", "messages": [{"role": "user", "content": "x"}]}
+
+        def hold() -> None:
+            # Stalled by the engine; the client gives up after a while.
+            with contextlib.suppress(httpx.HTTPError):
+                httpx.post(router.url + "/v1/chat/completions", json=body, timeout=3)
+
+        # One request holds the only slot; the next finds no room and says so at debug.
+        t = threading.Thread(target=hold)
+        t.start()
+        wait_until(lambda: router.agent(agent.peer_id)["status"]["active_requests"] == 1, 15)
+        rid = str(uuid.uuid4())
+        r = httpx.post(
+            router.url + "/v1/chat/completions",
+            json=body,
+            headers={"x-request-id": rid},
+            timeout=30,
+        )
+        assert r.status_code == 503
+        t.join(30)
+        log = router.log()
+        assert re.search(rf"level=debug subsystem=policy req={rid} queue_full", log)
+        assert re.search(rf"level=warn subsystem=policy req={rid} [^\n]*policy_exhausted", log)
+        assert "level=info subsystem=router router_ready" in log
+        assert "level=info subsystem=http" not in log
+    finally:
+        fleet.close()

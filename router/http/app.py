@@ -232,7 +232,8 @@ def protocol_of(path: str) -> str:
 
 
 async def _not_found(send: Send, rid: str, protocol: str, code: str = "not_found") -> int:
-    err = RouterError(ErrorCode(code), "no such endpoint or resource")
+    message = "no agent serves this model" if code == "model_not_found" else "no such endpoint"
+    err = RouterError(ErrorCode(code), message)
     await send_json(send, 404, error_payload(protocol, err), [("x-request-id", rid)])
     return 404
 
