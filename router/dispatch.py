@@ -80,7 +80,8 @@ class Dispatcher:
         if provider is not None and self.provider_call is not None:
             try:
                 served = await self.provider_call(provider, req)
-            except RouterError:
+            except BaseException:
+                # Failed, or cut short by the deadline or the client: no result followed.
                 self.metrics.exhausted.labels(req.model).inc()
                 raise
             self.metrics.provider.labels(req.model).inc()

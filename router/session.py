@@ -23,6 +23,9 @@ from router.policy.schema import Policy, Step
 
 log = logging.getLogger("policy")
 
+# Gate 1's drain: no agent at all is registered for the requested model.
+NO_AGENTS_FOR_MODEL = "gate[1] "
+
 
 @dataclass
 class RouteRequest:
@@ -138,6 +141,10 @@ class RoutingSession:
             reasons.append(f"{step.name}: {reason}")
             last_failure = failure or last_failure
             capacity_drained = capacity_drained or full
+            if reason.startswith(NO_AGENTS_FOR_MODEL):
+                # Gate 1: the model is fixed for the whole chain, so no later local
+                # step can recover; `tried=` then shows how far the chain went.
+                break
         return self._exhausted(req, steps, reasons, last_failure, capacity_drained)
 
     async def _run_step(
@@ -162,7 +169,16 @@ class RoutingSession:
                     if not ev.waitable:
                         return ev.drain or "no eligible agents", last_failure, False
                     if not wait.enter():
-                        return f"{ev.drain} queue_full", last_failure, True
+                        # Disabled (--queue-depth 0) or full: advance at once. The step's
+                        # reason keeps the seeds' shape, `gate[6] capacity [at_capacity=N]`.
+                        log.debug(
+                            "req=%s queue_full step=%s model=%s depth=%d",
+                            req.request_id,
+                            step.name,
+                            quote(req.model),
+                            self.queue.depth,
+                        )
+                        return ev.drain or "no eligible agents", last_failure, True
                     log.debug("req=%s queued step=%s", req.request_id, step.name)
                     # The request's own deadline bounds the wait (cancellation).
                     await wait.wait()
@@ -271,4 +287,6 @@ def exhaustion_line(req: RouteRequest, ex: Exhausted) -> str:
 
 
 def quote_always(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    """`quote`'s escaping, always in quotes (the seeds quote model and capability)."""
+    quoted = quote(value)
+    return quoted if quoted != value else f'"{value}"'

@@ -8,7 +8,13 @@ from pathlib import Path
 
 from protocol.logs import quote
 from router.metrics import RouterMetrics
-from router.policy.schema import Policy, PolicyError, default_policy, load_policy
+from router.policy.schema import (
+    Policy,
+    PolicyError,
+    default_policy,
+    load_policy,
+    load_policy_file,
+)
 
 log = logging.getLogger("policy")
 
@@ -20,7 +26,8 @@ class PolicyStore:
         self.current: Policy = default_policy()
         self.listeners: list[Callable[[Policy], None]] = []
         if path is not None:
-            self.current = load_policy(Path(path).read_text())
+            # At start-up a bad file is fatal (PolicyError names every problem).
+            self.current = load_policy_file(path)
 
     def replace(self, text: str, origin: str) -> list[str]:
         """Validate and install `text`; the errors, empty on success."""
@@ -40,12 +47,16 @@ class PolicyStore:
         return []
 
     def reload_file(self) -> list[str]:
+        """Re-read --policy-file (SIGHUP); the errors, empty on success."""
         if self.path is None:
+            log.warning("policy_reload_skipped origin=file reason=%s", quote("no --policy-file"))
             return ["no --policy-file to reload"]
         try:
-            text = Path(self.path).read_text()
-        except OSError as exc:
+            # Not UTF-8 must be a rejected reload, not an exception in the signal task.
+            text = Path(self.path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            error = f"{self.path}: cannot read policy file ({exc})"
             self.metrics.reloads.labels("failure").inc()
-            log.warning("policy_reload_failed origin=file error=%s", quote(str(exc)))
-            return [str(exc)]
+            log.warning("policy_reload_failed origin=file errors=%s", quote(error))
+            return [error]
         return self.replace(text, "file")
