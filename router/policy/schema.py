@@ -111,6 +111,10 @@ def load_policy(text: str) -> Policy:
         document, errors = _parse(text)
     except yaml.YAMLError as exc:
         raise PolicyError([_yaml_error(exc)]) from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise PolicyError(["invalid YAML: collections nested too deeply"]) from None
+    except Exception as exc:  # PyYAML's constructors fail on some tagged scalars (`!!int`)
+        raise PolicyError([f"invalid YAML: {type(exc).__name__}: {exc}"]) from None
     policy = _Validator(errors).policy(document, text)
     if errors or policy is None:
         raise PolicyError(errors)
@@ -144,11 +148,20 @@ def _parse(text: str) -> tuple[object, list[str]]:
         loader.dispose()
 
 
-def _find_duplicates(node: yaml.Node, path: str, found: list[str]) -> None:
+def _find_duplicates(
+    node: yaml.Node, path: str, found: list[str], visited: set[int] | None = None
+) -> None:
+    # An alias is its anchor's node object: walking each node once keeps aliases of
+    # aliases (a "billion laughs") and self-referencing anchors from running away.
+    visited = set() if visited is None else visited
+    if id(node) in visited:
+        return
+    visited.add(id(node))
     if isinstance(node, yaml.MappingNode):
         seen: set[str] = set()
         for key_node, value_node in node.value:
-            key = str(key_node.value)
+            # A collection as a key is refused when the document is constructed.
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
             child = f"{path}.{key}" if path else key
             if key in seen:
                 found.append(
@@ -156,10 +169,10 @@ def _find_duplicates(node: yaml.Node, path: str, found: list[str]) -> None:
                     " (only the last one would apply)"
                 )
             seen.add(key)
-            _find_duplicates(value_node, child, found)
+            _find_duplicates(value_node, child, found, visited)
     elif isinstance(node, yaml.SequenceNode):
         for i, item in enumerate(node.value):
-            _find_duplicates(item, f"{path}[{i}]", found)
+            _find_duplicates(item, f"{path}[{i}]", found, visited)
 
 
 def _yaml_error(exc: yaml.YAMLError) -> str:
