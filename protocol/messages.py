@@ -52,6 +52,12 @@ _REQUIRED: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
     DRAIN: (),
 }
 
+# Fields a type may carry: when present and not null, of these types.
+_OPTIONAL: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
+    HEARTBEAT: (("backend_healthy", bool), ("engine", dict), ("hardware", dict)),
+    ERROR: (("status", int),),
+}
+
 
 def validate(message: object) -> None:
     if not isinstance(message, dict):
@@ -64,6 +70,12 @@ def validate(message: object) -> None:
         value = message.get(name)
         if not isinstance(value, types) or (types is int and isinstance(value, bool)):
             raise ProtocolError(f"{kind}: field {name!r} missing or of the wrong type")
+    for name, types in _OPTIONAL.get(kind, ()):
+        value = message.get(name)
+        if value is not None and (
+            not isinstance(value, types) or (types is int and isinstance(value, bool))
+        ):
+            raise ProtocolError(f"{kind}: field {name!r} of the wrong type")
 
 
 def hello(token: str, metadata: dict) -> dict:
