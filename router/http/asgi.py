@@ -53,8 +53,9 @@ def request_id(scope: Scope) -> str:
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     """The whole request body; BodyTooLarge past `limit` (declared or sent), ClientGone
     when the client leaves first."""
-    declared = header(scope, b"content-length")
-    if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+    declared = (header(scope, b"content-length") or "").strip()
+    # isdigit() alone also accepts digits int() refuses, such as "²".
+    if declared.isascii() and declared.isdigit() and int(declared) > limit:
         raise BodyTooLarge
     parts: list[bytes] = []
     size = 0
