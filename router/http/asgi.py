@@ -73,7 +73,16 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 
 
 def encode_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
-    return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+    return [(_header_bytes(k), _header_bytes(v)) for k, v in headers]
+
+
+def _header_bytes(text: str) -> bytes:
+    # An engine's UTF-8 header value reaches us decoded as UTF-8 (httpx): send it back
+    # as the engine did, rather than failing the answer on it.
+    try:
+        return text.encode("latin-1")
+    except UnicodeEncodeError:
+        return text.encode("utf-8", "replace")
 
 
 async def start_response(send: Send, status: int, headers: Iterable[tuple[str, str]]) -> None:
