@@ -199,7 +199,7 @@ class RouterApp:
             body = await read_body(scope, receive, MAX_POLICY_BYTES)
             text = body.decode("utf-8")
         except (BodyTooLarge, UnicodeDecodeError):
-            errors = ["policy body must be UTF-8 YAML under 1 MiB"]
+            errors = self.store.reject(["policy body must be UTF-8 YAML under 1 MiB"], "admin_api")
         except ClientGone:
             return 499
         else:

@@ -34,17 +34,19 @@ class PolicyStore:
         try:
             policy = load_policy(text)
         except PolicyError as exc:
-            self.metrics.reloads.labels("failure").inc()
-            log.warning(
-                "policy_reload_failed origin=%s errors=%s", origin, quote("; ".join(exc.errors))
-            )
-            return exc.errors
+            return self.reject(exc.errors, origin)
         self.current = policy
         self.metrics.reloads.labels("success").inc()
         log.info("policy_reloaded origin=%s chain=[%s]", origin, "→".join(policy.chain_names()))
         for listener in self.listeners:
             listener(policy)
         return []
+
+    def reject(self, errors: list[str], origin: str) -> list[str]:
+        """Count and log a reload that failed before or during validation; `errors`."""
+        self.metrics.reloads.labels("failure").inc()
+        log.warning("policy_reload_failed origin=%s errors=%s", origin, quote("; ".join(errors)))
+        return errors
 
     def reload_file(self) -> list[str]:
         """Re-read --policy-file (SIGHUP); the errors, empty on success."""
@@ -55,8 +57,5 @@ class PolicyStore:
             # Not UTF-8 must be a rejected reload, not an exception in the signal task.
             text = Path(self.path).read_text(encoding="utf-8")
         except (OSError, UnicodeDecodeError) as exc:
-            error = f"{self.path}: cannot read policy file ({exc})"
-            self.metrics.reloads.labels("failure").inc()
-            log.warning("policy_reload_failed origin=file errors=%s", quote(error))
-            return [error]
+            return self.reject([f"{self.path}: cannot read policy file ({exc})"], "file")
         return self.replace(text, "file")
