@@ -181,6 +181,7 @@ class ClientApi:
 
         async with trio.open_nursery() as nursery:
             nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, state)
+            nursery.start_soon(_release_at, deadline, state)
             with trio.move_on_at(deadline) as deadline_scope:
                 await self._answer(req, protocol, tracked_send, extra, state)
             nursery.cancel_scope.cancel()
@@ -225,6 +226,7 @@ class ClientApi:
             return
         response = served.response
         assert isinstance(response, AgentResponse)
+        state.response = response
         self.metrics.overhead.labels(req.path).observe(max(0.0, req.sent_at - req.received_at))
         await self._relay(req, protocol, response, send, extra, state)
 
@@ -315,6 +317,18 @@ class _Progress:
     status: int = 200
     client_gone: bool = False
     done: bool = False
+    response: AgentResponse | None = None
+
+
+async def _release_at(deadline: float, state: _Progress) -> None:
+    """At the deadline, free the agent's slot and cancel its engine call.
+
+    Hypercorn shields its socket writes, so while a client that stopped reading holds
+    a write, the deadline's cancellation cannot reach the relay; this does its part.
+    """
+    await trio.sleep_until(deadline)
+    if state.response is not None:
+        state.response.close()
 
 
 async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, state: _Progress) -> None:
