@@ -145,6 +145,8 @@ class ClientApi:
             name = key.decode("latin-1")
             if name in _FORWARDED_REQUEST_HEADERS:
                 headers[name] = value.decode("latin-1")
+        # The body is known to be JSON: say so to engines that check.
+        headers.setdefault("content-type", "application/json")
         headers["x-request-id"] = rid
         req = RouteRequest(
             request_id=rid,
