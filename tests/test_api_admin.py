@@ -423,7 +423,10 @@ def test_routing_table_has_every_interface_field(af: AdminFleet) -> None:
             assert 0.0 <= agent["hardware"][name] <= 1.0, name
         for name in ("gpu_temperature_c", "gpu_util_percent", "gpu_vram_used_percent"):
             # NVML where there is a GPU; null (never zero) without one.
-            assert agent["hardware"][name] is None or agent["hardware"][name] >= 0
+            value = agent["hardware"][name]
+            assert value is None or value >= 0
+            if not _nvml_present():
+                assert value is None, name
         assert 0.0 <= agent["status"]["capacity_utilization"] <= 1.0
     served = [a for a in agents if a["universal"]["success_rate"] is not None]
     assert served, "the fixture's request was served by one agent"
@@ -431,6 +434,19 @@ def test_routing_table_has_every_interface_field(af: AdminFleet) -> None:
         assert agent["universal"]["success_rate"] == 1.0
         assert agent["universal"]["srtt"] > 0
         assert agent["universal"]["consecutive_failures"] == 0
+
+
+def _nvml_present() -> bool:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        try:
+            return pynvml.nvmlDeviceGetCount() > 0
+        finally:
+            pynvml.nvmlShutdown()
+    except Exception:
+        return False
 
 
 def test_engine_latency_metrics_appear_under_traffic(af: AdminFleet) -> None:
