@@ -50,12 +50,15 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     setup_logging()
+    from agent.link import parse_router_address
     from agent.settings import AgentSettings
 
     if args.engine == "custom" and not (args.health_url and args.model):
         print("hivenet-agent: --engine custom needs --health-url and --model", file=sys.stderr)
         return 2
     try:
+        for address in args.router:
+            parse_router_address(address)
         settings = AgentSettings(
             routers=args.router,
             model=args.model,

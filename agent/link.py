@@ -185,7 +185,7 @@ class RouterConnection:
     ) -> None:
         self.host = host
         self.address = address
-        self.info = info_from_p2p_addr(multiaddr.Multiaddr(address))
+        self.info = parse_router_address(address)
         self.make_session = make_session
         self.session: RouterSession | None = None
         self.stopping = False
@@ -221,6 +221,17 @@ class RouterConnection:
                 backoff = BACKOFF_START
             await trio.sleep(backoff * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, BACKOFF_CAP)
+
+
+def parse_router_address(address: str) -> Any:
+    """The router's PeerInfo from `--router`; ValueError says what is wrong with it."""
+    try:
+        return info_from_p2p_addr(multiaddr.Multiaddr(address))
+    except Exception as exc:  # multiaddr and libp2p raise several unrelated types
+        raise ValueError(
+            f"--router {address!r} is not a router multiaddr with /p2p/<peer-id> "
+            f"(e.g. /ip4/203.0.113.7/tcp/9000/p2p/12D3Koo...): {exc}"
+        ) from None
 
 
 def hello_for(secret: bytes, peer_id: str, metadata: dict) -> dict:

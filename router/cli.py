@@ -31,7 +31,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--p2p-listen-addr", default="127.0.0.1")
     serve.add_argument("--p2p-announce-addr", default=None)
     serve.add_argument("--identity-path", default="./router_identity.key")
-    serve.add_argument("--policy-file", default=os.environ.get("HIVENET_ROUTER_POLICY_FILE"))
+    serve.add_argument(
+        "--policy-file", default=os.environ.get("HIVENET_ROUTER_POLICY_FILE") or None
+    )
     serve.add_argument("--max-tries-per-step", type=int, default=3)
     serve.add_argument("--queue-depth", type=int, default=30)
     serve.add_argument("--request-timeout", type=parse_duration, default="60s")

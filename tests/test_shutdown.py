@@ -102,8 +102,12 @@ async def test_sigterm_router_with_50_streams_in_flight(fleet: Fleet) -> None:
             for stream in (False, True):
                 r = await client.post("/v1/chat/completions", json=chat("late", stream))
                 refused.append(r)
+            # Load balancers see the drain on /health.
+            health = await client.get("/health")
     # The router was still draining (the long streams outlast the window): a 503 that
     # says why, not a refused connection.
+    assert health.status_code == 503
+    assert health.json() == {"status": "draining"}
     for r in refused:
         assert r.status_code == 503, r.text
         assert r.json()["error"]["code"] == "no_agents_available"

@@ -79,8 +79,9 @@ class RouterApp:
             elif path.startswith("/admin/"):
                 status = await self._admin(scope, receive, send, rid)
             elif path == "/health" and method == "GET":
-                status = 200
-                await send_json(send, 200, {"status": "ok"}, [("x-request-id", rid)])
+                # A draining router tells load balancers to send new clients elsewhere.
+                status, state = (503, "draining") if self.draining else (200, "ok")
+                await send_json(send, status, {"status": state}, [("x-request-id", rid)])
             else:
                 status = await _not_found(send, rid, protocol)
         except Exception:
