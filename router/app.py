@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.metadata
 import logging
 import signal
 import time
@@ -11,6 +12,7 @@ import multiaddr
 import trio
 from hypercorn.config import Config
 from hypercorn.trio import serve
+from hypercorn.trio.tcp_server import TCPServer
 from prometheus_client import make_asgi_app
 
 from protocol.logs import quote
@@ -50,7 +52,34 @@ def listen_multiaddrs(settings: RouterSettings) -> list[multiaddr.Multiaddr]:
     return addrs
 
 
+_HYPERCORN_PATCHED = "0.18.0"
+_ORIGINAL_READ_DATA = TCPServer._read_data
+
+
+async def _read_data_then_stop_idle_timer(self: TCPServer) -> None:
+    """TCPServer._read_data, then stop the keep-alive timer once the client has closed.
+
+    Hypercorn 0.18.0 leaves the timer running after the client's FIN, and the
+    connection waits for it: the socket stays in CLOSE_WAIT and two tasks stay alive
+    for up to keep_alive_timeout after every closed connection (300 short requests
+    left 242 descriptors open), enough to exhaust descriptors under connection churn.
+    """
+    await _ORIGINAL_READ_DATA(self)
+    await self.idle_task.stop()
+
+
+def _fix_hypercorn_close() -> None:
+    found = importlib.metadata.version("hypercorn")
+    if found != _HYPERCORN_PATCHED:
+        raise RuntimeError(
+            f"router/app.py patches hypercorn {_HYPERCORN_PATCHED} internals; "
+            f"found {found}: re-check the closed-connection fix"
+        )
+    TCPServer._read_data = _read_data_then_stop_idle_timer  # type: ignore[method-assign]
+
+
 def hypercorn_config(addr: tuple[str, int]) -> Config:
+    _fix_hypercorn_close()
     config = Config()
     config.bind = [f"{addr[0]}:{addr[1]}"]
     config.accesslog = None
