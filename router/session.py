@@ -41,6 +41,8 @@ class RouteRequest:
     # The parsed JSON body, for the provider fallback.
     payload: dict = field(default_factory=dict)
     received_at: float = 0.0
+    # Time spent outside the router's own work: in the capacity queue, in failed forwards.
+    waited: float = 0.0
     # When the successful forward was written to the agent (router overhead ends).
     sent_at: float = 0.0
 
@@ -154,7 +156,7 @@ class RoutingSession:
         failed: set[str] = set()
         tries = 0
         last_failure: ForwardFailure | None = None
-        wait = _QueuePlace(self.queue, self.metrics, req.model)
+        wait = _QueuePlace(self.queue, self.metrics, req)
         try:
             while True:
                 ev = evaluate(
@@ -166,6 +168,13 @@ class RoutingSession:
                 )
                 peer = ev.best
                 if peer is None:
+                    log.debug(
+                        "req=%s step_drained step=%s drain=%s waitable=%s",
+                        req.request_id,
+                        step.name,
+                        quote(ev.drain or ""),
+                        ev.waitable,
+                    )
                     if not ev.waitable:
                         return ev.drain or "no eligible agents", last_failure, False
                     if not wait.enter():
@@ -186,7 +195,17 @@ class RoutingSession:
                 wait.leave()
                 if not try_acquire(peer):
                     continue  # lost the race for the last slot: select again, no try used
+                log.debug(
+                    "req=%s step_selected step=%s peer=%s active=%d capacity=%d survivors=%d",
+                    req.request_id,
+                    step.name,
+                    peer.peer_id,
+                    peer.active,
+                    peer.metadata.capacity,
+                    ev.survivors,
+                )
                 slot = Slot(peer, self.on_release)
+                forward_started = trio.current_time()
                 try:
                     result = await self.forward(peer, req, slot)
                 except BaseException:
@@ -195,6 +214,7 @@ class RoutingSession:
                 if not isinstance(result, ForwardFailure):
                     return Served(result, peer, index, step.name)
                 slot.release()
+                req.waited += trio.current_time() - forward_started
                 self.metrics.forward_failures.labels(req.model, str(result.code)).inc()
                 log.info(
                     "req=%s forward_error step=%s peer=%s code=%s message=%s",
@@ -243,9 +263,10 @@ class RoutingSession:
 class _QueuePlace:
     """A request's place in its model's wait queue, kept across wake-ups."""
 
-    def __init__(self, queue: WaitQueue, metrics: RouterMetrics, model: str) -> None:
+    def __init__(self, queue: WaitQueue, metrics: RouterMetrics, req: RouteRequest) -> None:
         self.queue = queue
-        self.model = model
+        self.req = req
+        model = self.model = req.model
         self.gauge = metrics.queue_depth.labels(model)
         self.wait_hist = metrics.queue_wait.labels(model)
         self.waiter: Waiter | None = None
@@ -272,7 +293,9 @@ class _QueuePlace:
             return
         self.queue.leave(self.model, self.waiter)
         self.waiter = None
-        self.wait_hist.observe(trio.current_time() - self.since)
+        waited = trio.current_time() - self.since
+        self.req.waited += waited
+        self.wait_hist.observe(waited)
         self.gauge.set(self.queue.length(self.model))
 
 

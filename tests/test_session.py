@@ -531,6 +531,8 @@ async def test_queue_serves_waiters_in_arrival_order(autojump_clock: Any) -> Non
         "hivenet_router_queue_wait_seconds_sum", {"model": MODEL}
     )
     assert waited == pytest.approx(1 + 2 + 3 + 4)
+    # The router-overhead histogram leaves queue time out: each request knows its wait.
+    assert [r.waited for r in reqs] == pytest.approx([1, 2, 3, 4])
 
 
 async def test_a_waiter_reserves_no_agent_and_takes_whichever_frees(

@@ -229,7 +229,8 @@ class ClientApi:
         response = served.response
         assert isinstance(response, AgentResponse)
         state.response = response
-        self.metrics.overhead.labels(req.path).observe(max(0.0, req.sent_at - req.received_at))
+        own = req.sent_at - req.received_at - req.waited
+        self.metrics.overhead.labels(req.path).observe(max(0.0, own))
         await self._relay(req, protocol, response, send, extra, state)
 
     async def _relay(
