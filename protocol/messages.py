@@ -76,6 +76,10 @@ def validate(message: object) -> None:
             not isinstance(value, types) or (types is int and isinstance(value, bool))
         ):
             raise ProtocolError(f"{kind}: field {name!r} of the wrong type")
+    if kind in (REQUEST, RESPONSE_HEAD):
+        for key, value in message["headers"].items():
+            if not isinstance(key, str) or not isinstance(value, str):
+                raise ProtocolError(f"{kind}: headers must map strings to strings")
 
 
 def hello(token: str, metadata: dict) -> dict:
