@@ -225,6 +225,12 @@ def _is_num(v: object) -> bool:
     return isinstance(v, int | float)
 
 
+def _is_headers(v: object) -> bool:
+    return isinstance(v, dict) and all(
+        isinstance(key, str) and isinstance(value, str) for key, value in v.items()
+    )
+
+
 REQUIRED: dict[str, tuple[tuple[str, Callable[[object], bool]], ...]] = {
     m.HELLO: (("token", lambda v: isinstance(v, str)), ("metadata", lambda v: isinstance(v, dict))),
     m.WELCOME: (("heartbeat_interval", _is_num),),
@@ -234,14 +240,14 @@ REQUIRED: dict[str, tuple[tuple[str, Callable[[object], bool]], ...]] = {
         ("id", _is_int),
         ("method", lambda v: isinstance(v, str)),
         ("path", lambda v: isinstance(v, str)),
-        ("headers", lambda v: isinstance(v, dict)),
+        ("headers", _is_headers),
         ("body", lambda v: isinstance(v, bytes)),
         ("stream", lambda v: isinstance(v, bool)),
     ),
     m.RESPONSE_HEAD: (
         ("id", _is_int),
         ("status", _is_int),
-        ("headers", lambda v: isinstance(v, dict)),
+        ("headers", _is_headers),
     ),
     m.RESPONSE_CHUNK: (("id", _is_int), ("data", lambda v: isinstance(v, bytes))),
     m.RESPONSE_END: (("id", _is_int),),
@@ -835,7 +841,9 @@ head_step = st.tuples(
         | st.text(max_size=6),
         st.text(max_size=12),
         max_size=3,
-    ),
+    )
+    # Rarely, a map no agent should send: the router must end that session cleanly.
+    | st.dictionaries(scalars, scalars, min_size=1, max_size=2),
 )
 chunk_step = st.tuples(
     st.just("chunk"),
@@ -976,6 +984,17 @@ class ScriptedAgent:
         assert self.session.peer is not None
         self.session.on_message(m.heartbeat(time.time(), True, {}, {}))
 
+    def _deliver(self, msg: dict) -> bool:
+        """Hand `msg` to the session as the reader would; False when it ends it."""
+        try:
+            validate(msg)
+        except ProtocolError:
+            self.fs.close("protocol error")
+            self.link._closed(self.session, "protocol error")
+            return False
+        self.session.on_message(msg)
+        return True
+
     def _on_send(self, msg: dict) -> None:
         if msg["type"] == m.REQUEST:
             script = self.scripts[self.forwards % len(self.scripts)]
@@ -989,13 +1008,16 @@ class ScriptedAgent:
                 return  # cancelled or finished: the agent stops as it would on cancel
             kind = step[0]
             if kind == "head":
-                self.session.on_message(m.response_head(req_id, step[1], step[2]))
+                delivered = self._deliver(m.response_head(req_id, step[1], step[2]))
             elif kind == "chunk":
-                self.session.on_message(m.response_chunk(req_id, step[1]))
+                delivered = self._deliver(m.response_chunk(req_id, step[1]))
             elif kind == "end":
-                self.session.on_message(m.response_end(req_id))
+                delivered = self._deliver(m.response_end(req_id))
             elif kind == "error":
-                self.session.on_message(m.error(req_id, step[1], "scripted failure"))
+                delivered = self._deliver(m.error(req_id, step[1], "scripted failure"))
+            if kind in ("head", "chunk", "end", "error"):
+                if not delivered:
+                    return
             elif kind == "gone":
                 self.fs.close("agent killed")
                 self.link._closed(self.session, "agent killed")
