@@ -12,6 +12,7 @@ from libp2p import new_host
 from libp2p.network.config import ConnectionConfig
 
 from agent.engines import EngineEndpoints, HealthTracker, get_adapter
+from agent.forward import BackendClients
 from agent.hardware import HardwareSampler
 from agent.link import RouterConnection, RouterSession, Status, hello_for
 from agent.settings import AgentSettings
@@ -73,10 +74,9 @@ class AgentDaemon:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         s = self.settings
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
         timeout = httpx.Timeout(s.http_timeout, connect=min(10.0, s.http_timeout))
         async with (
-            httpx.AsyncClient(limits=limits, timeout=timeout) as client,
+            BackendClients(s.capacity, timeout) as client,
             httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as probe,
             trio.open_nursery() as nursery,
         ):
@@ -118,9 +118,7 @@ class AgentDaemon:
                 await self._drain()
                 nursery.cancel_scope.cancel()
 
-    def _session(
-        self, stream: Any, client: httpx.AsyncClient, ep: EngineEndpoints
-    ) -> RouterSession:
+    def _session(self, stream: Any, client: BackendClients, ep: EngineEndpoints) -> RouterSession:
         s = self.settings
         return RouterSession(
             stream,

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
+from contextlib import AsyncExitStack
 
 import httpx
 
@@ -15,6 +17,34 @@ log = logging.getLogger("agent")
 _HOP_BY_HOP = frozenset(
     {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
 )
+
+
+class BackendClients:
+    """Several small httpx pools instead of one large one.
+
+    httpcore scans every connection of its pool on each request, polling each socket
+    (`has_expired`), so one pool serving 64 concurrent requests spent most of the agent's
+    CPU there. Requests are spread over pools of about `PER_POOL` connections each.
+    """
+
+    PER_POOL = 8
+
+    def __init__(self, concurrency: int, timeout: httpx.Timeout) -> None:
+        count = max(1, math.ceil(concurrency / self.PER_POOL))
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=self.PER_POOL * 2)
+        self.clients = [httpx.AsyncClient(limits=limits, timeout=timeout) for _ in range(count)]
+
+    def for_request(self, req_id: int) -> httpx.AsyncClient:
+        return self.clients[req_id % len(self.clients)]
+
+    async def __aenter__(self) -> BackendClients:
+        self._stack = AsyncExitStack()
+        for client in self.clients:
+            await self._stack.enter_async_context(client)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._stack.aclose()
 
 
 async def forward(

@@ -10,12 +10,11 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
 import multiaddr
 import trio
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from agent.forward import forward
+from agent.forward import BackendClients, forward
 from protocol import messages as m
 from protocol.logs import quote
 from protocol.p2p import FramedStream, SessionClosed
@@ -74,7 +73,7 @@ class RouterSession:
         stream: Any,
         hello: dict,
         status: Status,
-        client: httpx.AsyncClient,
+        client: BackendClients,
         backend_url: str,
         heartbeat_interval: float,
         write_timeout: float,
@@ -132,7 +131,7 @@ class RouterSession:
         with trio.CancelScope() as scope:
             self.requests[req_id] = scope
             try:
-                await forward(self.client, self.backend_url, msg, self.send)
+                await forward(self.client.for_request(req_id), self.backend_url, msg, self.send)
             finally:
                 del self.requests[req_id]
                 if not self.requests:

@@ -21,6 +21,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
+from agent.forward import BackendClients
 from agent.link import RouterSession, Status, hello_for
 from protocol.messages import PROTOCOL_ID
 from protocol.p2p import peer_id_of, quiet_libp2p_logging, tune_libp2p
@@ -46,7 +47,7 @@ async def one_agent(address: str, secret: bytes, index: int, heartbeat: float) -
         "capacity": 8,
         "region": "bench",
     }
-    async with host.run(listen_addrs=[]), httpx.AsyncClient() as client:
+    async with host.run(listen_addrs=[]), BackendClients(1, httpx.Timeout(5.0)) as client:
         await trio.sleep(random.uniform(0, 2))
         while True:
             try:

@@ -182,8 +182,7 @@ class ClientApi:
             await send(message)
 
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch_disconnect, receive, nursery.cancel_scope, state)
-            nursery.start_soon(_release_at, deadline, state)
+            nursery.start_soon(_watch, receive, deadline, nursery.cancel_scope, state)
             with trio.move_on_at(deadline) as deadline_scope:
                 await self._answer(req, protocol, tracked_send, extra, state)
             nursery.cancel_scope.cancel()
@@ -323,25 +322,26 @@ class _Progress:
     response: AgentResponse | None = None
 
 
-async def _release_at(deadline: float, state: _Progress) -> None:
-    """At the deadline, free the agent's slot and cancel its engine call.
+async def _watch(
+    receive: Receive, deadline: float, scope: trio.CancelScope, state: _Progress
+) -> None:
+    """One task per request watches for the client leaving and for the deadline.
 
-    Hypercorn shields its socket writes, so while a client that stopped reading holds
-    a write, the deadline's cancellation cannot reach the relay; this does its part.
+    A client that leaves cancels the forward. At the deadline the agent's slot is
+    freed and its engine call cancelled here: Hypercorn shields its socket writes, so
+    while a client that stopped reading holds a write, the request's own deadline
+    cannot reach the relay.
     """
-    await trio.sleep_until(deadline)
+    with trio.move_on_at(deadline):
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                if not state.done:
+                    state.client_gone = True
+                    scope.cancel()
+                return
     if state.response is not None:
         state.response.close()
-
-
-async def _watch_disconnect(receive: Receive, scope: trio.CancelScope, state: _Progress) -> None:
-    while True:
-        message = await receive()
-        if message["type"] == "http.disconnect":
-            if not state.done:
-                state.client_gone = True
-                scope.cancel()
-            return
 
 
 async def _end_stream_with_error(
