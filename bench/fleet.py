@@ -19,6 +19,14 @@ PER_PROCESS = 250
 
 
 def joined(url: str) -> int:
+    """Agents with a live session (healthy or not: a starved bench process may be late)."""
+    r = httpx.get(
+        url + "/admin/routing-table", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10
+    )
+    return sum(1 for a in r.json()["agents"] if a["status"]["connected"])
+
+
+def healthy(url: str) -> int:
     r = httpx.get(
         url + "/admin/routing-table", headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10
     )
@@ -63,6 +71,7 @@ def run(size: int, measure: float) -> dict:
         return {
             "agents": size,
             "joined": joined(url),
+            "healthy": healthy(url),
             "router_cpu_share_of_one_core": round(share, 4),
             "router_rss_mib": round(router_ps.memory_info().rss / 2**20, 1),
             "router_rss_idle_mib": round(idle_rss / 2**20, 1),
@@ -76,12 +85,15 @@ def main() -> None:
     parser.add_argument("--sizes", default="10,100,1000")
     parser.add_argument("--measure", type=float, default=20.0)
     args = parser.parse_args()
-    print("| agents | joined | router CPU (share of one core) | router RSS MiB (idle) |")
-    print("|---:|---:|---:|---:|")
+    print(
+        "| agents | sessions | healthy | router CPU (share of one core) | router RSS MiB (idle) |"
+    )
+    print("|---:|---:|---:|---:|---:|")
     for size in (int(s) for s in args.sizes.split(",")):
         r = run(size, args.measure)
         print(
-            f"| {r['agents']} | {r['joined']} | {r['router_cpu_share_of_one_core']:.3f} "
+            f"| {r['agents']} | {r['joined']} | {r['healthy']} "
+            f"| {r['router_cpu_share_of_one_core']:.3f} "
             f"| {r['router_rss_mib']} ({r['router_rss_idle_mib']}) |",
             flush=True,
         )

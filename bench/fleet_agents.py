@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 
 import httpx
 import multiaddr
@@ -64,7 +65,9 @@ async def one_agent(address: str, secret: bytes, index: int, heartbeat: float) -
                     60.0,
                 )
                 await session.run()
-            except Exception:  # the benchmark keeps its sessions up; the router logs why
+            except Exception as exc:  # the benchmark keeps its sessions up, and says why
+                cause = getattr(exc.__cause__, "exceptions", exc.__cause__)
+                print(f"agent {index}: {exc!r} cause={cause!r}", file=sys.stderr, flush=True)
                 await trio.sleep(1)
 
 

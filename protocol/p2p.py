@@ -106,6 +106,7 @@ class FramedStream:
         self._send, self._queue = trio.open_memory_channel[bytes](math.inf)
         self.closed = trio.Event()
         self.close_reason = ""
+        self.last_tx = 0.0
         self._scope: trio.CancelScope | None = None
         self._abort_early = False
         self._drained = trio.Event()
@@ -118,6 +119,7 @@ class FramedStream:
         if self.closed.is_set():
             raise SessionClosed(self.close_reason or "session closed")
         self._send.send_nowait(encode_frame(message))
+        self.last_tx = trio.current_time()
 
     async def run(self, on_message: Callable[[dict], Awaitable[None] | None]) -> str:
         """Read and write until either side ends; returns why the session ended."""
@@ -200,8 +202,12 @@ class FramedStream:
                         break
                     batch.append(more)
                     size += len(more)
-                with trio.fail_after(self._write_timeout):
-                    await self.stream.write(batch[0] if len(batch) == 1 else b"".join(batch))
+                data = batch[0] if len(batch) == 1 else b"".join(batch)
+                if self._write_timeout == math.inf:
+                    await self.stream.write(data)
+                else:
+                    with trio.fail_after(self._write_timeout):
+                        await self.stream.write(data)
         except Exception as exc:
             self.close_reason = self.close_reason or f"write failed: {type(exc).__name__}"
             cancel_scope.cancel()

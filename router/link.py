@@ -205,9 +205,12 @@ class AgentLink:
         limit = self.settings.unhealthy_after
         while not fs.closed.is_set():
             await trio.sleep(interval)
-            if trio.current_time() - session.last_rx > limit:
+            now = trio.current_time()
+            if now - session.last_rx > limit:
                 fs.close(f"link heartbeat timeout: silent for more than {limit:g}s")
                 return
+            if now - fs.last_tx < interval:
+                continue  # requests went out: the agent knows the router is alive
             try:
                 fs.send_nowait(m.heartbeat(time.time()))
             except SessionClosed:

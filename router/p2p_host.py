@@ -24,6 +24,7 @@ from libp2p.network.connection.raw_connection import RawConnection
 from libp2p.network.swarm import Swarm
 from libp2p.rcmgr import new_resource_manager
 from libp2p.rcmgr.connection_limits import ConnectionLimits
+from libp2p.rcmgr.manager import ResourceLimits
 
 from protocol.p2p import tune_libp2p
 
@@ -91,7 +92,15 @@ def router_host(
             low_watermark=0,
             high_watermark=MAX_AGENT_CONNECTIONS + 128,
         ),
-        resource_manager=new_resource_manager(connection_limits=limits),
+        # ResourceLimits defaults to 1,000 connections: the 1,001st agent could never join.
+        resource_manager=new_resource_manager(
+            limits=ResourceLimits(
+                max_connections=MAX_AGENT_CONNECTIONS + 256,
+                max_memory_mb=4096,
+                max_streams=4 * MAX_AGENT_CONNECTIONS,
+            ),
+            connection_limits=limits,
+        ),
     )
     _fix_inbound_handler(host.get_network())
     return host
