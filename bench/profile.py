@@ -1,6 +1,6 @@
 """Profile the router or the agent under load with py-spy, and print where time goes.
 
-    pip install py-spy            # not a dependency of the daemons
+    pip install -e '.[bench]'     # py-spy; not a dependency of the daemons
     python -m bench.profile router --concurrency 64 [--stream] [--seconds 8]
 
 Prints the functions holding the largest share of busy samples (idle time in epoll
