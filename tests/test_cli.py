@@ -1,0 +1,64 @@
+"""`hivenet-router identity` and `hivenet-router token` as INTERFACE.md names them."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+import time
+from pathlib import Path
+
+import jwt
+
+from tests.fleet import SECRET, VENV_BIN
+
+ROUTER = str(VENV_BIN / "hivenet-router")
+
+
+def run(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [ROUTER, *args], capture_output=True, text=True, timeout=60, env=env or dict(os.environ)
+    )
+
+
+def test_identity_creates_a_private_key_once_and_prints_a_stable_peer_id(tmp_path: Path) -> None:
+    key = tmp_path / "state" / "router_identity.key"
+    first = run("identity", "--identity-path", str(key), "--p2p-port", "9123")
+    assert first.returncode == 0, first.stderr
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    peer_line, addr_line = first.stdout.strip().splitlines()
+    peer_id = peer_line.removeprefix("peer_id: ")
+    assert peer_id.startswith("12D3KooW")
+    assert addr_line == f"/ip4/127.0.0.1/tcp/9123/p2p/{peer_id}"
+    again = run("identity", "--identity-path", str(key), "--p2p-port", "9123")
+    assert again.stdout == first.stdout
+    announced = run(
+        "identity", "--identity-path", str(key), "--p2p-announce-addr", "/ip4/203.0.113.7/tcp/9000"
+    )
+    assert f"/ip4/203.0.113.7/tcp/9000/p2p/{peer_id}" in announced.stdout.splitlines()
+
+
+def test_token_is_an_hs256_jwt_for_the_peer_with_the_ttl(tmp_path: Path) -> None:
+    env = {**os.environ, "HIVENET_ROUTER_JWT_SECRET": SECRET}
+    out = run("token", "--peer-id", "12D3KooWexample", "--ttl", "2h", env=env)
+    assert out.returncode == 0, out.stderr
+    token = out.stdout.strip()
+    assert jwt.get_unverified_header(token)["alg"] == "HS256"
+    claims = jwt.decode(token, SECRET, algorithms=["HS256"])
+    assert claims["sub"] == "12D3KooWexample"
+    assert abs(claims["exp"] - time.time() - 7200) < 60
+    # The file wins over the environment.
+    secret_file = tmp_path / "secret"
+    secret_file.write_text("f" * 40 + "\n")
+    from_file = run("token", "--peer-id", "p", "--jwt-secret-file", str(secret_file), env=env)
+    jwt.decode(from_file.stdout.strip(), "f" * 40, algorithms=["HS256"])
+
+
+def test_token_without_a_usable_secret_is_a_clear_error() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "HIVENET_ROUTER_JWT_SECRET"}
+    missing = run("token", "--peer-id", "p", env=env)
+    assert missing.returncode == 2
+    assert "JWT secret is required" in missing.stderr
+    short = run("token", "--peer-id", "p", env={**env, "HIVENET_ROUTER_JWT_SECRET": "short"})
+    assert short.returncode == 2
+    assert "at least 32" in short.stderr
