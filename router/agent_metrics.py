@@ -28,7 +28,8 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from router.peers import ENGINE_FIELDS, HARDWARE_FIELDS, Peer, PeerTable
+from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
+from router.peers import Peer, PeerTable
 from router.policy.gates import metric_value
 
 PREFIX = "hivenet_router_agent_"

@@ -18,14 +18,13 @@ import trio
 
 from protocol import messages as m
 from protocol.errors import ErrorCode, classify_backend_status
+from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from protocol.logs import quote
 from protocol.p2p import FramedStream, SessionClosed
 from protocol.tokens import TokenError, verify_token
 from router.metrics import RouterMetrics
 from router.peers import (
     CAPABILITIES,
-    ENGINE_FIELDS,
-    HARDWARE_FIELDS,
     AgentMetadata,
     Peer,
     PeerTable,

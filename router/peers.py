@@ -11,22 +11,6 @@ import bisect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-ENGINE_FIELDS = (
-    "kv_cache_utilization",
-    "running_requests",
-    "waiting_requests",
-    "avg_ttft_seconds",
-    "p90_ttft_seconds",
-    "avg_itl_seconds",
-    "p90_itl_seconds",
-)
-HARDWARE_FIELDS = (
-    "gpu_temperature_c",
-    "gpu_util_percent",
-    "gpu_vram_used_percent",
-    "memory_used_percent",
-    "cpu_usage_percent",
-)
 UNIVERSAL_FIELDS = ("capacity_utilization", "success_rate", "srtt", "consecutive_failures")
 CAPABILITIES = ("llm", "embedding", "reranker")
 

@@ -7,13 +7,8 @@ from typing import Any
 
 import pytest
 
-from router.peers import (
-    ENGINE_FIELDS,
-    HARDWARE_FIELDS,
-    AgentMetadata,
-    Peer,
-    UniversalStats,
-)
+from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
+from router.peers import AgentMetadata, Peer, UniversalStats
 from router.policy.gates import evaluate, first_violation, metric_value
 from router.policy.rank import NOT_IMPLEMENTED, STRATEGIES, least_loaded
 from router.policy.schema import GATE_FIELDS, Match, Rule, Step, load_policy

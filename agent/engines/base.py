@@ -17,15 +17,9 @@ from typing import ClassVar
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-FIELDS: tuple[str, ...] = (
-    "kv_cache_utilization",
-    "running_requests",
-    "waiting_requests",
-    "avg_ttft_seconds",
-    "p90_ttft_seconds",
-    "avg_itl_seconds",
-    "p90_itl_seconds",
-)
+from protocol.fields import ENGINE_FIELDS
+
+FIELDS = ENGINE_FIELDS
 
 # Series of the served model are picked by this label (vLLM and SGLang both use it).
 MODEL_LABEL = "model_name"

@@ -623,10 +623,24 @@ class SimEngine:
         async with self._slots:
             await self._generate(job, emit)
         end = head + b'},"logprobs":null,"finish_reason":"%s"}]}\n\n' % job.finish.encode()
+        await self._finish_stream(
+            exchange, end, request_id, "chat.completion.chunk", job, include_usage
+        )
+
+    async def _finish_stream(
+        self,
+        exchange: _Exchange,
+        end: bytes,
+        request_id: str,
+        kind: str,
+        job: _Job,
+        include_usage: bool,
+    ) -> None:
+        """The last chunk, the usage chunk when asked for (`stream_options`), `[DONE]`."""
         if include_usage:
             usage = {
                 "id": request_id,
-                "object": "chat.completion.chunk",
+                "object": kind,
                 "created": int(time.time()),
                 "model": self.model,
                 "choices": [],
@@ -686,17 +700,7 @@ class SimEngine:
         async with self._slots:
             await self._generate(job, emit)
         end = head + b'"","logprobs":null,"finish_reason":"%s"}]}\n\n' % job.finish.encode()
-        if include_usage:
-            usage = {
-                "id": request_id,
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": self.model,
-                "choices": [],
-                "usage": self._usage(job),
-            }
-            end += b"data: " + _dumps(usage) + b"\n\n"
-        await exchange.finish(end + SSE_DONE)
+        await self._finish_stream(exchange, end, request_id, "text_completion", job, include_usage)
 
     # Anthropic messages ------------------------------------------------------------
 

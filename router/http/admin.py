@@ -6,8 +6,9 @@ import time
 
 import trio
 
+from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from router.capacity import WaitQueue
-from router.peers import ENGINE_FIELDS, HARDWARE_FIELDS, Peer, PeerTable
+from router.peers import Peer, PeerTable
 from router.policy.gates import metric_value
 
 

@@ -20,7 +20,8 @@ from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
-from router.peers import ENGINE_FIELDS, HARDWARE_FIELDS, AgentMetadata, Peer
+from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
+from router.peers import AgentMetadata, Peer
 from router.policy.rank import STRATEGIES
 from router.policy.schema import GATE_FIELDS, MATCH_FIELDS, Rule, Step
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import yaml
 
-from router.peers import ENGINE_FIELDS, HARDWARE_FIELDS, UNIVERSAL_FIELDS
+from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
+from router.peers import UNIVERSAL_FIELDS
 from router.policy.rank import NOT_IMPLEMENTED, STRATEGIES
 
 GATE_FIELDS: tuple[str, ...] = UNIVERSAL_FIELDS + ENGINE_FIELDS + HARDWARE_FIELDS
