@@ -242,10 +242,12 @@ class RouterDaemon:
                 if signum == signal.SIGHUP:
                     # systemd's `reload` (ExecReload=kill -HUP): tell it while we reload.
                     sd_notify(f"RELOADING=1\nMONOTONIC_USEC={time.monotonic_ns() // 1000}")
-                    errors = self.store.reload_file() + self.tenants.store.reload_file()
+                    errors = self.store.reload_file()
                     if errors:
                         log.warning("sighup_reload_rejected errors=%d", len(errors))
                     status = "reload rejected, running policy kept" if errors else "reloaded"
+                    if self.tenants.store.reload_file():
+                        status += "; auth file reload rejected, running tenants kept"
                     sd_notify(f"READY=1\nSTATUS=serving, policy {status}")
                 elif self._stop.is_set():
                     log.warning("router_stop_now signal=%s", signal.Signals(signum).name)
