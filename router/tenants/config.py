@@ -32,6 +32,18 @@ TENANT_KEYS: tuple[str, ...] = (
 KEY_PREFIX = "hnr-"
 HASH_PREFIX = "sha256:"
 _HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
+# Names other gateways use for the same limits.
+_ALIASES = {
+    "rpm": "requests_per_minute",
+    "rate_limit": "requests_per_minute",
+    "tpd": "tokens_per_day",
+    "token_quota": "tokens_per_day",
+    "concurrency": "max_concurrent",
+    "max_parallel_requests": "max_concurrent",
+    "max_input_size": "max_input_bytes",
+    "api_keys": "keys",
+    "allowed_models": "models",
+}
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
@@ -173,10 +185,13 @@ class _Validator:
         for key in raw:
             if key not in TENANT_KEYS:
                 word = str(key)
+                hint = (
+                    f"; did you mean {_ALIASES[word]!r}?"
+                    if word in _ALIASES
+                    else _hint(word, TENANT_KEYS)
+                )
                 self.error(
-                    f"{path}.{word}",
-                    f"unknown tenant key (known: {', '.join(TENANT_KEYS)})"
-                    + _hint(word, TENANT_KEYS),
+                    f"{path}.{word}", f"unknown tenant key (known: {', '.join(TENANT_KEYS)}){hint}"
                 )
         keys = self.key_hashes(f"{path}.keys", raw.get("keys"))
         models = self.models(f"{path}.models", raw.get("models"))
