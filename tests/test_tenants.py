@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -10,6 +11,7 @@ from agent.usage import UsageTap
 from protocol import messages as m
 from protocol.errors import ErrorCode
 from protocol.usage import StreamUsage, usage_of_body, valid_usage
+from router.tenants.audit import AuditLog, AuditRecord
 from router.tenants.config import AuthError, Tenant, hash_key, load_auth, new_key
 from router.tenants.counters import LocalCounters, until_midnight
 
@@ -211,3 +213,19 @@ def test_link_messages_carry_usage_in_its_shape() -> None:
         m.validate({**m.response_end(1), "usage": "many"})
     with pytest.raises(m.ProtocolError):
         m.validate({**m.request(1, "POST", "/v1/x", {}, b"{}", False), "report_usage": 1})
+
+
+def test_audit_log_rotates_by_size(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    audit = AuditLog(str(path), max_bytes=1024, backups=2)
+    record = AuditRecord("rid", "team", "/v1/chat/completions", "m", "s", "peer", 200, 1, 2, 0.01)
+    for _ in range(40):
+        audit.write(record)
+    audit.close()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["audit.jsonl", "audit.jsonl.1", "audit.jsonl.2"]
+    for name in files:
+        text = (tmp_path / name).read_text()
+        assert len(text.encode()) <= 1024
+        lines = [json.loads(line) for line in text.splitlines()]
+        assert lines and all(x["total_tokens"] == 3 and x["tenant"] == "team" for x in lines)
