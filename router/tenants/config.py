@@ -15,9 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from router.policy.schema import _hint, _is_number, _kind, _parse, _yaml_error
+from router.policy.schema import YamlInvalid, _hint, _is_number, _kind, parse_yaml
 
 TENANT_KEYS: tuple[str, ...] = (
     "keys",
@@ -115,13 +113,9 @@ class AuthError(ValueError):
 
 def load_auth(text: str) -> AuthConfig:
     try:
-        document, errors = _parse(text)
-    except yaml.YAMLError as exc:
-        raise AuthError([_yaml_error(exc)]) from None
-    except RecursionError:
-        raise AuthError(["invalid YAML: collections nested too deeply"]) from None
-    except Exception as exc:  # PyYAML's constructors fail on some tagged scalars
-        raise AuthError([f"invalid YAML: {type(exc).__name__}: {exc}"]) from None
+        document, errors = parse_yaml(text)
+    except YamlInvalid as exc:
+        raise AuthError(exc.errors) from None
     config = _Validator(errors).config(document, text)
     if errors or config is None:
         raise AuthError(errors)
