@@ -9,6 +9,7 @@ from contextlib import AsyncExitStack
 
 import httpx
 
+from agent.usage import UsageTap
 from protocol import messages as m
 from protocol.errors import ErrorCode
 
@@ -57,9 +58,10 @@ async def forward(
     """
     req_id: int = msg["id"]
     url = backend_url.rstrip("/") + msg["path"]
+    tap = UsageTap(msg) if msg.get("report_usage") else None
     try:
         request = client.build_request(
-            msg["method"], url, headers=msg["headers"], content=msg["body"]
+            msg["method"], url, headers=msg["headers"], content=tap.body if tap else msg["body"]
         )
         response = await client.send(request, stream=True)
     except httpx.TimeoutException as exc:
@@ -76,13 +78,19 @@ async def forward(
             body = b"".join([chunk async for chunk in response.aiter_raw()])
             send(m.response_head(req_id, response.status_code, headers))
             send(m.response_chunk(req_id, body))
-            send(m.response_end(req_id))
+            if tap:
+                tap.of_body(body)
+            send(m.response_end(req_id, tap.usage if tap else None))
             return
         send(m.response_head(req_id, response.status_code, headers))
         async for chunk in response.aiter_raw():
+            if tap:
+                chunk = tap.stream.feed(chunk)
             if chunk:
                 send(m.response_chunk(req_id, chunk))
-        send(m.response_end(req_id))
+        if tap and (rest := tap.stream.flush()):
+            send(m.response_chunk(req_id, rest))
+        send(m.response_end(req_id, tap.usage if tap else None))
     except httpx.HTTPError as exc:
         send(m.error(req_id, ErrorCode.BACKEND_ERROR, f"engine answer broke off: {exc!r}"))
     finally:
