@@ -372,7 +372,13 @@ class AgentLink:
                 peer.stats.record_failure()
                 return ForwardFailure(_code(msg["code"]), msg["message"], status=msg.get("status"))
             if kind != m.RESPONSE_HEAD:
-                raise m.ProtocolError(f"{kind} before response_head")
+                # An agent out of step with the protocol costs this try, not the request.
+                finished = True
+                session.finish(req_id, cancel=True)
+                peer.stats.record_failure()
+                return ForwardFailure(
+                    ErrorCode.BACKEND_ERROR, f"agent sent {kind} before response_head"
+                )
             peer.stats.record_rtt((trio.current_time() - started) * 1000.0)
             status, headers = msg["status"], msg["headers"]
             if status >= 400:
