@@ -46,6 +46,7 @@ from router.session import (
     Served,
     Slot,
 )
+from tests.test_session import sample_sum
 
 MODEL = "m"
 REGIONS = ("EU", "US")
@@ -372,7 +373,7 @@ def check(world: World) -> None:
             assert calls and calls[-1].kind == "reject"
 
     def total(name: str) -> float:
-        return world.metrics.registry.get_sample_value(name, {"model": MODEL}) or 0.0
+        return sample_sum(world.metrics, name, {"model": MODEL})
 
     served = sum(1 for (o,) in world.outcomes.values() if o == "served")
     exhausted = sum(1 for (o,) in world.outcomes.values() if o == "exhausted")
@@ -395,9 +396,7 @@ def check(world: World) -> None:
 def test_routing_session_keeps_its_promises_under_any_interleaving(scenario: dict) -> None:
     world = World(scenario)
     trio.run(world.run, clock=trio.testing.MockClock(autojump_threshold=0))
-    waits = world.metrics.registry.get_sample_value(
-        "hivenet_router_queue_wait_seconds_count", {"model": MODEL}
-    )
+    waits = sample_sum(world.metrics, "hivenet_router_queue_wait_seconds_count", {"model": MODEL})
     event(f"queued: {bool(waits)}")
     event(f"quiet checks: {min(world.quiet_checks, 5)}{'+' if world.quiet_checks > 5 else ''}")
     for outcome in sorted({how for ends in world.outcomes.values() for how in ends}):

@@ -86,7 +86,9 @@ class RouterApp:
                 status = await _not_found(send, rid, protocol)
         except Exception:
             # A bug must cost one request, never the daemon.
-            log.exception("req=%s handler_error path=%s", rid, quote(path))
+            if path.startswith("/v1/"):
+                tenant = self.client_keys.tenant(scope) or "-"
+            log.exception("req=%s tenant=%s handler_error path=%s", rid, quote(tenant), quote(path))
             status = 500
             err = RouterError(ErrorCode.INTERNAL_ERROR, "internal router error")
             # The response may have started; then the client sees a cut stream.
@@ -130,7 +132,8 @@ class RouterApp:
             self.inflight += 1
             self.idle = trio.Event()
             try:
-                return await self.client.inference(scope, receive, send, rid, tenant), tenant
+                status = await self.client.inference(scope, receive, send, rid, tenant, priority=0)
+                return status, tenant
             finally:
                 self.inflight -= 1
                 if not self.inflight:

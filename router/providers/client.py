@@ -104,8 +104,9 @@ class ProviderClient:
                 raise _backend(f"{name} provider answered malformed JSON: {exc}") from None
         except RouterError as err:
             log.warning(
-                "req=%s provider=%s model=%s provider_failed reason=%s",
+                "req=%s tenant=%s provider=%s model=%s provider_failed reason=%s",
                 req.request_id,
+                quote(req.tenant),
                 name,
                 quote(provider.model),
                 quote(err.message),
