@@ -289,12 +289,14 @@ def test_load_policy_file(tmp_path: Path) -> None:
         (
             primary("region: EU"),
             "routing_policy.region: unknown step key"
-            " (known: name, match, exclude_if, shed_if, strategy, max_tries); it belongs under match",
+            " (known: name, match, exclude_if, shed_if, strategy, max_tries);"
+            " it belongs under match",
         ),
         (
             primary("srtt: {gt: 500}"),
             "routing_policy.srtt: unknown step key"
-            " (known: name, match, exclude_if, shed_if, strategy, max_tries); it belongs under exclude_if",
+            " (known: name, match, exclude_if, shed_if, strategy, max_tries);"
+            " it belongs under exclude_if",
         ),
         (
             primary("name: primary"),

@@ -406,9 +406,7 @@ class _Validator:
                 self.error(
                     f"{path}.{word}", f"unknown shed_if key (known: {', '.join(SHED_KEYS)}){hint}"
                 )
-        rules = [
-            self.rule(f"{path}.{field}", field, raw[field]) for field in SHED_FIELDS if field in raw
-        ]
+        rules = [self.rule(f"{path}.{key}", key, raw[key]) for key in raw if key in SHED_FIELDS]
         if not any(field in raw for field in SHED_FIELDS):
             self.error(
                 path,
