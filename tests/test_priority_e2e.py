@@ -3,7 +3,8 @@
 The router runs in this test's trio loop (libp2p, the agent link, the dispatcher), the
 agent as its own process with the simulated engine. Requests enter at the
 dispatcher with a priority, as the HTTP layer hands them over once a tenant's priority
-is known, and are served one at a time by an agent of capacity 1.
+is known, and are served one at a time by an agent of capacity 1 whose slot the test
+holds until every request has queued.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from pathlib import Path
 import trio
 
 from router.app import RouterDaemon
+from router.capacity import try_acquire
 from router.link import AgentResponse
-from router.session import RouteRequest, Served
+from router.session import RouteRequest, Served, Slot
 from router.settings import RouterSettings
 from tests.fleet import SECRET, Agent, Fleet, free_port
 
@@ -79,7 +81,7 @@ async def test_waiters_are_served_by_priority_then_arrival(fleet: Fleet, tmp_pat
         router = types.SimpleNamespace(
             multiaddr=f"/ip4/127.0.0.1/tcp/{settings.p2p_port}/p2p/{daemon.peer_id}"
         )
-        flags = ["--capacity", "1", "--sim-ttft", "300ms"]
+        flags = ["--capacity", "1", "--sim-ttft", "20ms"]
         agent = Agent(fleet, [router], "m1", flags, fleet.env)  # type: ignore[list-item]
         fleet.procs.append(agent)
         agent.start()
@@ -87,16 +89,19 @@ async def test_waiters_are_served_by_priority_then_arrival(fleet: Fleet, tmp_pat
             lambda: any(p.routable for p in daemon.table.for_model("m1")), "agent joined"
         )
 
-        nursery.start_soon(serve, chat_request(-1))  # holds the only slot
-        await wait_for(lambda: daemon.table.for_model("m1")[0].active == 1, "slot taken")
+        # The test holds the agent's only slot, as a long request would, until all queued.
+        (peer,) = daemon.table.for_model("m1")
+        assert try_acquire(peer)
+        held = Slot(peer, lambda p: daemon.queue.notify(p.metadata.model))
         priorities = [0, 2, 0, 1, 2]
         for n, priority in enumerate(priorities, start=1):
             nursery.start_soon(serve, chat_request(priority))
             await wait_for(lambda n=n: daemon.queue.length("m1") == n, f"{n} queued")
-        await wait_for(lambda: len(served) == len(priorities) + 1, "all served")
+        held.release()
+        await wait_for(lambda: len(served) == len(priorities), "all served")
         nursery.cancel_scope.cancel()
 
-    assert [priority for priority, _ in served] == [-1, 2, 2, 1, 0, 0]
+    assert [priority for priority, _ in served] == [2, 2, 1, 0, 0]
     # Every answer is the engine's own, for that request.
     assert all(text == f"Echo: priority {priority}" for priority, text in served)
     assert daemon.queue.lengths() == {}
