@@ -209,12 +209,12 @@ class RoutingSession:
                 peer = ev.best
                 if peer is None:
                     log.debug(
-                        "req=%s tenant=%s step_drained step=%s drain=%s waitable=%s",
+                        "req=%s step_drained step=%s drain=%s waitable=%s tenant=%s",
                         req.request_id,
-                        quote(req.tenant),
                         step.name,
                         quote(ev.drain or ""),
                         ev.waitable,
+                        quote(req.tenant),
                     )
                     if not ev.waitable:
                         return ev.drain or "no eligible agents", last_failure, False
@@ -222,30 +222,30 @@ class RoutingSession:
                         # Disabled (--queue-depth 0) or full: advance at once. The step's
                         # reason keeps the seeds' shape, `gate[6] capacity [at_capacity=N]`.
                         log.debug(
-                            "req=%s tenant=%s queue_full step=%s model=%s depth=%d",
+                            "req=%s queue_full step=%s model=%s depth=%d tenant=%s",
                             req.request_id,
-                            quote(req.tenant),
                             step.name,
                             quote(req.model),
                             self.queue.depth,
+                            quote(req.tenant),
                         )
                         return ev.drain or "no eligible agents", last_failure, True
                     log.debug(
-                        "req=%s tenant=%s queued step=%s priority=%d",
+                        "req=%s queued step=%s priority=%d tenant=%s",
                         req.request_id,
-                        quote(req.tenant),
                         step.name,
                         req.priority,
+                        quote(req.tenant),
                     )
                     # The request's own deadline bounds the wait (cancellation).
                     await wait.wait()
                     if wait.evicted():
                         log.debug(
-                            "req=%s tenant=%s queue_evicted step=%s priority=%d",
+                            "req=%s queue_evicted step=%s priority=%d tenant=%s",
                             req.request_id,
-                            quote(req.tenant),
                             step.name,
                             req.priority,
+                            quote(req.tenant),
                         )
                         return ev.drain or "no eligible agents", last_failure, True
                     continue
@@ -253,15 +253,15 @@ class RoutingSession:
                 if not try_acquire(peer):
                     continue  # lost the race for the last slot: select again, no try used
                 log.debug(
-                    "req=%s tenant=%s step_selected step=%s peer=%s active=%d capacity=%d"
-                    " survivors=%d",
+                    "req=%s step_selected step=%s peer=%s active=%d capacity=%d"
+                    " survivors=%d tenant=%s",
                     req.request_id,
-                    quote(req.tenant),
                     step.name,
                     peer.peer_id,
                     peer.active,
                     peer.metadata.capacity,
                     ev.survivors,
+                    quote(req.tenant),
                 )
                 slot = Slot(peer, self.on_release)
                 forward_started = trio.current_time()
@@ -276,13 +276,13 @@ class RoutingSession:
                 req.waited += trio.current_time() - forward_started
                 self.metrics.forward_failures.labels(req.model, str(result.code), req.tenant).inc()
                 log.info(
-                    "req=%s tenant=%s forward_error step=%s peer=%s code=%s message=%s",
+                    "req=%s forward_error step=%s peer=%s code=%s message=%s tenant=%s",
                     req.request_id,
-                    quote(req.tenant),
                     step.name,
                     peer.peer_id,
                     result.code,
                     quote(result.message),
+                    quote(req.tenant),
                 )
                 if result.code in REQUEST_LEVEL:
                     raise BackendRejected(result)

@@ -118,7 +118,7 @@ def test_a_low_priority_tenant_is_shed_while_the_other_is_served_and_queued(
         assert len(lines) >= 2, lines
         for line in lines:
             assert f"tenant={tenant}" in line, line
-    assert re.search(rf"req={queued} tenant=web queued step=routing_policy priority=0", log)
+    assert re.search(rf"req={queued} queued step=routing_policy priority=0 tenant=web", log)
 
 
 def test_count_tokens_through_the_anthropic_sdk(fleet: Fleet) -> None:

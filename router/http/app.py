@@ -88,7 +88,7 @@ class RouterApp:
             # A bug must cost one request, never the daemon.
             if path.startswith("/v1/"):
                 tenant = self.client_keys.tenant(scope) or "-"
-            log.exception("req=%s tenant=%s handler_error path=%s", rid, quote(tenant), quote(path))
+            log.exception("req=%s handler_error path=%s tenant=%s", rid, quote(path), quote(tenant))
             status = 500
             err = RouterError(ErrorCode.INTERNAL_ERROR, "internal router error")
             # The response may have started; then the client sees a cut stream.

@@ -195,7 +195,7 @@ class ClientApi:
                 await self._answer(req, protocol, tracked_send, extra, state)
             nursery.cancel_scope.cancel()
         if state.client_gone:
-            log.info("req=%s tenant=%s client_disconnected", req.request_id, quote(req.tenant))
+            log.info("req=%s client_disconnected tenant=%s", req.request_id, quote(req.tenant))
             return 499
         if deadline_scope.cancelled_caught:
             err = RouterError(
@@ -203,10 +203,10 @@ class ClientApi:
                 f"request not completed within {self.settings.request_timeout:g}s",
             )
             log.warning(
-                "req=%s tenant=%s request_timeout model=%s",
+                "req=%s request_timeout model=%s tenant=%s",
                 req.request_id,
-                quote(req.tenant),
                 quote(req.model),
+                quote(req.tenant),
             )
             if state.started:
                 await _end_stream_with_error(send, protocol, err, state)
@@ -273,10 +273,10 @@ class ClientApi:
         finally:
             response.close()
         log.warning(
-            "req=%s tenant=%s count_tokens_failed reason=%s",
+            "req=%s count_tokens_failed reason=%s tenant=%s",
             req.request_id,
-            quote(req.tenant),
             quote(err.message),
+            quote(req.tenant),
         )
         state.status = err.http_status
         await send_json(send, err.http_status, error_payload("anthropic", err), extra)
@@ -318,10 +318,10 @@ class ClientApi:
             )
             err = RouterError(code, f"answer interrupted: {exc}")
             log.warning(
-                "req=%s tenant=%s stream_broken reason=%s",
+                "req=%s stream_broken reason=%s tenant=%s",
                 req.request_id,
-                quote(req.tenant),
                 quote(str(exc)),
+                quote(req.tenant),
             )
             if state.started and req.stream:
                 await _end_stream_with_error(send, protocol, err, state)
