@@ -365,23 +365,29 @@ class _QueuePlace:
 def exhaustion_line(req: RouteRequest, ex: Exhausted) -> str:
     """The seeds' `policy_exhausted` warning, key for key."""
     return (
-        f"req={req.request_id} model={quote_always(req.model)} "
-        f"capability={quote_always(req.capability)} tenant={quote(req.tenant)} "
-        f"policy_exhausted chain=[{'→'.join(ex.chain)}] "
-        f"tried={ex.steps_tried}/{len(ex.chain)} reason={quote_always(ex.reason)}"
+        f"{_whose(req)} policy_exhausted "
+        f"{_chain(ex.chain, ex.steps_tried)} reason={quote_always(ex.reason)}"
     )
 
 
 def shed_line(req: RouteRequest, shed: LoadShed) -> str:
     """The info line of a request refused by `shed_if`, shaped like `policy_exhausted`."""
     return (
-        f"req={req.request_id} model={quote_always(req.model)} "
-        f"capability={quote_always(req.capability)} tenant={quote(req.tenant)} "
-        f"priority={req.priority} load_shed step={quote(shed.step_name)} "
+        f"{_whose(req)} priority={req.priority} load_shed step={quote(shed.step_name)} "
         f"rule={quote_always(shed.hit.detail())} retry_after={shed.retry_after} "
-        f"chain=[{'→'.join(shed.chain)}] tried={shed.steps_tried}/{len(shed.chain)} "
-        f"reason={quote_always(shed.reason)}"
+        f"{_chain(shed.chain, shed.steps_tried)} reason={quote_always(shed.reason)}"
     )
+
+
+def _whose(req: RouteRequest) -> str:
+    return (
+        f"req={req.request_id} model={quote_always(req.model)} "
+        f"capability={quote_always(req.capability)} tenant={quote(req.tenant)}"
+    )
+
+
+def _chain(chain: list[str], steps_tried: int) -> str:
+    return f"chain=[{'→'.join(chain)}] tried={steps_tried}/{len(chain)}"
 
 
 def quote_always(value: str) -> str:
