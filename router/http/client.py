@@ -246,40 +246,12 @@ class ClientApi:
         own = req.sent_at - req.received_at - req.waited
         if req.path == count_tokens.TOKENIZE_PATH:
             self.metrics.overhead.labels(count_tokens.COUNT_TOKENS_PATH).observe(max(0.0, own))
-            await self._relay_count(req, response, send, extra, state)
+            state.status, answer = await count_tokens.answer(req, response)
+            state.started = True
+            await send_json(send, state.status, answer, extra)
             return
         self.metrics.overhead.labels(req.path).observe(max(0.0, own))
         await self._relay(req, protocol, response, send, extra, state)
-
-    async def _relay_count(
-        self,
-        req: RouteRequest,
-        response: AgentResponse,
-        send: Send,
-        extra: list[tuple[str, str]],
-        state: _Progress,
-    ) -> None:
-        """The engine's token count in Anthropic's shape."""
-        try:
-            answer = count_tokens.input_tokens(await response.read_all())
-        except StreamBroken as exc:
-            err = RouterError(ErrorCode.BACKEND_ERROR, f"answer interrupted: {exc}")
-        except RouterError as exc:
-            err = exc
-        else:
-            state.started = True
-            await send_json(send, 200, answer, extra)
-            return
-        finally:
-            response.close()
-        log.warning(
-            "req=%s count_tokens_failed reason=%s tenant=%s",
-            req.request_id,
-            quote(err.message),
-            quote(req.tenant),
-        )
-        state.status = err.http_status
-        await send_json(send, err.http_status, error_payload("anthropic", err), extra)
 
     async def _relay(
         self,

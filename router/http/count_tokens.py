@@ -11,11 +11,16 @@ any; the engine's `{"count": N, ...}` becomes Anthropic's `{"input_tokens": N}`.
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 
-from protocol.errors import ErrorCode, RouterError
+from protocol.errors import ErrorCode, RouterError, anthropic_error_body
+from protocol.logs import quote
+from router.link import AgentResponse, StreamBroken
 from router.peers import Peer
 from router.session import RouteRequest
+
+log = logging.getLogger("http")
 
 COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
 TOKENIZE_PATH = "/tokenize"
@@ -54,6 +59,25 @@ def to_tokenize(req: RouteRequest, payload: dict, pool: Sequence[Peer]) -> None:
     req.path = TOKENIZE_PATH
     req.body = json.dumps(body, separators=(",", ":")).encode()
     req.stream = False
+
+
+async def answer(req: RouteRequest, response: AgentResponse) -> tuple[int, dict]:
+    """The status and body for the client: `{"input_tokens": N}` from the engine's count."""
+    try:
+        return 200, input_tokens(await response.read_all())
+    except StreamBroken as exc:
+        err = RouterError(ErrorCode.BACKEND_ERROR, f"answer interrupted: {exc}")
+    except RouterError as exc:
+        err = exc
+    finally:
+        response.close()
+    log.warning(
+        "req=%s count_tokens_failed reason=%s tenant=%s",
+        req.request_id,
+        quote(err.message),
+        quote(req.tenant),
+    )
+    return err.http_status, anthropic_error_body(err)
 
 
 def input_tokens(body: bytes) -> dict:
