@@ -26,6 +26,10 @@ class ErrorCode(StrEnum):
     BACKEND_UNAVAILABLE = "backend_unavailable"
     BACKEND_ERROR = "backend_error"
     REQUEST_TIMEOUT = "request_timeout"
+    # A policy step's `shed_if` refused the request under load (503 with Retry-After).
+    LOAD_SHED = "load_shed"
+    # No agent of the model runs an engine with a tokenizer endpoint (count_tokens).
+    TOKENIZER_UNAVAILABLE = "tokenizer_unavailable"
     # Not in INTERFACE.md's list; the router's own answers where none of those fits.
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
@@ -44,12 +48,14 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.MODEL_NOT_FOUND: 404,
     ErrorCode.NOT_FOUND: 404,
+    ErrorCode.TOKENIZER_UNAVAILABLE: 404,
     ErrorCode.METHOD_NOT_ALLOWED: 405,
     ErrorCode.PAYLOAD_TOO_LARGE: 413,
     ErrorCode.RATE_LIMIT_EXCEEDED: 429,
     ErrorCode.TOKEN_LIMIT_EXCEEDED: 429,
     ErrorCode.NO_AGENTS_AVAILABLE: 503,
     ErrorCode.NO_CAPACITY: 503,
+    ErrorCode.LOAD_SHED: 503,
     ErrorCode.AGENT_DISCONNECTED: 503,
     ErrorCode.BACKEND_UNAVAILABLE: 503,
     ErrorCode.BACKEND_ERROR: 502,
@@ -126,6 +132,8 @@ class RouterError(Exception):
     message: str
     source: str = "router"
     status: int | None = None
+    # Seconds for a `Retry-After` header; None sends none.
+    retry_after: int | None = None
 
     @property
     def http_status(self) -> int:

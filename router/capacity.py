@@ -1,13 +1,21 @@
 """Capacity slots and the per-model wait queue.
 
-Slots are counted on the peer record. The queue is FIFO: a release wakes the head
-waiter only; a waiter that wakes passes the wake-up on to the one behind it, whether
-it got a slot (there may be more room) or not (the freed agent may not match its
-step), so every waiter sees each change once, in arrival order.
+Slots are counted on the peer record. The queue is ordered by priority (higher first)
+and first come, first served within a priority: a release wakes the head waiter only;
+a waiter that wakes passes the wake-up on to the one behind it, whether it got a slot
+(there may be more room) or not (the freed agent may not match its step), so every
+waiter sees each change once, in queue order.
+
+A waiter that joins ahead of one already woken is not owed that wake-up: it found no
+usable agent when it joined, after the change; every later change wakes the head
+again. When the queue is full, a newcomer of higher priority than the last waiter
+takes that waiter's place; the evicted request leaves the queue as if it had found it
+full.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass, field
 
 import trio
@@ -25,16 +33,28 @@ def try_acquire(peer: Peer) -> bool:
 
 @dataclass(eq=False)
 class Waiter:
+    priority: int = 0
     event: trio.Event = field(default_factory=trio.Event)
+    # Pushed out of a full queue by a request of higher priority.
+    evicted: bool = False
+
+
+def _rank(waiter: Waiter) -> int:
+    return -waiter.priority
 
 
 class WaitQueue:
     def __init__(self, depth: int) -> None:
         self.depth = depth
         self._waiters: dict[str, list[Waiter]] = {}
+        self._total = 0
 
     def length(self, model: str) -> int:
         return len(self._waiters.get(model, ()))
+
+    def total(self) -> int:
+        """Waiters of every model."""
+        return self._total
 
     def lengths(self) -> dict[str, int]:
         return {m: len(w) for m, w in self._waiters.items() if w}
@@ -48,9 +68,25 @@ class WaitQueue:
         if waiters:
             waiters[0].event.set()
 
-    def join(self, model: str) -> Waiter:
-        waiter = Waiter()
-        self._waiters.setdefault(model, []).append(waiter)
+    def join(self, model: str, priority: int = 0) -> Waiter | None:
+        """A place behind every waiter of the same or higher priority; None when full.
+
+        O(log n) to find the place and O(n) to insert, n the model's waiters.
+        """
+        if self.depth <= 0:
+            return None
+        waiters = self._waiters.setdefault(model, [])
+        if len(waiters) >= self.depth:
+            last = waiters[-1]
+            if last.priority >= priority:
+                return None
+            waiters.pop()
+            self._total -= 1
+            last.evicted = True
+            last.event.set()
+        waiter = Waiter(priority)
+        waiters.insert(bisect.bisect_right(waiters, -priority, key=_rank), waiter)
+        self._total += 1
         return waiter
 
     def woke(self, model: str, waiter: Waiter) -> None:
@@ -66,6 +102,7 @@ class WaitQueue:
         waiters = self._waiters.get(model)
         if waiters is not None and waiter in waiters:
             waiters.remove(waiter)
+            self._total -= 1
             if not waiters:
                 del self._waiters[model]
 

@@ -6,13 +6,22 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from typing import NoReturn
 
 from protocol.errors import ErrorCode, RouterError
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.policy.schema import ProviderFallback
 from router.policy.store import PolicyStore
-from router.session import Exhausted, RouteRequest, RoutingSession, Served, exhaustion_line
+from router.session import (
+    Exhausted,
+    LoadShed,
+    RouteRequest,
+    RoutingSession,
+    Served,
+    exhaustion_line,
+    shed_line,
+)
 
 log = logging.getLogger("policy")
 
@@ -66,13 +75,26 @@ class Dispatcher:
         policy = self.store.current
         outcome = await self.session.route(policy, req)
         if isinstance(outcome, Served):
-            self.metrics.routed.labels(req.model).inc()
+            self.metrics.routed.labels(req.model, req.tenant).inc()
             if outcome.step_index == 0:
-                self.metrics.primary.labels(req.model).inc()
+                self.metrics.primary.labels(req.model, req.tenant).inc()
             else:
-                self.metrics.fallback.labels(req.model).inc()
+                self.metrics.fallback.labels(req.model, req.tenant).inc()
             return outcome
+        if isinstance(outcome, LoadShed):
+            self._shed(req, outcome)
         return await self._after_chain(req, outcome)
+
+    def _shed(self, req: RouteRequest, shed: LoadShed) -> NoReturn:
+        """Refused under load: no provider (shedding is meant to cut work), no exhaustion."""
+        log.info("%s", shed_line(req, shed))
+        self.metrics.shed.labels(req.model, req.tenant, shed.step_name).inc()
+        raise RouterError(
+            ErrorCode.LOAD_SHED,
+            f"load shed at policy step {shed.step_name!r}: {shed.hit.detail()}"
+            f" for tenant {req.tenant!r} priority {req.priority}; retry later",
+            retry_after=shed.retry_after,
+        )
 
     async def _after_chain(self, req: RouteRequest, ex: Exhausted) -> ProviderServed:
         log.warning("%s", exhaustion_line(req, ex))
@@ -82,11 +104,11 @@ class Dispatcher:
                 served = await self.provider_call(provider, req)
             except BaseException:
                 # Failed, or cut short by the deadline or the client: no result followed.
-                self.metrics.exhausted.labels(req.model).inc()
+                self.metrics.exhausted.labels(req.model, req.tenant).inc()
                 raise
-            self.metrics.provider.labels(req.model).inc()
+            self.metrics.provider.labels(req.model, req.tenant).inc()
             return served
-        self.metrics.exhausted.labels(req.model).inc()
+        self.metrics.exhausted.labels(req.model, req.tenant).inc()
         if not self.table.for_model(req.model):
             raise RouterError(
                 ErrorCode.MODEL_NOT_FOUND,

@@ -16,43 +16,43 @@ class RouterMetrics:
         self.routed = Counter(
             P + "routing_requests_routed_total",
             "Requests served by a local agent",
-            ["model"],
+            ["model", "tenant"],
             registry=r,
         )
         self.primary = Counter(
             P + "policy_primary_routed_total",
             "Requests served by the primary routing_policy step",
-            ["model"],
+            ["model", "tenant"],
             registry=r,
         )
         self.fallback = Counter(
             P + "policy_fallback_routed_total",
             "Requests served by any local fallback step",
-            ["model"],
+            ["model", "tenant"],
             registry=r,
         )
         self.provider = Counter(
             P + "policy_provider_fallback_total",
             "Requests served by the external provider fallback",
-            ["model"],
+            ["model", "tenant"],
             registry=r,
         )
         self.exhausted = Counter(
             P + "policy_exhausted_total",
             "Requests whose local chain was exhausted with no successful result after it",
-            ["model"],
+            ["model", "tenant"],
             registry=r,
         )
         self.resets = Counter(
             P + "agent_connection_resets_total",
             "Stale agent connections discarded by connection-level recovery",
-            ["model"],
+            ["model", "tenant"],
             registry=r,
         )
         self.forward_failures = Counter(
             P + "forward_failures_total",
             "Failed forwards to agents by error code",
-            ["model", "code"],
+            ["model", "code", "tenant"],
             registry=r,
         )
         self.requests = Counter(
@@ -83,8 +83,14 @@ class RouterMetrics:
         self.queue_wait = Histogram(
             P + "queue_wait_seconds",
             "Time spent in the capacity queue",
-            ["model"],
+            ["model", "tenant"],
             buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.shed = Counter(
+            P + "policy_shed_total",
+            "Requests refused by a policy step's shed_if under router-wide load",
+            ["model", "tenant", "step"],
             registry=r,
         )
         self.agents_connected = Gauge(

@@ -18,6 +18,7 @@ from protocol.logs import quote
 from router.capacity import Waiter, WaitQueue, try_acquire
 from router.metrics import RouterMetrics
 from router.peers import Peer, PeerTable
+from router.policy.admission import ShedHit, shed
 from router.policy.gates import evaluate
 from router.policy.schema import Policy, Step
 
@@ -47,6 +48,11 @@ class RouteRequest:
     sent_at: float = 0.0
     # Ask the agent for the engine's token usage (tenant quotas, audit log).
     report_usage: bool = False
+    # Higher is served first from the capacity queue; `shed_if` may select by it.
+    priority: int = 0
+    # A hard constraint like the model: only agents running one of these engines
+    # (empty: any engine). Token counting needs an engine with a tokenizer endpoint.
+    engines: frozenset[str] = frozenset()
 
 
 class Slot:
@@ -102,6 +108,18 @@ class Exhausted:
     steps_tried: int
 
 
+@dataclass
+class LoadShed:
+    """A step's `shed_if` refused the request; the chain ends there."""
+
+    step_name: str
+    hit: ShedHit
+    retry_after: int
+    reason: str  # every step's reason up to and including the shedding one
+    chain: list[str]
+    steps_tried: int
+
+
 class BackendRejected(Exception):
     """A request-level error from a backend, passed to the client as it answered."""
 
@@ -127,7 +145,7 @@ class RoutingSession:
         self.default_max_tries = default_max_tries
         self.on_release = on_release
 
-    async def route(self, policy: Policy, req: RouteRequest) -> Served | Exhausted:
+    async def route(self, policy: Policy, req: RouteRequest) -> Served | Exhausted | LoadShed:
         """Serve `req` through the policy's local steps, or report why none could.
 
         Raises BackendRejected for request-level errors; trio.Cancelled on deadline.
@@ -138,6 +156,16 @@ class RoutingSession:
         last_failure: ForwardFailure | None = None
         capacity_drained = False
         for index, step in enumerate(steps):
+            hit = self._shed(step, req)
+            if hit is not None:
+                # Admission comes before the gates: a refused request neither queues nor
+                # tries the later steps, which read the same router-wide load.
+                reasons.append(f"{step.name}: shed_if [{hit.detail()}]")
+                chain = [s.name for s in steps]
+                retry_after = step.shed_if.retry_after if step.shed_if else 0
+                return LoadShed(
+                    step.name, hit, retry_after, " | ".join(reasons), chain, len(reasons)
+                )
             outcome = await self._run_step(index, step, req, recovered)
             if isinstance(outcome, Served):
                 return outcome
@@ -151,6 +179,18 @@ class RoutingSession:
                 break
         return self._exhausted(req, steps, reasons, last_failure, capacity_drained)
 
+    def _pool(self, req: RouteRequest) -> list[Peer]:
+        pool = self.table.for_model(req.model)
+        if req.engines:
+            return [p for p in pool if p.metadata.engine in req.engines]
+        return pool
+
+    def _shed(self, step: Step, req: RouteRequest) -> ShedHit | None:
+        if step.shed_if is None:
+            return None
+        pool = self.table.for_model(req.model)
+        return shed(step.shed_if, req.tenant, req.priority, req.model, pool, self.queue)
+
     async def _run_step(
         self, index: int, step: Step, req: RouteRequest, recovered: set[str]
     ) -> Served | tuple[str, ForwardFailure | None, bool]:
@@ -162,7 +202,7 @@ class RoutingSession:
         try:
             while True:
                 ev = evaluate(
-                    self.table.for_model(req.model),
+                    self._pool(req),
                     step,
                     req.capability,
                     failed,
@@ -171,11 +211,12 @@ class RoutingSession:
                 peer = ev.best
                 if peer is None:
                     log.debug(
-                        "req=%s step_drained step=%s drain=%s waitable=%s",
+                        "req=%s step_drained step=%s drain=%s waitable=%s tenant=%s",
                         req.request_id,
                         step.name,
                         quote(ev.drain or ""),
                         ev.waitable,
+                        quote(req.tenant),
                     )
                     if not ev.waitable:
                         return ev.drain or "no eligible agents", last_failure, False
@@ -183,28 +224,46 @@ class RoutingSession:
                         # Disabled (--queue-depth 0) or full: advance at once. The step's
                         # reason keeps the seeds' shape, `gate[6] capacity [at_capacity=N]`.
                         log.debug(
-                            "req=%s queue_full step=%s model=%s depth=%d",
+                            "req=%s queue_full step=%s model=%s depth=%d tenant=%s",
                             req.request_id,
                             step.name,
                             quote(req.model),
                             self.queue.depth,
+                            quote(req.tenant),
                         )
                         return ev.drain or "no eligible agents", last_failure, True
-                    log.debug("req=%s queued step=%s", req.request_id, step.name)
+                    log.debug(
+                        "req=%s queued step=%s priority=%d tenant=%s",
+                        req.request_id,
+                        step.name,
+                        req.priority,
+                        quote(req.tenant),
+                    )
                     # The request's own deadline bounds the wait (cancellation).
                     await wait.wait()
+                    if wait.evicted():
+                        log.debug(
+                            "req=%s queue_evicted step=%s priority=%d tenant=%s",
+                            req.request_id,
+                            step.name,
+                            req.priority,
+                            quote(req.tenant),
+                        )
+                        return ev.drain or "no eligible agents", last_failure, True
                     continue
                 wait.leave()
                 if not try_acquire(peer):
                     continue  # lost the race for the last slot: select again, no try used
                 log.debug(
-                    "req=%s step_selected step=%s peer=%s active=%d capacity=%d survivors=%d",
+                    "req=%s step_selected step=%s peer=%s active=%d capacity=%d"
+                    " survivors=%d tenant=%s",
                     req.request_id,
                     step.name,
                     peer.peer_id,
                     peer.active,
                     peer.metadata.capacity,
                     ev.survivors,
+                    quote(req.tenant),
                 )
                 slot = Slot(peer, self.on_release)
                 forward_started = trio.current_time()
@@ -217,21 +276,22 @@ class RoutingSession:
                     return Served(result, peer, index, step.name)
                 slot.release()
                 req.waited += trio.current_time() - forward_started
-                self.metrics.forward_failures.labels(req.model, str(result.code)).inc()
+                self.metrics.forward_failures.labels(req.model, str(result.code), req.tenant).inc()
                 log.info(
-                    "req=%s forward_error step=%s peer=%s code=%s message=%s",
+                    "req=%s forward_error step=%s peer=%s code=%s message=%s tenant=%s",
                     req.request_id,
                     step.name,
                     peer.peer_id,
                     result.code,
                     quote(result.message),
+                    quote(req.tenant),
                 )
                 if result.code in REQUEST_LEVEL:
                     raise BackendRejected(result)
                 if result.connection_level and peer.peer_id not in recovered:
                     # The first connection failure per agent and request is free.
                     recovered.add(peer.peer_id)
-                    self.metrics.resets.labels(req.model).inc()
+                    self.metrics.resets.labels(req.model, req.tenant).inc()
                     continue
                 last_failure = result
                 failed.add(peer.peer_id)
@@ -270,7 +330,7 @@ class _QueuePlace:
         self.req = req
         model = self.model = req.model
         self.gauge = metrics.queue_depth.labels(model)
-        self.wait_hist = metrics.queue_wait.labels(model)
+        self.wait_hist = metrics.queue_wait.labels(model, req.tenant)
         self.waiter: Waiter | None = None
         self.since = 0.0
 
@@ -279,9 +339,9 @@ class _QueuePlace:
         if self.waiter is not None:
             self.queue.woke(self.model, self.waiter)
             return True
-        if self.queue.full(self.model):
+        self.waiter = self.queue.join(self.model, self.req.priority)
+        if self.waiter is None:
             return False
-        self.waiter = self.queue.join(self.model)
         self.since = trio.current_time()
         self.gauge.set(self.queue.length(self.model))
         return True
@@ -289,6 +349,9 @@ class _QueuePlace:
     async def wait(self) -> None:
         assert self.waiter is not None
         await self.waiter.event.wait()
+
+    def evicted(self) -> bool:
+        return self.waiter is not None and self.waiter.evicted
 
     def leave(self) -> None:
         if self.waiter is None:
@@ -304,11 +367,29 @@ class _QueuePlace:
 def exhaustion_line(req: RouteRequest, ex: Exhausted) -> str:
     """The seeds' `policy_exhausted` warning, key for key."""
     return (
-        f"req={req.request_id} model={quote_always(req.model)} "
-        f"capability={quote_always(req.capability)} tenant={quote(req.tenant)} "
-        f"policy_exhausted chain=[{'→'.join(ex.chain)}] "
-        f"tried={ex.steps_tried}/{len(ex.chain)} reason={quote_always(ex.reason)}"
+        f"{_whose(req)} policy_exhausted "
+        f"{_chain(ex.chain, ex.steps_tried)} reason={quote_always(ex.reason)}"
     )
+
+
+def shed_line(req: RouteRequest, shed: LoadShed) -> str:
+    """The info line of a request refused by `shed_if`, shaped like `policy_exhausted`."""
+    return (
+        f"{_whose(req)} priority={req.priority} load_shed step={quote(shed.step_name)} "
+        f"rule={quote_always(shed.hit.detail())} retry_after={shed.retry_after} "
+        f"{_chain(shed.chain, shed.steps_tried)} reason={quote_always(shed.reason)}"
+    )
+
+
+def _whose(req: RouteRequest) -> str:
+    return (
+        f"req={req.request_id} model={quote_always(req.model)} "
+        f"capability={quote_always(req.capability)} tenant={quote(req.tenant)}"
+    )
+
+
+def _chain(chain: list[str], steps_tried: int) -> str:
+    return f"chain=[{'→'.join(chain)}] tried={steps_tried}/{len(chain)}"
 
 
 def quote_always(value: str) -> str:

@@ -501,7 +501,7 @@ def test_wrong_method_and_unknown_paths_answer_in_the_callers_protocol(
     r = httpx.get(ef.router.url + path, headers=h, timeout=10)
     assert_error(r, 405, "method_not_allowed", protocol)
     assert r.headers["allow"] == "POST"
-    r = httpx.post(ef.router.url + path + "/count_tokens", headers=h, json={}, timeout=10)
+    r = httpx.post(ef.router.url + path + "/no-such-thing", headers=h, json={}, timeout=10)
     assert_error(r, 404, "not_found", protocol)
 
 

@@ -289,12 +289,14 @@ def test_load_policy_file(tmp_path: Path) -> None:
         (
             primary("region: EU"),
             "routing_policy.region: unknown step key"
-            " (known: name, match, exclude_if, strategy, max_tries); it belongs under match",
+            " (known: name, match, exclude_if, shed_if, strategy, max_tries);"
+            " it belongs under match",
         ),
         (
             primary("srtt: {gt: 500}"),
             "routing_policy.srtt: unknown step key"
-            " (known: name, match, exclude_if, strategy, max_tries); it belongs under exclude_if",
+            " (known: name, match, exclude_if, shed_if, strategy, max_tries);"
+            " it belongs under exclude_if",
         ),
         (
             primary("name: primary"),
@@ -330,7 +332,7 @@ def test_load_policy_file(tmp_path: Path) -> None:
             + "fallback_chain:\n  - strategy: least-loaded\n"
             + "    fallback_provider: {engine: openai, model: gpt-4o-mini}\n",
             "fallback_chain[0].fallback_provider: unknown step key"
-            " (known: name, match, exclude_if, strategy, max_tries);"
+            " (known: name, match, exclude_if, shed_if, strategy, max_tries);"
             " fallback_provider is a top-level field, not part of a step",
         ),
         (

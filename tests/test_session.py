@@ -179,8 +179,8 @@ class Harness:
         return [c.peer_id for c in self.calls]
 
     def metric(self, name: str, **labels: str) -> float:
-        value = self.metrics.registry.get_sample_value(name, labels or {"model": MODEL})
-        return value or 0.0
+        """Sum of the samples of `name` whose labels include `labels` (model MODEL)."""
+        return sample_sum(self.metrics, name, labels or {"model": MODEL})
 
     def counters(self) -> dict[str, float]:
         return {
@@ -193,6 +193,16 @@ class Harness:
                 "policy_exhausted",
             )
         }
+
+
+def sample_sum(metrics: RouterMetrics, name: str, labels: dict[str, str]) -> float:
+    """Sum over the samples of `name` whose labels include `labels` (any tenant)."""
+    return sum(
+        sample.value
+        for family in metrics.registry.collect()
+        for sample in family.samples
+        if sample.name == name and labels.items() <= sample.labels.items()
+    )
 
 
 def counters(
@@ -527,9 +537,7 @@ async def test_queue_serves_waiters_in_arrival_order(autojump_clock: Any) -> Non
     assert h.queue.length(MODEL) == 0
     served[-1].response.close()
     assert a.active == 0
-    waited = h.metrics.registry.get_sample_value(
-        "hivenet_router_queue_wait_seconds_sum", {"model": MODEL}
-    )
+    waited = sample_sum(h.metrics, "hivenet_router_queue_wait_seconds_sum", {"model": MODEL})
     assert waited == pytest.approx(1 + 2 + 3 + 4)
     # The router-overhead histogram leaves queue time out: each request knows its wait.
     assert [r.waited for r in reqs] == pytest.approx([1, 2, 3, 4])

@@ -1,22 +1,24 @@
 """Property: random interleavings of requests through the routing session keep its promises.
 
 Hypothesis draws a small fleet (capacities 1-3, two regions), a policy chain of one to
-three steps, a queue depth (0 disables it), agents going unhealthy and back, and
-requests that arrive, time out or are abandoned by their client while each forward
-succeeds, fails, disconnects, is rejected, is slow or hangs. Everything runs in one
+three steps (some shedding low priorities when the queue is long), a queue depth (0
+disables it), agents going unhealthy and back, and requests of priorities 0-2 that
+arrive, time out or are abandoned by their client while each forward succeeds, fails,
+disconnects, is rejected, is slow or hangs. Everything runs in one
 trio nursery under a MockClock, so a scenario of minutes of virtual time takes
 milliseconds. Whatever the draw:
 
 - no agent ever holds more requests than its declared capacity;
 - every slot is released once all requests are over, and the queue is empty;
-- every request ends exactly once (served, rejected, exhausted or cancelled), never
-  twice and never hanging;
+- every request ends exactly once (served, rejected, exhausted, shed or cancelled),
+  never twice and never hanging; a shed request was selected by its step's shed_if;
 - within one step, an agent that failed is never tried again; a step never spends more
   tries than its budget; only the first disconnect per agent and request is free;
 - a request-level rejection or a success is the last forward of its request;
 - no request sleeps in the capacity queue while its current step has a usable agent
   (checked whenever the fleet is quiet after a slot was released or an agent's
-  health changed: the queue's wake-ups reach every waiter);
+  health changed: the queue's wake-ups reach every waiter, whatever the priorities);
+- the queue is in priority order, first come first served within a priority;
 - the dispatcher's counters agree with the outcomes.
 """
 
@@ -46,6 +48,7 @@ from router.session import (
     Served,
     Slot,
 )
+from tests.test_session import sample_sum
 
 MODEL = "m"
 REGIONS = ("EU", "US")
@@ -76,11 +79,17 @@ requests = st.fixed_dictionaries(
         "deadline": st.none() | st.integers(1, 20),
         "abandon_after": st.none() | st.integers(0, 20),
         "calls": st.lists(behaviours, max_size=8),
+        "priority": st.integers(0, 2),
     }
 )
 
 steps = st.fixed_dictionaries(
-    {"region": st.sampled_from(("", *REGIONS)), "max_tries": st.integers(0, 3)}
+    {
+        "region": st.sampled_from(("", *REGIONS)),
+        "max_tries": st.integers(0, 3),
+        # Shed priority 0 once this many requests wait for the model; None: no shed_if.
+        "shed_at": st.none() | st.integers(1, 3),
+    }
 )
 
 scenarios = st.fixed_dictionaries(
@@ -101,10 +110,16 @@ scenarios = st.fixed_dictionaries(
 def policy_text(drawn: list[dict]) -> str:
     def body(step: dict, indent: str) -> str:
         match = f"{{region: {step['region']}}}" if step["region"] else "{}"
-        return (
+        text = (
             f"{indent}match: {match}\n{indent}strategy: least-loaded\n"
             f"{indent}max_tries: {step['max_tries']}\n"
         )
+        if step["shed_at"] is not None:
+            text += (
+                f"{indent}shed_if:\n{indent}  priority: {{lt: 1}}\n"
+                f"{indent}  model_queue_depth: {{gte: {step['shed_at']}}}\n"
+            )
+        return text
 
     primary, *chain = drawn
     text = "routing_policy:\n" + body(primary, "  ")
@@ -222,7 +237,18 @@ class World:
         self.calls[rid] = []
         self.scripts[rid] = list(spec["calls"])
         self.outcomes[rid] = []
-        req = RouteRequest(rid, MODEL, "llm", "t", "POST", "/v1/chat/completions", {}, b"{}", False)
+        req = RouteRequest(
+            rid,
+            MODEL,
+            "llm",
+            "t",
+            "POST",
+            "/v1/chat/completions",
+            {},
+            b"{}",
+            False,
+            priority=spec["priority"],
+        )
         with trio.CancelScope() as scope:
             if spec["deadline"] is not None:
                 scope.deadline = trio.current_time() + spec["deadline"]
@@ -233,7 +259,12 @@ class World:
             except BackendRejected:
                 self.end(rid, "rejected")
                 return
-            except RouterError:
+            except RouterError as err:
+                if err.code == ErrorCode.LOAD_SHED:
+                    assert spec["priority"] == 0, "shed_if selected a priority it does not name"
+                    assert err.retry_after == 1
+                    self.end(rid, "shed")
+                    return
                 self.end(rid, "exhausted")
                 return
             assert isinstance(served, Served)
@@ -263,6 +294,9 @@ class World:
             await trio.testing.wait_all_tasks_blocked()
             self.changed = trio.Event()
             self.quiet_checks += 1
+            waiting = self.queue._waiters.get(MODEL, [])
+            ranks = [-w.priority for w in waiting]
+            assert ranks == sorted(ranks), "the queue is out of priority order"
             for rid, ends in self.outcomes.items():
                 if ends or rid in self.in_forward:
                     continue  # over, or not waiting: forwarding
@@ -372,7 +406,7 @@ def check(world: World) -> None:
             assert calls and calls[-1].kind == "reject"
 
     def total(name: str) -> float:
-        return world.metrics.registry.get_sample_value(name, {"model": MODEL}) or 0.0
+        return sample_sum(world.metrics, name, {"model": MODEL})
 
     served = sum(1 for (o,) in world.outcomes.values() if o == "served")
     exhausted = sum(1 for (o,) in world.outcomes.values() if o == "exhausted")
@@ -384,6 +418,8 @@ def check(world: World) -> None:
         == routed
     )
     assert total("hivenet_router_policy_exhausted_total") == exhausted
+    shed = sum(1 for (o,) in world.outcomes.values() if o == "shed")
+    assert total("hivenet_router_policy_shed_total") == shed
 
 
 @settings(
@@ -395,9 +431,7 @@ def check(world: World) -> None:
 def test_routing_session_keeps_its_promises_under_any_interleaving(scenario: dict) -> None:
     world = World(scenario)
     trio.run(world.run, clock=trio.testing.MockClock(autojump_threshold=0))
-    waits = world.metrics.registry.get_sample_value(
-        "hivenet_router_queue_wait_seconds_count", {"model": MODEL}
-    )
+    waits = sample_sum(world.metrics, "hivenet_router_queue_wait_seconds_count", {"model": MODEL})
     event(f"queued: {bool(waits)}")
     event(f"quiet checks: {min(world.quiet_checks, 5)}{'+' if world.quiet_checks > 5 else ''}")
     for outcome in sorted({how for ends in world.outcomes.values() for how in ends}):

@@ -1,7 +1,8 @@
 """The simulated engine: a small vLLM look-alike that answers deterministically.
 
 It speaks the HTTP API of a real engine (OpenAI chat/completions/embeddings, vLLM
-rerank, Anthropic messages, `/health`, `/v1/models`, vLLM-named `/metrics`), so the
+rerank and `/tokenize`, Anthropic messages, `/health`, `/v1/models`, vLLM-named
+`/metrics`), so the
 agent and router meet it exactly as they meet vLLM. Answers are a function of the
 prompt; timing (TTFT, per-token latency), failures and stalls are set at start or at run
 time through `/sim/state`. Benchmarks use it as the baseline engine, so the request path
@@ -333,6 +334,7 @@ class SimEngine:
             "/v1/completions": {"POST": partial(openai, prepare=self._prepare_completion)},
             "/v1/embeddings": {"POST": partial(openai, prepare=self._prepare_embeddings)},
             "/v1/rerank": {"POST": partial(openai, prepare=self._prepare_rerank)},
+            "/tokenize": {"POST": partial(openai, prepare=self._prepare_tokenize)},
             "/v1/messages": {
                 "POST": partial(
                     self._inference, render_error=_anthropic_error, prepare=self._prepare_messages
@@ -884,6 +886,29 @@ class SimEngine:
             ],
         }
         await exchange.reply(200, _dumps(body))
+
+    # vLLM tokenize --------------------------------------------------------------------
+
+    def _prepare_tokenize(self, payload: dict[str, Any], started: float) -> Run:
+        """vLLM's `/tokenize`: a chat (`messages`) or a `prompt`, counted as generation is."""
+        if "messages" in payload:
+            count, _ = _conversation(payload["messages"])
+            words = [
+                w for m in payload["messages"] for w in _words(_content_text(m.get("content")))
+            ]
+        elif isinstance(payload.get("prompt"), str):
+            words = _words(payload["prompt"])
+            count = len(words)
+        else:
+            raise _RequestError(400, "either `messages` or `prompt` (a string) is required")
+        # Word ids stand in for token ids; the count is what generation reports as usage.
+        tokens = [int.from_bytes(hashlib.blake2s(w.encode()).digest()[:2]) for w in words]
+        body = _dumps({"count": count, "max_model_len": self.max_context, "tokens": tokens})
+
+        async def run(exchange: _Exchange) -> None:
+            await exchange.reply(200, body)
+
+        return run
 
 
 def _conversation(messages: Any, prompt_tokens: int = 0) -> tuple[int, list[str]]:

@@ -93,7 +93,9 @@ class RouterApp:
                 status = await _not_found(send, rid, protocol)
         except Exception:
             # A bug must cost one request, never the daemon.
-            log.exception("req=%s handler_error path=%s", rid, quote(path))
+            if path.startswith("/v1/"):
+                tenant = self.client_keys.tenant(scope) or "-"
+            log.exception("req=%s handler_error path=%s tenant=%s", rid, quote(path), quote(tenant))
             status = 500
             err = RouterError(ErrorCode.INTERNAL_ERROR, "internal router error")
             # The response may have started; then the client sees a cut stream.
@@ -140,7 +142,10 @@ class RouterApp:
             self.idle = trio.Event()
             ticket = self.tenants.open(scope, rid, tenant) if self.tenants else None
             try:
-                return await self.client.inference(scope, receive, send, rid, tenant), tenant
+                record = ticket.record if ticket is not None else None
+                priority = record.priority if record is not None else 0
+                status = await self.client.inference(scope, receive, send, rid, tenant, priority)
+                return status, tenant
             finally:
                 if ticket is not None:
                     await ticket.close()

@@ -17,6 +17,7 @@ from protocol.errors import (
 )
 from protocol.logs import quote
 from router.dispatch import Dispatcher, ProviderServed
+from router.http import count_tokens
 from router.http.asgi import (
     BodyTooLarge,
     ClientGone,
@@ -43,6 +44,7 @@ ENDPOINTS: dict[str, tuple[str, str]] = {
     "/v1/messages": ("llm", "anthropic"),
     "/v1/embeddings": ("embedding", "openai"),
     "/v1/rerank": ("reranker", "openai"),
+    count_tokens.COUNT_TOKENS_PATH: ("llm", "anthropic"),
 }
 # Model names are short; a longer one is an error, not a multi-megabyte log line.
 MAX_MODEL_NAME = 1024
@@ -96,7 +98,7 @@ class ClientApi:
         self.settings = settings
 
     async def inference(
-        self, scope: Scope, receive: Receive, send: Send, rid: str, tenant: str
+        self, scope: Scope, receive: Receive, send: Send, rid: str, tenant: str, priority: int = 0
     ) -> int:
         """Serve one inference request; returns the HTTP status sent."""
         path = scope["path"]
@@ -168,8 +170,14 @@ class ClientApi:
             stream=stream,
             payload=payload,
             received_at=received,
+            priority=priority,
         )
         req.report_usage = ticket is not None and ticket.wants_usage
+        if path == count_tokens.COUNT_TOKENS_PATH:
+            try:
+                count_tokens.to_tokenize(req, payload, self.table.for_model(model))
+            except RouterError as err:
+                return await fail(err)
         return await self._serve(req, protocol, receive, send, extra, ticket)
 
     async def _serve(
@@ -197,14 +205,19 @@ class ClientApi:
                 await self._answer(req, protocol, tracked_send, extra, state)
             nursery.cancel_scope.cancel()
         if state.client_gone:
-            log.info("req=%s client_disconnected", req.request_id)
+            log.info("req=%s client_disconnected tenant=%s", req.request_id, quote(req.tenant))
             return 499
         if deadline_scope.cancelled_caught:
             err = RouterError(
                 ErrorCode.REQUEST_TIMEOUT,
                 f"request not completed within {self.settings.request_timeout:g}s",
             )
-            log.warning("req=%s request_timeout model=%s", req.request_id, quote(req.model))
+            log.warning(
+                "req=%s request_timeout model=%s tenant=%s",
+                req.request_id,
+                quote(req.model),
+                quote(req.tenant),
+            )
             if state.started:
                 await _end_stream_with_error(send, protocol, err, state)
                 return state.status
@@ -230,6 +243,8 @@ class ClientApi:
             return
         except RouterError as err:
             state.status = err.http_status
+            if err.retry_after is not None:
+                extra = [*extra, ("retry-after", str(err.retry_after))]
             await send_json(send, err.http_status, error_payload(protocol, err), extra)
             return
         if isinstance(served, ProviderServed):
@@ -243,6 +258,12 @@ class ClientApi:
             state.ticket.served_by(served.step_name, served.peer.peer_id)
         state.response = response
         own = req.sent_at - req.received_at - req.waited
+        if req.path == count_tokens.TOKENIZE_PATH:
+            self.metrics.overhead.labels(count_tokens.COUNT_TOKENS_PATH).observe(max(0.0, own))
+            state.status, answer = await count_tokens.answer(req, response)
+            state.started = True
+            await send_json(send, state.status, answer, extra)
+            return
         self.metrics.overhead.labels(req.path).observe(max(0.0, own))
         await self._relay(req, protocol, response, send, extra, state)
 
@@ -282,7 +303,12 @@ class ClientApi:
                 else ErrorCode.BACKEND_ERROR
             )
             err = RouterError(code, f"answer interrupted: {exc}")
-            log.warning("req=%s stream_broken reason=%s", req.request_id, quote(str(exc)))
+            log.warning(
+                "req=%s stream_broken reason=%s tenant=%s",
+                req.request_id,
+                quote(str(exc)),
+                quote(req.tenant),
+            )
             if state.started and req.stream:
                 await _end_stream_with_error(send, protocol, err, state)
             else:

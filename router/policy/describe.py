@@ -8,7 +8,7 @@ fallback step that repeats an earlier one exactly.
 
 from __future__ import annotations
 
-from router.policy.schema import MATCH_FIELDS, Policy, Rule, Step
+from router.policy.schema import MATCH_FIELDS, Policy, Rule, Shed, Step
 
 _SYMBOL = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<="}
 _FRACTIONS = frozenset(
@@ -20,6 +20,7 @@ _FRACTIONS = frozenset(
         "gpu_vram_used_percent",
         "memory_used_percent",
         "cpu_usage_percent",
+        "model_capacity_utilization",
     }
 )
 _UNITS = {
@@ -64,8 +65,11 @@ def policy_warnings(policy: Policy) -> list[str]:
     warnings: list[str] = []
     paths = ["routing_policy"] + [f"fallback_chain[{i}]" for i in range(len(policy.fallback_chain))]
     for path, step in zip(paths, policy.steps, strict=True):
-        for rule in step.exclude_if:
-            where = f"{path}.exclude_if.{rule.field}.{rule.op}"
+        shed_rules = step.shed_if.rules if step.shed_if else ()
+        located = [("exclude_if", rule) for rule in step.exclude_if]
+        located += [("shed_if", rule) for rule in shed_rules]
+        for key, rule in located:
+            where = f"{path}.{key}.{rule.field}.{rule.op}"
             value = _number(rule.threshold)
             if rule.field in _FRACTIONS and rule.threshold > 1:
                 warnings.append(
@@ -105,7 +109,24 @@ def _step(step: Step, default_max_tries: int) -> list[str]:
     lines = [f"  match:      {', '.join(match) if match else 'any agent'}"]
     lines.append(f"  exclude_if: {rules[0]}")
     lines += [f"              {rule}" for rule in rules[1:]]
+    if step.shed_if is not None:
+        lines += _shed(step.shed_if)
     lines += [f"  strategy:   {step.strategy}", f"  max_tries:  {budget}"]
+    return lines
+
+
+def _shed(shed: Shed) -> list[str]:
+    """Shown only for steps that have it, so older policies print as they always did."""
+    who = []
+    if shed.tenants:
+        who.append("tenants " + ", ".join(repr(t) for t in shed.tenants))
+    if shed.priority is not None:
+        who.append(f"priority {_SYMBOL[shed.priority.op]} {_number(shed.priority.threshold)}")
+    rules = [_rule(rule) for rule in shed.rules]
+    lines = [f"  shed_if:    {rules[0]}"]
+    lines += [f"              {rule}" for rule in rules[1:]]
+    lines.append(f"              applies to {' and '.join(who) if who else 'every request'}")
+    lines.append(f"              503 load_shed, Retry-After: {shed.retry_after}")
     return lines
 
 

@@ -23,7 +23,24 @@ from router.policy.rank import NOT_IMPLEMENTED, STRATEGIES
 GATE_FIELDS: tuple[str, ...] = UNIVERSAL_FIELDS + ENGINE_FIELDS + HARDWARE_FIELDS
 OPERATORS: tuple[str, ...] = ("gt", "gte", "lt", "lte")
 MATCH_FIELDS: tuple[str, ...] = ("region", "engine", "organization", "machine", "gpu_model")
-STEP_KEYS: tuple[str, ...] = ("name", "match", "exclude_if", "strategy", "max_tries")
+STEP_KEYS: tuple[str, ...] = (
+    "name",
+    "match",
+    "exclude_if",
+    "shed_if",
+    "strategy",
+    "max_tries",
+)
+# `shed_if`: router-wide load conditions, and the selectors of the requests it refuses.
+SHED_FIELDS: tuple[str, ...] = (
+    "model_queue_depth",
+    "total_queue_depth",
+    "model_capacity_utilization",
+)
+SHED_SELECTORS: tuple[str, ...] = ("tenants", "priority")
+SHED_KEYS: tuple[str, ...] = (*SHED_FIELDS, *SHED_SELECTORS, "retry_after")
+DEFAULT_RETRY_AFTER = 1
+MAX_RETRY_AFTER = 3600
 TOP_LEVEL_KEYS: tuple[str, ...] = ("routing_policy", "fallback_chain", "fallback_provider")
 PROVIDER_ENGINES: tuple[str, ...] = ("openai", "anthropic")
 PROVIDER_KEYS: tuple[str, ...] = ("engine", "model")
@@ -65,12 +82,32 @@ class Match:
 
 
 @dataclass(frozen=True)
+class Shed:
+    """`shed_if`: refuse a selected request at its step when any load rule is violated.
+
+    A request is selected when its tenant is listed (or no list is given) and its
+    priority satisfies the `priority` comparison (or none is given).
+    """
+
+    rules: tuple[Rule, ...]  # load fields of SHED_FIELDS; any violated rule sheds
+    tenants: tuple[str, ...] = ()  # empty: every tenant
+    priority: Rule | None = None  # e.g. priority < 5; None: every priority
+    retry_after: int = DEFAULT_RETRY_AFTER  # seconds, sent as Retry-After
+
+    def selects(self, tenant: str, priority: int) -> bool:
+        if self.tenants and tenant not in self.tenants:
+            return False
+        return self.priority is None or self.priority.violated(priority)
+
+
+@dataclass(frozen=True)
 class Step:
     name: str
     match: Match
     exclude_if: tuple[Rule, ...]
     strategy: str
     max_tries: int  # as written; zero or negative means "use the router-wide value"
+    shed_if: Shed | None = None
 
     def budget(self, default: int) -> int:
         """Forward tries allowed in this step, given `--max-tries-per-step`."""
@@ -307,11 +344,12 @@ class _Validator:
         name = self.step_name(path, raw.get("name"), default_name)
         match = self.match(f"{path}.match", raw.get("match"))
         rules = self.exclude_if(f"{path}.exclude_if", raw.get("exclude_if"))
+        shed = self.shed_if(f"{path}.shed_if", raw.get("shed_if"))
         strategy = self.strategy(f"{path}.strategy", raw)
         max_tries = self.max_tries(f"{path}.max_tries", raw.get("max_tries"))
         if len(self.errors) > before:
             return None
-        return Step(name, match, rules, strategy, max_tries)
+        return Step(name, match, rules, strategy, max_tries, shed)
 
     def step_name(self, path: str, raw: object, default: str) -> str:
         if raw is None:
@@ -370,6 +408,59 @@ class _Validator:
             if rule is not None:
                 rules.append(rule)
         return tuple(rules)
+
+    def shed_if(self, path: str, raw: object) -> Shed | None:
+        if raw is None:
+            return None
+        if not isinstance(raw, dict):
+            self.error(path, f"must be a mapping of load fields and selectors, got {_kind(raw)}")
+            return None
+        for key in raw:
+            if key not in SHED_KEYS:
+                word = str(key)
+                hint = _MISPLACED_IN_SHED.get(word) or _hint(word, SHED_KEYS)
+                self.error(
+                    f"{path}.{word}", f"unknown shed_if key (known: {', '.join(SHED_KEYS)}){hint}"
+                )
+        rules = [self.rule(f"{path}.{key}", key, raw[key]) for key in raw if key in SHED_FIELDS]
+        if not any(field in raw for field in SHED_FIELDS):
+            self.error(
+                path,
+                "needs at least one load condition"
+                f" ({', '.join(SHED_FIELDS)}), e.g. model_queue_depth: {{gte: 10}}",
+            )
+        priority = None
+        if "priority" in raw:
+            priority = self.rule(f"{path}.priority", "priority", raw["priority"])
+        return Shed(
+            tuple(rule for rule in rules if rule is not None),
+            self.shed_tenants(f"{path}.tenants", raw.get("tenants")),
+            priority,
+            self.retry_after(f"{path}.retry_after", raw.get("retry_after")),
+        )
+
+    def shed_tenants(self, path: str, raw: object) -> tuple[str, ...]:
+        if raw is None:
+            return ()
+        if not isinstance(raw, list) or not raw:
+            self.error(
+                path,
+                f"must be a non-empty list of tenant names, got {_kind(raw)}"
+                " (remove the key to shed every tenant)",
+            )
+            return ()
+        for i, tenant in enumerate(raw):
+            if not isinstance(tenant, str) or not tenant.strip():
+                self.error(f"{path}[{i}]", f"must be a non-empty string, got {_kind(tenant)}")
+        return tuple(tenant for tenant in raw if isinstance(tenant, str))
+
+    def retry_after(self, path: str, raw: object) -> int:
+        if raw is None:
+            return DEFAULT_RETRY_AFTER
+        if not isinstance(raw, int) or isinstance(raw, bool) or not 0 <= raw <= MAX_RETRY_AFTER:
+            self.error(path, f"must be whole seconds from 0 to {MAX_RETRY_AFTER}, got {_kind(raw)}")
+            return DEFAULT_RETRY_AFTER
+        return raw
 
     def rule(self, path: str, field: str, body: object) -> Rule | None:
         if not isinstance(body, dict):
@@ -486,8 +577,21 @@ _MISPLACED_TOP: dict[str, str] = dict.fromkeys(
 _MISPLACED_IN_STEP: dict[str, str] = {
     **dict.fromkeys((*MATCH_FIELDS, "tags"), "; it belongs under match"),
     **dict.fromkeys(GATE_FIELDS, "; it belongs under exclude_if"),
+    **dict.fromkeys((*SHED_FIELDS, *SHED_SELECTORS, "retry_after"), "; it belongs under shed_if"),
     "fallback_provider": "; fallback_provider is a top-level field, not part of a step",
     "fallback_chain": "; fallback_chain is a top-level field, not part of a step",
+}
+
+_MISPLACED_IN_SHED: dict[str, str] = {
+    **dict.fromkeys(
+        GATE_FIELDS,
+        "; shed_if reads router-wide load, not one agent's metrics:"
+        " per-agent fields belong under exclude_if",
+    ),
+    "capacity_utilization": "; did you mean 'model_capacity_utilization'? (capacity_utilization"
+    " is one agent's, under exclude_if)",
+    "queue_depth": "; did you mean 'model_queue_depth' or 'total_queue_depth'?",
+    "tenant": "; did you mean 'tenants' (a list)?",
 }
 
 

@@ -104,11 +104,12 @@ class ProviderClient:
                 raise _backend(f"{name} provider answered malformed JSON: {exc}") from None
         except RouterError as err:
             log.warning(
-                "req=%s provider=%s model=%s provider_failed reason=%s",
+                "req=%s provider=%s model=%s provider_failed reason=%s tenant=%s",
                 req.request_id,
                 name,
                 quote(provider.model),
                 quote(err.message),
+                quote(req.tenant),
             )
             raise
         headers = {SERVED_BY_HEADER: f"provider:{name}"}

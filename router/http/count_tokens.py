@@ -1,0 +1,161 @@
+"""Anthropic's `POST /v1/messages/count_tokens`, answered by an engine's tokenizer.
+
+The request is routed like any other (policy steps, gates, slots, queue) to an agent
+of the model whose engine tokenizes over HTTP: vLLM's `/tokenize` takes the chat and
+applies the model's chat template, so its count is what the prompt costs; SGLang's
+takes text only, so its count leaves out the template's few tokens. Agents of vLLM
+(and the simulated engine, which speaks vLLM's API) are preferred when the model has
+any; the engine's `{"count": N, ...}` becomes Anthropic's `{"input_tokens": N}`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Sequence
+
+from protocol.errors import ErrorCode, RouterError, anthropic_error_body
+from protocol.logs import quote
+from router.link import AgentResponse, StreamBroken
+from router.peers import Peer
+from router.session import RouteRequest
+
+log = logging.getLogger("http")
+
+COUNT_TOKENS_PATH = "/v1/messages/count_tokens"
+TOKENIZE_PATH = "/tokenize"
+# Engines whose `/tokenize` accepts `{"model", "messages"}` (vLLM's chat form).
+CHAT_TOKENIZERS = frozenset({"vllm", "sim"})
+# Engines whose `/tokenize` accepts `{"model", "prompt"}` only (SGLang).
+TEXT_TOKENIZERS = frozenset({"sglang"})
+
+
+def to_tokenize(req: RouteRequest, payload: dict, pool: Sequence[Peer]) -> None:
+    """Turn `req` into the engine's `/tokenize` call for the agents in `pool`, in place.
+
+    Raises RouterError: `tokenizer_unavailable` when the model has agents but none
+    can tokenize, `request_invalid` for a body Anthropic's API would refuse too.
+    """
+    engines = {peer.metadata.engine for peer in pool}
+    messages = _messages(payload)
+    tools = _tools(payload.get("tools"))
+    if engines & CHAT_TOKENIZERS or not pool:
+        # No agent at all: routing answers model_not_found, as for any endpoint.
+        body: dict = {"model": req.model, "messages": messages}
+        if tools:
+            body["tools"] = tools
+        req.engines = CHAT_TOKENIZERS
+    elif engines & TEXT_TOKENIZERS:
+        text = [m["content"] for m in messages] + [json.dumps(t) for t in tools]
+        body = {"model": req.model, "prompt": "\n".join(text)}
+        req.engines = TEXT_TOKENIZERS
+    else:
+        known = ", ".join(sorted(CHAT_TOKENIZERS | TEXT_TOKENIZERS))
+        raise RouterError(
+            ErrorCode.TOKENIZER_UNAVAILABLE,
+            f"token counting needs an agent whose engine has a tokenizer endpoint ({known});"
+            f" model {req.model!r} is served by: {', '.join(sorted(engines))}",
+        )
+    req.path = TOKENIZE_PATH
+    req.body = json.dumps(body, separators=(",", ":")).encode()
+    req.stream = False
+
+
+async def answer(req: RouteRequest, response: AgentResponse) -> tuple[int, dict]:
+    """The status and body for the client: `{"input_tokens": N}` from the engine's count."""
+    try:
+        return 200, input_tokens(await response.read_all())
+    except StreamBroken as exc:
+        err = RouterError(ErrorCode.BACKEND_ERROR, f"answer interrupted: {exc}")
+    except RouterError as exc:
+        err = exc
+    finally:
+        response.close()
+    log.warning(
+        "req=%s count_tokens_failed reason=%s tenant=%s",
+        req.request_id,
+        quote(err.message),
+        quote(req.tenant),
+    )
+    return err.http_status, anthropic_error_body(err)
+
+
+def input_tokens(body: bytes) -> dict:
+    """Anthropic's answer from the engine's `/tokenize` answer."""
+    try:
+        count = json.loads(body).get("count")
+    except (ValueError, UnicodeDecodeError, AttributeError):
+        count = None
+    if isinstance(count, bool) or not isinstance(count, int):
+        raise RouterError(
+            ErrorCode.BACKEND_ERROR,
+            "the engine's /tokenize answer has no integer 'count'",
+            "backend",
+        )
+    return {"input_tokens": count}
+
+
+def _messages(payload: dict) -> list[dict]:
+    """Anthropic's system and messages as chat messages with text content."""
+    raw = payload.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise _invalid("messages: must be a non-empty list")
+    out: list[dict] = []
+    system = payload.get("system")
+    if system is not None:
+        out.append({"role": "system", "content": _text(system, "system")})
+    for i, message in enumerate(raw):
+        if not isinstance(message, dict):
+            raise _invalid(f"messages[{i}]: must be an object")
+        role = message.get("role")
+        if role not in ("user", "assistant"):
+            raise _invalid(f"messages[{i}].role: must be 'user' or 'assistant'")
+        out.append({"role": role, "content": _text(message.get("content"), f"messages[{i}]")})
+    return out
+
+
+def _text(content: object, where: str) -> str:
+    """The countable text of a content string or block list; other blocks are refused."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _invalid(f"{where}.content: must be a string or a list of content blocks")
+    parts: list[str] = []
+    for j, block in enumerate(content):
+        kind = block.get("type") if isinstance(block, dict) else None
+        if kind == "text" and isinstance(block.get("text"), str):
+            parts.append(block["text"])
+        elif kind == "thinking" and isinstance(block.get("thinking"), str):
+            parts.append(block["thinking"])
+        elif kind == "tool_use":
+            parts.append(json.dumps({"name": block.get("name"), "input": block.get("input")}))
+        elif kind == "tool_result":
+            inner = block.get("content", "")
+            parts.append(_text(inner, f"{where}.content[{j}]"))
+        else:
+            raise _invalid(
+                f"{where}.content[{j}]: the router counts text, thinking, tool_use and"
+                f" tool_result blocks only, got {kind!r}"
+            )
+    return "\n".join(parts)
+
+
+def _tools(raw: object) -> list[dict]:
+    """Anthropic tool definitions in the OpenAI form chat templates read."""
+    if raw is None:
+        return []
+    if not isinstance(raw, list):
+        raise _invalid("tools: must be a list")
+    tools = []
+    for i, tool in enumerate(raw):
+        if not isinstance(tool, dict) or not isinstance(tool.get("name"), str):
+            raise _invalid(f"tools[{i}]: must be an object with a name")
+        function = {"name": tool["name"], "parameters": tool.get("input_schema") or {}}
+        if isinstance(tool.get("description"), str):
+            function["description"] = tool["description"]
+        tools.append({"type": "function", "function": function})
+    return tools
+
+
+def _invalid(message: str) -> RouterError:
+    return RouterError(ErrorCode.REQUEST_INVALID, message)
