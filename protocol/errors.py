@@ -7,6 +7,7 @@ the routing session at once, retryable codes consume a forward try, and
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -133,11 +134,19 @@ class RouterError(Exception):
     source: str = "router"
     status: int | None = None
     # Seconds for a `Retry-After` header; None sends none.
-    retry_after: int | None = None
+    retry_after: float | None = None
 
     @property
     def http_status(self) -> int:
         return self.status if self.status is not None else status_of(self.code)
+
+    def retry_headers(self) -> list[tuple[str, str]]:
+        """`Retry-After` in whole seconds (at least 1), and `retry-after-ms`, which the
+        OpenAI and Anthropic SDKs read first."""
+        if self.retry_after is None:
+            return []
+        seconds = max(1, math.ceil(self.retry_after))
+        return [("retry-after", str(seconds)), ("retry-after-ms", str(seconds * 1000))]
 
     def __str__(self) -> str:
         return f"{self.code}: {self.message}"

@@ -107,7 +107,8 @@ class ClientApi:
         extra = [("x-request-id", rid)]
 
         async def fail(err: RouterError) -> int:
-            await send_json(send, err.http_status, error_payload(protocol, err), extra)
+            headers = [*extra, *err.retry_headers()]
+            await send_json(send, err.http_status, error_payload(protocol, err), headers)
             return err.http_status
 
         deadline = received + self.settings.request_timeout
@@ -146,9 +147,7 @@ class ClientApi:
         if ticket is not None:
             refused = await ticket.admit(model, len(body))
             if refused is not None:
-                answer = error_payload(protocol, refused)
-                await send_json(send, refused.http_status, answer, [*extra, *refused.headers()])
-                return refused.http_status
+                return await fail(refused)
         stream = payload.get("stream") is True
         headers = {}
         for key, value in scope["headers"]:
@@ -243,9 +242,8 @@ class ClientApi:
             return
         except RouterError as err:
             state.status = err.http_status
-            if err.retry_after is not None:
-                extra = [*extra, ("retry-after", str(err.retry_after))]
-            await send_json(send, err.http_status, error_payload(protocol, err), extra)
+            headers = [*extra, *err.retry_headers()]
+            await send_json(send, err.http_status, error_payload(protocol, err), headers)
             return
         if isinstance(served, ProviderServed):
             if state.ticket:

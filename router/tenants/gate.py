@@ -9,7 +9,6 @@ gives back the concurrent slot, charges the tokens and writes the audit line.
 from __future__ import annotations
 
 import logging
-import math
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,15 +34,7 @@ TICKET = "hivenet.ticket"
 
 @dataclass(frozen=True)
 class TenantRefused(RouterError):
-    """A tenant limit; 429s say when to come back."""
-
-    retry_after: float | None = None
-
-    def headers(self) -> list[tuple[str, str]]:
-        if self.retry_after is None:
-            return []
-        seconds = max(1, math.ceil(self.retry_after))
-        return [("retry-after", str(seconds)), ("retry-after-ms", str(seconds * 1000))]
+    """A tenant limit; 429s say when to come back (`retry_after`)."""
 
 
 class AuthStore:
