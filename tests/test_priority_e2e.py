@@ -1,4 +1,4 @@
-"""Priority order of the capacity queue with a real router daemon and a real agent.
+"""Priority order of the capacity queue with a real router and a real agent.
 
 The router runs in this test's trio loop (libp2p, the agent link, the dispatcher), the
 agent as its own process with the simulated engine. Requests enter at the
@@ -10,11 +10,13 @@ holds until every request has queued.
 from __future__ import annotations
 
 import json
+import threading
 import types
 import uuid
 from collections.abc import Callable
 from pathlib import Path
 
+import httpx
 import trio
 
 from router.app import RouterDaemon
@@ -22,7 +24,8 @@ from router.capacity import try_acquire
 from router.link import AgentResponse
 from router.session import RouteRequest, Served, Slot
 from router.settings import RouterSettings
-from tests.fleet import SECRET, Agent, Fleet, free_port
+from router.tenants.config import hash_key
+from tests.fleet import SECRET, Agent, Fleet, free_port, wait_until
 
 
 async def wait_for(check: Callable[[], bool], what: str) -> None:
@@ -106,3 +109,50 @@ async def test_waiters_are_served_by_priority_then_arrival(fleet: Fleet, tmp_pat
     assert all(text == f"Echo: priority {priority}" for priority, text in served)
     assert daemon.queue.lengths() == {}
     assert all(p.active == 0 for p in daemon.table.for_model("m1"))
+
+
+def test_auth_file_priorities_order_queued_http_requests(fleet: Fleet, tmp_path: Path) -> None:
+    """Through the HTTP API with an auth file: a tenant's `priority` decides who of the
+    queued requests gets the agent's one slot first (synchronous test: real threads)."""
+    keys = {name: f"hnr-test-{name}-key" for name in ("low", "mid", "high")}
+    auth = "tenants:\n" + "".join(
+        f'  {name}:\n    keys: ["{hash_key(key)}"]\n    priority: {rank}\n'
+        for rank, (name, key) in enumerate(keys.items())
+    )
+    (tmp_path / "auth.yaml").write_text(auth)
+    router = fleet.router("--auth-file", str(tmp_path / "auth.yaml"))
+    agent = fleet.agent(router, "m1", "--capacity", "1")
+    finished: list[str] = []
+    lock = threading.Lock()
+
+    def call(tenant: str, timeout: float) -> None:
+        body = {"model": "m1", "messages": [{"role": "user", "content": tenant}]}
+        headers = {"authorization": f"Bearer {keys[tenant]}"}
+        try:
+            r = httpx.post(
+                router.url + "/v1/chat/completions", json=body, headers=headers, timeout=timeout
+            )
+        except httpx.TimeoutException:
+            return  # the request that held the slot: its client gave up
+        assert r.status_code == 200, r.text
+        with lock:
+            finished.append(tenant)
+
+    def queued() -> int:
+        return router.admin("/admin/health")["queues"].get("m1", 0)
+
+    # A stalled answer holds the only slot until its client leaves (after 8 s).
+    agent.sim_state(stall_after_tokens=0)
+    threads = [threading.Thread(target=call, args=("low", 8.0))]
+    threads[0].start()
+    wait_until(lambda: router.agent(agent.peer_id)["status"]["active_requests"] == 1)
+    for n, tenant in enumerate(("low", "mid", "high", "mid"), start=1):
+        threads.append(threading.Thread(target=call, args=(tenant, 60.0)))
+        threads[-1].start()
+        wait_until(lambda n=n: queued() == n, what=f"{n} queued")
+    agent.sim_state(stall_after_tokens=None)
+    for t in threads:
+        t.join(90)
+    assert finished == ["high", "mid", "mid", "low"]
+    assert router.agent(agent.peer_id)["status"]["active_requests"] == 0
+    assert queued() == 0
