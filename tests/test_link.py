@@ -64,10 +64,14 @@ async def hello_reply(router: Router, token_for: Any, metadata: dict = METADATA)
         return await first_reply(stream)
 
 
-def token_with(secret: bytes, **claims: Any) -> Any:
+def token_with(secret: bytes, **offsets: int) -> Any:
+    """Claims given as seconds from the moment the token is made (the test's run, not
+    its collection: a long suite must not turn a future `nbf` into the past)."""
+
     def make(peer_id: str) -> str:
         now = int(time.time())
-        body = {"sub": peer_id, "iat": now, "exp": now + 600, **claims}
+        times = {"exp": 600, **offsets}
+        body = {"sub": peer_id, "iat": now, **{k: now + v for k, v in times.items()}}
         return jwt.encode(body, secret, algorithm="HS256")
 
     return make
@@ -77,10 +81,10 @@ def token_with(secret: bytes, **claims: Any) -> Any:
     ("name", "token_for", "metadata", "reason"),
     [
         ("wrong secret", token_with(b"w" * 40), METADATA, "bad token signature"),
-        ("expired", token_with(SECRET.encode(), exp=int(time.time()) - 100), METADATA, "expired"),
+        ("expired", token_with(SECRET.encode(), exp=-100), METADATA, "expired"),
         (
             "not yet valid",
-            token_with(SECRET.encode(), nbf=int(time.time()) + 600),
+            token_with(SECRET.encode(), nbf=600),
             METADATA,
             "not yet valid",
         ),
