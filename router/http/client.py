@@ -268,6 +268,7 @@ class ClientApi:
                 else ErrorCode.BACKEND_ERROR
             )
             err = RouterError(code, f"answer interrupted: {exc}")
+            self.metrics.forward_failures.labels(req.model, str(code)).inc()
             log.warning("req=%s stream_broken reason=%s", req.request_id, quote(str(exc)))
             if state.started and req.stream:
                 await _end_stream_with_error(send, protocol, err, state)
