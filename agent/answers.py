@@ -18,6 +18,9 @@ class MalformedAnswer(Exception):
 
 
 DONE = b"[DONE]"
+# Engines send events of a few hundred bytes; the agent holds one unfinished event, so
+# one that never ends must not grow without bound.
+MAX_EVENT_BYTES = 8 * 1024 * 1024
 # Only a gzip or deflate answer can be decoded for the check; zlib detects which (47).
 _DECODABLE = frozenset({"gzip", "deflate"})
 
@@ -103,6 +106,8 @@ class SSEChecker:
             pos = after
         self._scanned = pos
         ready = self._ready
+        if end - ready > MAX_EVENT_BYTES:
+            raise MalformedAnswer(f"an event larger than {MAX_EVENT_BYTES} bytes")
         if not ready or not self.data_events:
             return b""
         out = bytes(pending[:ready])

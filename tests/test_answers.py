@@ -123,3 +123,11 @@ def test_event_stream_content_type() -> None:
     assert is_event_stream("Text/Event-Stream; charset=utf-8")
     assert not is_event_stream("application/json")
     assert not is_event_stream("")
+
+
+def test_an_event_that_never_ends_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("agent.answers.MAX_EVENT_BYTES", 100)
+    checker = SSEChecker()
+    checker.feed(b"data: " + b"x" * 90)
+    with pytest.raises(MalformedAnswer, match="larger than 100 bytes"):
+        checker.feed(b"x" * 20)
