@@ -10,6 +10,7 @@ from contextlib import AsyncExitStack
 import httpx
 
 from agent.answers import MalformedAnswer, SSEChecker, check_json_answer, is_event_stream
+from agent.usage import UsageTap
 from protocol import messages as m
 from protocol.errors import ErrorCode
 from protocol.logs import quote
@@ -59,9 +60,10 @@ async def forward(
     """
     req_id: int = msg["id"]
     url = backend_url.rstrip("/") + msg["path"]
+    tap = UsageTap(msg) if msg.get("report_usage") else None
     try:
         request = client.build_request(
-            msg["method"], url, headers=msg["headers"], content=msg["body"]
+            msg["method"], url, headers=msg["headers"], content=tap.body if tap else msg["body"]
         )
         response = await client.send(request, stream=True)
     except httpx.TimeoutException as exc:
@@ -86,7 +88,9 @@ async def forward(
                 check_json_answer(body, encoding)
             send(m.response_head(req_id, response.status_code, headers))
             send(m.response_chunk(req_id, body))
-            send(m.response_end(req_id))
+            if tap:
+                tap.of_body(body)
+            send(m.response_end(req_id, tap.usage if tap else None))
             return
         # The head waits for the first checked event: until it leaves, the router may
         # still try another agent.
@@ -98,14 +102,20 @@ async def forward(
         async for chunk in response.aiter_raw():
             if checker is not None:
                 chunk = checker.feed(chunk)
-            if chunk:
+                if not chunk:
+                    continue
                 if head is not None:
                     send(head)
                     head = None
+            if tap:
+                chunk = tap.stream.feed(chunk)
+            if chunk:
                 send(m.response_chunk(req_id, chunk))
         if checker is not None:
             checker.close()
-        send(m.response_end(req_id))
+        if tap and (rest := tap.stream.flush()):
+            send(m.response_chunk(req_id, rest))
+        send(m.response_end(req_id, tap.usage if tap else None))
     except MalformedAnswer as exc:
         log.warning(
             "req=%s malformed_answer path=%s reason=%s",

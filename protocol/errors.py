@@ -30,6 +30,11 @@ class ErrorCode(StrEnum):
     NOT_FOUND = "not_found"
     METHOD_NOT_ALLOWED = "method_not_allowed"
     INTERNAL_ERROR = "internal_error"
+    # A tenant's limits from the auth file (the router's own refusals, never retried).
+    RATE_LIMITED = "rate_limited"
+    QUOTA_EXCEEDED = "quota_exceeded"
+    MODEL_NOT_ALLOWED = "model_not_allowed"
+    TOO_MANY_CONCURRENT = "too_many_concurrent"
 
 
 STATUS: dict[ErrorCode, int] = {
@@ -50,6 +55,10 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.BACKEND_ERROR: 502,
     ErrorCode.REQUEST_TIMEOUT: 504,
     ErrorCode.INTERNAL_ERROR: 500,
+    ErrorCode.RATE_LIMITED: 429,
+    ErrorCode.QUOTA_EXCEEDED: 429,
+    ErrorCode.TOO_MANY_CONCURRENT: 429,
+    ErrorCode.MODEL_NOT_ALLOWED: 403,
 }
 
 # The client's request is at fault: another agent would answer the same.
@@ -76,6 +85,7 @@ RETRYABLE: frozenset[ErrorCode] = frozenset(
 _OPENAI_TYPE: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "invalid_request_error",
@@ -91,6 +101,7 @@ _OPENAI_TYPE: dict[int, str] = {
 _ANTHROPIC_TYPE: dict[int, str] = {
     400: "invalid_request_error",
     401: "authentication_error",
+    403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
     413: "request_too_large",

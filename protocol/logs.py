@@ -19,7 +19,7 @@ import time
 
 from protocol.p2p import quiet_libp2p_logging
 
-SUBSYSTEMS = ("router", "policy", "link", "http", "provider", "agent", "engine")
+SUBSYSTEMS = ("router", "policy", "link", "http", "provider", "agent", "engine", "tenant")
 _LEVELS = {
     "debug": logging.DEBUG,
     "info": logging.INFO,

@@ -56,6 +56,8 @@ _REQUIRED: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
 _OPTIONAL: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
     HEARTBEAT: (("backend_healthy", bool), ("engine", dict), ("hardware", dict)),
     ERROR: (("status", int),),
+    REQUEST: (("report_usage", bool),),
+    RESPONSE_END: (("usage", dict),),
 }
 
 
@@ -113,8 +115,16 @@ def heartbeat(
     return msg
 
 
-def request(req_id: int, method: str, path: str, headers: dict, body: bytes, stream: bool) -> dict:
-    return {
+def request(
+    req_id: int,
+    method: str,
+    path: str,
+    headers: dict,
+    body: bytes,
+    stream: bool,
+    report_usage: bool = False,
+) -> dict:
+    msg = {
         "type": REQUEST,
         "id": req_id,
         "method": method,
@@ -123,6 +133,11 @@ def request(req_id: int, method: str, path: str, headers: dict, body: bytes, str
         "body": body,
         "stream": stream,
     }
+    if report_usage:
+        # The router counts tokens for quotas or its audit log: send them back on
+        # response_end (`usage`: prompt_tokens, completion_tokens).
+        msg["report_usage"] = True
+    return msg
 
 
 def response_head(req_id: int, status: int, headers: dict) -> dict:
@@ -133,8 +148,10 @@ def response_chunk(req_id: int, data: bytes) -> dict:
     return {"type": RESPONSE_CHUNK, "id": req_id, "data": data}
 
 
-def response_end(req_id: int) -> dict:
-    return {"type": RESPONSE_END, "id": req_id}
+def response_end(req_id: int, usage: dict | None = None) -> dict:
+    if usage is None:
+        return {"type": RESPONSE_END, "id": req_id}
+    return {"type": RESPONSE_END, "id": req_id, "usage": usage}
 
 
 def error(req_id: int, code: str, message: str, status: int | None = None) -> dict:

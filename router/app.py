@@ -35,6 +35,7 @@ from router.policy.store import PolicyStore
 from router.providers import ProviderClient
 from router.session import RoutingSession
 from router.settings import RouterSettings
+from router.tenants.gate import GateSettings, TenantGate
 
 log = logging.getLogger("router")
 
@@ -142,6 +143,18 @@ class RouterDaemon:
             self.metrics,
             ClientSettings(settings.max_request_bytes, settings.request_timeout),
         )
+        self.tenants = TenantGate(
+            GateSettings(
+                auth_file=settings.auth_file,
+                state_url=settings.state_url,
+                audit_log=settings.audit_log,
+                audit_log_max_bytes=settings.audit_log_max_bytes,
+                audit_log_backups=settings.audit_log_backups,
+                lease=settings.request_timeout + 60.0,
+            ),
+            ClientKeys(settings.client_api_keys),
+            self.metrics,
+        )
         self.app = RouterApp(
             self.client,
             self.table,
@@ -149,7 +162,8 @@ class RouterDaemon:
             self.store,
             self.metrics,
             AdminKeys(settings.admin_api_keys, settings.allow_insecure_admin),
-            ClientKeys(settings.client_api_keys),
+            self.tenants.client_keys,
+            self.tenants,
         )
         self._stop = trio.Event()
         self._http_stop = trio.Event()
@@ -178,6 +192,7 @@ class RouterDaemon:
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self.link.sweep)
+                    nursery.start_soon(self.tenants.run)
                     nursery.start_soon(self._signals, nursery.cancel_scope)
                     await nursery.start(self._serve_http, self.app, s.http_addr)
                     metrics_app = with_lifespan(make_asgi_app(self.metrics.registry))
@@ -202,6 +217,7 @@ class RouterDaemon:
                 with trio.CancelScope(shield=True):
                     await close_listeners(host)
                     await self.providers.aclose()
+                self.tenants.close()
         log.info("router_stopped")
 
     def announce_addrs(self, host: Any) -> list[str]:
@@ -230,6 +246,8 @@ class RouterDaemon:
                     if errors:
                         log.warning("sighup_reload_rejected errors=%d", len(errors))
                     status = "reload rejected, running policy kept" if errors else "reloaded"
+                    if self.tenants.store.reload_file():
+                        status += "; auth file reload rejected, running tenants kept"
                     sd_notify(f"READY=1\nSTATUS=serving, policy {status}")
                 elif self._stop.is_set():
                     log.warning("router_stop_now signal=%s", signal.Signals(signum).name)

@@ -1,4 +1,4 @@
-"""`hivenet-router`: serve, check-policy, identity, token."""
+"""`hivenet-router`: serve, check-policy, check-auth, hash-key, identity, token."""
 
 from __future__ import annotations
 
@@ -43,10 +43,37 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--drain-timeout", type=parse_duration, default="30s")
     serve.add_argument("--stream-slot-release", choices=("head", "end"), default="head")
     serve.add_argument("--jwt-secret-file", default=None)
+    serve.add_argument(
+        "--auth-file",
+        default=os.environ.get("HIVENET_ROUTER_AUTH_FILE") or None,
+        help="tenants, hashed keys and limits (YAML); reloaded on SIGHUP",
+    )
+    serve.add_argument(
+        "--state-url",
+        default=os.environ.get("HIVENET_ROUTER_STATE_URL") or None,
+        help="redis://host:port/db: tenant counts shared by several routers",
+    )
+    serve.add_argument(
+        "--audit-log",
+        default=os.environ.get("HIVENET_ROUTER_AUDIT_LOG") or None,
+        help="JSON-lines audit log, one line per request (no prompt text)",
+    )
+    serve.add_argument("--audit-log-max-bytes", type=int, default=100 * 1024 * 1024)
+    serve.add_argument("--audit-log-backups", type=int, default=5)
 
     check = sub.add_parser("check-policy", help="validate a policy file and print its chain")
     check.add_argument("file")
     check.add_argument("--max-tries-per-step", type=int, default=3)
+
+    check_auth = sub.add_parser("check-auth", help="validate an auth file and list its tenants")
+    check_auth.add_argument("file")
+
+    hash_key = sub.add_parser(
+        "hash-key", help="print a new client key and the hash the auth file stores"
+    )
+    hash_key.add_argument(
+        "--stdin", action="store_true", help="hash a key read from standard input instead"
+    )
 
     ident = sub.add_parser("identity", help="create the key if missing; print the peer ID")
     ident.add_argument("--identity-path", default="./router_identity.key")
@@ -80,8 +107,20 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         drain_timeout=args.drain_timeout,
         stream_slot_release=args.stream_slot_release,
         jwt_secret=load_secret(args.jwt_secret_file),
+        auth_file=args.auth_file,
+        state_url=args.state_url,
+        audit_log=args.audit_log,
+        audit_log_max_bytes=args.audit_log_max_bytes,
+        audit_log_backups=args.audit_log_backups,
     )
     s.apply_environment()
+    if s.auth_file and s.client_api_keys.strip():
+        raise ValueError(
+            "both --auth-file and HIVENET_ROUTER_API_KEYS are set: keep one (the auth file"
+            " holds the keys and the tenants)"
+        )
+    if s.audit_log_max_bytes < 1024 or s.audit_log_backups < 0:
+        raise ValueError("--audit-log-max-bytes must be at least 1024, --audit-log-backups >= 0")
     if s.max_tries_per_step < 1:
         raise ValueError("--max-tries-per-step must be at least 1")
     if not s.admin_api_keys and not s.allow_insecure_admin:
@@ -127,6 +166,40 @@ def cmd_check_policy(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check_auth(args: argparse.Namespace) -> int:
+    from router.tenants.config import AuthError, load_auth_file
+
+    try:
+        config = load_auth_file(args.file)
+    except AuthError as exc:
+        print(f"{args.file}: invalid auth file", file=sys.stderr)
+        for error in exc.errors:
+            print(f"  - {error}", file=sys.stderr)
+        return 1
+    for tenant in config.tenants.values():
+        view = tenant.public()
+        limits = " ".join(f"{k}={v}" for k, v in view.items() if k not in ("name", "models") and v)
+        models = ",".join(tenant.models) or "*"
+        print(f"tenant {tenant.name}: models={models} {limits}".rstrip())
+    return 0
+
+
+def cmd_hash_key(args: argparse.Namespace) -> int:
+    from router.tenants.config import hash_key, new_key
+
+    if args.stdin:
+        key = sys.stdin.readline().strip()
+        if not key:
+            print("hivenet-router: no key on standard input", file=sys.stderr)
+            return 2
+        print(hash_key(key))
+        return 0
+    key = new_key()
+    print(f"key: {key}")
+    print(f"hash: {hash_key(key)}")
+    return 0
+
+
 def cmd_identity(args: argparse.Namespace) -> int:
     from protocol.p2p import load_or_create_identity, peer_id_of
 
@@ -153,6 +226,8 @@ def cmd_token(args: argparse.Namespace) -> int:
 COMMANDS = {
     "serve": cmd_serve,
     "check-policy": cmd_check_policy,
+    "check-auth": cmd_check_auth,
+    "hash-key": cmd_hash_key,
     "identity": cmd_identity,
     "token": cmd_token,
 }

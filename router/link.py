@@ -22,6 +22,7 @@ from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from protocol.logs import quote
 from protocol.p2p import FramedStream, SessionClosed
 from protocol.tokens import TokenError, verify_token
+from protocol.usage import valid_usage
 from router.metrics import RouterMetrics
 from router.peers import (
     CAPABILITIES,
@@ -129,6 +130,8 @@ class AgentResponse:
         self.headers = headers
         self.slot = slot
         self.done = False
+        # The engine's token count, when the agent was asked for it (response_end).
+        self.usage: dict[str, int] | None = None
 
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
@@ -138,6 +141,7 @@ class AgentResponse:
                     yield msg["data"]
                 elif kind == m.RESPONSE_END:
                     self.done = True
+                    self.usage = valid_usage(msg.get("usage"))
                     return
                 elif kind == m.ERROR:
                     self.done = True
@@ -338,7 +342,15 @@ class AgentLink:
         try:
             try:
                 session.fs.send_nowait(
-                    m.request(req_id, req.method, req.path, req.headers, req.body, req.stream)
+                    m.request(
+                        req_id,
+                        req.method,
+                        req.path,
+                        req.headers,
+                        req.body,
+                        req.stream,
+                        req.report_usage,
+                    )
                 )
             except SessionClosed as exc:
                 finished = True
@@ -360,7 +372,13 @@ class AgentLink:
                 peer.stats.record_failure()
                 return ForwardFailure(_code(msg["code"]), msg["message"], status=msg.get("status"))
             if kind != m.RESPONSE_HEAD:
-                raise m.ProtocolError(f"{kind} before response_head")
+                # An agent out of step with the protocol costs this try, not the request.
+                finished = True
+                session.finish(req_id, cancel=True)
+                peer.stats.record_failure()
+                return ForwardFailure(
+                    ErrorCode.BACKEND_ERROR, f"agent sent {kind} before response_head"
+                )
             peer.stats.record_rtt((trio.current_time() - started) * 1000.0)
             status, headers = msg["status"], msg["headers"]
             if status >= 400:

@@ -107,6 +107,27 @@ class RouterMetrics:
             ["reason"],
             registry=r,
         )
+        self.tenant_rejections = Counter(
+            P + "tenant_rejections_total",
+            "Requests refused by a tenant limit of the auth file, by tenant and code",
+            ["tenant", "code"],
+            registry=r,
+        )
+        self.tenant_tokens = Counter(
+            P + "tenant_tokens_total",
+            "Tokens the engines reported per tenant (kind: prompt or completion)",
+            ["tenant", "kind"],
+            registry=r,
+        )
+        self.auth_reloads = Counter(
+            P + "auth_reloads_total", "Auth file reloads by result", ["result"], registry=r
+        )
+        self.state_store_up = Gauge(
+            P + "state_store_up",
+            "1 while tenant counts are shared in Redis (--state-url), 0 while this router"
+            " counts alone because Redis is unreachable",
+            registry=r,
+        )
 
 
 def _count_tasks() -> float:

@@ -45,6 +45,8 @@ class RouteRequest:
     waited: float = 0.0
     # When the successful forward was written to the agent (router overhead ends).
     sent_at: float = 0.0
+    # Ask the agent for the engine's token usage (tenant quotas, audit log).
+    report_usage: bool = False
 
 
 class Slot:

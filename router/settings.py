@@ -45,6 +45,11 @@ class RouterSettings:
     anthropic_api_key: str = ""
     openai_base_url: str = "https://api.openai.com/v1"
     anthropic_base_url: str = "https://api.anthropic.com"
+    auth_file: str | None = None
+    state_url: str | None = None
+    audit_log: str | None = None
+    audit_log_max_bytes: int = 100 * 1024 * 1024
+    audit_log_backups: int = 5
 
     def apply_environment(self, env: dict[str, str] | None = None) -> None:
         """Environment-only settings (keys, provider endpoints, limits)."""

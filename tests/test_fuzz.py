@@ -1305,3 +1305,32 @@ def test_relayed_answers_end_with_the_answer_or_an_error(
             check_error_body(path, status, content)
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+@pytest.mark.parametrize("first", [("chunk", b"{}"), ("end",)])
+def test_answer_frames_before_the_head_cost_the_try_not_the_request(first: tuple) -> None:
+    """An agent that sends a chunk or the end before its response head is out of step
+    with the protocol: that try fails as backend_error (502 here, one agent), never 500."""
+    payload = {"model": "m1", "max_tokens": 5, "messages": []}
+    req = {
+        "path": "/v1/chat/completions",
+        "method": "POST",
+        "headers": [(b"content-type", b"application/json")],
+        "body": json.dumps(payload).encode(),
+        "pieces": 1,
+        "disconnect_early": False,
+    }
+
+    async def main() -> None:
+        app, link, table, _ = build_app("")
+        async with trio.open_nursery() as nursery:
+            agent = ScriptedAgent(link, nursery, [[first]])
+            sent, complete = await call_app(app, req)
+            nursery.cancel_scope.cancel()
+        assert complete and sent[0]["status"] == 502
+        content = b"".join(b.get("body", b"") for b in sent[1:])
+        assert json.loads(content)["error"]["code"] == "backend_error"
+        assert all(p.active == 0 for p in table.all())
+        assert not agent.session.pending
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))

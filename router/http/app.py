@@ -28,6 +28,8 @@ from router.http.client import ENDPOINTS, ClientApi, error_payload
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.policy.store import PolicyStore
+from router.tenants.admin_api import admin_auth
+from router.tenants.gate import TenantGate
 
 log = logging.getLogger("http")
 
@@ -44,6 +46,7 @@ class RouterApp:
         metrics: RouterMetrics,
         admin_keys: AdminKeys,
         client_keys: ClientKeys,
+        tenants: TenantGate | None = None,
     ) -> None:
         self.client = client
         self.table = table
@@ -52,6 +55,7 @@ class RouterApp:
         self.metrics = metrics
         self.admin_keys = admin_keys
         self.client_keys = client_keys
+        self.tenants = tenants
         self.draining = False
         self.inflight = 0
         self.idle = trio.Event()
@@ -81,7 +85,10 @@ class RouterApp:
             elif path == "/health" and method == "GET":
                 # A draining router tells load balancers to send new clients elsewhere.
                 status, state = (503, "draining") if self.draining else (200, "ok")
-                await send_json(send, status, {"status": state}, [("x-request-id", rid)])
+                extra_health = self.tenants.health() if self.tenants else {}
+                await send_json(
+                    send, status, {"status": state, **extra_health}, [("x-request-id", rid)]
+                )
             else:
                 status = await _not_found(send, rid, protocol)
         except Exception:
@@ -96,6 +103,8 @@ class RouterApp:
         if path in ENDPOINTS:
             self.metrics.requests.labels(path, str(status), tenant).inc()
             self.metrics.duration.labels(path, tenant).observe(elapsed)
+            if self.tenants:
+                self.tenants.audit(scope, path, rid, tenant, status, elapsed)
         log.info(
             "req=%s method=%s path=%s status=%d tenant=%s duration_ms=%.1f",
             rid,
@@ -112,7 +121,7 @@ class RouterApp:
         path, method = scope["path"], scope["method"]
         protocol = protocol_of(path)
         extra = [("x-request-id", rid)]
-        tenant = self.client_keys.tenant(scope)
+        tenant = self.tenants.identify(scope) if self.tenants else self.client_keys.tenant(scope)
         if tenant is None:
             err = RouterError(
                 ErrorCode.UNAUTHORIZED,
@@ -129,9 +138,12 @@ class RouterApp:
                 return 503, tenant
             self.inflight += 1
             self.idle = trio.Event()
+            ticket = self.tenants.open(scope, rid, tenant) if self.tenants else None
             try:
                 return await self.client.inference(scope, receive, send, rid, tenant), tenant
             finally:
+                if ticket is not None:
+                    await ticket.close()
                 self.inflight -= 1
                 if not self.inflight:
                     self.idle.set()
@@ -177,6 +189,8 @@ class RouterApp:
             await send_bytes(send, 200, body, "application/yaml", extra)
         elif path == "/admin/policy" and method == "PUT":
             return await self._put_policy(scope, receive, send, extra)
+        elif path == "/admin/auth" and self.tenants:
+            return await admin_auth(self.tenants, scope, receive, send, extra)
         elif path in _ADMIN_METHODS:
             return await _not_allowed(send, rid, "openai", _ADMIN_METHODS[path])
         else:
@@ -222,6 +236,7 @@ _ADMIN_METHODS = {
     "/admin/health": "GET",
     "/admin/models": "GET",
     "/admin/policy": "GET, PUT",
+    "/admin/auth": "GET, PUT",
 }
 
 

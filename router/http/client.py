@@ -33,6 +33,7 @@ from router.link import AgentResponse, StreamBroken
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.session import BackendRejected, RouteRequest
+from router.tenants.gate import TICKET, Ticket
 
 log = logging.getLogger("http")
 
@@ -139,6 +140,13 @@ class ClientApi:
                     ErrorCode.REQUEST_INVALID, f"field 'model' is longer than {MAX_MODEL_NAME}"
                 )
             )
+        ticket: Ticket | None = scope.get(TICKET)
+        if ticket is not None:
+            refused = await ticket.admit(model, len(body))
+            if refused is not None:
+                answer = error_payload(protocol, refused)
+                await send_json(send, refused.http_status, answer, [*extra, *refused.headers()])
+                return refused.http_status
         stream = payload.get("stream") is True
         headers = {}
         for key, value in scope["headers"]:
@@ -161,7 +169,8 @@ class ClientApi:
             payload=payload,
             received_at=received,
         )
-        return await self._serve(req, protocol, receive, send, extra)
+        req.report_usage = ticket is not None and ticket.wants_usage
+        return await self._serve(req, protocol, receive, send, extra, ticket)
 
     async def _serve(
         self,
@@ -170,9 +179,10 @@ class ClientApi:
         receive: Receive,
         send: Send,
         extra: list[tuple[str, str]],
+        ticket: Ticket | None = None,
     ) -> int:
         deadline = req.received_at + self.settings.request_timeout
-        state = _Progress()
+        state = _Progress(ticket=ticket)
 
         async def tracked_send(message: dict) -> None:
             # Once the last body part is on its way, a disconnect is the client's
@@ -223,10 +233,14 @@ class ClientApi:
             await send_json(send, err.http_status, error_payload(protocol, err), extra)
             return
         if isinstance(served, ProviderServed):
+            if state.ticket:
+                state.ticket.provider_answer(served.engine, served.body)
             await self._send_provider(served, send, extra, state)
             return
         response = served.response
         assert isinstance(response, AgentResponse)
+        if state.ticket:
+            state.ticket.served_by(served.step_name, served.peer.peer_id)
         state.response = response
         own = req.sent_at - req.received_at - req.waited
         self.metrics.overhead.labels(req.path).observe(max(0.0, own))
@@ -277,6 +291,8 @@ class ClientApi:
                 await send_json(send, err.http_status, error_payload(protocol, err), extra)
         finally:
             response.close()
+            if state.ticket:
+                state.ticket.usage = response.usage
 
     async def _send_provider(
         self,
@@ -321,6 +337,7 @@ class _Progress:
     client_gone: bool = False
     done: bool = False
     response: AgentResponse | None = None
+    ticket: Ticket | None = None
 
 
 async def _watch(

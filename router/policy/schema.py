@@ -107,15 +107,31 @@ class PolicyError(ValueError):
         self.errors = errors
 
 
+class YamlInvalid(ValueError):
+    """Text that is not one YAML document; `errors` holds the reason."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("; ".join(errors))
+        self.errors = errors
+
+
+def parse_yaml(text: str) -> tuple[object, list[str]]:
+    """The YAML document, and its duplicate keys as errors; YamlInvalid when unreadable."""
+    try:
+        return _parse(text)
+    except yaml.YAMLError as exc:
+        raise YamlInvalid([_yaml_error(exc)]) from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise YamlInvalid(["invalid YAML: collections nested too deeply"]) from None
+    except Exception as exc:  # PyYAML's constructors fail on some tagged scalars (`!!int`)
+        raise YamlInvalid([f"invalid YAML: {type(exc).__name__}: {exc}"]) from None
+
+
 def load_policy(text: str) -> Policy:
     try:
-        document, errors = _parse(text)
-    except yaml.YAMLError as exc:
-        raise PolicyError([_yaml_error(exc)]) from None
-    except RecursionError:  # PyYAML composes nested collections recursively
-        raise PolicyError(["invalid YAML: collections nested too deeply"]) from None
-    except Exception as exc:  # PyYAML's constructors fail on some tagged scalars (`!!int`)
-        raise PolicyError([f"invalid YAML: {type(exc).__name__}: {exc}"]) from None
+        document, errors = parse_yaml(text)
+    except YamlInvalid as exc:
+        raise PolicyError(exc.errors) from None
     policy = _Validator(errors).policy(document, text)
     if errors or policy is None:
         raise PolicyError(errors)

@@ -1,0 +1,1 @@
+"""Tenants from the auth file: keys, allowlists, quotas, shared counts, audit log."""

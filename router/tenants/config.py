@@ -1,0 +1,265 @@
+"""Auth files: YAML in, tenant records out, or every reason the file is invalid.
+
+Validated as strictly as policies (unknown keys with a hint, duplicate keys, wrong
+types, every problem at once). Keys are stored as `sha256:<hex>` hashes only: the
+router never needs a client key in clear, so a leaked auth file leaks no key.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import re
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from router.policy.schema import YamlInvalid, _hint, _is_number, _kind, parse_yaml
+
+TENANT_KEYS: tuple[str, ...] = (
+    "keys",
+    "models",
+    "requests_per_minute",
+    "burst",
+    "tokens_per_day",
+    "max_concurrent",
+    "max_input_bytes",
+    "priority",
+)
+KEY_PREFIX = "hnr-"
+HASH_PREFIX = "sha256:"
+_HASH = re.compile(r"^sha256:[0-9a-f]{64}$")
+# Names other gateways use for the same limits.
+_ALIASES = {
+    "rpm": "requests_per_minute",
+    "rate_limit": "requests_per_minute",
+    "tpd": "tokens_per_day",
+    "token_quota": "tokens_per_day",
+    "concurrency": "max_concurrent",
+    "max_parallel_requests": "max_concurrent",
+    "max_input_size": "max_input_bytes",
+    "api_keys": "keys",
+    "allowed_models": "models",
+}
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+def hash_key(key: str) -> str:
+    """The form an auth file stores. Keys are random and long, so a plain hash suffices."""
+    return HASH_PREFIX + hashlib.sha256(key.encode()).hexdigest()
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+@dataclass(frozen=True)
+class Tenant:
+    name: str
+    # Higher is served first in a per-model queue; what shed_if rules can name.
+    priority: int = 0
+    key_hashes: tuple[str, ...] = ()
+    # Exact names and globs (`meta-llama/*`); empty: every model.
+    models: tuple[str, ...] = ()
+    requests_per_minute: int = 0  # 0: unlimited
+    burst: int = 0  # bucket size; defaults to requests_per_minute
+    tokens_per_day: int = 0  # prompt + completion per UTC day; 0: unlimited
+    max_concurrent: int = 0  # 0: unlimited
+    max_input_bytes: int = 0  # request body size; 0: the router-wide limit only
+
+    def allows_model(self, model: str) -> bool:
+        if not self.models:
+            return True
+        return any(model == p or fnmatch.fnmatchcase(model, p) for p in self.models)
+
+    @property
+    def limited(self) -> bool:
+        """Counts to keep (shared over Redis when configured)."""
+        return bool(self.requests_per_minute or self.tokens_per_day or self.max_concurrent)
+
+    def public(self) -> dict[str, Any]:
+        """The tenant as `GET /admin/auth` shows it: everything but the key hashes."""
+        return {
+            "name": self.name,
+            "keys": len(self.key_hashes),
+            "models": list(self.models),
+            "requests_per_minute": self.requests_per_minute,
+            "burst": self.burst,
+            "tokens_per_day": self.tokens_per_day,
+            "max_concurrent": self.max_concurrent,
+            "max_input_bytes": self.max_input_bytes,
+            "priority": self.priority,
+        }
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    tenants: dict[str, Tenant]
+    by_hash: dict[str, Tenant]
+    source: str = ""
+
+    def tenant_for_key(self, key: str) -> Tenant | None:
+        return self.by_hash.get(hash_key(key))
+
+
+class AuthError(ValueError):
+    """An auth file that cannot be loaded; `errors` holds one message per problem."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("invalid auth file: " + "; ".join(errors))
+        self.errors = errors
+
+
+def load_auth(text: str) -> AuthConfig:
+    try:
+        document, errors = parse_yaml(text)
+    except YamlInvalid as exc:
+        raise AuthError(exc.errors) from None
+    config = _Validator(errors).config(document, text)
+    if errors or config is None:
+        raise AuthError(errors)
+    return config
+
+
+def load_auth_file(path: str | Path) -> AuthConfig:
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise AuthError([f"{path}: cannot read auth file ({exc})"]) from None
+    return load_auth(text)
+
+
+class _Validator:
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = errors
+
+    def error(self, path: str, message: str) -> None:
+        self.errors.append(f"{path}: {message}")
+
+    def config(self, document: object, source: str) -> AuthConfig | None:
+        if not isinstance(document, dict):
+            self.error("auth", f"must be a mapping with `tenants`, got {_kind(document)}")
+            return None
+        for key in document:
+            if key != "tenants":
+                word = str(key)
+                hint = _hint(word, ("tenants",))
+                self.error(word, f"unknown top-level key (known: tenants){hint}")
+        raw = document.get("tenants")
+        if not isinstance(raw, dict) or not raw:
+            self.error("tenants", f"must be a mapping of tenant names to tenants, got {_kind(raw)}")
+            return None
+        tenants: dict[str, Tenant] = {}
+        by_hash: dict[str, Tenant] = {}
+        owner: dict[str, str] = {}
+        for name, body in raw.items():
+            tenant = self.tenant(str(name), body)
+            if tenant is None:
+                continue
+            tenants[tenant.name] = tenant
+            for digest in tenant.key_hashes:
+                if digest in owner:
+                    self.error(
+                        f"tenants.{name}.keys",
+                        f"key {digest[:19]}… is also a key of tenant {owner[digest]!r}",
+                    )
+                owner[digest] = tenant.name
+                by_hash[digest] = tenant
+        return AuthConfig(tenants, by_hash, source)
+
+    def tenant(self, name: str, raw: object) -> Tenant | None:
+        path = f"tenants.{name}"
+        before = len(self.errors)
+        if not _NAME.match(name):
+            self.error(path, "tenant names are 1-64 letters, digits, `.`, `_` or `-`")
+        if not isinstance(raw, dict):
+            self.error(path, f"must be a mapping with at least `keys`, got {_kind(raw)}")
+            return None
+        for key in raw:
+            if key not in TENANT_KEYS:
+                word = str(key)
+                hint = (
+                    f"; did you mean {_ALIASES[word]!r}?"
+                    if word in _ALIASES
+                    else _hint(word, TENANT_KEYS)
+                )
+                self.error(
+                    f"{path}.{word}", f"unknown tenant key (known: {', '.join(TENANT_KEYS)}){hint}"
+                )
+        keys = self.key_hashes(f"{path}.keys", raw.get("keys"))
+        models = self.models(f"{path}.models", raw.get("models"))
+        ints = {
+            field: self.integer(f"{path}.{field}", raw.get(field), low)
+            for field, low in (
+                ("requests_per_minute", 1),
+                ("burst", 1),
+                ("tokens_per_day", 1),
+                ("max_concurrent", 1),
+                ("max_input_bytes", 1),
+            )
+        }
+        priority = self.integer(f"{path}.priority", raw.get("priority"), -1000, 1000)
+        if ints["burst"] and not ints["requests_per_minute"]:
+            self.error(f"{path}.burst", "needs requests_per_minute (the bucket's refill rate)")
+        if len(self.errors) > before:
+            return None
+        return Tenant(
+            name=name,
+            priority=priority,
+            key_hashes=keys,
+            models=models,
+            requests_per_minute=ints["requests_per_minute"],
+            burst=ints["burst"] or ints["requests_per_minute"],
+            tokens_per_day=ints["tokens_per_day"],
+            max_concurrent=ints["max_concurrent"],
+            max_input_bytes=ints["max_input_bytes"],
+        )
+
+    def key_hashes(self, path: str, raw: object) -> tuple[str, ...]:
+        if not isinstance(raw, list) or not raw:
+            self.error(
+                path,
+                "must be a list of key hashes (`hivenet-router hash-key` prints one),"
+                f" got {_kind(raw)}",
+            )
+            return ()
+        out: list[str] = []
+        for i, value in enumerate(raw):
+            if not isinstance(value, str) or not _HASH.match(value):
+                clear = isinstance(value, str) and value.startswith(KEY_PREFIX)
+                shown = "a key in clear" if clear else _kind(value)
+                self.error(
+                    f"{path}[{i}]",
+                    "must be `sha256:` and 64 lowercase hex digits"
+                    f" (from `hivenet-router hash-key`), got {shown}",
+                )
+            elif value in out:
+                self.error(f"{path}[{i}]", "listed twice")
+            else:
+                out.append(value)
+        return tuple(out)
+
+    def models(self, path: str, raw: object) -> tuple[str, ...]:
+        if raw is None:
+            return ()
+        if not isinstance(raw, list) or not raw:
+            self.error(path, f"must be a non-empty list of model names or globs, got {_kind(raw)}")
+            return ()
+        for i, value in enumerate(raw):
+            if not isinstance(value, str) or not value:
+                self.error(f"{path}[{i}]", f"must be a non-empty string, got {_kind(value)}")
+        return tuple(v for v in raw if isinstance(v, str) and v)
+
+    def integer(self, path: str, raw: object, low: int, high: int | None = None) -> int:
+        if raw is None:
+            return 0
+        if not _is_number(raw) or not float(raw).is_integer():
+            self.error(path, f"must be an integer, got {_kind(raw)}")
+            return 0
+        value = int(raw)
+        if value < low or (high is not None and value > high):
+            bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
+            self.error(path, f"must be {bounds}, got {value}")
+            return 0
+        return value

@@ -1,0 +1,109 @@
+"""A tenant's counts: request bucket, concurrent requests, tokens of the day.
+
+`LocalCounters` is what one router keeps alone (the state without `--state-url`, and
+the fallback while Redis is unreachable); `router/tenants/shared.py` keeps the same
+counts in Redis with the same rules, so several routers enforce one quota.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from protocol.errors import ErrorCode
+from router.tenants.config import Tenant
+
+DAY = 86400.0
+# A refusal with nothing better to say waits this long.
+MIN_RETRY_AFTER = 1.0
+
+
+@dataclass(frozen=True)
+class Verdict:
+    code: ErrorCode | None  # None: admitted
+    retry_after: float = 0.0
+
+
+ADMITTED = Verdict(None)
+
+
+def utc_day(now: float) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(now))
+
+
+def until_midnight(now: float) -> float:
+    return DAY - now % DAY
+
+
+@dataclass
+class _Bucket:
+    tokens: float
+    stamp: float
+
+
+@dataclass
+class _TenantCounts:
+    bucket: _Bucket | None = None
+    inflight: set[str] = field(default_factory=set)
+    day: str = ""
+    tokens: int = 0
+
+
+class LocalCounters:
+    """Counts in this router's memory; `monotonic` for buckets, `wall` for days."""
+
+    def __init__(
+        self,
+        monotonic: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
+        self.monotonic = monotonic
+        self.wall = wall
+        self.counts: dict[str, _TenantCounts] = {}
+
+    def _of(self, tenant: str) -> _TenantCounts:
+        counts = self.counts.get(tenant)
+        if counts is None:
+            counts = self.counts[tenant] = _TenantCounts()
+        return counts
+
+    def admit(self, tenant: Tenant, ticket_id: str) -> Verdict:
+        """Checked in this order, and nothing is taken unless all pass."""
+        counts = self._of(tenant.name)
+        wall = self.wall()
+        if tenant.tokens_per_day:
+            day = utc_day(wall)
+            if counts.day != day:
+                counts.day, counts.tokens = day, 0
+            if counts.tokens >= tenant.tokens_per_day:
+                return Verdict(ErrorCode.QUOTA_EXCEEDED, until_midnight(wall))
+        if tenant.max_concurrent and len(counts.inflight) >= tenant.max_concurrent:
+            return Verdict(ErrorCode.TOO_MANY_CONCURRENT, MIN_RETRY_AFTER)
+        if tenant.requests_per_minute:
+            now = self.monotonic()
+            rate = tenant.requests_per_minute / 60.0
+            bucket = counts.bucket
+            if bucket is None:
+                bucket = counts.bucket = _Bucket(float(tenant.burst), now)
+            tokens = min(float(tenant.burst), bucket.tokens + (now - bucket.stamp) * rate)
+            bucket.tokens, bucket.stamp = tokens, now
+            if tokens < 1.0:
+                return Verdict(ErrorCode.RATE_LIMITED, (1.0 - tokens) / rate)
+            bucket.tokens = tokens - 1.0
+        if tenant.max_concurrent:
+            counts.inflight.add(ticket_id)
+        return ADMITTED
+
+    def release(self, tenant: str, ticket_id: str, tokens: int) -> None:
+        counts = self._of(tenant)
+        counts.inflight.discard(ticket_id)
+        if tokens:
+            day = utc_day(self.wall())
+            if counts.day != day:
+                counts.day, counts.tokens = day, 0
+            counts.tokens += tokens
+
+    def used_today(self, tenant: str) -> int:
+        counts = self.counts.get(tenant)
+        return counts.tokens if counts is not None and counts.day == utc_day(self.wall()) else 0

@@ -1,0 +1,301 @@
+"""Tenants at the door: who is calling, may they, and what their request cost.
+
+The HTTP layer asks `TenantGate.identify` for the caller's tenant and opens a `Ticket`
+per inference request; the client API admits the ticket once the model is known, the
+ticket records where the request went and the engine's token usage, and closing it
+gives back the concurrent slot, charges the tokens and writes the audit line.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import secrets
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import trio
+
+from protocol.errors import ErrorCode, RouterError
+from protocol.logs import quote
+from protocol.usage import COMPLETION, PROMPT, usage_of_body
+from router.http.asgi import Scope
+from router.http.auth import ClientKeys, presented_keys
+from router.metrics import RouterMetrics
+from router.tenants.audit import AuditLog, AuditRecord
+from router.tenants.config import AuthConfig, AuthError, Tenant, load_auth, load_auth_file
+from router.tenants.shared import TenantState
+
+log = logging.getLogger("tenant")
+
+# Where the HTTP layer keeps a request's ticket in its ASGI scope.
+TICKET = "hivenet.ticket"
+
+
+@dataclass(frozen=True)
+class TenantRefused(RouterError):
+    """A tenant limit; 429s say when to come back."""
+
+    retry_after: float | None = None
+
+    def headers(self) -> list[tuple[str, str]]:
+        if self.retry_after is None:
+            return []
+        seconds = max(1, math.ceil(self.retry_after))
+        return [("retry-after", str(seconds)), ("retry-after-ms", str(seconds * 1000))]
+
+
+class AuthStore:
+    """The running auth file and its reloads: a bad file never replaces a good one."""
+
+    def __init__(self, metrics: RouterMetrics, path: str | None) -> None:
+        self.metrics = metrics
+        self.path = path
+        # At start-up a bad file is fatal (AuthError names every problem).
+        self.current: AuthConfig | None = load_auth_file(path) if path else None
+
+    def replace(self, text: str, origin: str) -> list[str]:
+        try:
+            config = load_auth(text)
+        except AuthError as exc:
+            return self.reject(exc.errors, origin)
+        self.current = config
+        self.metrics.auth_reloads.labels("success").inc()
+        log.info("auth_reloaded origin=%s tenants=%d", origin, len(config.tenants))
+        return []
+
+    def reject(self, errors: list[str], origin: str) -> list[str]:
+        self.metrics.auth_reloads.labels("failure").inc()
+        log.warning("auth_reload_failed origin=%s errors=%s", origin, quote("; ".join(errors)))
+        return errors
+
+    def reload_file(self) -> list[str]:
+        """Re-read --auth-file (SIGHUP); nothing to do without one."""
+        if self.path is None:
+            return []
+        try:
+            text = Path(self.path).read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            return self.reject([f"{self.path}: cannot read auth file ({exc})"], "file")
+        return self.replace(text, "file")
+
+
+@dataclass
+class GateSettings:
+    auth_file: str | None = None
+    state_url: str | None = None
+    audit_log: str | None = None
+    audit_log_max_bytes: int = 100 * 1024 * 1024
+    audit_log_backups: int = 5
+    # How long a router's in-flight entry may outlive a crash of that router.
+    lease: float = 120.0
+
+
+class TenantGate:
+    def __init__(
+        self, settings: GateSettings, client_keys: ClientKeys, metrics: RouterMetrics
+    ) -> None:
+        self.client_keys = client_keys
+        self.metrics = metrics
+        self.store = AuthStore(metrics, settings.auth_file)
+        self.state = TenantState(settings.state_url, metrics, settings.lease)
+        self.audit_log = (
+            AuditLog(settings.audit_log, settings.audit_log_max_bytes, settings.audit_log_backups)
+            if settings.audit_log
+            else None
+        )
+
+    def identify(self, scope: Scope) -> str | None:
+        """The caller's tenant name, or None when a key is required and none matches."""
+        config = self.store.current
+        if config is None:
+            return self.client_keys.tenant(scope)
+        for key in presented_keys(scope, allow_x_api_key=True):
+            tenant = config.tenant_for_key(key)
+            if tenant is not None:
+                return tenant.name
+        return None
+
+    def tenant(self, name: str) -> Tenant | None:
+        config = self.store.current
+        return None if config is None else config.tenants.get(name)
+
+    def open(self, scope: Scope, request_id: str, tenant: str) -> Ticket | None:
+        """A ticket for an inference request, kept in `scope`; None when nothing counts."""
+        if self.store.current is None and self.audit_log is None:
+            return None
+        ticket = Ticket(self, request_id, tenant, self.tenant(tenant), trio.current_time())
+        scope[TICKET] = ticket
+        return ticket
+
+    def audit(
+        self,
+        scope: Scope,
+        endpoint: str,
+        request_id: str,
+        tenant: str,
+        status: int,
+        duration: float,
+    ) -> None:
+        if self.audit_log is None:
+            return
+        ticket: Ticket | None = scope.get(TICKET)
+        usage = ticket.usage if ticket is not None else None
+        self.audit_log.write(
+            AuditRecord(
+                request_id=request_id,
+                tenant=tenant,
+                endpoint=endpoint,
+                model=ticket.model if ticket else None,
+                step=ticket.step if ticket else None,
+                agent=ticket.agent if ticket else None,
+                status=status,
+                prompt_tokens=usage[PROMPT] if usage else None,
+                completion_tokens=usage[COMPLETION] if usage else None,
+                duration_s=duration,
+                code=ticket.code if ticket else None,
+            )
+        )
+
+    def health(self) -> dict[str, Any]:
+        """`/health` fields: where the tenant counts live, when Redis is configured."""
+        if self.state.client is None:
+            return {}
+        return {"state_store": self.state.mode}
+
+    def admin_view(self) -> dict[str, Any]:
+        config = self.store.current
+        return {
+            "auth_file": self.store.path,
+            "state_store": self.state.mode,
+            "tenants": [] if config is None else [t.public() for t in config.tenants.values()],
+        }
+
+    async def run(self) -> None:
+        await self.state.watch()
+
+    def close(self) -> None:
+        self.state.close()
+        if self.audit_log is not None:
+            self.audit_log.close()
+
+
+class Ticket:
+    __slots__ = (
+        "agent",
+        "closed",
+        "code",
+        "gate",
+        "id",
+        "model",
+        "record",
+        "request_id",
+        "shared",
+        "slot_taken",
+        "started",
+        "step",
+        "tenant",
+        "usage",
+    )
+
+    def __init__(
+        self, gate: TenantGate, request_id: str, tenant: str, record: Tenant | None, started: float
+    ) -> None:
+        self.gate = gate
+        self.request_id = request_id
+        self.tenant = tenant
+        self.record = record
+        self.started = started
+        # X-Request-ID comes from clients and may repeat: the in-flight entry's own id.
+        self.id = f"{request_id}:{secrets.token_hex(6)}"
+        self.model: str | None = None
+        self.step: str | None = None
+        self.agent: str | None = None
+        self.usage: dict[str, int] | None = None
+        self.code: str | None = None
+        self.slot_taken = False
+        self.shared = False
+        self.closed = False
+
+    @property
+    def wants_usage(self) -> bool:
+        return self.gate.audit_log is not None or bool(
+            self.record is not None and self.record.tokens_per_day
+        )
+
+    async def admit(self, model: str, body_bytes: int) -> TenantRefused | None:
+        self.model = model
+        tenant = self.record
+        if tenant is None:
+            return None
+        refusal: TenantRefused | None = None
+        if not tenant.allows_model(model):
+            refusal = TenantRefused(
+                ErrorCode.MODEL_NOT_ALLOWED,
+                f"tenant {tenant.name!r} may not use model {model!r}",
+            )
+        elif tenant.max_input_bytes and body_bytes > tenant.max_input_bytes:
+            refusal = TenantRefused(
+                ErrorCode.PAYLOAD_TOO_LARGE,
+                f"request body of {body_bytes} bytes exceeds tenant {tenant.name!r}'s"
+                f" max_input_bytes ({tenant.max_input_bytes})",
+            )
+        elif tenant.limited:
+            verdict, self.shared = await self.gate.state.admit(tenant, self.id)
+            if verdict.code is not None:
+                refusal = TenantRefused(
+                    verdict.code, _MESSAGES[verdict.code](tenant), retry_after=verdict.retry_after
+                )
+            else:
+                self.slot_taken = bool(tenant.max_concurrent)
+        if refusal is not None:
+            self.code = str(refusal.code)
+            self.gate.metrics.tenant_rejections.labels(tenant.name, self.code).inc()
+            log.info(
+                "req=%s tenant=%s tenant_limit code=%s model=%s retry_after_s=%s",
+                self.request_id,
+                quote(tenant.name),
+                self.code,
+                quote(model),
+                "-" if refusal.retry_after is None else f"{refusal.retry_after:.3f}",
+            )
+        return refusal
+
+    def served_by(self, step: str, agent: str) -> None:
+        self.step, self.agent = step, agent
+
+    def provider_answer(self, engine: str, body: bytes) -> None:
+        self.step, self.agent = "fallback_provider", f"provider:{engine}"
+        self.usage = usage_of_body(body)
+
+    async def close(self) -> None:
+        """Give back the concurrent slot and charge the tokens; exactly once."""
+        if self.closed:
+            return
+        self.closed = True
+        usage = self.usage
+        tokens = usage[PROMPT] + usage[COMPLETION] if usage else 0
+        if usage:
+            tokens_total = self.gate.metrics.tenant_tokens
+            tokens_total.labels(self.tenant, "prompt").inc(usage[PROMPT])
+            tokens_total.labels(self.tenant, "completion").inc(usage[COMPLETION])
+        tenant = self.record
+        if tenant is None or not (self.slot_taken or (tokens and tenant.tokens_per_day)):
+            return
+        with trio.CancelScope(shield=True):
+            await self.gate.state.release(tenant.name, self.id, tokens, self.shared)
+
+
+_MESSAGES = {
+    ErrorCode.RATE_LIMITED: lambda t: (
+        f"tenant {t.name!r} is over its rate limit of {t.requests_per_minute} requests"
+        f" per minute (burst {t.burst})"
+    ),
+    ErrorCode.QUOTA_EXCEEDED: lambda t: (
+        f"tenant {t.name!r} has used its {t.tokens_per_day} tokens for today (UTC)"
+    ),
+    ErrorCode.TOO_MANY_CONCURRENT: lambda t: (
+        f"tenant {t.name!r} already has {t.max_concurrent} requests in flight"
+    ),
+}

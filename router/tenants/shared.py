@@ -1,0 +1,214 @@
+"""Tenant counts shared by several routers in Redis, with a local fallback.
+
+The project is trio-only and redis-py's asyncio client does not run under trio, so
+the synchronous client runs in trio's worker threads (`trio.to_thread`): a thread the
+library forces. Every call has a short socket timeout and no retries; the first failure
+switches the router to its local counts (one log line, the gauge, `/health`), and a
+background task pings Redis until it answers again. Each check-and-take is one Lua
+script, so two routers can never both take the last unit of a bucket.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+
+import redis
+import trio
+from redis.backoff import NoBackoff
+from redis.retry import Retry
+
+from protocol.errors import ErrorCode
+from protocol.logs import quote
+from router.metrics import RouterMetrics
+from router.tenants.config import Tenant
+from router.tenants.counters import (
+    ADMITTED,
+    LocalCounters,
+    Verdict,
+    until_midnight,
+    utc_day,
+)
+
+log = logging.getLogger("tenant")
+
+# Redis on the same network answers in well under a millisecond; past this the router
+# counts alone rather than hold requests.
+CALL_TIMEOUT = 0.25
+PING_INTERVAL = 1.0
+
+# KEYS: bucket hash, in-flight sorted set, tokens-of-the-day counter.
+# ARGV: rate (requests/s, 0: none), burst, max concurrent (0: none), tokens per day
+# (0: none), ticket id, lease seconds, seconds to midnight.
+# Server time (TIME) keeps routers with skewed clocks on one bucket.
+_ADMIT = """
+local t = redis.call('TIME')
+local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
+local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
+local maxc, quota = tonumber(ARGV[3]), tonumber(ARGV[4])
+local lease = tonumber(ARGV[6])
+if quota > 0 then
+  local used = tonumber(redis.call('GET', KEYS[3]) or '0')
+  if used >= quota then return {'quota_exceeded', ARGV[7]} end
+end
+if maxc > 0 then
+  redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
+  if redis.call('ZCARD', KEYS[2]) >= maxc then return {'too_many_concurrent', '1'} end
+end
+if rate > 0 then
+  local b = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
+  local tokens = tonumber(b[1]) or burst
+  local ts = tonumber(b[2]) or now
+  tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
+  if tokens < 1 then
+    redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
+    return {'rate_limited', tostring((1 - tokens) / rate)}
+  end
+  redis.call('HSET', KEYS[1], 'tokens', tostring(tokens - 1), 'ts', tostring(now))
+  redis.call('EXPIRE', KEYS[1], math.ceil(burst / rate) + 60)
+end
+if maxc > 0 then
+  redis.call('ZADD', KEYS[2], now + lease, ARGV[5])
+  redis.call('EXPIRE', KEYS[2], math.ceil(lease) + 60)
+end
+return {'', '0'}
+"""
+
+# KEYS: in-flight sorted set, tokens-of-the-day counter. ARGV: ticket id, tokens.
+_RELEASE = """
+redis.call('ZREM', KEYS[1], ARGV[1])
+local n = tonumber(ARGV[2])
+if n > 0 then
+  redis.call('INCRBY', KEYS[2], n)
+  redis.call('EXPIRE', KEYS[2], 172800)
+end
+return 1
+"""
+
+
+def _keys(tenant: str, day: str) -> list[str]:
+    # The hash tag keeps a tenant's keys in one slot of a Redis Cluster.
+    base = f"hivenet:tenant:{{{tenant}}}"
+    return [f"{base}:rpm", f"{base}:inflight", f"{base}:tokens:{day}"]
+
+
+class TenantState:
+    """Where admissions and charges go: Redis when configured and up, else local."""
+
+    def __init__(self, url: str | None, metrics: RouterMetrics, lease: float) -> None:
+        self.url = url
+        self.metrics = metrics
+        self.lease = lease
+        self.local = LocalCounters()
+        self.up = False
+        self._said_down = False
+        self.client: redis.Redis | None = None
+        if url is not None:
+            # from_url refuses a malformed URL here, at start-up (exit 2).
+            self.client = redis.Redis.from_url(
+                url,
+                socket_timeout=CALL_TIMEOUT,
+                socket_connect_timeout=CALL_TIMEOUT,
+                retry=Retry(NoBackoff(), 0),
+                health_check_interval=0,
+            )
+            self._admit = self.client.register_script(_ADMIT)
+            self._release = self.client.register_script(_RELEASE)
+            metrics.state_store_up.set(0)
+
+    @property
+    def mode(self) -> str:
+        """`local` (no --state-url), `redis`, or `local_fallback` (Redis unreachable)."""
+        if self.client is None:
+            return "local"
+        return "redis" if self.up else "local_fallback"
+
+    async def watch(self) -> None:
+        """Keep pinging Redis: notice it going away between requests, and coming back."""
+        if self.client is None:
+            return
+        while True:
+            try:
+                await trio.to_thread.run_sync(self.client.ping)
+            except redis.RedisError as exc:
+                self._down(exc)
+            else:
+                self._up()
+            await trio.sleep(PING_INTERVAL)
+
+    def _up(self) -> None:
+        if not self.up:
+            self.up = True
+            self._said_down = False
+            self.metrics.state_store_up.set(1)
+            log.info("state_store_available url=%s counts=shared", quote(_safe(self.url)))
+
+    def _down(self, exc: Exception) -> None:
+        if not self._said_down:
+            self._said_down = True
+            log.warning(
+                "state_store_unavailable url=%s counts=local reason=%s",
+                quote(_safe(self.url)),
+                quote(f"{type(exc).__name__}: {exc}"),
+            )
+        self.up = False
+        self.metrics.state_store_up.set(0)
+
+    async def admit(self, tenant: Tenant, ticket_id: str) -> tuple[Verdict, bool]:
+        """The verdict, and whether it was taken in Redis (release it there too)."""
+        if self.up:
+            try:
+                verdict = await trio.to_thread.run_sync(self._admit_shared, tenant, ticket_id)
+            except redis.RedisError as exc:
+                self._down(exc)
+            else:
+                return verdict, True
+        return self.local.admit(tenant, ticket_id), False
+
+    async def release(self, tenant: str, ticket_id: str, tokens: int, shared: bool) -> None:
+        if shared and self.up:
+            try:
+                await trio.to_thread.run_sync(self._release_shared, tenant, ticket_id, tokens)
+            except redis.RedisError as exc:
+                self._down(exc)
+            else:
+                return
+        # Admitted in Redis but released while it is away: its in-flight entry expires
+        # after the lease; the tokens are counted here so they are not lost entirely.
+        self.local.release(tenant, ticket_id, tokens)
+
+    def _admit_shared(self, tenant: Tenant, ticket_id: str) -> Verdict:
+        now = time.time()
+        code, retry = self._admit(
+            keys=_keys(tenant.name, utc_day(now)),
+            args=[
+                tenant.requests_per_minute / 60.0,
+                tenant.burst,
+                tenant.max_concurrent,
+                tenant.tokens_per_day,
+                ticket_id,
+                self.lease,
+                math.ceil(until_midnight(now)),
+            ],
+        )
+        if not code:
+            return ADMITTED
+        return Verdict(ErrorCode(code.decode()), float(retry))
+
+    def _release_shared(self, tenant: str, ticket_id: str, tokens: int) -> None:
+        keys = _keys(tenant, utc_day(time.time()))
+        self._release(keys=keys[1:], args=[ticket_id, tokens])
+
+    def close(self) -> None:
+        if self.client is not None:
+            self.client.close()
+
+
+def _safe(url: str | None) -> str:
+    """The URL without a password, for logs."""
+    if not url:
+        return ""
+    scheme, sep, rest = url.partition("://")
+    _creds, at, host = rest.rpartition("@")
+    return f"{scheme}{sep}{'***@' if at else ''}{host}" if sep else url

@@ -1,0 +1,231 @@
+"""Auth file validation, local counts and usage extraction, without processes."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from agent.usage import UsageTap
+from protocol import messages as m
+from protocol.errors import ErrorCode
+from protocol.usage import StreamUsage, usage_of_body, valid_usage
+from router.tenants.audit import AuditLog, AuditRecord
+from router.tenants.config import AuthError, Tenant, hash_key, load_auth, new_key
+from router.tenants.counters import LocalCounters, until_midnight
+
+H1, H2 = hash_key("k1"), hash_key("k2")
+
+
+def errors_of(text: str) -> list[str]:
+    with pytest.raises(AuthError) as exc:
+        load_auth(text)
+    return exc.value.errors
+
+
+def test_a_valid_file_gives_tenants_with_defaults() -> None:
+    config = load_auth(
+        f"""
+tenants:
+  team-a:
+    keys: ["{H1}"]
+    models: [m1, "meta-llama/*"]
+    requests_per_minute: 30
+    tokens_per_day: 1000
+    priority: 2
+  b:
+    keys: ["{H2}"]
+"""
+    )
+    a = config.tenants["team-a"]
+    assert a.burst == 30  # defaults to the rate
+    assert a.priority == 2 and a.limited
+    assert a.allows_model("m1") and a.allows_model("meta-llama/Llama-3.1-8B")
+    assert not a.allows_model("m2") and not a.allows_model("M1")
+    b = config.tenants["b"]
+    assert b.priority == 0 and not b.limited and b.allows_model("anything")
+    assert config.tenant_for_key("k2") is b and config.tenant_for_key("k3") is None
+
+
+def test_every_problem_is_reported_with_its_path() -> None:
+    errors = errors_of(
+        f"""
+tenants:
+  a:
+    keys: [hnr-clear-text, "{H1}", "{H1}"]
+    rpm: 3
+    burst: 2
+    max_concurrent: 0
+    priority: high
+  "bad name!":
+    keys: ["{H2}"]
+  c:
+    keys: ["{H2}"]
+    models: []
+"""
+    )
+    text = "\n".join(errors)
+    assert "tenants.a.keys[0]: must be `sha256:`" in text and "a key in clear" in text
+    assert "tenants.a.keys[2]: listed twice" in text
+    assert "tenants.a.rpm: unknown tenant key" in text
+    assert "tenants.a.burst: needs requests_per_minute" in text
+    assert "tenants.a.max_concurrent: must be at least 1, got 0" in text
+    assert "tenants.a.priority: must be an integer, got string 'high'" in text
+    assert "tenants.bad name!: tenant names are" in text
+    assert "tenants.c.models: must be a non-empty list" in text
+
+
+def test_shared_keys_duplicate_yaml_keys_and_bad_documents_are_refused() -> None:
+    shared = errors_of(f'tenants:\n  a:\n    keys: ["{H1}"]\n  b:\n    keys: ["{H1}"]\n')
+    assert any("also a key of tenant 'a'" in e for e in shared)
+    dup = errors_of(f'tenants:\n  a:\n    keys: ["{H1}"]\n  a:\n    keys: ["{H2}"]\n')
+    assert any("duplicate key" in e for e in dup)
+    assert errors_of("tenant: {}\n")[0].startswith("tenant: unknown top-level key")
+    assert any("tenants: must be a mapping" in e for e in errors_of("tenants: []\n"))
+    assert errors_of("- a\n")[0].startswith("auth: must be a mapping")
+    assert "invalid YAML" in errors_of("tenants: [\n")[0]
+
+
+def test_new_keys_hash_to_what_the_file_stores() -> None:
+    key = new_key()
+    assert key.startswith("hnr-") and len(key) > 40
+    assert hash_key(key).startswith("sha256:") and len(hash_key(key)) == 71
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_local_bucket_burst_and_refill() -> None:
+    clock = Clock()
+    counters = LocalCounters(monotonic=clock, wall=clock)
+    tenant = Tenant("t", requests_per_minute=60, burst=2)
+    assert counters.admit(tenant, "1").code is None
+    assert counters.admit(tenant, "2").code is None
+    refused = counters.admit(tenant, "3")
+    assert refused.code is ErrorCode.RATE_LIMITED
+    assert refused.retry_after == pytest.approx(1.0)
+    clock.now += 0.5
+    assert counters.admit(tenant, "4").retry_after == pytest.approx(0.5)
+    clock.now += 0.5
+    assert counters.admit(tenant, "5").code is None
+
+
+def test_local_concurrency_and_daily_tokens() -> None:
+    clock = Clock()
+    counters = LocalCounters(monotonic=clock, wall=clock)
+    tenant = Tenant("t", max_concurrent=1, tokens_per_day=100)
+    assert counters.admit(tenant, "a").code is None
+    busy = counters.admit(tenant, "b")
+    assert busy.code is ErrorCode.TOO_MANY_CONCURRENT
+    counters.release("t", "a", 60)
+    assert counters.admit(tenant, "c").code is None
+    counters.release("t", "c", 50)
+    over = counters.admit(tenant, "d")
+    assert over.code is ErrorCode.QUOTA_EXCEEDED
+    assert over.retry_after == pytest.approx(until_midnight(clock.now))
+    clock.now += over.retry_after  # a new UTC day
+    assert counters.admit(tenant, "e").code is None
+
+
+OPENAI_STREAM = (
+    b'data: {"choices":[{"index":0,"delta":{"content":"Hi"}}],"usage":null}\n\n'
+    b'data: {"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}\n\n'
+    b'data: {"choices":[],"usage":{"prompt_tokens":7,"completion_tokens":2,'
+    b'"total_tokens":9}}\n\n'
+    b"data: [DONE]\n\n"
+)
+USAGE_EVENT_AT = OPENAI_STREAM.index(b'data: {"choices":[]')
+WITHOUT_USAGE = OPENAI_STREAM[:USAGE_EVENT_AT] + b"data: [DONE]\n\n"
+
+
+@pytest.mark.parametrize("strip", [True, False])
+def test_openai_stream_usage_at_every_chunk_boundary(strip: bool) -> None:
+    for cut in range(1, len(OPENAI_STREAM)):
+        scanner = StreamUsage(strip=strip)
+        out = scanner.feed(OPENAI_STREAM[:cut]) + scanner.feed(OPENAI_STREAM[cut:])
+        out += scanner.flush()
+        assert out == (WITHOUT_USAGE if strip else OPENAI_STREAM), cut
+        assert scanner.usage == {"prompt_tokens": 7, "completion_tokens": 2}
+
+
+def test_anthropic_stream_usage_from_start_and_delta() -> None:
+    stream = (
+        b"event: message_start\r\n"
+        b'data: {"type":"message_start","message":{"usage":{"input_tokens":12,'
+        b'"cache_read_input_tokens":3,"output_tokens":1}}}\r\n\r\n'
+        b"event: content_block_delta\r\n"
+        b'data: {"type":"content_block_delta","delta":{"text":"usage"}}\r\n\r\n'
+        b"event: message_delta\r\n"
+        b'data: {"type":"message_delta","usage":{"output_tokens":5}}\r\n\r\n'
+    )
+    scanner = StreamUsage()
+    assert b"".join(scanner.feed(stream[i : i + 10]) for i in range(0, len(stream), 10)) == stream
+    assert scanner.usage == {"prompt_tokens": 15, "completion_tokens": 5}
+
+
+def test_usage_of_whole_answers() -> None:
+    openai_body = b'{"usage":{"prompt_tokens":3,"completion_tokens":4,"total_tokens":7}}'
+    assert usage_of_body(openai_body) == {"prompt_tokens": 3, "completion_tokens": 4}
+    claude = b'{"usage":{"input_tokens":5,"output_tokens":6}}'
+    assert usage_of_body(claude) == {"prompt_tokens": 5, "completion_tokens": 6}
+    assert usage_of_body(b'{"usage":{"total_tokens":8}}') == {
+        "prompt_tokens": 8,
+        "completion_tokens": 0,
+    }
+    assert usage_of_body(b'{"data":[]}') is None
+    assert usage_of_body(b'{"usage": "lots"}') is None
+    assert usage_of_body(b'not json, but mentions "usage"') is None
+    assert valid_usage({"prompt_tokens": 1, "completion_tokens": -1}) is None
+    assert valid_usage({"prompt_tokens": True, "completion_tokens": 1}) is None
+
+
+def request(body: dict, stream: bool, path: str = "/v1/chat/completions") -> dict:
+    return m.request(1, "POST", path, {}, json.dumps(body).encode(), stream, True)
+
+
+def test_the_agent_asks_openai_engines_for_stream_usage_only_when_needed() -> None:
+    tap = UsageTap(request({"model": "m", "stream_options": {"x": 1}}, stream=True))
+    assert json.loads(tap.body)["stream_options"] == {"x": 1, "include_usage": True}
+    assert tap.stream.strip
+    asked = {"model": "m", "stream_options": {"include_usage": True}}
+    tap = UsageTap(request(asked, stream=True))
+    assert json.loads(tap.body) == asked and not tap.stream.strip
+    for msg in (
+        request({"model": "m"}, stream=False),
+        request({"model": "m"}, stream=True, path="/v1/messages"),
+    ):
+        tap = UsageTap(msg)
+        assert tap.body == msg["body"] and not tap.stream.strip
+
+
+def test_link_messages_carry_usage_in_its_shape() -> None:
+    m.validate(m.request(1, "POST", "/v1/x", {}, b"{}", False, True))
+    m.validate(m.response_end(1, {"prompt_tokens": 1, "completion_tokens": 2}))
+    assert "report_usage" not in m.request(1, "POST", "/v1/x", {}, b"{}", False)
+    assert m.response_end(1) == {"type": "response_end", "id": 1}
+    with pytest.raises(m.ProtocolError):
+        m.validate({**m.response_end(1), "usage": "many"})
+    with pytest.raises(m.ProtocolError):
+        m.validate({**m.request(1, "POST", "/v1/x", {}, b"{}", False), "report_usage": 1})
+
+
+def test_audit_log_rotates_by_size(tmp_path: Path) -> None:
+    path = tmp_path / "audit.jsonl"
+    audit = AuditLog(str(path), max_bytes=1024, backups=2)
+    record = AuditRecord("rid", "team", "/v1/chat/completions", "m", "s", "peer", 200, 1, 2, 0.01)
+    for _ in range(40):
+        audit.write(record)
+    audit.close()
+    files = sorted(p.name for p in tmp_path.iterdir())
+    assert files == ["audit.jsonl", "audit.jsonl.1", "audit.jsonl.2"]
+    for name in files:
+        text = (tmp_path / name).read_text()
+        assert len(text.encode()) <= 1024
+        lines = [json.loads(line) for line in text.splitlines()]
+        assert lines and all(x["total_tokens"] == 3 and x["tenant"] == "team" for x in lines)

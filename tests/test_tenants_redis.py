@@ -1,0 +1,91 @@
+"""Two routers on one Redis enforce one tenant quota; without Redis they keep serving."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+import redis
+
+from router.tenants.config import hash_key
+from router.tenants.counters import utc_day
+from tests.fleet import Fleet, Router, wait_until
+from tests.redis_server import RedisServer
+
+KEY = "hnr-shared-tenant-key"
+AUTH = f"""
+tenants:
+  shared:
+    keys: ["{hash_key(KEY)}"]
+    requests_per_minute: 1
+    burst: 3
+    tokens_per_day: 1000000
+"""
+
+
+def ask(router: Router) -> str:
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key=KEY, max_retries=0, timeout=30)
+    answer = client.chat.completions.create(
+        model="m1", messages=[{"role": "user", "content": "hi"}]
+    )
+    return answer.choices[0].message.content or ""
+
+
+def refused_code(router: Router) -> str:
+    with pytest.raises(openai.RateLimitError) as exc:
+        ask(router)
+    return exc.value.response.json()["error"]["code"]
+
+
+def health(router: Router) -> dict:
+    return httpx.get(router.url + "/health", timeout=5).json()
+
+
+def test_two_routers_share_one_quota_and_survive_redis_loss(fleet: Fleet, tmp_path: Path) -> None:
+    redis_server = RedisServer(tmp_path, fleet.env).start()
+    fleet.procs.append(redis_server)
+    auth = tmp_path / "auth.yaml"
+    auth.write_text(AUTH)
+    flags = ("--auth-file", str(auth), "--state-url", redis_server.url)
+    r1, r2 = fleet.router(*flags), fleet.router(*flags)
+    fleet.agent([r1, r2], "m1")
+    for r in (r1, r2):
+        wait_until(lambda r=r: health(r)["state_store"] == "redis", 10, "Redis in use")
+        assert r.metric("hivenet_router_state_store_up") == 1
+
+    # One bucket of 3 across both routers: 2 + 1, then neither admits.
+    assert ask(r1) == "Echo: hi"
+    assert ask(r2) == "Echo: hi"
+    assert ask(r1) == "Echo: hi"
+    assert refused_code(r2) == "rate_limited"
+    assert refused_code(r1) == "rate_limited"
+    # Tokens charged on either router land in one counter.
+    used = [r.metric("hivenet_router_tenant_tokens_total", tenant="shared") for r in (r1, r2)]
+    assert used[0] > 0 and used[1] > 0
+    store = redis.Redis(port=redis_server.port, socket_timeout=2)
+    key = f"hivenet:tenant:{{shared}}:tokens:{utc_day(time.time())}"
+    wait_until(lambda: int(store.get(key) or 0) == sum(used), 5, "tokens counted in Redis")
+    store.close()
+
+    # Redis dies mid-run: both routers keep serving on their own counts, and say so.
+    redis_server.kill()
+    for r in (r1, r2):
+        assert ask(r) == "Echo: hi"
+        wait_until(lambda r=r: health(r)["state_store"] == "local_fallback", 10, "fallback")
+        assert health(r)["status"] == "ok"
+        assert r.metric("hivenet_router_state_store_up") == 0
+        r.wait_log(r"state_store_unavailable url=redis://127\.0\.0\.1:\d+/0 counts=local")
+    # Local buckets are full again (burst 3); the second request on each also passes.
+    assert ask(r1) == "Echo: hi"
+    assert ask(r2) == "Echo: hi"
+
+    # Redis comes back (empty): the routers share their counts again by themselves.
+    redis_server.start()
+    for r in (r1, r2):
+        wait_until(lambda r=r: health(r)["state_store"] == "redis", 10, "Redis back")
+        r.wait_log(r"state_store_available url=\S+ counts=shared")
+    assert [ask(r1), ask(r2), ask(r1)] == ["Echo: hi"] * 3
+    assert refused_code(r2) == "rate_limited"
