@@ -9,9 +9,11 @@ from contextlib import AsyncExitStack
 
 import httpx
 
+from agent.answers import MalformedAnswer, SSEChecker, check_json_answer, is_event_stream
 from agent.usage import UsageTap
 from protocol import messages as m
 from protocol.errors import ErrorCode
+from protocol.logs import quote
 
 log = logging.getLogger("agent")
 
@@ -72,25 +74,56 @@ async def forward(
         return
     try:
         headers = {k: v for k, v in response.headers.items() if k.lower() not in _HOP_BY_HOP}
-        if not msg["stream"]:
+        # A success is checked before any of it leaves (agent/answers.py); errors are the
+        # router's to classify.
+        ok = 200 <= response.status_code < 300
+        encoding = response.headers.get("content-encoding", "")
+        if not msg["stream"] or (
+            ok and not is_event_stream(response.headers.get("content-type", ""))
+        ):
             # Head, body and end queued together leave in one write and one frame read.
             # Raw bytes: the engine's content-encoding header travels with them.
             body = b"".join([chunk async for chunk in response.aiter_raw()])
+            if ok:
+                check_json_answer(body, encoding)
             send(m.response_head(req_id, response.status_code, headers))
             send(m.response_chunk(req_id, body))
             if tap:
                 tap.of_body(body)
             send(m.response_end(req_id, tap.usage if tap else None))
             return
-        send(m.response_head(req_id, response.status_code, headers))
+        # The head waits for the first checked event: until it leaves, the router may
+        # still try another agent.
+        checker = SSEChecker() if ok and encoding in ("", "identity") else None
+        head: dict | None = m.response_head(req_id, response.status_code, headers)
+        if checker is None:
+            send(head)
+            head = None
         async for chunk in response.aiter_raw():
+            if checker is not None:
+                chunk = checker.feed(chunk)
+                if not chunk:
+                    continue
+                if head is not None:
+                    send(head)
+                    head = None
             if tap:
                 chunk = tap.stream.feed(chunk)
             if chunk:
                 send(m.response_chunk(req_id, chunk))
+        if checker is not None:
+            checker.close()
         if tap and (rest := tap.stream.flush()):
             send(m.response_chunk(req_id, rest))
         send(m.response_end(req_id, tap.usage if tap else None))
+    except MalformedAnswer as exc:
+        log.warning(
+            "req=%s malformed_answer path=%s reason=%s",
+            msg["headers"].get("x-request-id", req_id),
+            msg["path"],
+            quote(str(exc)),
+        )
+        send(m.error(req_id, ErrorCode.BACKEND_ERROR, f"malformed engine answer: {exc}"))
     except httpx.HTTPError as exc:
         send(m.error(req_id, ErrorCode.BACKEND_ERROR, f"engine answer broke off: {exc!r}"))
     finally:

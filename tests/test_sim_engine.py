@@ -17,7 +17,7 @@ import pytest
 import trio
 
 from agent.engines import get_adapter
-from agent.engines.sim import SimEngine, create_sim_app, serve_sim
+from agent.engines.sim import MALFORMED, SimEngine, create_sim_app, serve_sim
 
 MODEL = "sim/test-model"
 
@@ -334,6 +334,30 @@ async def test_fail_injection(nursery: trio.Nursery) -> None:
     assert state["requests_total"] == 5
     assert state["fail_count"] == 0
     assert app.state.cancelled_total == 0
+
+
+async def test_malformed_answers(nursery: trio.Nursery) -> None:
+    _, url = await _start(nursery)
+    async with httpx.AsyncClient(base_url=url) as client:
+        bad = await client.post("/sim/state", json={"malformed": "nonsense"})
+        assert bad.status_code == 400 and "sse_cut" in bad.text
+        answers = {}
+        for shape in MALFORMED:
+            await client.post("/sim/state", json={"malformed": shape, "fail_count": 1})
+            r = await client.post("/v1/chat/completions", json=_chat("hi"))
+            answers[shape] = (r.status_code, r.headers["content-type"].split(";")[0], r.content)
+        ok = await client.post("/v1/chat/completions", json=_chat("hi"))
+        assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "Echo: hi"
+    assert answers["garbage"][:2] == (200, "application/json")
+    assert answers["empty"] == (200, "application/json", b"")
+    assert answers["html"][1] == "text/html" and answers["html"][2].startswith(b"<html>")
+    assert json.loads(answers["not_object"][2]) == ["not", "an", "object"]
+    assert answers["sse_cut"][1] == "text/event-stream"
+    assert not answers["sse_cut"][2].endswith(b"\n")
+    assert answers["sse_bad_data"][2].startswith(b"data: upstream hiccup")
+    first, second, _ = answers["sse_bad_later"][2].split(b"\n\n")
+    assert json.loads(first[len(b"data: ") :])["object"] == "chat.completion.chunk"
+    assert second == b"data: upstream hiccup, not json"
 
 
 async def test_disconnect_mid_stream_is_counted(nursery: trio.Nursery) -> None:

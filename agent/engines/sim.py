@@ -85,6 +85,8 @@ class SimState:
     fail_status: int = 500
     fail_body: Any = None  # JSON value; a str is sent verbatim as text/plain
     fail_count: int = 0
+    # When set, the failures are a 200 with a broken body of this shape (MALFORMED).
+    malformed: str | None = None
     # A stream stops after this many tokens and hangs; a non-streamed answer never comes.
     stall_after_tokens: int | None = None
     requests_total: int = 0
@@ -131,10 +133,33 @@ _SETTERS: dict[str, Callable[[Any], Any]] = {
     "fail_status": _integer(100, 599),
     "fail_body": lambda value: value,
     "fail_count": _integer(0),
+    "malformed": lambda value: _malformed_shape(value),
     "token_latency": _number(0.0),
     "ttft": _number(0.0),
     "stall_after_tokens": _optional(_integer(0)),
 }
+
+
+HTML_TYPE = b"text/html; charset=utf-8"
+_CUT_EVENT = b'data: {"id":"chatcmpl-cut","object":"chat.completion.chunk","choi'
+# The broken answers an engine or a proxy in front of it has been seen to give with a 200:
+# shape -> (content type, body). "sse_bad_later" starts with one good event (chosen per
+# protocol when sent) so that the break comes after bytes went to the client.
+MALFORMED: dict[str, tuple[bytes, bytes]] = {
+    "garbage": (JSON_TYPE, b"\x00\x17garbage{not json"),
+    "empty": (JSON_TYPE, b""),
+    "html": (HTML_TYPE, b"<html><body><h1>502 Bad Gateway</h1></body></html>\n"),
+    "not_object": (JSON_TYPE, b'["not", "an", "object"]'),
+    "sse_cut": (SSE_HEADERS[0][1], _CUT_EVENT),
+    "sse_bad_data": (SSE_HEADERS[0][1], b"data: upstream hiccup, not json\n\n" + SSE_DONE),
+    "sse_bad_later": (SSE_HEADERS[0][1], b"data: upstream hiccup, not json\n\n"),
+}
+
+
+def _malformed_shape(value: Any) -> str | None:
+    if value is not None and value not in MALFORMED:
+        raise ValueError(f"must be null or one of {', '.join(MALFORMED)}")
+    return value
 
 
 class _RequestError(Exception):
@@ -457,7 +482,7 @@ class SimEngine:
         exchange = _Exchange(send)
         if state.fail_count > 0:
             state.fail_count -= 1
-            await self._reply_failure(exchange)
+            await self._reply_failure(exchange, render_error is _anthropic_error)
             return
         try:
             payload = json.loads(body)
@@ -492,7 +517,10 @@ class SimEngine:
             self.state.cancelled_total += 1
             scope.cancel()
 
-    async def _reply_failure(self, exchange: _Exchange) -> None:
+    async def _reply_failure(self, exchange: _Exchange, anthropic: bool) -> None:
+        if self.state.malformed is not None:
+            await self._reply_malformed(exchange, self.state.malformed, anthropic)
+            return
         status, body = self.state.fail_status, self.state.fail_body
         if isinstance(body, str):
             await exchange.reply(status, body.encode(), TEXT_TYPE)
@@ -501,6 +529,24 @@ class SimEngine:
             await exchange.reply(status, _openai_error(error))
         else:
             await exchange.reply(status, _dumps(body))
+
+    async def _reply_malformed(self, exchange: _Exchange, shape: str, anthropic: bool) -> None:
+        content_type, body = MALFORMED[shape]
+        if shape == "sse_bad_later":
+            first = (
+                _sse_event("ping", {"type": "ping"})
+                if anthropic
+                else b'data: {"id":"chatcmpl-bad","object":"chat.completion.chunk","created":0,'
+                b'"model":%s,"choices":[{"index":0,"delta":{"role":"assistant","content":'
+                b'"Echo:"},"logprobs":null,"finish_reason":null}]}\n\n' % self._model_json
+            )
+            # Two writes a token apart: the good event leaves before the broken one.
+            await exchange.start(200, [(b"content-type", content_type)])
+            await exchange.chunk(first)
+            await trio.sleep(self.state.token_latency)
+            await exchange.finish(body)
+            return
+        await exchange.reply(200, body, content_type)
 
     def _check_context(self, prompt_tokens: int, max_tokens: int | None) -> None:
         # vLLM's wording: clients and the router recognise a context overflow by it.

@@ -301,6 +301,7 @@ class ClientApi:
                 else ErrorCode.BACKEND_ERROR
             )
             err = RouterError(code, f"answer interrupted: {exc}")
+            self.metrics.forward_failures.labels(req.model, str(code), req.tenant).inc()
             log.warning(
                 "req=%s stream_broken reason=%s tenant=%s",
                 req.request_id,

@@ -1,0 +1,159 @@
+"""What an engine's successful answer must look like before the client gets any of it.
+
+A proxy's error page, a truncated write or a crashed engine can come back as a 200. The
+client's SDK would fail on it, and once it is relayed no other agent can be tried. So
+the agent checks the answer first: a whole answer must be one JSON object, a stream
+must be server-sent events whose `data` is a JSON object or `[DONE]`. A stream is
+checked incrementally: each byte is scanned once and each event's data parsed once.
+"""
+
+from __future__ import annotations
+
+import json
+import zlib
+
+
+class MalformedAnswer(Exception):
+    """The engine's 2xx answer is not what its API promises (`backend_error`)."""
+
+
+DONE = b"[DONE]"
+# Engines send events of a few hundred bytes; the agent holds one unfinished event, so
+# one that never ends must not grow without bound.
+MAX_EVENT_BYTES = 8 * 1024 * 1024
+# Only a gzip or deflate answer can be decoded for the check; zlib detects which (47).
+_DECODABLE = frozenset({"gzip", "deflate"})
+
+
+def is_event_stream(content_type: str) -> bool:
+    return content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
+
+
+def check_json_answer(body: bytes, content_encoding: str = "") -> None:
+    """Raise MalformedAnswer unless `body` is one JSON object."""
+    encoding = content_encoding.strip().lower()
+    if encoding and encoding != "identity":
+        if encoding not in _DECODABLE:
+            return  # cannot look inside; relayed as the engine sent it
+        try:
+            body = zlib.decompress(body, 47)
+        except zlib.error as exc:
+            raise MalformedAnswer(f"answer does not decode as {encoding}: {exc}") from None
+    if not body.strip():
+        raise MalformedAnswer("empty answer")
+    try:
+        value = json.loads(body)
+    except (ValueError, UnicodeDecodeError):
+        raise MalformedAnswer(f"answer is not JSON: {_excerpt(body)}") from None
+    except RecursionError:
+        raise MalformedAnswer("answer is JSON nested too deeply") from None
+    if not isinstance(value, dict):
+        raise MalformedAnswer(f"answer is JSON but not an object: {_excerpt(body)}")
+
+
+class SSEChecker:
+    """Incremental check of a server-sent event stream.
+
+    `feed` takes the engine's chunks as they come and returns the bytes of the events
+    completed so far, each checked. An unfinished event waits for the next chunk, so the
+    client only ever receives whole events; and nothing is returned before the first
+    event with data has been checked, so until then another agent can still be tried.
+    `close` says whether the stream ended well. Lines end with LF, CRLF or CR (the SSE
+    grammar); an event ends at an empty line.
+    """
+
+    __slots__ = ("_after_cr", "_data", "_open", "_pending", "_ready", "_scanned", "data_events")
+
+    def __init__(self) -> None:
+        self._pending = bytearray()  # bytes not yet returned
+        self._ready = 0  # _pending[:_ready] are whole, checked events
+        self._scanned = 0  # _pending[:_scanned] are whole lines, already read
+        self._data: list[bytes] = []  # data lines of the unfinished event
+        self._open = False  # the unfinished event has had a line
+        self._after_cr = False
+        self.data_events = 0
+
+    def feed(self, chunk: bytes) -> bytes:
+        pending = self._pending
+        pending += chunk
+        pos = self._scanned
+        end = len(pending)
+        if self._after_cr and pos < end:
+            # The last chunk ended with a CR: a LF now is the second half of that CRLF.
+            self._after_cr = False
+            if pending[pos] == 0x0A:
+                if self._ready == pos:
+                    self._ready += 1  # it ends an event already complete: it goes with it
+                pos += 1
+        while pos < end:
+            lf = pending.find(b"\n", pos)
+            cr = pending.find(b"\r", pos, lf if lf >= 0 else end)
+            if cr >= 0:
+                if cr + 1 == end:
+                    self._after_cr = True
+                    line_end, after = cr, end
+                else:
+                    line_end, after = cr, cr + 2 if pending[cr + 1] == 0x0A else cr + 1
+            elif lf >= 0:
+                line_end, after = lf, lf + 1
+            else:
+                break
+            if line_end == pos:
+                self._end_event()
+                self._ready = after
+            else:
+                self._line(bytes(pending[pos:line_end]))
+            pos = after
+        self._scanned = pos
+        ready = self._ready
+        if end - ready > MAX_EVENT_BYTES:
+            raise MalformedAnswer(f"an event larger than {MAX_EVENT_BYTES} bytes")
+        if not ready or not self.data_events:
+            return b""
+        out = bytes(pending[:ready])
+        del pending[:ready]
+        self._scanned -= ready
+        self._ready = 0
+        return out
+
+    def close(self) -> None:
+        """Raise MalformedAnswer when the stream stopped inside an event or said nothing."""
+        rest = bytes(self._pending[self._ready :])
+        if self._open or rest.strip():
+            raise MalformedAnswer(f"event stream broke off inside an event: {_excerpt(rest)}")
+        if not self.data_events:
+            raise MalformedAnswer("event stream ended without any data event")
+
+    def _line(self, line: bytes) -> None:
+        self._open = True
+        if line.startswith(b"data"):
+            field, _, value = line.partition(b":")
+            if field == b"data":
+                # One space after the colon belongs to the syntax, not to the value.
+                self._data.append(value[1:] if value[:1] == b" " else value)
+                return
+        if line[:1] != b":" and b":" not in line and line not in (b"event", b"id", b"retry"):
+            # Neither a comment nor a field: this is not an event stream at all.
+            raise MalformedAnswer(f"not a server-sent event line: {_excerpt(line)}")
+
+    def _end_event(self) -> None:
+        self._open = False
+        parts = self._data
+        if not parts:
+            return  # a comment or an event without data: nothing for the client to parse
+        self._data = []
+        data = parts[0] if len(parts) == 1 else b"\n".join(parts)
+        self.data_events += 1
+        if data == DONE:
+            return
+        try:
+            value = json.loads(data)
+        except (ValueError, UnicodeDecodeError, RecursionError):
+            raise MalformedAnswer(f"event data is not JSON: {_excerpt(data)}") from None
+        if not isinstance(value, dict):
+            raise MalformedAnswer(f"event data is not a JSON object: {_excerpt(data)}")
+
+
+def _excerpt(data: bytes, limit: int = 120) -> str:
+    text = data[:limit].decode("utf-8", "replace")
+    return repr(text + ("…" if len(data) > limit else ""))

@@ -1,0 +1,133 @@
+"""The agent's check of engine answers (agent/answers.py), without the network."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+
+import pytest
+
+from agent.answers import MalformedAnswer, SSEChecker, check_json_answer, is_event_stream
+
+CHUNK = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
+ANTHROPIC = (
+    b'event: message_start\ndata: {"type":"message_start"}\n\n'
+    b": keep-alive\n\n"
+    b'event: content_block_delta\ndata: {"type":"content_block_delta"}\n\n'
+    b'event: message_stop\ndata: {"type":"message_stop"}\n\n'
+)
+OPENAI = CHUNK * 3 + b"data: [DONE]\n\n"
+
+
+def run(stream: bytes, sizes: int) -> bytes:
+    """Feed `stream` in pieces of `sizes` bytes; the bytes returned, after close()."""
+    checker = SSEChecker()
+    out = b"".join(checker.feed(stream[i : i + sizes]) for i in range(0, len(stream), sizes))
+    checker.close()
+    return out
+
+
+@pytest.mark.parametrize("stream", [OPENAI, ANTHROPIC])
+@pytest.mark.parametrize("size", [1, 2, 3, 7, 50, 10_000])
+def test_a_good_stream_passes_whole_in_any_chunking(stream: bytes, size: int) -> None:
+    assert run(stream, size) == stream
+
+
+@pytest.mark.parametrize("newline", [b"\r\n", b"\r"])
+@pytest.mark.parametrize("size", [1, 2, 5, 10_000])
+def test_crlf_and_cr_line_ends(newline: bytes, size: int) -> None:
+    stream = OPENAI.replace(b"\n", newline)
+    assert run(stream, size) == stream
+
+
+def test_only_whole_events_leave_and_none_before_the_first_data_event() -> None:
+    checker = SSEChecker()
+    assert checker.feed(b": ping\n\n") == b""  # a comment alone: held
+    assert checker.feed(b"event: message_start\ndata: {") == b""
+    assert checker.feed(b'"type":"message_start"}\n') == b""
+    out = checker.feed(b"\ndata: [DO")
+    assert out == b': ping\n\nevent: message_start\ndata: {"type":"message_start"}\n\n'
+    assert checker.feed(b"NE]\n\n") == b"data: [DONE]\n\n"
+    checker.close()
+
+
+def test_multi_line_data_is_joined_before_parsing() -> None:
+    assert run(b'data: {"a":\ndata: 1}\n\n', 3) == b'data: {"a":\ndata: 1}\n\n'
+    with pytest.raises(MalformedAnswer, match="not JSON"):
+        run(b'data: {"a":\n\ndata: 1}\n\n', 100)
+
+
+def test_data_without_a_space_and_a_bare_field_name() -> None:
+    assert run(b'data:{"a":1}\nid: 7\nretry: 10\nevent\n\n', 4)
+    with pytest.raises(MalformedAnswer, match="not JSON"):
+        run(b"data\n\n", 100)  # an empty data value is not a JSON object
+
+
+@pytest.mark.parametrize(
+    ("stream", "problem"),
+    [
+        (CHUNK + b"data: upstream hiccup\n\n", "not JSON"),
+        (b"data: [1, 2]\n\n", "not a JSON object"),
+        (b"data: \xff\xfe\n\n", "not JSON"),
+        (CHUNK + b'data: {"choices":[{"del', "broke off inside an event"),
+        (CHUNK + b"event: message_delta\n", "broke off inside an event"),
+        (b"", "without any data event"),
+        (b": ping\n\n", "without any data event"),
+        (b"<html><body>502 Bad Gateway</body></html>\n\n", "not a server-sent event line"),
+    ],
+)
+@pytest.mark.parametrize("size", [1, 10_000])
+def test_broken_streams(stream: bytes, problem: str, size: int) -> None:
+    with pytest.raises(MalformedAnswer, match=problem):
+        run(stream, size)
+
+
+def test_a_broken_event_after_good_ones_fails_at_its_chunk() -> None:
+    checker = SSEChecker()
+    assert checker.feed(CHUNK) == CHUNK
+    with pytest.raises(MalformedAnswer):
+        checker.feed(b"data: nope\n\n")
+
+
+def test_whole_answers() -> None:
+    check_json_answer(b'{"object":"list","data":[]}')
+    check_json_answer(b' {"a": 1}\n')
+    for body, problem in [
+        (b"", "empty"),
+        (b"  \n", "empty"),
+        (b"\x00garbage", "not JSON"),
+        (b"<html>502</html>", "not JSON"),
+        (b'["a"]', "not an object"),
+        (b"null", "not an object"),
+        (b'{"a": ', "not JSON"),
+        (b"[" * 100_000, "nested too deeply|not JSON"),
+    ]:
+        with pytest.raises(MalformedAnswer, match=problem):
+            check_json_answer(body)
+
+
+def test_compressed_answers_are_decoded_for_the_check() -> None:
+    good = json.dumps({"a": 1}).encode()
+    check_json_answer(gzip.compress(good), "gzip")
+    check_json_answer(zlib.compress(good), "deflate")
+    with pytest.raises(MalformedAnswer, match="not JSON"):
+        check_json_answer(gzip.compress(b"<html>"), "gzip")
+    with pytest.raises(MalformedAnswer, match="does not decode"):
+        check_json_answer(b"not gzip", "gzip")
+    check_json_answer(b"opaque", "br")  # cannot be looked into: relayed as is
+
+
+def test_event_stream_content_type() -> None:
+    assert is_event_stream("text/event-stream")
+    assert is_event_stream("Text/Event-Stream; charset=utf-8")
+    assert not is_event_stream("application/json")
+    assert not is_event_stream("")
+
+
+def test_an_event_that_never_ends_is_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("agent.answers.MAX_EVENT_BYTES", 100)
+    checker = SSEChecker()
+    checker.feed(b"data: " + b"x" * 90)
+    with pytest.raises(MalformedAnswer, match="larger than 100 bytes"):
+        checker.feed(b"x" * 20)
