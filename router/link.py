@@ -197,23 +197,7 @@ class AgentLink:
             return
         if session.peer is None and not fs.closed.is_set():
             fs.close("no hello within 10s")
-            return
-        # Liveness both ways at the heartbeat period: a frozen agent (or a black-holed
-        # network, which libp2p never notices) ends its session after --unhealthy-after.
-        interval = self.settings.heartbeat_interval
-        limit = self.settings.unhealthy_after
-        while not fs.closed.is_set():
-            await trio.sleep(interval)
-            now = trio.current_time()
-            if now - session.last_rx > limit:
-                fs.close(f"link heartbeat timeout: silent for more than {limit:g}s")
-                return
-            if now - fs.last_tx < interval:
-                continue  # requests went out: the agent knows the router is alive
-            try:
-                fs.send_nowait(m.heartbeat(time.time()))
-            except SessionClosed:
-                return
+        # Past the hello, liveness is `sweep`'s: one task for all sessions.
 
     def admit(self, session: AgentSession, msg: dict) -> None:
         """Check a hello; refuse with the reason, or put the agent in the table."""
@@ -296,23 +280,50 @@ class AgentLink:
             self._count()
 
     async def sweep(self) -> None:
-        """Mark silent agents unhealthy, then forget them, as the flags say."""
+        """Keep sessions alive and mark silent agents unhealthy, then forget them."""
         s = self.settings
+        # Heartbeats leave within a quarter period of falling due.
+        period = min(1.0, s.unhealthy_after / 3, s.heartbeat_interval / 4)
+        last_table_sweep = trio.current_time()
         while True:
-            await trio.sleep(min(1.0, s.unhealthy_after / 3))
+            await trio.sleep(period)
             now = trio.current_time()
-            for peer in self.table.all():
-                silent = now - peer.last_seen
-                if silent > s.remove_after:
-                    self.table.remove(peer)
-                    session = self.sessions.pop(peer, None)
-                    if session is not None:
-                        session.fs.close(f"no heartbeat for {silent:.0f}s")
-                    log.info("agent_removed peer=%s silent_s=%.1f", peer.peer_id, silent)
-                elif silent > s.unhealthy_after and peer.healthy:
-                    peer.healthy = False
-                    log.warning("agent_unhealthy peer=%s silent_s=%.1f", peer.peer_id, silent)
-            self._count()
+            self._liveness(now)
+            if now - last_table_sweep >= min(1.0, s.unhealthy_after / 3):
+                last_table_sweep = now
+                self._sweep_table(now)
+
+    def _liveness(self, now: float) -> None:
+        """Liveness both ways at the heartbeat period: a frozen agent (or a black-holed
+        network, which libp2p never notices) ends its session after --unhealthy-after;
+        the agent hears from the router at least once a period."""
+        interval = self.settings.heartbeat_interval
+        limit = self.settings.unhealthy_after
+        for session in list(self.sessions.values()):
+            fs = session.fs
+            if fs.closed.is_set():
+                continue
+            if now - session.last_rx > limit:
+                fs.close(f"link heartbeat timeout: silent for more than {limit:g}s")
+            elif now - fs.last_tx >= interval:
+                # Requests that went out already told the agent the router is alive.
+                with contextlib.suppress(SessionClosed):
+                    fs.send_nowait(m.heartbeat(time.time()))
+
+    def _sweep_table(self, now: float) -> None:
+        s = self.settings
+        for peer in self.table.all():
+            silent = now - peer.last_seen
+            if silent > s.remove_after:
+                self.table.remove(peer)
+                session = self.sessions.pop(peer, None)
+                if session is not None:
+                    session.fs.close(f"no heartbeat for {silent:.0f}s")
+                log.info("agent_removed peer=%s silent_s=%.1f", peer.peer_id, silent)
+            elif silent > s.unhealthy_after and peer.healthy:
+                peer.healthy = False
+                log.warning("agent_unhealthy peer=%s silent_s=%.1f", peer.peer_id, silent)
+        self._count()
 
     def _count(self) -> None:
         self.metrics.agents_connected.set(len(self.sessions))
