@@ -15,6 +15,7 @@ known is held until the first body part, so a whole answer leaves in one write.
 
 from __future__ import annotations
 
+import contextlib
 import email.utils
 import logging
 import math
@@ -76,10 +77,11 @@ class HttpServer:
         addr: tuple[str, int],
         shutdown_trigger: Callable[[], Awaitable[Any]],
         *,
-        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve until `shutdown_trigger` returns; then stop accepting, let requests in
-        progress finish for up to graceful_timeout, and cancel what is left."""
+        progress finish for up to graceful_timeout, and cancel what is left. Started
+        with the port it listens on (for port 0)."""
         listeners = await trio.open_tcp_listeners(addr[1], host=addr[0])
         async with trio.open_nursery() as nursery:
             accepting = trio.CancelScope()
@@ -91,7 +93,7 @@ class HttpServer:
                             accepters.start_soon(self._accept, listener, nursery)
 
             nursery.start_soon(accept_all)
-            task_status.started()
+            task_status.started(listeners[0].socket.getsockname()[1])
             await shutdown_trigger()
             self.stopping = True
             accepting.cancel()
@@ -112,9 +114,10 @@ class HttpServer:
                 log.warning("http_accept_failed error=%s", type(exc).__name__)
                 await trio.sleep(0.1)
                 continue
-            nursery.start_soon(self._run_connection, stream)
+            nursery.start_soon(self.run_connection, stream)
 
-    async def _run_connection(self, stream: trio.SocketStream) -> None:
+    async def run_connection(self, stream: trio.abc.Stream) -> None:
+        """Serve one client connection until it ends."""
         conn = _Connection(self, stream)
         self.connections.add(conn)
         try:
@@ -126,7 +129,7 @@ class HttpServer:
 
 
 class _Connection:
-    def __init__(self, server: HttpServer, stream: trio.SocketStream) -> None:
+    def __init__(self, server: HttpServer, stream: trio.abc.Stream) -> None:
         self.server = server
         self.stream = stream
         self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
@@ -140,12 +143,12 @@ class _Connection:
         self.body_done = False
         self.gone = False
         self.must_close = False
-        sock = stream.socket
-        try:
-            self.client = _addr(sock.getpeername())
-            self.server_addr = _addr(sock.getsockname())
-        except OSError:
-            self.client = self.server_addr = None
+        self.client = self.server_addr = None
+        sock = getattr(stream, "socket", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                self.client = _addr(sock.getpeername())
+                self.server_addr = _addr(sock.getsockname())
 
     def stop_if_idle(self) -> None:
         if self.idle:
@@ -230,7 +233,7 @@ class _Connection:
         if self.body_done or self.gone:
             return await self._wait_for_disconnect()
         if self.h11.they_are_waiting_for_100_continue:
-            await self._write(self.h11.send(h11.InformationalResponse(status_code=100)))
+            await self._write(self.h11.send(h11.InformationalResponse(status_code=100, headers=[])))
         parts: list[bytes] = []
         while True:
             try:
