@@ -135,7 +135,7 @@ def start_litellm(procs: Procs, engine: int) -> Target:
         "litellm",
         [*argv, "--host", "127.0.0.1", "--port", str(target.port), "--num_workers", "1"],
     )
-    return started(target, proc, "/health/liveliness")
+    return started(procs, "litellm", target, proc, "/health/liveliness")
 
 
 def start_vllm_router(procs: Procs, engine: int) -> Target:
@@ -159,14 +159,17 @@ def start_vllm_router(procs: Procs, engine: int) -> Target:
             "warning",
         ],
     )
-    return started(target, proc, "/health")
+    return started(procs, "vllm-router", target, proc, "/health")
 
 
-def started(target: Target, proc: subprocess.Popen[bytes], health: str) -> Target:
+def started(
+    procs: Procs, name: str, target: Target, proc: subprocess.Popen[bytes], health: str
+) -> Target:
     try:
         wait_http(f"http://127.0.0.1:{target.port}{health}", timeout=90)
     except RuntimeError:
-        target.missing = f"did not start (exit code {proc.poll()})"
+        lines = (procs.dir / f"{name}.log").read_text(errors="replace").strip().splitlines()
+        target.missing = f"did not start (exit code {proc.poll()}): {(lines or ['-'])[-1][:100]}"
         return target
     target.procs = tree(proc)
     return target

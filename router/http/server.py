@@ -280,6 +280,8 @@ class _Connection:
                 raise RuntimeError("http.response.start sent twice")
             self.started = True
             headers = [(b"date", self.server.date()), *message.get("headers", ())]
+            if self.server.stopping:  # this connection ends after this answer: say so
+                headers.append((b"connection", b"close"))
             self.head = h11.Response(status_code=message["status"], headers=headers)
             if any(name.lower() == b"content-length" for name, _ in headers):
                 return  # held until the body, so both leave in one write
