@@ -10,10 +10,11 @@ import socket
 from collections.abc import Awaitable, Callable
 
 import httpx
+import pytest
 import trio
 import trio.testing
 
-from router.http.server import HttpServer
+from router.http.server import HttpServer, _Connection
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -183,3 +184,26 @@ async def test_expect_100_continue_is_answered_before_the_body_is_read() -> None
         assert answer.endswith(b"POST /e hi"), answer
         await stream.aclose()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_fault_in_one_connection_leaves_the_server_serving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    faults = 0
+
+    async def fails_once(self: object) -> bool:
+        nonlocal faults
+        faults += 1
+        if faults == 1:
+            raise RuntimeError("injected")
+        return False
+
+    monkeypatch.setattr(_Connection, "_ready_for_next", fails_once)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(HttpServer(echo).serve, ("127.0.0.1", 0), trio.sleep_forever)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            for _ in range(2):
+                r = await client.post("/f", content=b"x", headers={"connection": "close"})
+                assert r.text == "POST /f x"
+        nursery.cancel_scope.cancel()
+    assert faults == 2

@@ -122,6 +122,8 @@ class HttpServer:
         self.connections.add(conn)
         try:
             await conn.run()
+        except Exception:  # a bug must cost one connection, never the server
+            log.exception("http_connection_error")
         finally:
             self.connections.discard(conn)
             if self.stopping and not self.connections:
