@@ -7,6 +7,7 @@
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 
@@ -33,35 +34,35 @@ def healthy(url: str) -> int:
     return sum(1 for a in r.json()["agents"] if a["status"]["healthy"])
 
 
+def start_router(procs: Procs) -> tuple[subprocess.Popen[bytes], str, str]:
+    """A router; returns it, its URL and its p2p address."""
+    http, metrics, p2p = free_port(), free_port(), free_port()
+    router, addr = procs.router(http, metrics, p2p)
+    return router, f"http://127.0.0.1:{http}", addr
+
+
+def join_agents(procs: Procs, url: str, addr: str, size: int) -> None:
+    """`size` agent sessions, `PER_PROCESS` to a process, all joined."""
+    remaining = size
+    while remaining > 0:
+        count = min(PER_PROCESS, remaining)
+        argv = [sys.executable, "-m", "bench.fleet_agents", "--router", addr, "--count"]
+        procs.spawn(f"agents-{remaining}", [*argv, str(count)])
+        remaining -= count
+    deadline = time.monotonic() + 120 + size / 10
+    while (n := joined(url)) < size:
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"only {n}/{size} agents joined")
+        time.sleep(1)
+
+
 def run(size: int, measure: float) -> dict:
     procs = Procs()
     try:
-        http, metrics, p2p = free_port(), free_port(), free_port()
-        router, addr = procs.router(http, metrics, p2p)
-        url = f"http://127.0.0.1:{http}"
+        router, url, addr = start_router(procs)
         router_ps = psutil.Process(router.pid)
         idle_rss = router_ps.memory_info().rss
-        remaining = size
-        while remaining > 0:
-            count = min(PER_PROCESS, remaining)
-            procs.spawn(
-                f"agents-{remaining}",
-                [
-                    sys.executable,
-                    "-m",
-                    "bench.fleet_agents",
-                    "--router",
-                    addr,
-                    "--count",
-                    str(count),
-                ],
-            )
-            remaining -= count
-        deadline = time.monotonic() + 120 + size / 10
-        while (n := joined(url)) < size:
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"only {n}/{size} agents joined")
-            time.sleep(1)
+        join_agents(procs, url, addr, size)
         time.sleep(5)  # let the join burst settle
         cpu0 = sum(router_ps.cpu_times()[:2])
         t0 = time.monotonic()

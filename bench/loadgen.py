@@ -48,7 +48,14 @@ class Result:
         }
 
 
-def chat_request(host: str, port: int, model: str, stream: bool, max_tokens: int) -> bytes:
+def chat_request(
+    host: str,
+    port: int,
+    model: str,
+    stream: bool,
+    max_tokens: int,
+    headers: dict[str, str] | None = None,
+) -> bytes:
     body = json.dumps(
         {
             "model": model,
@@ -57,8 +64,9 @@ def chat_request(host: str, port: int, model: str, stream: bool, max_tokens: int
             "stream": stream,
         }
     ).encode()
+    extra = "".join(f"{name}: {value}\r\n" for name, value in (headers or {}).items())
     head = (
-        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n"
+        f"POST /v1/chat/completions HTTP/1.1\r\nHost: {host}:{port}\r\n{extra}"
         f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
     )
     return head.encode() + body

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -108,6 +109,8 @@ class Procs:
                 proc.wait(10)
             except subprocess.TimeoutExpired:
                 proc.kill()
+                proc.wait()
+        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def wait_http(url: str, timeout: float = 30.0) -> None:

@@ -2,6 +2,7 @@
 
     pip install -e '.[bench]'     # py-spy; not a dependency of the daemons
     python -m bench.profile router --concurrency 64 [--stream] [--seconds 8]
+    python -m bench.profile fleet --agents 500 [--seconds 20]    # an idle fleet's router
 
 Prints the functions holding the largest share of busy samples (idle time in epoll
 left out), inclusive of what they call.
@@ -14,11 +15,13 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 from pathlib import Path
 
 import trio
 
+from bench.fleet import join_agents, joined, start_router
 from bench.loadgen import chat_request, run_load
 from bench.procs import Procs, free_port, wait_models
 
@@ -55,9 +58,30 @@ def summarize(raw: Path, top: int, callers_of: str | None) -> None:
         print(f"caller of {callers_of}: {n / max(busy, 1) * 100:5.1f}%  {key}")
 
 
+def record(spy: str, pid: int, seconds: float, raw: Path) -> subprocess.Popen[bytes]:
+    argv = [spy, "record", "-p", str(pid), "-d", str(int(seconds)), "-f", "raw", "-o", str(raw)]
+    return subprocess.Popen(
+        [*argv, "-r", "200"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+
+
+def profile_fleet(spy: str, raw: Path, agents: int, seconds: float) -> None:
+    procs = Procs()
+    try:
+        router, url, addr = start_router(procs)
+        join_agents(procs, url, addr, agents)
+        time.sleep(5)  # let the join burst settle
+        recorder = record(spy, router.pid, seconds, raw)
+        recorder.wait()
+        print(f"{joined(url)} agent sessions")
+    finally:
+        procs.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("target", choices=("router", "agent"))
+    parser.add_argument("target", choices=("router", "agent", "fleet"))
+    parser.add_argument("--agents", type=int, default=500, help="fleet: sessions to hold")
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--stream", action="store_true")
@@ -66,6 +90,10 @@ def main() -> None:
     args = parser.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
     raw = Path(tempfile.mkdtemp()) / "profile.txt"
+    if args.target == "fleet":
+        profile_fleet(spy, raw, args.agents, args.seconds)
+        summarize(raw, args.top, args.callers)
+        return
     procs = Procs()
     try:
         sim, http, metrics, p2p = free_port(), free_port(), free_port(), free_port()
@@ -74,24 +102,7 @@ def main() -> None:
         agent = procs.agent(addr, MODEL, f"http://127.0.0.1:{sim}")
         wait_models(f"http://127.0.0.1:{http}", MODEL, 1)
         pid = router.pid if args.target == "router" else agent.pid
-        recorder = subprocess.Popen(
-            [
-                spy,
-                "record",
-                "-p",
-                str(pid),
-                "-d",
-                str(int(args.seconds)),
-                "-f",
-                "raw",
-                "-o",
-                str(raw),
-                "-r",
-                "200",
-            ],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
+        recorder = record(spy, pid, args.seconds, raw)
         request = chat_request("127.0.0.1", http, MODEL, args.stream, 16)
         result = trio.run(
             run_load, "127.0.0.1", http, request, args.concurrency, args.seconds + 1, args.stream

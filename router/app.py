@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.metadata
 import logging
 import signal
 import time
@@ -10,9 +9,6 @@ from typing import Any
 
 import multiaddr
 import trio
-from hypercorn.config import Config
-from hypercorn.trio import serve
-from hypercorn.trio.tcp_server import TCPServer
 from prometheus_client import make_asgi_app
 
 from protocol.logs import quote
@@ -25,6 +21,7 @@ from router.dispatch import Dispatcher
 from router.http.app import RouterApp, with_lifespan
 from router.http.auth import AdminKeys, ClientKeys
 from router.http.client import ClientApi, ClientSettings
+from router.http.server import HttpServer
 from router.link import AgentLink, LinkSettings
 from router.metrics import RouterMetrics
 from router.p2p_host import close_listeners, router_host
@@ -53,41 +50,10 @@ def listen_multiaddrs(settings: RouterSettings) -> list[multiaddr.Multiaddr]:
     return addrs
 
 
-_HYPERCORN_PATCHED = "0.18.0"
-_ORIGINAL_READ_DATA = TCPServer._read_data
-
-
-async def _read_data_then_stop_idle_timer(self: TCPServer) -> None:
-    """TCPServer._read_data, then stop the keep-alive timer once the client has closed.
-
-    Hypercorn 0.18.0 leaves the timer running after the client's FIN, and the
-    connection waits for it: the socket stays in CLOSE_WAIT and two tasks stay alive
-    for up to keep_alive_timeout after every closed connection (300 short requests
-    left 242 descriptors open), enough to exhaust descriptors under connection churn.
-    """
-    await _ORIGINAL_READ_DATA(self)
-    await self.idle_task.stop()
-
-
-def _fix_hypercorn_close() -> None:
-    found = importlib.metadata.version("hypercorn")
-    if found != _HYPERCORN_PATCHED:
-        raise RuntimeError(
-            f"router/app.py patches hypercorn {_HYPERCORN_PATCHED} internals; "
-            f"found {found}: re-check the closed-connection fix"
-        )
-    TCPServer._read_data = _read_data_then_stop_idle_timer  # type: ignore[method-assign]
-
-
-def hypercorn_config(addr: tuple[str, int]) -> Config:
-    _fix_hypercorn_close()
-    config = Config()
-    config.bind = [f"{addr[0]}:{addr[1]}"]
-    config.accesslog = None
-    config.errorlog = logging.getLogger("http")
-    config.keep_alive_timeout = 75
-    config.graceful_timeout = 1
-    return config
+# Keep-alive as load balancers expect (longer than their own idle timeouts); on stop,
+# requests still open after the drain get this long before HTTP closes.
+KEEP_ALIVE_TIMEOUT = 75.0
+GRACEFUL_TIMEOUT = 1.0
 
 
 class RouterDaemon:
@@ -232,9 +198,9 @@ class RouterDaemon:
         *,
         task_status: Any = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        config = hypercorn_config(addr)
+        server = HttpServer(app, KEEP_ALIVE_TIMEOUT, GRACEFUL_TIMEOUT)
         # HTTP stays up while draining, so in-flight streams can finish.
-        await serve(app, config, shutdown_trigger=self._http_stop.wait, task_status=task_status)
+        await server.serve(addr, self._http_stop.wait, task_status=task_status)
 
     async def _signals(self, cancel_scope: trio.CancelScope) -> None:
         with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:

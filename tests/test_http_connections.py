@@ -1,8 +1,8 @@
 """Client connections to the router's HTTP port are released when clients leave.
 
-Hypercorn 0.18.0 kept a closed client's socket (CLOSE_WAIT) and two tasks for the
-whole keep-alive timeout; router/app.py patches that. Without the patch this test sees
-hundreds of descriptors left open.
+Hypercorn 0.18.0, the router's former HTTP server, kept a closed client's socket
+(CLOSE_WAIT) and two tasks for the whole keep-alive timeout: this test saw hundreds of
+descriptors left open. router/http/server.py closes a connection when its client does.
 """
 
 from __future__ import annotations

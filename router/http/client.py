@@ -370,9 +370,8 @@ async def _watch(
     """One task per request watches for the client leaving and for the deadline.
 
     A client that leaves cancels the forward. At the deadline the agent's slot is
-    freed and its engine call cancelled here: Hypercorn shields its socket writes, so
-    while a client that stopped reading holds a write, the request's own deadline
-    cannot reach the relay.
+    freed and its engine call cancelled here, whatever the relay is doing (it may be
+    blocked in a write to a client that stopped reading).
     """
     with trio.move_on_at(deadline):
         while True:

@@ -1,0 +1,209 @@
+"""The router's HTTP/1.1 server (router/http/server.py) on its own, with small ASGI apps.
+
+Whole-router behaviour (errors, cancels, shutdown, closed connections) is covered by
+the API tests; these pin the server's own promises.
+"""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Awaitable, Callable
+
+import httpx
+import pytest
+import trio
+import trio.testing
+
+from router.http.server import HttpServer, _Connection
+
+Receive = Callable[[], Awaitable[dict]]
+Send = Callable[[dict], Awaitable[None]]
+
+
+async def echo(scope: dict, receive: Receive, send: Send) -> None:
+    body = b""
+    while True:
+        message = await receive()
+        body += message.get("body", b"")
+        if not message.get("more_body"):
+            break
+    answer = b"%s %s %s" % (scope["method"].encode(), scope["path"].encode(), body)
+    headers = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(answer))]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": answer})
+
+
+async def writes_of(app: Callable, request: bytes) -> tuple[list[bytes], bytes]:
+    """Serve `request` over an in-memory stream; each socket write the server made."""
+    client, server_side = trio.testing.memory_stream_pair()
+    writes: list[bytes] = []
+    send_stream = server_side.send_stream
+    original = send_stream.send_all
+
+    async def recording_send_all(data: bytes) -> None:
+        writes.append(bytes(data))
+        await original(data)
+
+    send_stream.send_all = recording_send_all  # type: ignore[method-assign]
+    server = HttpServer(app, keep_alive_timeout=5)
+    received = b""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.run_connection, server_side)
+        await client.send_all(request)
+        await client.send_eof()
+        while chunk := await client.receive_some(65536):
+            received += chunk
+    return writes, received
+
+
+async def test_a_whole_answer_leaves_in_one_write() -> None:
+    request = (
+        b"POST /v1/x%20y?q=1 HTTP/1.1\r\nHost: t\r\nContent-Length: 5\r\n"
+        b"Connection: close\r\n\r\nhello"
+    )
+    writes, received = await writes_of(echo, request)
+    assert len(writes) == 1, writes
+    assert received.startswith(b"HTTP/1.1 200 "), received
+    assert b"\r\ndate: " in received.lower()
+    assert received.endswith(b"\r\n\r\nPOST /v1/x y hello")
+
+
+async def test_a_streamed_answer_is_chunked_and_complete() -> None:
+    async def stream(scope: dict, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for part in (b"one", b"", b"two"):
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    request = b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+    _, received = await writes_of(stream, request)
+    assert b"transfer-encoding: chunked" in received.lower()
+    assert received.endswith(b"3\r\none\r\n3\r\ntwo\r\n0\r\n\r\n"), received
+
+
+async def test_pipelined_requests_are_answered_in_order() -> None:
+    request = b"".join(
+        b"POST /%d HTTP/1.1\r\nHost: t\r\nContent-Length: 1\r\n\r\n%d" % (i, i) for i in range(3)
+    )
+    _, received = await writes_of(echo, request)
+    assert received.count(b"HTTP/1.1 200") == 3
+    order = [received.index(b"POST /%d %d" % (i, i)) for i in range(3)]
+    assert order == sorted(order)
+
+
+async def test_an_app_that_answers_nothing_gives_500_and_a_failing_app_too() -> None:
+    async def silent(scope: dict, receive: Receive, send: Send) -> None:
+        return
+
+    async def failing(scope: dict, receive: Receive, send: Send) -> None:
+        raise ValueError("bug")
+
+    request = b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+    for app in (silent, failing):
+        _, received = await writes_of(app, request)
+        assert received.startswith(b"HTTP/1.1 500 "), received
+
+
+async def test_malformed_request_gets_400_and_the_connection_closes() -> None:
+    _, received = await writes_of(echo, b"NOT HTTP AT ALL\r\n\r\n")
+    assert received.startswith(b"HTTP/1.1 400 "), received
+    assert b"connection: close" in received.lower()
+
+
+async def test_an_unread_body_is_dropped_and_the_connection_serves_the_next_request() -> None:
+    async def ignores_body(scope: dict, receive: Receive, send: Send) -> None:
+        headers = [(b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 413, "headers": headers})
+        await send({"type": "http.response.body", "body": b"no"})
+
+    body = b"x" * 100_000
+    request = b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    _, received = await writes_of(ignores_body, request * 2)
+    assert received.count(b"HTTP/1.1 413") == 2
+
+
+async def test_client_leaving_is_http_disconnect() -> None:
+    seen: list[str] = []
+    answered = trio.Event()
+
+    async def waits(scope: dict, receive: Receive, send: Send) -> None:
+        await receive()  # the (empty) body
+        seen.append((await receive())["type"])
+        answered.set()
+
+    async with trio.open_nursery() as nursery:
+        server = HttpServer(waits)
+        port = await nursery.start(server.serve, ("127.0.0.1", 0), trio.sleep_forever)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+        await trio.sleep(0.2)
+        await stream.aclose()
+        with trio.fail_after(10):
+            await answered.wait()
+        nursery.cancel_scope.cancel()
+    assert seen == ["http.disconnect"]
+
+
+async def test_keep_alive_timeout_and_graceful_stop() -> None:
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        server = HttpServer(echo, keep_alive_timeout=0.3, graceful_timeout=1)
+        port = await nursery.start(server.serve, ("127.0.0.1", 0), stop.wait)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            r = await client.post("/a", content=b"b")
+            assert r.text == "POST /a b"
+        # An idle keep-alive connection is closed by the server after the timeout.
+        idle = await trio.open_tcp_stream("127.0.0.1", port)
+        with trio.fail_after(10):
+            assert await idle.receive_some(100) == b""
+        await idle.aclose()
+        # On stop, the listener closes and an idle connection ends at once.
+        idle = await trio.open_tcp_stream("127.0.0.1", port)
+        await trio.sleep(0.05)
+        stop.set()
+        with trio.fail_after(10):
+            assert await idle.receive_some(100) == b""
+        await idle.aclose()
+    with socket.socket() as s:
+        assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+async def test_expect_100_continue_is_answered_before_the_body_is_read() -> None:
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(HttpServer(echo).serve, ("127.0.0.1", 0), trio.sleep_forever)
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(
+            b"POST /e HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nExpect: 100-continue\r\n\r\n"
+        )
+        with trio.fail_after(10):
+            interim = await stream.receive_some(1000)
+        assert interim.startswith(b"HTTP/1.1 100 "), interim
+        await stream.send_all(b"hi")
+        with trio.fail_after(10):
+            answer = await stream.receive_some(1000)
+        assert answer.endswith(b"POST /e hi"), answer
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_fault_in_one_connection_leaves_the_server_serving(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    faults = 0
+
+    async def fails_once(self: object) -> bool:
+        nonlocal faults
+        faults += 1
+        if faults == 1:
+            raise RuntimeError("injected")
+        return False
+
+    monkeypatch.setattr(_Connection, "_ready_for_next", fails_once)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(HttpServer(echo).serve, ("127.0.0.1", 0), trio.sleep_forever)
+        async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+            for _ in range(2):
+                r = await client.post("/f", content=b"x", headers={"connection": "close"})
+                assert r.text == "POST /f x"
+        nursery.cancel_scope.cancel()
+    assert faults == 2

@@ -1,0 +1,106 @@
+"""protocol/p2p.py's patches of py-libp2p 0.8.1: guarded by the version, and each doing
+what it says. (Frames through the patched stack: tests/test_link.py.)"""
+
+from __future__ import annotations
+
+import os
+import struct
+
+import multiaddr
+import pytest
+import trio
+import trio.testing
+from libp2p import new_host
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.io.exceptions import ConnectionClosedError
+from libp2p.io.trio import TrioTCPStream
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.stream_muxer.yamux.yamux import TYPE_PING, YAMUX_HEADER_FORMAT, Yamux
+
+from protocol import p2p
+
+
+def test_patches_refuse_another_libp2p_version(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(p2p, "libp2p_version", lambda: "0.8.2")
+    with pytest.raises(RuntimeError, match=r"0\.8\.1"):
+        p2p.tune_libp2p()
+
+
+async def test_one_socket_read_serves_several_small_reads() -> None:
+    p2p.tune_libp2p()
+    ours, theirs = trio.testing.memory_stream_pair()
+    calls = 0
+    receive = ours.receive_stream.receive_some
+
+    async def counted(max_bytes: int | None = None) -> bytes:
+        nonlocal calls
+        calls += 1
+        return await receive(max_bytes)
+
+    ours.receive_stream.receive_some = counted  # type: ignore[method-assign]
+    conn = TrioTCPStream(ours)  # type: ignore[arg-type]
+    await theirs.send_all(b"\x00\x05hello\x00\x03abc")
+    await trio.testing.wait_all_tasks_blocked()
+    assert await conn.read(2) == b"\x00\x05"
+    assert await conn.read(5) == b"hello"
+    assert await conn.read(0) == b""
+    assert await conn.read() == b"\x00\x03abc"
+    assert calls == 1
+    await theirs.send_eof()
+    assert await conn.read(2) == b""
+
+
+async def test_buffered_read_keeps_libp2p_errors() -> None:
+    p2p.tune_libp2p()
+
+    class Broken(trio.abc.Stream):
+        async def receive_some(self, max_bytes: int | None = None) -> bytes:
+            raise trio.BrokenResourceError("reset")
+
+        async def send_all(self, data: bytes | bytearray | memoryview) -> None:
+            raise trio.BrokenResourceError("reset")
+
+        async def wait_send_all_might_not_block(self) -> None:
+            return
+
+        async def aclose(self) -> None:
+            return
+
+    with pytest.raises(ConnectionClosedError):
+        await TrioTCPStream(Broken()).read(12)  # type: ignore[arg-type]
+    ours, _ = trio.testing.memory_stream_pair()
+    conn = TrioTCPStream(ours)  # type: ignore[arg-type]
+    await ours.aclose()
+    assert await conn.read(12) == b""
+
+
+async def test_yamux_sends_no_rtt_pings_but_answers_them(monkeypatch: pytest.MonkeyPatch) -> None:
+    p2p.tune_libp2p()
+    pings: list[int] = []
+    write_frame = Yamux._write_frame
+
+    async def recording(self: Yamux, data: bytes) -> None:
+        _, kind, flags, _, _ = struct.unpack(YAMUX_HEADER_FORMAT, data[:12])
+        if kind == TYPE_PING:
+            pings.append(flags)
+        await write_frame(self, data)
+
+    monkeypatch.setattr(Yamux, "_write_frame", recording)
+    listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+    server = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=listen)
+    client = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=[])
+    async with server.run(listen_addrs=listen), client.run(listen_addrs=[]):
+        info = info_from_p2p_addr(server.get_addrs()[0])
+        await client.connect(info)
+        # py-libp2p's first RTT ping would leave 0.5 s after the connection opens.
+        await trio.sleep(1.5)
+        assert pings == []
+        muxer = client.get_network().get_connections(info.peer_id)[0].muxed_conn
+        # A peer's ping (here the client's own, sent by hand) is still answered: the
+        # answer sets the event py-libp2p's own pinger would wait on.
+        await write_frame(muxer, struct.pack(YAMUX_HEADER_FORMAT, 0, TYPE_PING, 1, 0, 7))
+        with trio.fail_after(10):
+            await muxer._ping_event.wait()
+        assert pings == [2]  # the server's answer (ACK)
+        await client.close()
+        await server.close()
