@@ -198,7 +198,9 @@ def test_kv_cache_gate_follows_the_engine_while_ollama_keeps_passing(
     assert all(view["engine"][f] is None for f in view["engine"])  # age_seconds included
     sim_view = router.agent(sim.peer_id)
     assert sim_view is not None
-    assert 0.0 <= sim_view["engine"]["age_seconds"] <= 3 * SAMPLE
+    # Fresh: sampled within a few periods (the slack is for a loaded machine, where the
+    # two admin reads above and the sampling itself run late).
+    assert 0.0 <= sim_view["engine"]["age_seconds"] <= 3 * SAMPLE + SLACK
 
     # Both eligible: a burst is shared out by least-loaded.
     before = _served(sim, ollama)
