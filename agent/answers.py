@@ -5,12 +5,15 @@ client's SDK would fail on it, and once it is relayed no other agent can be trie
 the agent checks the answer first: a whole answer must be one JSON object, a stream
 must be server-sent events whose `data` is a JSON object or `[DONE]`. A stream is
 checked incrementally: each byte is scanned once and each event's data parsed once.
+That parse is the only one: what else reads the answer (the token usage of
+agent/usage.py) is handed the parsed values.
 """
 
 from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Callable
 
 
 class MalformedAnswer(Exception):
@@ -29,12 +32,15 @@ def is_event_stream(content_type: str) -> bool:
     return content_type.split(";", 1)[0].strip().lower() == "text/event-stream"
 
 
-def check_json_answer(body: bytes, content_encoding: str = "") -> None:
-    """Raise MalformedAnswer unless `body` is one JSON object."""
+def check_json_answer(body: bytes, content_encoding: str = "") -> dict | None:
+    """The JSON object `body` holds; MalformedAnswer when it is not one.
+
+    None when the encoding cannot be looked into.
+    """
     encoding = content_encoding.strip().lower()
     if encoding and encoding != "identity":
         if encoding not in _DECODABLE:
-            return  # cannot look inside; relayed as the engine sent it
+            return None  # cannot look inside; relayed as the engine sent it
         try:
             body = zlib.decompress(body, 47)
         except zlib.error as exc:
@@ -49,6 +55,7 @@ def check_json_answer(body: bytes, content_encoding: str = "") -> None:
         raise MalformedAnswer("answer is JSON nested too deeply") from None
     if not isinstance(value, dict):
         raise MalformedAnswer(f"answer is JSON but not an object: {_excerpt(body)}")
+    return value
 
 
 class SSEChecker:
@@ -60,17 +67,32 @@ class SSEChecker:
     event with data has been checked, so until then another agent can still be tried.
     `close` says whether the stream ended well. Lines end with LF, CRLF or CR (the SSE
     grammar); an event ends at an empty line.
+
+    `observe`, when given, is handed each event's parsed data object as soon as the
+    event is checked; when it returns True the event is left out of what `feed` returns.
     """
 
-    __slots__ = ("_after_cr", "_data", "_open", "_pending", "_ready", "_scanned", "data_events")
+    __slots__ = (
+        "_after_cr",
+        "_data",
+        "_drop_lf",
+        "_observe",
+        "_open",
+        "_pending",
+        "_ready",
+        "_scanned",
+        "data_events",
+    )
 
-    def __init__(self) -> None:
+    def __init__(self, observe: Callable[[dict], bool] | None = None) -> None:
+        self._observe = observe
         self._pending = bytearray()  # bytes not yet returned
         self._ready = 0  # _pending[:_ready] are whole, checked events
         self._scanned = 0  # _pending[:_scanned] are whole lines, already read
         self._data: list[bytes] = []  # data lines of the unfinished event
         self._open = False  # the unfinished event has had a line
         self._after_cr = False
+        self._drop_lf = False  # the CR that _after_cr waits on ended an event left out
         self.data_events = 0
 
     def feed(self, chunk: bytes) -> bytes:
@@ -82,9 +104,14 @@ class SSEChecker:
             # The last chunk ended with a CR: a LF now is the second half of that CRLF.
             self._after_cr = False
             if pending[pos] == 0x0A:
-                if self._ready == pos:
-                    self._ready += 1  # it ends an event already complete: it goes with it
-                pos += 1
+                if self._drop_lf:
+                    del pending[pos]  # it ends an event left out: it goes with it
+                    end -= 1
+                else:
+                    if self._ready == pos:
+                        self._ready += 1  # it ends an event already complete: it goes with it
+                    pos += 1
+            self._drop_lf = False
         while pos < end:
             lf = pending.find(b"\n", pos)
             cr = pending.find(b"\r", pos, lf if lf >= 0 else end)
@@ -99,7 +126,12 @@ class SSEChecker:
             else:
                 break
             if line_end == pos:
-                self._end_event()
+                if self._end_event():
+                    # The event began where the previous one ended, at _ready.
+                    del pending[self._ready : after]
+                    end -= after - self._ready
+                    after = self._ready
+                    self._drop_lf = self._after_cr
                 self._ready = after
             else:
                 self._line(bytes(pending[pos:line_end]))
@@ -136,22 +168,24 @@ class SSEChecker:
             # Neither a comment nor a field: this is not an event stream at all.
             raise MalformedAnswer(f"not a server-sent event line: {_excerpt(line)}")
 
-    def _end_event(self) -> None:
+    def _end_event(self) -> bool:
+        """Check the event just ended; True when it is to be left out."""
         self._open = False
         parts = self._data
         if not parts:
-            return  # a comment or an event without data: nothing for the client to parse
+            return False  # a comment or an event without data: nothing for the client to parse
         self._data = []
         data = parts[0] if len(parts) == 1 else b"\n".join(parts)
         self.data_events += 1
         if data == DONE:
-            return
+            return False
         try:
             value = json.loads(data)
         except (ValueError, UnicodeDecodeError, RecursionError):
             raise MalformedAnswer(f"event data is not JSON: {_excerpt(data)}") from None
         if not isinstance(value, dict):
             raise MalformedAnswer(f"event data is not a JSON object: {_excerpt(data)}")
+        return self._observe is not None and self._observe(value)
 
 
 def _excerpt(data: bytes, limit: int = 120) -> str:

@@ -84,17 +84,21 @@ async def forward(
             # Head, body and end queued together leave in one write and one frame read.
             # Raw bytes: the engine's content-encoding header travels with them.
             body = b"".join([chunk async for chunk in response.aiter_raw()])
-            if ok:
-                check_json_answer(body, encoding)
+            answer = check_json_answer(body, encoding) if ok else None
             send(m.response_head(req_id, response.status_code, headers))
             send(m.response_chunk(req_id, body))
             if tap:
-                tap.of_body(body)
+                tap.of_answer(answer, body)
             send(m.response_end(req_id, tap.usage if tap else None))
             return
         # The head waits for the first checked event: until it leaves, the router may
         # still try another agent.
-        checker = SSEChecker() if ok and encoding in ("", "identity") else None
+        # Usage is read by the check's parse, so not from an unchecked stream (usage.py).
+        checker = (
+            SSEChecker(tap.of_event if tap else None)
+            if ok and encoding in ("", "identity")
+            else None
+        )
         head: dict | None = m.response_head(req_id, response.status_code, headers)
         if checker is None:
             send(head)
@@ -107,14 +111,10 @@ async def forward(
                 if head is not None:
                     send(head)
                     head = None
-            if tap:
-                chunk = tap.stream.feed(chunk)
             if chunk:
                 send(m.response_chunk(req_id, chunk))
         if checker is not None:
             checker.close()
-        if tap and (rest := tap.stream.flush()):
-            send(m.response_chunk(req_id, rest))
         send(m.response_end(req_id, tap.usage if tap else None))
     except MalformedAnswer as exc:
         log.warning(

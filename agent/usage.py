@@ -5,13 +5,19 @@ count is read from its answer and sent back on `response_end`. The agent does th
 rather than the router, whose CPU per request is the fleet's bottleneck. An OpenAI
 stream carries usage only when asked (`stream_options.include_usage`), so the agent
 asks the engine for it and removes that extra chunk when the client did not ask.
+
+The answer is parsed once, by the check of agent/answers.py: a whole answer's object
+is handed to `of_answer`, a stream's events to `of_event` as the SSEChecker's observer.
+Where that check does not run on a stream (an error status, a compressed stream) its
+usage is not read and its usage-only chunk stays; a compressed stream could not be
+read before either.
 """
 
 from __future__ import annotations
 
 import json
 
-from protocol.usage import StreamUsage, usage_of_body
+from protocol.usage import COMPLETION, PROMPT, normalize, usage_of_answer, usage_of_body
 
 # OpenAI endpoints whose streams need `stream_options` to carry usage.
 _INCLUDE_USAGE_PATHS = ("/v1/chat/completions", "/v1/completions")
@@ -20,20 +26,38 @@ _INCLUDE_USAGE_PATHS = ("/v1/chat/completions", "/v1/completions")
 class UsageTap:
     def __init__(self, msg: dict) -> None:
         self.body: bytes = msg["body"]
-        self.stream = StreamUsage()
-        self.whole: dict[str, int] | None = None
+        # Whether the usage-only chunk (`choices: []`) was asked for by the agent alone.
+        self.strip = False
+        self.usage: dict[str, int] | None = None
         if msg["stream"] and msg["path"] in _INCLUDE_USAGE_PATHS:
             rewritten = _ask_for_usage(self.body)
             if rewritten is not None:
                 self.body = rewritten
-                self.stream.strip = True
+                self.strip = True
 
-    def of_body(self, body: bytes) -> None:
-        self.whole = usage_of_body(body)
+    def of_answer(self, answer: dict | None, body: bytes) -> None:
+        """Read a whole answer: `answer` is its object as the check parsed it; only an
+        answer the check did not parse (None: an error status, an encoding it cannot
+        decode) is parsed here."""
+        self.usage = usage_of_body(body) if answer is None else usage_of_answer(answer)
 
-    @property
-    def usage(self) -> dict[str, int] | None:
-        return self.whole if self.whole is not None else self.stream.usage
+    def of_event(self, event: dict) -> bool:
+        """Read one stream event's data; True when the client must not see the event."""
+        raw = event.get("usage")
+        if raw is None:
+            message = event.get("message")  # Anthropic's message_start
+            if not isinstance(message, dict):
+                return False
+            raw = message.get("usage")
+        usage = normalize(raw)
+        if usage is None:
+            return False
+        if self.usage is None:
+            self.usage = usage
+        else:
+            # Anthropic reports input at the start and output (cumulative) at the end.
+            self.usage = {k: max(self.usage[k], usage[k]) for k in (PROMPT, COMPLETION)}
+        return self.strip and event.get("choices") == []
 
 
 def _ask_for_usage(body: bytes) -> bytes | None:

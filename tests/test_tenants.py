@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
 import pytest
 
+from agent.answers import SSEChecker, check_json_answer
 from agent.usage import UsageTap
 from protocol import messages as m
 from protocol.errors import ErrorCode
-from protocol.usage import StreamUsage, usage_of_body, valid_usage
+from protocol.usage import usage_of_body, valid_usage
 from router.tenants.audit import AuditLog, AuditRecord
 from router.tenants.config import AuthError, Tenant, hash_key, load_auth, new_key
 from router.tenants.counters import LocalCounters, until_midnight
@@ -144,14 +146,24 @@ USAGE_EVENT_AT = OPENAI_STREAM.index(b'data: {"choices":[]')
 WITHOUT_USAGE = OPENAI_STREAM[:USAGE_EVENT_AT] + b"data: [DONE]\n\n"
 
 
+def tapped_checker(strip: bool = False) -> tuple[UsageTap, SSEChecker]:
+    """The agent's pair for a stream: the check parses, the tap reads what it parsed."""
+    tap = UsageTap(request({"model": "m"}, stream=False))
+    tap.strip = strip
+    return tap, SSEChecker(tap.of_event)
+
+
+@pytest.mark.parametrize("newline", [b"\n", b"\r\n", b"\r"])
 @pytest.mark.parametrize("strip", [True, False])
-def test_openai_stream_usage_at_every_chunk_boundary(strip: bool) -> None:
-    for cut in range(1, len(OPENAI_STREAM)):
-        scanner = StreamUsage(strip=strip)
-        out = scanner.feed(OPENAI_STREAM[:cut]) + scanner.feed(OPENAI_STREAM[cut:])
-        out += scanner.flush()
-        assert out == (WITHOUT_USAGE if strip else OPENAI_STREAM), cut
-        assert scanner.usage == {"prompt_tokens": 7, "completion_tokens": 2}
+def test_openai_stream_usage_at_every_chunk_boundary(strip: bool, newline: bytes) -> None:
+    stream = OPENAI_STREAM.replace(b"\n", newline)
+    expected = (WITHOUT_USAGE if strip else OPENAI_STREAM).replace(b"\n", newline)
+    for cut in range(1, len(stream)):
+        tap, checker = tapped_checker(strip)
+        out = checker.feed(stream[:cut]) + checker.feed(stream[cut:])
+        checker.close()
+        assert out == expected, cut
+        assert tap.usage == {"prompt_tokens": 7, "completion_tokens": 2}
 
 
 def test_anthropic_stream_usage_from_start_and_delta() -> None:
@@ -164,9 +176,10 @@ def test_anthropic_stream_usage_from_start_and_delta() -> None:
         b"event: message_delta\r\n"
         b'data: {"type":"message_delta","usage":{"output_tokens":5}}\r\n\r\n'
     )
-    scanner = StreamUsage()
-    assert b"".join(scanner.feed(stream[i : i + 10]) for i in range(0, len(stream), 10)) == stream
-    assert scanner.usage == {"prompt_tokens": 15, "completion_tokens": 5}
+    tap, checker = tapped_checker()
+    assert b"".join(checker.feed(stream[i : i + 10]) for i in range(0, len(stream), 10)) == stream
+    checker.close()
+    assert tap.usage == {"prompt_tokens": 15, "completion_tokens": 5}
 
 
 def test_usage_of_whole_answers() -> None:
@@ -185,6 +198,18 @@ def test_usage_of_whole_answers() -> None:
     assert valid_usage({"prompt_tokens": True, "completion_tokens": 1}) is None
 
 
+def test_the_agent_reads_whole_answers_as_the_check_parsed_them() -> None:
+    tap = UsageTap(request({"model": "m"}, stream=False))
+    body = gzip.compress(b'{"usage":{"prompt_tokens":3,"completion_tokens":4}}')
+    tap.of_answer(check_json_answer(body, "gzip"), body)
+    assert tap.usage == {"prompt_tokens": 3, "completion_tokens": 4}
+    error = b'{"error":"busy","usage":{"input_tokens":2,"output_tokens":0}}'
+    tap.of_answer(None, error)  # an error answer is not checked: its body is read here
+    assert tap.usage == {"prompt_tokens": 2, "completion_tokens": 0}
+    tap.of_answer({"object": "list"}, b'{"object":"list"}')
+    assert tap.usage is None
+
+
 def request(body: dict, stream: bool, path: str = "/v1/chat/completions") -> dict:
     return m.request(1, "POST", path, {}, json.dumps(body).encode(), stream, True)
 
@@ -192,16 +217,16 @@ def request(body: dict, stream: bool, path: str = "/v1/chat/completions") -> dic
 def test_the_agent_asks_openai_engines_for_stream_usage_only_when_needed() -> None:
     tap = UsageTap(request({"model": "m", "stream_options": {"x": 1}}, stream=True))
     assert json.loads(tap.body)["stream_options"] == {"x": 1, "include_usage": True}
-    assert tap.stream.strip
+    assert tap.strip
     asked = {"model": "m", "stream_options": {"include_usage": True}}
     tap = UsageTap(request(asked, stream=True))
-    assert json.loads(tap.body) == asked and not tap.stream.strip
+    assert json.loads(tap.body) == asked and not tap.strip
     for msg in (
         request({"model": "m"}, stream=False),
         request({"model": "m"}, stream=True, path="/v1/messages"),
     ):
         tap = UsageTap(msg)
-        assert tap.body == msg["body"] and not tap.stream.strip
+        assert tap.body == msg["body"] and not tap.strip
 
 
 def test_link_messages_carry_usage_in_its_shape() -> None:
