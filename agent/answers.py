@@ -70,6 +70,8 @@ class SSEChecker:
 
     `observe`, when given, is handed each event's parsed data object as soon as the
     event is checked; when it returns True the event is left out of what `feed` returns.
+    `finished` turns true at the answer's last event: OpenAI's `[DONE]`, Anthropic's
+    `message_stop`.
     """
 
     __slots__ = (
@@ -82,6 +84,7 @@ class SSEChecker:
         "_ready",
         "_scanned",
         "data_events",
+        "finished",
     )
 
     def __init__(self, observe: Callable[[dict], bool] | None = None) -> None:
@@ -94,6 +97,7 @@ class SSEChecker:
         self._after_cr = False
         self._drop_lf = False  # the CR that _after_cr waits on ended an event left out
         self.data_events = 0
+        self.finished = False
 
     def feed(self, chunk: bytes) -> bytes:
         pending = self._pending
@@ -178,6 +182,7 @@ class SSEChecker:
         data = parts[0] if len(parts) == 1 else b"\n".join(parts)
         self.data_events += 1
         if data == DONE:
+            self.finished = True
             return False
         try:
             value = json.loads(data)
@@ -185,6 +190,8 @@ class SSEChecker:
             raise MalformedAnswer(f"event data is not JSON: {_excerpt(data)}") from None
         if not isinstance(value, dict):
             raise MalformedAnswer(f"event data is not a JSON object: {_excerpt(data)}")
+        if value.get("type") == "message_stop":
+            self.finished = True
         return self._observe is not None and self._observe(value)
 
 

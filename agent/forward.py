@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import AsyncExitStack
 
 import httpx
+import trio
 
 from agent.answers import MalformedAnswer, SSEChecker, check_json_answer, is_event_stream
 from agent.usage import UsageTap
@@ -16,6 +18,11 @@ from protocol.errors import ErrorCode
 from protocol.logs import quote
 
 log = logging.getLogger("agent")
+
+# After an answer's last event, at most this much more is read from the engine (only
+# the end of its chunked body is expected) before its connection is dropped instead.
+DRAIN_BYTES = 64 * 1024
+DRAIN_SECONDS = 1.0
 
 _HOP_BY_HOP = frozenset(
     {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
@@ -103,7 +110,8 @@ async def forward(
         if checker is None:
             send(head)
             head = None
-        async for chunk in response.aiter_raw():
+        engine_chunks = response.aiter_raw()
+        async for chunk in engine_chunks:
             if checker is not None:
                 chunk = checker.feed(chunk)
                 if not chunk:
@@ -113,9 +121,15 @@ async def forward(
                     head = None
             if chunk:
                 send(m.response_chunk(req_id, chunk))
+            if checker is not None and checker.finished:
+                # The last event and the end leave in one write: an SDK leaves at
+                # `[DONE]`, and the router must have the end (and the usage) by then.
+                break
         if checker is not None:
             checker.close()
         send(m.response_end(req_id, tap.usage if tap else None))
+        if checker is not None and checker.finished:
+            await _drain(engine_chunks)
     except MalformedAnswer as exc:
         log.warning(
             "req=%s malformed_answer path=%s reason=%s",
@@ -128,3 +142,14 @@ async def forward(
         send(m.error(req_id, ErrorCode.BACKEND_ERROR, f"engine answer broke off: {exc!r}"))
     finally:
         await response.aclose()
+
+
+async def _drain(engine_chunks: AsyncIterator[bytes]) -> None:
+    """Read what an engine sends after its last event (the end of the chunked body) so
+    its connection goes back to the pool; the answer is already complete."""
+    left = DRAIN_BYTES
+    with contextlib.suppress(httpx.HTTPError), trio.move_on_after(DRAIN_SECONDS):
+        async for chunk in engine_chunks:
+            left -= len(chunk)
+            if left < 0:
+                return

@@ -181,6 +181,13 @@ class AgentResponse:
 
     def close(self) -> None:
         """Release the slot and, if the answer is unfinished, tell the agent to stop."""
+        if not self.done:
+            # A client may leave as soon as it has the last event (the SDKs stop at
+            # `[DONE]`): an end that already arrived still brings the engine's usage.
+            for kind, msg in self.pending.frames:
+                if kind == m.RESPONSE_END:
+                    self.done = True
+                    self.usage = valid_usage(msg.get("usage"))
         self.slot.release()
         self.session.finish(self.req_id, cancel=not self.done)
         self.done = True

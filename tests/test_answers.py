@@ -5,10 +5,16 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
+from collections.abc import AsyncIterator
 
+import httpx
 import pytest
+import trio
+import trio.testing
 
 from agent.answers import MalformedAnswer, SSEChecker, check_json_answer, is_event_stream
+from agent.forward import forward
+from protocol import messages as m
 
 CHUNK = b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n'
 ANTHROPIC = (
@@ -131,3 +137,57 @@ def test_an_event_that_never_ends_is_bounded(monkeypatch: pytest.MonkeyPatch) ->
     checker.feed(b"data: " + b"x" * 90)
     with pytest.raises(MalformedAnswer, match="larger than 100 bytes"):
         checker.feed(b"x" * 20)
+
+
+@pytest.mark.parametrize("stream", [OPENAI, ANTHROPIC])
+def test_finished_at_the_last_event_only(stream: bytes) -> None:
+    checker = SSEChecker()
+    last = stream.rindex(b"data:")
+    checker.feed(stream[:last])
+    assert not checker.finished
+    checker.feed(stream[last:])
+    assert checker.finished
+
+
+class _Stalling(httpx.AsyncByteStream):
+    """An engine that sends a whole stream, then keeps its connection open."""
+
+    def __init__(self, body: bytes) -> None:
+        self.body = body
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        yield self.body
+        await trio.sleep_forever()
+
+
+@pytest.mark.parametrize("stream", [OPENAI, ANTHROPIC])
+def test_the_end_leaves_with_the_last_event(stream: bytes) -> None:
+    """The agent ends the answer at `[DONE]` / `message_stop`, in the same moment as that
+    event, without waiting for the engine to close: a client leaves as soon as it has
+    the last event, and the router must have the end (with the usage) by then."""
+    sent: list[tuple[float, str]] = []
+
+    def engine(request: httpx.Request) -> httpx.Response:
+        headers = {"content-type": "text/event-stream"}
+        return httpx.Response(200, headers=headers, stream=_Stalling(stream))
+
+    async def main() -> None:
+        msg = {
+            "id": 1,
+            "method": "POST",
+            "path": "/v1/chat/completions",
+            "headers": {"content-type": "application/json"},
+            "body": b"{}",
+            "stream": True,
+        }
+        async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
+            with trio.fail_after(10):
+                await forward(
+                    client, "http://engine", msg, lambda f: sent.append((trio.current_time(), f))
+                )
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    kinds = [frame["type"] for _, frame in sent]
+    assert kinds == [m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END]
+    assert b"".join(f["data"] for _, f in sent if f["type"] == m.RESPONSE_CHUNK) == stream
+    assert sent[-1][0] == sent[1][0], "the end waited for the engine"

@@ -40,19 +40,19 @@ from protocol.frames import HEADER, FrameDecoder, FrameError, encode_frame
 from protocol.messages import ProtocolError, validate
 from protocol.p2p import SessionClosed
 from protocol.tokens import TokenError, issue_token, verify_token
-from router.capacity import WaitQueue
+from router.capacity import WaitQueue, try_acquire
 from router.dispatch import Dispatcher
 from router.http.app import RouterApp
 from router.http.auth import AdminKeys, ClientKeys
 from router.http.client import ClientApi, ClientSettings
-from router.link import AgentLink, AgentSession, LinkSettings, parse_metadata
+from router.link import AgentLink, AgentResponse, AgentSession, LinkSettings, parse_metadata
 from router.metrics import RouterMetrics
 from router.peers import AgentMetadata, Peer, PeerTable
 from router.policy.gates import evaluate
 from router.policy.rank import STRATEGIES
 from router.policy.schema import Policy, PolicyError, load_policy
 from router.policy.store import PolicyStore
-from router.session import RoutingSession
+from router.session import RoutingSession, Slot
 
 SECRET = b"fuzz-secret-0123456789-abcdefghijklmnop"
 PEER = "12D3KooWFuzzAgent"
@@ -1334,3 +1334,28 @@ def test_answer_frames_before_the_head_cost_the_try_not_the_request(first: tuple
         assert not agent.session.pending
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_an_end_that_arrived_before_the_client_left_still_brings_its_usage() -> None:
+    """An SDK leaves at `[DONE]`; the agent's end (with the engine's usage) may already
+    be queued behind it, unread by the relay: closing the answer takes it, and sends
+    no cancel for an answer that is complete."""
+
+    async def main() -> None:
+        _, link, _, _ = build_app("")
+        async with trio.open_nursery() as nursery:
+            agent = ScriptedAgent(link, nursery, [[]])
+            session, peer = agent.session, agent.session.peer
+            assert peer is not None and try_acquire(peer)
+            req_id, pending = session.open()
+            response = AgentResponse(session, req_id, pending, 200, {}, Slot(peer, lambda p: None))
+            usage = {"prompt_tokens": 3, "completion_tokens": 4}
+            session.on_message(m.response_chunk(req_id, b"data: [DONE]\n\n"))
+            session.on_message(m.response_end(req_id, usage))
+            response.close()
+            nursery.cancel_scope.cancel()
+        assert response.usage == usage
+        assert peer.active == 0 and not session.pending
+        assert not [f for f in agent.fs.sent if f["type"] == m.CANCEL]
+
+    trio.run(main)
