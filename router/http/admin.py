@@ -1,13 +1,20 @@
-"""The admin API's views of the routing table, health, models and policy."""
+"""The admin API's views of the routing table, health, models and policy, and the
+replacement of a running document (policy, auth file) by `PUT`."""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from typing import Any
 
 import trio
 
+from protocol.errors import ErrorCode, RouterError
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from router.capacity import WaitQueue
+from router.documents import DocumentStore
+from router.http.asgi import BodyTooLarge, ClientGone, Receive, Scope, Send, read_body, send_json
+from router.http.client import error_payload
 from router.peers import Peer, PeerTable
 from router.policy.gates import metric_value
 
@@ -79,3 +86,40 @@ def health(table: PeerTable, queue: WaitQueue) -> dict:
             for p in sorted(peers, key=lambda p: p.peer_id)
         ],
     }
+
+
+MAX_DOCUMENT_BYTES = 1024 * 1024
+
+
+async def put_document(
+    store: DocumentStore[Any],
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    extra: list[tuple[str, str]],
+    accepted: Callable[[], dict],
+) -> int:
+    """Validate the body and make it `store`'s running document: 200 with `accepted()`,
+    or 400 with every reason (the running document stays)."""
+    try:
+        text = (await read_body(scope, receive, MAX_DOCUMENT_BYTES)).decode("utf-8")
+    except (BodyTooLarge, UnicodeDecodeError):
+        errors = store.reject([f"{store.kind} body must be UTF-8 YAML under 1 MiB"], "admin_api")
+    except ClientGone:
+        return 499
+    else:
+        errors = store.replace(text, "admin_api")
+    if errors:
+        return await send_rejected(send, extra, store.noun, errors)
+    await send_json(send, 200, {"status": "ok", **accepted()}, extra)
+    return 200
+
+
+async def send_rejected(
+    send: Send, extra: list[tuple[str, str]], noun: str, errors: list[str]
+) -> int:
+    err = RouterError(ErrorCode.REQUEST_INVALID, f"{noun} rejected: " + "; ".join(errors))
+    payload = error_payload("openai", err)
+    payload["error"]["errors"] = errors
+    await send_json(send, 400, payload, extra)
+    return 400

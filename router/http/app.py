@@ -13,12 +13,9 @@ from protocol.logs import quote
 from router.capacity import WaitQueue
 from router.http import admin
 from router.http.asgi import (
-    BodyTooLarge,
-    ClientGone,
     Receive,
     Scope,
     Send,
-    read_body,
     request_id,
     send_bytes,
     send_json,
@@ -32,8 +29,6 @@ from router.tenants.admin_api import admin_auth
 from router.tenants.gate import TenantGate
 
 log = logging.getLogger("http")
-
-MAX_POLICY_BYTES = 1024 * 1024
 
 
 class RouterApp:
@@ -193,7 +188,14 @@ class RouterApp:
             body = self.store.current.source.encode()
             await send_bytes(send, 200, body, "application/yaml", extra)
         elif path == "/admin/policy" and method == "PUT":
-            return await self._put_policy(scope, receive, send, extra)
+            return await admin.put_document(
+                self.store,
+                scope,
+                receive,
+                send,
+                extra,
+                lambda: {"chain": self.store.current.chain_names()},
+            )
         elif path == "/admin/auth" and self.tenants:
             return await admin_auth(self.tenants, scope, receive, send, extra)
         elif path in _ADMIN_METHODS:
@@ -211,28 +213,6 @@ class RouterApp:
             card["queue_length"] = self.queue.length(card["id"])
             cards.append(card)
         return cards
-
-    async def _put_policy(
-        self, scope: Scope, receive: Receive, send: Send, extra: list[tuple[str, str]]
-    ) -> int:
-        try:
-            body = await read_body(scope, receive, MAX_POLICY_BYTES)
-            text = body.decode("utf-8")
-        except (BodyTooLarge, UnicodeDecodeError):
-            errors = self.store.reject(["policy body must be UTF-8 YAML under 1 MiB"], "admin_api")
-        except ClientGone:
-            return 499
-        else:
-            errors = self.store.replace(text, "admin_api")
-        if errors:
-            err = RouterError(ErrorCode.REQUEST_INVALID, "policy rejected: " + "; ".join(errors))
-            payload = error_payload("openai", err)
-            payload["error"]["errors"] = errors
-            await send_json(send, 400, payload, extra)
-            return 400
-        chain = self.store.current.chain_names()
-        await send_json(send, 200, {"status": "ok", "chain": chain}, extra)
-        return 200
 
 
 _CHALLENGE = ("www-authenticate", "Bearer")

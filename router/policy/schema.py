@@ -17,6 +17,7 @@ from typing import Any
 import yaml
 
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
+from router.documents import DocumentError
 from router.peers import UNIVERSAL_FIELDS
 from router.policy.rank import NOT_IMPLEMENTED, STRATEGIES
 
@@ -136,12 +137,10 @@ class Policy:
         return [step.name for step in self.steps]
 
 
-class PolicyError(ValueError):
+class PolicyError(DocumentError):
     """A policy that cannot be loaded; `errors` holds one message per problem."""
 
-    def __init__(self, errors: list[str]) -> None:
-        super().__init__("invalid policy: " + "; ".join(errors))
-        self.errors = errors
+    label = "policy"
 
 
 class YamlInvalid(ValueError):

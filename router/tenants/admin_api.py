@@ -3,11 +3,10 @@
 from __future__ import annotations
 
 from protocol.errors import ErrorCode, RouterError
-from router.http.asgi import BodyTooLarge, ClientGone, Receive, Scope, Send, read_body, send_json
+from router.http.admin import put_document, send_rejected
+from router.http.asgi import Receive, Scope, Send, send_json
 from router.http.client import error_payload
 from router.tenants.gate import TenantGate
-
-MAX_AUTH_BYTES = 1024 * 1024
 
 
 async def admin_auth(
@@ -26,21 +25,9 @@ async def admin_auth(
             "this router runs without --auth-file (HIVENET_ROUTER_API_KEYS or no keys);"
             " start it with --auth-file to manage tenants"
         ]
-    else:
-        try:
-            text = (await read_body(scope, receive, MAX_AUTH_BYTES)).decode("utf-8")
-        except (BodyTooLarge, UnicodeDecodeError):
-            errors = gate.store.reject(["auth body must be UTF-8 YAML under 1 MiB"], "admin_api")
-        except ClientGone:
-            return 499
-        else:
-            errors = gate.store.replace(text, "admin_api")
-    if errors:
-        err = RouterError(ErrorCode.REQUEST_INVALID, "auth file rejected: " + "; ".join(errors))
-        payload = error_payload("openai", err)
-        payload["error"]["errors"] = errors
-        await send_json(send, 400, payload, extra)
-        return 400
-    tenants = sorted(gate.store.current.tenants) if gate.store.current else []
-    await send_json(send, 200, {"status": "ok", "tenants": tenants}, extra)
-    return 200
+        return await send_rejected(send, extra, gate.store.noun, errors)
+
+    def accepted() -> dict:
+        return {"tenants": sorted(gate.store.current.tenants) if gate.store.current else []}
+
+    return await put_document(gate.store, scope, receive, send, extra, accepted)

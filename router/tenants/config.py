@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from router.documents import DocumentError
 from router.policy.schema import YamlInvalid, _hint, _is_number, _kind, parse_yaml
 
 TENANT_KEYS: tuple[str, ...] = (
@@ -103,12 +104,10 @@ class AuthConfig:
         return self.by_hash.get(hash_key(key))
 
 
-class AuthError(ValueError):
+class AuthError(DocumentError):
     """An auth file that cannot be loaded; `errors` holds one message per problem."""
 
-    def __init__(self, errors: list[str]) -> None:
-        super().__init__("invalid auth file: " + "; ".join(errors))
-        self.errors = errors
+    label = "auth file"
 
 
 def load_auth(text: str) -> AuthConfig:

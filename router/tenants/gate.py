@@ -11,7 +11,6 @@ from __future__ import annotations
 import logging
 import secrets
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import trio
@@ -19,11 +18,12 @@ import trio
 from protocol.errors import ErrorCode, RouterError
 from protocol.logs import quote
 from protocol.usage import COMPLETION, PROMPT, usage_of_body
+from router.documents import DocumentStore
 from router.http.asgi import Scope
 from router.http.auth import ClientKeys, presented_keys
 from router.metrics import RouterMetrics
 from router.tenants.audit import AuditLog, AuditRecord
-from router.tenants.config import AuthConfig, AuthError, Tenant, load_auth, load_auth_file
+from router.tenants.config import AuthConfig, Tenant, load_auth, load_auth_file
 from router.tenants.shared import TenantState
 
 log = logging.getLogger("tenant")
@@ -37,39 +37,24 @@ class TenantRefused(RouterError):
     """A tenant limit; 429s say when to come back (`retry_after`)."""
 
 
-class AuthStore:
-    """The running auth file and its reloads: a bad file never replaces a good one."""
+class AuthStore(DocumentStore[AuthConfig]):
+    """The running auth file and its reloads."""
+
+    kind = "auth"
+    noun = "auth file"
+    title = "auth file"
 
     def __init__(self, metrics: RouterMetrics, path: str | None) -> None:
-        self.metrics = metrics
-        self.path = path
+        super().__init__(metrics.auth_reloads, log, path)
         # At start-up a bad file is fatal (AuthError names every problem).
         self.current: AuthConfig | None = load_auth_file(path) if path else None
 
-    def replace(self, text: str, origin: str) -> list[str]:
-        try:
-            config = load_auth(text)
-        except AuthError as exc:
-            return self.reject(exc.errors, origin)
-        self.current = config
-        self.metrics.auth_reloads.labels("success").inc()
-        log.info("auth_reloaded origin=%s tenants=%d", origin, len(config.tenants))
-        return []
+    def parse(self, text: str) -> AuthConfig:
+        return load_auth(text)
 
-    def reject(self, errors: list[str], origin: str) -> list[str]:
-        self.metrics.auth_reloads.labels("failure").inc()
-        log.warning("auth_reload_failed origin=%s errors=%s", origin, quote("; ".join(errors)))
-        return errors
-
-    def reload_file(self) -> list[str]:
-        """Re-read --auth-file (SIGHUP); nothing to do without one."""
-        if self.path is None:
-            return []
-        try:
-            text = Path(self.path).read_text(encoding="utf-8")
-        except (OSError, UnicodeDecodeError) as exc:
-            return self.reject([f"{self.path}: cannot read auth file ({exc})"], "file")
-        return self.replace(text, "file")
+    def install(self, value: AuthConfig) -> str:
+        self.current = value
+        return f"tenants={len(value.tenants)}"
 
 
 @dataclass
