@@ -17,14 +17,14 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from agent.forward import BackendClients, forward
 from protocol import messages as m
 from protocol.logs import quote
-from protocol.p2p import FramedStream, SessionClosed
+from protocol.p2p import FramedStream, SessionClosed, limit_unacknowledged
 from protocol.tokens import issue_token
 
 log = logging.getLogger("agent")
 
 CONNECT_TIMEOUT = 10.0
 WELCOME_TIMEOUT = 10.0
-# The router is declared frozen after this many of its heartbeat periods of silence.
+# The router is declared frozen after this many of its liveness intervals of silence.
 SILENT_PERIODS = 3
 BACKOFF_START = 0.2
 BACKOFF_CAP = 5.0
@@ -79,6 +79,10 @@ class RouterSession:
         write_timeout: float,
     ) -> None:
         self.fs = FramedStream(stream, write_timeout=write_timeout)
+        # The router speaks on an idle session only every few periods (its welcome
+        # says how often); a dead router host or network is the kernel's to notice,
+        # from this agent's own unacknowledged heartbeats.
+        limit_unacknowledged(stream, SILENT_PERIODS * heartbeat_interval)
         self.hello = hello
         self.status = status
         self.client = client
@@ -119,7 +123,7 @@ class RouterSession:
             if scope is not None:
                 scope.cancel()
         elif kind == m.WELCOME:
-            self.router_interval = float(msg["heartbeat_interval"])
+            self.router_interval = float(msg.get("liveness_interval") or msg["heartbeat_interval"])
             self.welcomed.set()
             log.info("router_joined router=%s", msg.get("router_peer_id", ""))
         elif kind == m.REFUSAL:

@@ -55,6 +55,7 @@ _REQUIRED: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
 # Fields a type may carry: when present and not null, of these types.
 _OPTIONAL: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
     HEARTBEAT: (("backend_healthy", bool), ("engine", dict), ("hardware", dict)),
+    WELCOME: (("liveness_interval", _NUM),),
     ERROR: (("status", int),),
     REQUEST: (("report_usage", bool),),
     RESPONSE_END: (("usage", dict),),
@@ -88,10 +89,13 @@ def hello(token: str, metadata: dict) -> dict:
     return {"type": HELLO, "token": token, "metadata": metadata}
 
 
-def welcome(heartbeat_interval: float, router_peer_id: str) -> dict:
+def welcome(heartbeat_interval: float, router_peer_id: str, liveness_interval: float) -> dict:
+    """`heartbeat_interval` is the period the router expects of the agent;
+    `liveness_interval` the longest the router stays silent on an idle session."""
     return {
         "type": WELCOME,
         "heartbeat_interval": heartbeat_interval,
+        "liveness_interval": liveness_interval,
         "router_peer_id": router_peer_id,
         "version": VERSION,
     }

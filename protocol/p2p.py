@@ -12,6 +12,7 @@ import contextlib
 import logging
 import math
 import os
+import socket
 from collections.abc import Awaitable, Callable
 from importlib.metadata import version
 from pathlib import Path
@@ -25,6 +26,7 @@ from libp2p.io.trio import TrioTCPStream
 from libp2p.peer.id import ID
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 
+from protocol import yamux_fast
 from protocol.frames import MAX_FRAME_BYTES, FrameDecoder, encode_frame
 
 WRITE_BATCH_BYTES = 256 * 1024
@@ -81,16 +83,17 @@ def tune_libp2p() -> None:
     YamuxStream._auto_tune_and_send_window_update = _release_in_batches  # type: ignore[method-assign]
     Yamux._measure_rtt_loop = _no_rtt_pings  # type: ignore[method-assign]
     TrioTCPStream.read = _buffered_read  # type: ignore[method-assign]
+    yamux_fast.install()
 
 
 async def _release_in_batches(self: YamuxStream, *, bytes_read: int = 0) -> None:
-    async with self.window_lock:
-        self._pending_recv_release += bytes_read
-        pending = self._pending_recv_release
-        if pending < self.target_recv_window // 2:
-            return
-        self._pending_recv_release = 0
-        self.recv_window += pending
+    # No await before the update is sent: the window lock would guard nothing here.
+    self._pending_recv_release += bytes_read
+    pending = self._pending_recv_release
+    if pending < self.target_recv_window // 2:
+        return
+    self._pending_recv_release = 0
+    self.recv_window += pending
     await self.send_window_update(pending, skip_lock=True)
 
 
@@ -104,7 +107,9 @@ async def _buffered_read(self: TrioTCPStream, n: int | None = None) -> bytes:
     Errors as py-libp2p's own: a reset is ConnectionClosedError, a stream closed
     here reads as end of file.
     """
-    async with self.read_lock:
+    lock = self.read_lock
+    await yamux_fast.acquire(lock)
+    try:
         if n == 0:
             return b""
         pending: bytes = getattr(self, "_hivenet_pending", b"")
@@ -122,6 +127,8 @@ async def _buffered_read(self: TrioTCPStream, n: int | None = None) -> bytes:
             return pending
         self._hivenet_pending = pending[n:]
         return pending[:n]
+    finally:
+        lock.release()
 
 
 def quiet_libp2p_logging() -> None:
@@ -255,3 +262,41 @@ class FramedStream:
             self.close_reason = self.close_reason or f"write failed: {type(exc).__name__}"
             cancel_scope.cancel()
         self._drained.set()
+
+
+# py-libp2p 0.8.1's layers from a stream down to its socket, by attribute name.
+_TOWARD_SOCKET = (
+    "muxed_conn",
+    "secured_conn",
+    "conn",
+    "read_writer",
+    "read_write_closer",
+    "stream",
+)
+
+
+def tcp_socket_of(stream: Any) -> Any | None:
+    """The TCP socket under a libp2p stream (yamux, Noise, raw connection), or None
+    when there is none to be found (WebSocket transport)."""
+    node, seen = stream, 0
+    while node is not None and seen < 12:
+        if isinstance(node, trio.SocketStream):
+            return node.socket
+        node = next((getattr(node, a) for a in _TOWARD_SOCKET if hasattr(node, a)), None)
+        seen += 1
+    return None
+
+
+def limit_unacknowledged(stream: Any, seconds: float) -> bool:
+    """Have the kernel end the connection when data it sent stays unacknowledged this
+    long (TCP_USER_TIMEOUT): a dead peer host or a black-holed path, noticed with no
+    frame spent on it. False where the socket or the option is not available."""
+    sock = tcp_socket_of(stream)
+    option = getattr(socket, "TCP_USER_TIMEOUT", None)
+    if sock is None or option is None:
+        return False
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, option, max(1, int(seconds * 1000)))
+    except OSError:
+        return False
+    return True

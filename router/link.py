@@ -36,6 +36,9 @@ log = logging.getLogger("link")
 
 HELLO_TIMEOUT = 10.0
 MAX_ERROR_BODY = 1024 * 1024
+# The router's own liveness frame goes out after this many agent heartbeat periods of
+# silence on a session.
+LIVENESS_PERIODS = 3
 
 
 class StreamBroken(Exception):
@@ -50,6 +53,18 @@ class LinkSettings:
     remove_after: float
     router_peer_id: str
     release_stream_slot_at_head: bool = True
+
+    @property
+    def liveness_interval(self) -> float:
+        """How long an idle session may go without a frame from the router.
+
+        Each frame costs the router about as much CPU as the agent's heartbeat it
+        receives, most of it the socket write, so the router speaks once every few of
+        the agent's periods: at the defaults a third of the frames both ways saved,
+        and an agent still notices a frozen router (a dead network or host sooner:
+        agent/link.py).
+        """
+        return LIVENESS_PERIODS * self.heartbeat_interval
 
 
 class _Pending:
@@ -265,7 +280,11 @@ class AgentLink:
         self.sessions[peer] = session
         self.table.add(peer)
         session.fs.send_nowait(
-            m.welcome(self.settings.heartbeat_interval, self.settings.router_peer_id)
+            m.welcome(
+                self.settings.heartbeat_interval,
+                self.settings.router_peer_id,
+                self.settings.liveness_interval,
+            )
         )
         session.hello_seen.set()
         self._count()
@@ -329,10 +348,10 @@ class AgentLink:
                 self._sweep_table(now)
 
     def _liveness(self, now: float) -> None:
-        """Liveness both ways at the heartbeat period: a frozen agent (or a black-holed
-        network, which libp2p never notices) ends its session after --unhealthy-after;
-        the agent hears from the router at least once a period."""
-        interval = self.settings.heartbeat_interval
+        """A frozen agent (or a black-holed network, which libp2p never notices) ends
+        its session after --unhealthy-after; the agent hears from the router at least
+        once per liveness interval."""
+        interval = self.settings.liveness_interval
         limit = self.settings.unhealthy_after
         for session in list(self.sessions.values()):
             fs = session.fs

@@ -267,6 +267,7 @@ OPTIONAL: dict[str, tuple[tuple[str, Callable[[object], bool]], ...]] = {
         ("engine", lambda v: isinstance(v, dict)),
         ("hardware", lambda v: isinstance(v, dict)),
     ),
+    m.WELCOME: (("liveness_interval", _is_num),),
     m.ERROR: (("status", _is_int),),
 }
 

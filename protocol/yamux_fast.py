@@ -1,0 +1,174 @@
+"""Lean per-frame paths for py-libp2p 0.8.1's yamux over Noise (installed by
+`protocol.p2p.tune_libp2p`, which checks the version first).
+
+Measured with `python -m bench.frames` and `bench.fleet`: each frame crossed about a
+dozen `trio.Lock` acquisitions (each a pass through trio's scheduler, even when nobody
+else wants the lock), formatted about fifteen debug f-strings whether or not debug
+logging is on, and armed a timeout for a body already in memory. Every section those
+locks guard is synchronous, so in trio (one thread, switches only at `await`) the
+replacements below keep the same guarantees without them:
+
+- the common frames (DATA and WINDOW_UPDATE without flags, on an open stream) are taken
+  off the connection before py-libp2p's frame loop sees them; everything else (stream
+  opening and closing, resets, pings, GO_AWAY, errors) still goes through its code;
+- a stream write that fits its send window and one yamux frame is one frame write;
+- a stream read returns buffered bytes without the connection lock and logging;
+- the connection's write lock and the socket's read lock are taken without a
+  scheduler pass when they are free.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+import trio
+from libp2p.io import utils as io_utils
+from libp2p.stream_muxer.exceptions import MuxedStreamEOF, MuxedStreamReset
+from libp2p.stream_muxer.yamux import yamux as yamux_module
+from libp2p.stream_muxer.yamux.yamux import (
+    HEADER_SIZE,
+    MAX_MESSAGE_SIZE,
+    MAX_WINDOW_SIZE,
+    TYPE_DATA,
+    TYPE_WINDOW_UPDATE,
+    YAMUX_HEADER_FORMAT,
+    Yamux,
+    YamuxStream,
+)
+
+_HEADER = struct.Struct(YAMUX_HEADER_FORMAT)
+_MAX_DATA = MAX_MESSAGE_SIZE - HEADER_SIZE
+# The attribute on a connection's secured session naming its muxer, for the header hook.
+_MUXER = "_hivenet_muxer"
+
+_original_write = YamuxStream.write
+_original_handle_incoming = Yamux.handle_incoming
+
+
+async def acquire(lock: trio.Lock) -> None:
+    """`lock.acquire()`, minus the scheduler pass when the lock is free."""
+    if lock.locked():
+        await lock.acquire()
+    else:
+        lock.acquire_nowait()
+
+
+def install() -> None:
+    YamuxStream.write = _stream_write  # type: ignore[method-assign]
+    Yamux._write_frame = _write_frame  # type: ignore[method-assign]
+    Yamux.read_stream = _read_stream  # type: ignore[method-assign]
+    Yamux.handle_incoming = _handle_incoming  # type: ignore[method-assign]
+    Yamux._read_data_body = _read_data_body  # type: ignore[method-assign]
+    # py-libp2p's frame loop reads each header through this module-level name (and,
+    # with `_read_data_body` replaced, only headers).
+    yamux_module.read_exactly = _next_header
+
+
+async def _write_frame(self: Yamux, data: bytes) -> None:
+    lock = self._write_lock
+    await acquire(lock)
+    try:
+        await self.secured_conn.write(data)
+    finally:
+        lock.release()
+
+
+async def _stream_write(self: YamuxStream, data: bytes) -> None:
+    size = len(data)
+    if 0 < size <= _MAX_DATA and size <= self.send_window and not (self.send_closed or self.closed):
+        self.send_window -= size
+        await self.conn._write_frame(_HEADER.pack(0, TYPE_DATA, 0, self.stream_id, size) + data)
+        return
+    # Larger than one frame, a window to wait for, or a closed stream: py-libp2p's way.
+    await _original_write(self, data)
+
+
+def _take(buffer: bytearray, n: int) -> bytes:
+    if n == -1 or n >= len(buffer):
+        data = bytes(buffer)
+        buffer.clear()
+    else:
+        data = bytes(buffer[:n])
+        del buffer[:n]
+    return data
+
+
+async def _read_stream(self: Yamux, stream_id: int, n: int | None = -1) -> bytes:
+    """py-libp2p's `read_stream`, with the same outcomes in the same order."""
+    if n is None:
+        n = -1
+    while True:
+        stream = self.streams.get(stream_id)
+        if stream is None:
+            raise MuxedStreamEOF("Stream closed")
+        if self.event_shutting_down.is_set():
+            raise MuxedStreamEOF("Connection shut down")
+        buffer = self.stream_buffers.get(stream_id)
+        if buffer is None:
+            if stream.reset_received:
+                raise MuxedStreamReset("Stream was reset")
+            raise MuxedStreamEOF("Stream buffer closed")
+        if buffer and (stream.recv_closed or not stream.reset_received):
+            data = _take(buffer, n)
+            if stream.closed:
+                self._finalize_stream_locked(stream, fully_closed=True)
+            return data
+        if stream.reset_received:
+            raise MuxedStreamReset("Stream was reset")
+        if stream.recv_closed:
+            raise MuxedStreamEOF("Stream is closed for receiving")
+        if stream.closed:
+            raise MuxedStreamReset("Stream is reset or closed")
+        try:
+            await self.stream_events[stream_id].wait()
+            self.stream_events[stream_id] = trio.Event()
+        except KeyError:
+            raise MuxedStreamEOF("Stream was removed") from None
+
+
+async def _handle_incoming(self: Yamux) -> None:
+    setattr(self.secured_conn, _MUXER, self)
+    await _original_handle_incoming(self)
+
+
+def _buffered(reader: Any) -> int:
+    """Bytes a Noise session already holds decrypted (0 when it is not one)."""
+    return getattr(reader, "high_watermark", 0) - getattr(reader, "low_watermark", 0)
+
+
+async def _read_data_body(self: Yamux, length: int) -> bytes:
+    reader = self.secured_conn
+    if _buffered(reader) >= length:
+        return await io_utils.read_exactly(reader, length)
+    with trio.fail_after(yamux_module._yamux_data_read_timeout()):
+        return await io_utils.read_exactly(reader, length)
+
+
+async def _next_header(
+    reader: Any, n: int, retry_count: int = io_utils.DEFAULT_RETRY_READ_COUNT
+) -> bytes:
+    """The next header py-libp2p's frame loop has to handle itself.
+
+    Common frames are applied here, as that loop would apply them, and never reach it.
+    """
+    muxer: Yamux | None = getattr(reader, _MUXER, None)
+    while True:
+        header = await io_utils.read_exactly(reader, n, retry_count)
+        if muxer is None or n != HEADER_SIZE:
+            return header
+        version, kind, flags, stream_id, length = _HEADER.unpack(header)
+        stream = muxer.streams.get(stream_id)
+        if version or flags or stream is None or stream.closed or stream.recv_closed:
+            return header
+        if kind == TYPE_WINDOW_UPDATE:
+            stream.send_window += length
+        elif kind == TYPE_DATA and 0 < length <= MAX_WINDOW_SIZE:
+            data = await muxer._read_data_body(length)
+            # The stream may have gone while the body was read: its bytes go with it.
+            if muxer.streams.get(stream_id) is stream:
+                stream.recv_window = max(0, stream.recv_window - length)
+                muxer.stream_buffers[stream_id].extend(data)
+                muxer.stream_events[stream_id].set()
+        else:
+            return header

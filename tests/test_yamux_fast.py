@@ -1,0 +1,227 @@
+"""protocol/yamux_fast.py: the lean frame paths do what py-libp2p 0.8.1's own code does
+(frames through the whole patched stack: tests/test_link.py, tests/test_fleet_e2e.py)."""
+
+from __future__ import annotations
+
+import importlib.util
+import itertools
+import os
+import socket
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import multiaddr
+import pytest
+import trio
+import trio.testing
+from libp2p import new_host
+from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.stream_muxer.yamux import yamux as yamux_module
+from libp2p.stream_muxer.yamux.yamux import (
+    FLAG_FIN,
+    TYPE_DATA,
+    TYPE_PING,
+    TYPE_WINDOW_UPDATE,
+    YAMUX_HEADER_FORMAT,
+)
+
+from agent.forward import BackendClients
+from agent.link import SILENT_PERIODS, RouterSession, Status
+from protocol import p2p, yamux_fast
+
+
+def _pristine_yamux() -> Any:
+    """py-libp2p's yamux module as shipped, loaded apart from the patched one."""
+    spec = importlib.util.spec_from_file_location("pristine_yamux", yamux_module.__file__)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class FakeStream:
+    closed: bool = False
+    recv_closed: bool = False
+    reset_received: bool = False
+    send_window: int = 0
+    recv_window: int = 1000
+
+
+@dataclass
+class FakeMuxer:
+    streams: dict[int, FakeStream] = field(default_factory=dict)
+    stream_buffers: dict[int, bytearray] = field(default_factory=dict)
+    stream_events: dict[int, trio.Event] = field(default_factory=dict)
+    event_shutting_down: trio.Event = field(default_factory=trio.Event)
+    streams_lock: trio.Lock = field(default_factory=trio.Lock)
+    finalized: list[FakeStream] = field(default_factory=list)
+    peer_id: str = "peer"
+    secured_conn: Any = None
+
+    def _finalize_stream_locked(self, stream: FakeStream, fully_closed: bool) -> None:
+        self.finalized.append(stream)
+
+    async def _read_data_body(self, length: int) -> bytes:
+        return await yamux_fast._read_data_body(self, length)  # type: ignore[arg-type]
+
+
+async def _outcome(read_stream: Any, muxer: FakeMuxer, n: int) -> tuple:
+    with trio.move_on_after(0.02):
+        try:
+            data = await read_stream(muxer, 1, n)
+        except Exception as exc:
+            return ("raised", type(exc).__name__, len(muxer.finalized))
+        return ("data", data, bytes(muxer.stream_buffers.get(1, b"")), len(muxer.finalized))
+    return ("waits",)
+
+
+async def test_read_stream_matches_py_libp2p_in_every_state() -> None:
+    original = _pristine_yamux().Yamux.read_stream
+    states = itertools.product(
+        (True, False),  # stream known
+        (False, True),  # connection shutting down
+        (None, b"", b"abcdef"),  # buffer
+        (False, True),  # recv_closed
+        (False, True),  # reset_received
+        (False, True),  # closed
+        (-1, 3),  # n
+    )
+    for known, shutting, buffer, recv_closed, reset, closed, n in states:
+        outcomes = []
+        for read_stream in (original, yamux_fast._read_stream):
+            muxer = FakeMuxer()
+            if known:
+                muxer.streams[1] = FakeStream(closed, recv_closed, reset)
+            if buffer is not None:
+                muxer.stream_buffers[1] = bytearray(buffer)
+            muxer.stream_events[1] = trio.Event()
+            if shutting:
+                muxer.event_shutting_down.set()
+            outcomes.append(await _outcome(read_stream, muxer, n))
+        assert outcomes[0] == outcomes[1], (known, shutting, buffer, recv_closed, reset, closed)
+
+
+class BytesReader:
+    """A secured connection holding `data`, read the way py-libp2p reads one."""
+
+    def __init__(self, data: bytes, muxer: FakeMuxer) -> None:
+        self.data = data
+        self._hivenet_muxer = muxer
+
+    async def read(self, n: int | None = None) -> bytes:
+        await trio.lowlevel.checkpoint()
+        taken, self.data = self.data[: n or len(self.data)], self.data[n or len(self.data) :]
+        return taken
+
+
+def frame(kind: int, flags: int, stream_id: int, length: int, body: bytes = b"") -> bytes:
+    return struct.pack(YAMUX_HEADER_FORMAT, 0, kind, flags, stream_id, length) + body
+
+
+async def test_common_frames_are_applied_and_the_rest_reach_py_libp2p() -> None:
+    muxer = FakeMuxer()
+    muxer.streams[1] = FakeStream(send_window=10)
+    muxer.stream_buffers[1] = bytearray()
+    muxer.stream_events[1] = trio.Event()
+    fin = frame(TYPE_DATA, FLAG_FIN, 1, 2, b"zz")
+    reader = BytesReader(
+        frame(TYPE_WINDOW_UPDATE, 0, 1, 500)
+        + frame(TYPE_DATA, 0, 1, 5, b"hello")
+        + frame(TYPE_DATA, 0, 7, 3, b"abc")  # a stream this side does not know
+        + fin,
+        muxer,
+    )
+    muxer.secured_conn = reader
+    header = await yamux_fast._next_header(reader, 12)
+    assert header == frame(TYPE_DATA, 0, 7, 3)
+    assert muxer.streams[1].send_window == 510
+    assert bytes(muxer.stream_buffers[1]) == b"hello"
+    assert muxer.streams[1].recv_window == 995
+    assert muxer.stream_events[1].is_set()
+    assert reader.data == b"abc" + fin  # the loop reads the body of what it handles
+    reader.data = fin
+    assert await yamux_fast._next_header(reader, 12) == fin[:12]
+    # A ping is py-libp2p's too, and a body read is never taken for a header.
+    reader.data = frame(TYPE_PING, 1, 0, 9)
+    assert await yamux_fast._next_header(reader, 12) == frame(TYPE_PING, 1, 0, 9)
+    reader.data = b"x" * 12
+    assert await yamux_fast._read_data_body(muxer, 12) == b"x" * 12  # type: ignore[arg-type]
+
+
+async def test_a_body_for_a_stream_gone_meanwhile_is_dropped() -> None:
+    muxer = FakeMuxer()
+    muxer.streams[1] = FakeStream()
+    muxer.stream_buffers[1] = bytearray()
+    muxer.stream_events[1] = trio.Event()
+
+    class Slow(BytesReader):
+        async def read(self, n: int | None = None) -> bytes:
+            if n == 4:  # the body: the stream ends while it is on its way
+                muxer.streams.pop(1)
+            return await super().read(n)
+
+    reader = Slow(frame(TYPE_DATA, 0, 1, 4, b"late") + frame(TYPE_PING, 1, 0, 1), muxer)
+    muxer.secured_conn = reader
+    assert await yamux_fast._next_header(reader, 12) == frame(TYPE_PING, 1, 0, 1)
+    assert muxer.stream_buffers[1] == bytearray()
+    assert not muxer.stream_events[1].is_set()
+
+
+async def test_the_agent_has_the_kernel_watch_its_unacknowledged_heartbeats() -> None:
+    p2p.tune_libp2p()
+    listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+    server = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=listen)
+    client = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=[])
+
+    async def handler(stream: Any) -> None:
+        await trio.sleep_forever()
+
+    server.set_stream_handler("/test/1.0.0", handler)
+    async with (
+        server.run(listen_addrs=listen),
+        client.run(listen_addrs=[]),
+        BackendClients(1, httpx.Timeout(5.0)) as backend,
+    ):
+        info = info_from_p2p_addr(server.get_addrs()[0])
+        await client.connect(info)
+        stream = await client.new_stream(info.peer_id, ["/test/1.0.0"])
+        RouterSession(stream, {}, Status(), backend, "http://127.0.0.1:9", 2.0, 10.0)
+        sock = p2p.tcp_socket_of(stream)
+        assert sock is not None
+        option = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
+        assert option == SILENT_PERIODS * 2000
+        await stream.reset()
+        await client.close()
+        await server.close()
+
+
+def test_no_socket_under_a_stream_is_no_error() -> None:
+    ours, _ = trio.testing.memory_stream_pair()
+    assert p2p.tcp_socket_of(ours) is None
+    assert p2p.limit_unacknowledged(ours, 15) is False
+
+
+@pytest.mark.parametrize("size", [1, 200, yamux_fast._MAX_DATA, yamux_fast._MAX_DATA + 1, 200_000])
+async def test_stream_writes_are_the_frames_py_libp2p_writes(size: int) -> None:
+    pristine = _pristine_yamux()
+    frames: dict[str, list[bytes]] = {"ours": [], "theirs": []}
+
+    class Conn:
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        async def _write_frame(self, data: bytes) -> None:
+            frames[self.name].append(data)
+
+    ours = yamux_module.YamuxStream(5, Conn("ours"), True)  # type: ignore[arg-type]
+    theirs = pristine.YamuxStream(5, Conn("theirs"), True)
+    await yamux_fast._stream_write(ours, b"x" * size)
+    await theirs.write(b"x" * size)
+    assert frames["ours"] == frames["theirs"]
+    assert ours.send_window == theirs.send_window
+    if size <= yamux_fast._MAX_DATA:
+        assert frames["ours"] == [frame(TYPE_DATA, 0, 5, size, b"x" * size)]
