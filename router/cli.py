@@ -146,6 +146,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _invalid(path: str, noun: str, errors: list[str]) -> int:
+    """A check command's verdict on an invalid document: every problem, exit 1."""
+    print(f"{path}: invalid {noun}", file=sys.stderr)
+    for error in errors:
+        print(f"  - {error}", file=sys.stderr)
+    return 1
+
+
 def cmd_check_policy(args: argparse.Namespace) -> int:
     from router.policy.describe import describe, policy_warnings
     from router.policy.schema import PolicyError, load_policy_file
@@ -153,10 +161,7 @@ def cmd_check_policy(args: argparse.Namespace) -> int:
     try:
         policy = load_policy_file(args.file)
     except PolicyError as exc:
-        print(f"{args.file}: invalid policy", file=sys.stderr)
-        for error in exc.errors:
-            print(f"  - {error}", file=sys.stderr)
-        return 1
+        return _invalid(args.file, "policy", exc.errors)
     except OSError as exc:
         print(f"{args.file}: {exc}", file=sys.stderr)
         return 1
@@ -172,10 +177,7 @@ def cmd_check_auth(args: argparse.Namespace) -> int:
     try:
         config = load_auth_file(args.file)
     except AuthError as exc:
-        print(f"{args.file}: invalid auth file", file=sys.stderr)
-        for error in exc.errors:
-            print(f"  - {error}", file=sys.stderr)
-        return 1
+        return _invalid(args.file, "auth file", exc.errors)
     for tenant in config.tenants.values():
         view = tenant.public()
         limits = " ".join(f"{k}={v}" for k, v in view.items() if k not in ("name", "models") and v)

@@ -24,6 +24,14 @@ class DocumentError(ValueError):
         self.errors = errors
 
 
+def read_document(path: str | Path, error: type[DocumentError], noun: str) -> str:
+    """A document file's text; one that cannot be read is `error`, naming the file."""
+    try:
+        return Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise error([f"{path}: cannot read {noun} ({exc})"]) from None
+
+
 class DocumentStore(Generic[T]):
     """`kind` names the log events (`<kind>_reloaded`, `<kind>_reload_failed`) and the
     messages; a subclass parses (raising an error with `.errors`) and installs."""

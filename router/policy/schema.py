@@ -17,7 +17,7 @@ from typing import Any
 import yaml
 
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
-from router.documents import DocumentError
+from router.documents import DocumentError, read_document
 from router.peers import UNIVERSAL_FIELDS
 from router.policy.rank import NOT_IMPLEMENTED, STRATEGIES
 
@@ -175,11 +175,7 @@ def load_policy(text: str) -> Policy:
 
 
 def load_policy_file(path: str | Path) -> Policy:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise PolicyError([f"{path}: cannot read policy file ({exc})"]) from None
-    return load_policy(text)
+    return load_policy(read_document(path, PolicyError, "policy file"))
 
 
 def default_policy() -> Policy:

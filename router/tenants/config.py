@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from router.documents import DocumentError
+from router.documents import DocumentError, read_document
 from router.policy.schema import YamlInvalid, _hint, _is_number, _kind, parse_yaml
 
 TENANT_KEYS: tuple[str, ...] = (
@@ -122,11 +122,7 @@ def load_auth(text: str) -> AuthConfig:
 
 
 def load_auth_file(path: str | Path) -> AuthConfig:
-    try:
-        text = Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise AuthError([f"{path}: cannot read auth file ({exc})"]) from None
-    return load_auth(text)
+    return load_auth(read_document(path, AuthError, "auth file"))
 
 
 class _Validator:
