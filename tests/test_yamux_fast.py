@@ -30,6 +30,7 @@ from libp2p.stream_muxer.yamux.yamux import (
 
 from agent.forward import BackendClients
 from agent.link import SILENT_PERIODS, RouterSession, Status
+from protocol import messages as m
 from protocol import p2p, yamux_fast
 
 
@@ -197,6 +198,16 @@ async def test_the_agent_has_the_kernel_watch_its_unacknowledged_heartbeats() ->
         await stream.reset()
         await client.close()
         await server.close()
+
+
+async def test_the_agent_times_router_silence_by_the_welcomes_liveness_interval() -> None:
+    ours, _ = trio.testing.memory_stream_pair()
+    session = RouterSession(ours, {}, Status(), None, "http://127.0.0.1:9", 0.1, 1.0)  # type: ignore[arg-type]
+    session._on_message(m.welcome(0.1, "router", 2.0))
+    assert session.router_interval == 2.0
+    # A router that predates the field: its heartbeat period, as before.
+    session._on_message({"type": m.WELCOME, "heartbeat_interval": 0.5})
+    assert session.router_interval == 0.5
 
 
 def test_no_socket_under_a_stream_is_no_error() -> None:
