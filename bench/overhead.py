@@ -3,8 +3,8 @@ router and one agent to that same engine, in one run.
 
     python -m bench.overhead [--duration 5] [--concurrency 1,16,64,256]
 
-Reports requests/s, p50/p99 latency, the router's added latency, the router process's
-CPU seconds per 1,000 requests, and for streams time to first chunk and chunks/s.
+Reports requests/s, p50/p99 latency, the router's added latency, the router's and the
+agent's CPU seconds per 1,000 requests, and for streams time to first chunk and chunks/s.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ class Row:
     direct: Result
     routed: Result
     router_cpu_per_1k: float
+    agent_cpu_per_1k: float
 
 
 async def measure(
@@ -64,19 +65,23 @@ def main() -> None:
         sim_port, http, metrics, p2p = free_port(), free_port(), free_port(), free_port()
         procs.sim(MODEL, sim_port)
         router, addr = procs.router(http, metrics, p2p, "--queue-depth", "1024")
-        procs.agent(addr, MODEL, f"http://127.0.0.1:{sim_port}")
+        agent = procs.agent(addr, MODEL, f"http://127.0.0.1:{sim_port}")
         wait_models(f"http://127.0.0.1:{http}", MODEL, 1)
-        router_ps = psutil.Process(router.pid)
+        watched = [psutil.Process(router.pid), psutil.Process(agent.pid)]
 
         rows: list[Row] = []
         for mode, stream in (("non-streaming", False), ("streaming", True)):
             for c in levels:
                 direct = trio.run(measure, sim_port, stream, c, args.duration, args.tokens)
-                cpu0 = sum(router_ps.cpu_times()[:2])
+                before = [sum(p.cpu_times()[:2]) for p in watched]
                 routed = trio.run(measure, http, stream, c, args.duration, args.tokens)
-                cpu = sum(router_ps.cpu_times()[:2]) - cpu0
-                warm = routed.count * 1.25  # the warm-up ran a quarter of the duration
-                rows.append(Row(mode, c, direct, routed, cpu / max(warm, 1) * 1000))
+                # The warm-up ran a quarter of the duration.
+                per_1k = 1000 / max(routed.count * 1.25, 1)
+                router_cpu, agent_cpu = (
+                    (sum(p.cpu_times()[:2]) - b) * per_1k
+                    for p, b in zip(watched, before, strict=True)
+                )
+                rows.append(Row(mode, c, direct, routed, router_cpu, agent_cpu))
         ceiling = trio.run(generator_ceiling, args.duration, 64)
     finally:
         procs.close()
@@ -106,10 +111,10 @@ def report(rows: list[Row], ceiling: Result, args: argparse.Namespace) -> None:
     print()
     print(
         "| mode | clients | direct req/s | routed req/s | routed/direct | direct p50/p99 ms "
-        "| routed p50/p99 ms | added p50/p99 ms | router CPU s/1k req | TTFC p50 ms direct/routed "
-        "| chunks/s routed/direct |"
+        "| routed p50/p99 ms | added p50/p99 ms | router CPU s/1k req | agent CPU s/1k req "
+        "| TTFC p50 ms direct/routed | chunks/s routed/direct |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:
         d, x = r.direct.summary(), r.routed.summary()
         ttfc = (
@@ -123,7 +128,7 @@ def report(rows: list[Row], ceiling: Result, args: argparse.Namespace) -> None:
             f"| {x['rps'] / d['rps']:.2f} | {d['p50_ms']:.2f}/{d['p99_ms']:.2f} "
             f"| {x['p50_ms']:.2f}/{x['p99_ms']:.2f} "
             f"| {x['p50_ms'] - d['p50_ms']:.2f}/{x['p99_ms'] - d['p99_ms']:.2f} "
-            f"| {r.router_cpu_per_1k:.3f} | {ttfc} | {chunks} |"
+            f"| {r.router_cpu_per_1k:.3f} | {r.agent_cpu_per_1k:.3f} | {ttfc} | {chunks} |"
         )
         if d["errors"] or x["errors"]:
             print(f"|   errors: direct {d['errors']}, routed {x['errors']} |")

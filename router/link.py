@@ -58,10 +58,10 @@ class LinkSettings:
     def liveness_interval(self) -> float:
         """How long an idle session may go without a frame from the router.
 
-        Each frame costs the router more CPU than an agent heartbeat it receives,
-        most of it the socket write, so on an idle session the router speaks once per
-        six of the agent's periods instead of once per period (bench.fleet: 17 to 8
-        percent of a core for 1,000 agents, with the lean yamux paths). An agent still
+        A frame sent costs the router about as much CPU as an agent heartbeat it
+        receives, most of it the socket write, so on an idle session the router speaks
+        once per six of the agent's periods instead of once per period (bench.fleet:
+        17 to 8 percent of a core for 1,000 agents, with the lean yamux paths). An agent still
         notices a frozen router by its silence, and a dead host or network sooner, by
         TCP (agent/link.py).
         """
