@@ -14,6 +14,7 @@ import trio
 
 from sim import missing_extra
 from sim.app import SimEngine, create_sim_app
+from sim.state import DEFAULT_PREFIX_BLOCK_TOKENS, DEFAULT_PREFIX_CACHE_BLOCKS
 
 
 async def serve_sim(
@@ -51,19 +52,43 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-context", type=int, default=4096, help="context limit in words")
     parser.add_argument("--capacity", type=int, default=64, help="requests run at once")
     parser.add_argument("--embedding-dim", type=int, default=8)
+    parser.add_argument(
+        "--prefill-token-latency",
+        type=float,
+        default=0.0,
+        help="seconds of prefill per prompt token not in the prefix cache",
+    )
+    parser.add_argument(
+        "--prefix-block-tokens",
+        type=int,
+        default=DEFAULT_PREFIX_BLOCK_TOKENS,
+        help="tokens per prefix-cache block",
+    )
+    parser.add_argument(
+        "--prefix-cache-blocks",
+        type=int,
+        default=DEFAULT_PREFIX_CACHE_BLOCKS,
+        help="prefix-cache size in blocks (0: none)",
+    )
     args = parser.parse_args(argv)
     why = missing_extra()
     if why is not None:
         parser.exit(2, f"{parser.prog}: {why}\n")
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    app = create_sim_app(
-        args.model,
-        token_latency=args.token_latency,
-        ttft=args.ttft,
-        max_context=args.max_context,
-        capacity=args.capacity,
-        embedding_dim=args.embedding_dim,
-    )
+    try:
+        app = create_sim_app(
+            args.model,
+            token_latency=args.token_latency,
+            ttft=args.ttft,
+            max_context=args.max_context,
+            capacity=args.capacity,
+            embedding_dim=args.embedding_dim,
+            prefill_token_latency=args.prefill_token_latency,
+            prefix_block_tokens=args.prefix_block_tokens,
+            prefix_cache_blocks=args.prefix_cache_blocks,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     with contextlib.suppress(KeyboardInterrupt):
         trio.run(serve_sim, app, args.host, args.port)
 

@@ -22,9 +22,9 @@ def prepare_messages(engine: SimEngine, payload: dict[str, Any], started: float)
     if limit is None:
         # Required by Anthropic's API, unlike OpenAI's.
         raise RequestError(400, "max_tokens: Field required")
-    system_tokens = len(words(content_text(payload.get("system"))))
-    prompt_tokens, last_user = conversation(payload.get("messages"), system_tokens)
-    job = engine.job(last_user, prompt_tokens, limit, payload, started)
+    system = words(content_text(payload.get("system")))
+    prompt, last_user = conversation(payload.get("messages"), system)
+    job = engine.job(prompt, last_user, limit, payload, started)
     if payload.get("stream") is True:
         return partial(_messages_stream, engine, job)
     return partial(_messages_full, engine, job)

@@ -2,7 +2,9 @@
 
 Each look-alike API (`sim.openai`, `sim.anthropic`, `sim.vllm`) turns a request into a
 `Run`; the engine admits it, watches for the client leaving, and times the generation
-the way a client of a real engine sees it (TTFT, then one gap per token).
+the way a client of a real engine sees it: a prefill of `ttft` plus
+`prefill_token_latency` per prompt token missing from the prefix cache, then one
+`token_latency` gap per generated token.
 """
 
 from __future__ import annotations
@@ -22,7 +24,8 @@ from sim.asgi import TEXT_TYPE, Exchange, Handler, Receive, Send, dumps, lifespa
 from sim.faults import reply_failure
 from sim.generation import Emit, Job, RequestError, Run, answer, check_context
 from sim.metrics import METRICS_TYPE, EngineMetrics
-from sim.state import SimState
+from sim.prefix_cache import PrefixCache, block_hashes
+from sim.state import DEFAULT_PREFIX_BLOCK_TOKENS, DEFAULT_PREFIX_CACHE_BLOCKS, SimState
 
 Prepare = Callable[["SimEngine", dict[str, Any], float], Run]
 ErrorBody = Callable[[RequestError], bytes]
@@ -40,6 +43,9 @@ class SimEngine:
         max_context: int,
         capacity: int,
         embedding_dim: int,
+        prefill_token_latency: float,
+        prefix_block_tokens: int,
+        prefix_cache_blocks: int,
     ) -> None:
         if capacity <= 0 or max_context <= 0 or embedding_dim <= 0:
             raise ValueError("capacity, max_context and embedding_dim must be positive")
@@ -49,7 +55,16 @@ class SimEngine:
         self.capacity = capacity
         self.embedding_dim = embedding_dim
         self.state = SimState(token_latency=token_latency, ttft=ttft)
+        # Checked as `/sim/state` checks them: a bad start-up value is a ValueError.
+        self.state.update(
+            {
+                "prefill_token_latency": prefill_token_latency,
+                "prefix_block_tokens": prefix_block_tokens,
+                "prefix_cache_blocks": prefix_cache_blocks,
+            }
+        )
         self.metrics = EngineMetrics(model)
+        self.prefix_cache = PrefixCache()
         # The engine's scheduler: at most `capacity` requests run, the rest wait.
         self._slots = trio.Semaphore(capacity)
         self._ids = itertools.count(1)
@@ -205,16 +220,17 @@ class SimEngine:
     def job(
         self,
         prompt: list[str],
-        prompt_tokens: int,
+        last_user: list[str],
         max_tokens: int | None,
         payload: dict[str, Any],
         started: float,
     ) -> Job:
         """The generation a request asks for, checked against the context limit."""
+        prompt_tokens = len(prompt)
         check_context(self.max_context, prompt_tokens, max_tokens)
         limit = max_tokens if max_tokens is not None else self.max_context - prompt_tokens
-        pieces, finish = answer(prompt, limit, payload.get("ignore_eos") is True)
-        return Job(pieces, prompt_tokens, finish, started)
+        pieces, finish = answer(last_user, limit, payload.get("ignore_eos") is True)
+        return Job(prompt, pieces, finish, started)
 
     async def prefill(self, prompt_tokens: int) -> None:
         """A pooling request (embeddings, rerank): a slot for the prefill alone."""
@@ -232,11 +248,26 @@ class SimEngine:
         async with self._slots:
             await self._decode(job, emit)
 
+    async def _prefill_prompt(self, job: Job) -> None:
+        """Look the prompt up in the prefix cache, prefill what is missing, cache it all."""
+        state, metrics = self.state, self.metrics
+        block = state.prefix_block_tokens
+        hashes = block_hashes(job.prompt, block)
+        # vLLM computes the last prompt token even when it is cached (its logits give the
+        # first output token), so a hit covers at most the blocks before that token.
+        usable = max(0, job.prompt_tokens - 1) // block
+        job.cached_tokens = self.prefix_cache.match(hashes[:usable]) * block
+        metrics.prompt_tokens += job.prompt_tokens
+        metrics.prefix_cache_queries += job.prompt_tokens
+        metrics.prefix_cache_hits += job.cached_tokens
+        delay = state.ttft + state.prefill_token_latency * (job.prompt_tokens - job.cached_tokens)
+        if delay > 0:
+            await trio.sleep(delay)
+        self.prefix_cache.store(hashes, state.prefix_cache_blocks)
+
     async def _decode(self, job: Job, emit: Emit | None) -> None:
         state, metrics = self.state, self.metrics
-        metrics.prompt_tokens += job.prompt_tokens
-        if state.ttft > 0:
-            await trio.sleep(state.ttft)
+        await self._prefill_prompt(job)
         last = time.monotonic()
         metrics.ttft.observe(last - job.started)
         pieces = job.pieces
@@ -274,6 +305,9 @@ def create_sim_app(
     max_context: int = 4096,
     capacity: int = 64,
     embedding_dim: int = 8,
+    prefill_token_latency: float = 0.0,
+    prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS,
+    prefix_cache_blocks: int = DEFAULT_PREFIX_CACHE_BLOCKS,
 ) -> SimEngine:
     return SimEngine(
         model,
@@ -282,4 +316,7 @@ def create_sim_app(
         max_context=max_context,
         capacity=capacity,
         embedding_dim=embedding_dim,
+        prefill_token_latency=prefill_token_latency,
+        prefix_block_tokens=prefix_block_tokens,
+        prefix_cache_blocks=prefix_cache_blocks,
     )

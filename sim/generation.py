@@ -1,7 +1,7 @@
 """What a generation request asks for and the deterministic answer it gets.
 
 A "token" is a whitespace-separated word: tests and benchmarks can predict every count
-(usage, context limits, `max_tokens` cuts) from the prompt text alone.
+(usage, context limits, `max_tokens` cuts, cached tokens) from the prompt text alone.
 """
 
 from __future__ import annotations
@@ -26,20 +26,30 @@ class RequestError(Exception):
 
 @dataclass(slots=True)
 class Job:
-    """A generation: the answer as it is streamed, one piece per token."""
+    """A generation: the prompt as the engine sees it, and the answer, one piece per token."""
 
+    prompt: list[str]  # after the chat template (`template`)
     pieces: list[str]
-    prompt_tokens: int
     finish: str  # "stop" or "length" (OpenAI's names)
     started: float
+    cached_tokens: int = 0  # found in the prefix cache at prefill
 
-    def usage(self) -> dict[str, int]:
-        """OpenAI's usage record (chat and completions alike)."""
-        completion = len(self.pieces)
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt)
+
+    def usage(self) -> dict[str, Any]:
+        """OpenAI's usage record (chat and completions alike), with the cached share.
+
+        `prompt_tokens_details.cached_tokens` is where OpenAI reports cache hits, and vLLM
+        too (with `--enable-prompt-tokens-details`).
+        """
+        prompt, completion = self.prompt_tokens, len(self.pieces)
         return {
-            "prompt_tokens": self.prompt_tokens,
+            "prompt_tokens": prompt,
             "completion_tokens": completion,
-            "total_tokens": self.prompt_tokens + completion,
+            "total_tokens": prompt + completion,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
         }
 
 
@@ -66,6 +76,16 @@ def content_text(content: Any) -> str:
     return ""
 
 
+def template(role: str, turn: list[str]) -> list[str]:
+    """A turn's tokens as the engine sees them after its chat template.
+
+    Each word is tagged with its role, and the turn's first word with the turn's start, so
+    the same words said by another role or split over other turns are another prompt to
+    the prefix cache, as they are after a real template; the count stays the words'.
+    """
+    return [f"{role}\x01{word}" if i == 0 else f"{role}\x00{word}" for i, word in enumerate(turn)]
+
+
 def answer(prompt: list[str], limit: int | None, ignore_eos: bool) -> tuple[list[str], str]:
     """Deterministic answer pieces for the prompt words, and the finish reason."""
     echo = ["Echo:", *prompt]
@@ -81,19 +101,22 @@ def answer(prompt: list[str], limit: int | None, ignore_eos: bool) -> tuple[list
     return [echo[0], *(" " + w for w in echo[1:])] if echo else [], finish
 
 
-def conversation(messages: Any, prompt_tokens: int = 0) -> tuple[int, list[str]]:
-    """Prompt size and the last user turn's words of an OpenAI or Anthropic message list."""
+def conversation(messages: Any, system: list[str] | None = None) -> tuple[list[str], list[str]]:
+    """The templated prompt and the last user turn's words of an OpenAI or Anthropic
+    message list; `system` is Anthropic's top-level system prompt."""
     if not isinstance(messages, list) or not messages:
         raise RequestError(400, "`messages` must be a non-empty list")
+    prompt = template("system", system) if system else []
     last_user: list[str] = []
     for message in messages:
         if not isinstance(message, dict):
             raise RequestError(400, "each message must be an object")
         turn = words(content_text(message.get("content")))
-        prompt_tokens += len(turn)
-        if message.get("role") == "user":
+        role = message.get("role")
+        prompt += template(str(role), turn)
+        if role == "user":
             last_user = turn
-    return prompt_tokens, last_user
+    return prompt, last_user
 
 
 def max_tokens(payload: dict[str, Any], *keys: str) -> int | None:

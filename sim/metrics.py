@@ -48,7 +48,15 @@ def escape_label(value: str) -> str:
 class EngineMetrics:
     """What one engine has done since it started; the gauges come from its scheduler."""
 
-    __slots__ = ("generation_tokens", "itl", "labels", "prompt_tokens", "ttft")
+    __slots__ = (
+        "generation_tokens",
+        "itl",
+        "labels",
+        "prefix_cache_hits",
+        "prefix_cache_queries",
+        "prompt_tokens",
+        "ttft",
+    )
 
     def __init__(self, model: str) -> None:
         self.labels = f'engine="0",model_name="{escape_label(model)}"'
@@ -56,6 +64,9 @@ class EngineMetrics:
         self.itl = Histogram(ITL_BUCKETS)
         self.prompt_tokens = 0
         self.generation_tokens = 0
+        # In tokens, as vLLM counts them: prompt tokens looked up, and those found.
+        self.prefix_cache_queries = 0
+        self.prefix_cache_hits = 0
 
     def render(self, running: int, waiting: int, kv_cache_usage: float) -> str:
         labels = self.labels
@@ -75,6 +86,14 @@ class EngineMetrics:
             "# HELP vllm:generation_tokens_total Number of generation tokens processed.",
             "# TYPE vllm:generation_tokens_total counter",
             f"vllm:generation_tokens_total{{{labels}}} {float(self.generation_tokens)}",
+            "# HELP vllm:prefix_cache_queries_total Prefix cache queries, in terms of number "
+            "of queried tokens.",
+            "# TYPE vllm:prefix_cache_queries_total counter",
+            f"vllm:prefix_cache_queries_total{{{labels}}} {float(self.prefix_cache_queries)}",
+            "# HELP vllm:prefix_cache_hits_total Prefix cache hits, in terms of number of "
+            "cached tokens.",
+            "# TYPE vllm:prefix_cache_hits_total counter",
+            f"vllm:prefix_cache_hits_total{{{labels}}} {float(self.prefix_cache_hits)}",
             "# HELP vllm:time_to_first_token_seconds Histogram of time to first token in seconds.",
             "# TYPE vllm:time_to_first_token_seconds histogram",
         ]

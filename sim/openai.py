@@ -21,6 +21,7 @@ from sim.generation import (
     Run,
     conversation,
     max_tokens,
+    template,
     words,
 )
 
@@ -55,9 +56,9 @@ def _include_usage(payload: dict[str, Any]) -> bool:
 
 
 def prepare_chat(engine: SimEngine, payload: dict[str, Any], started: float) -> Run:
-    prompt_tokens, last_user = conversation(payload.get("messages"))
+    prompt, last_user = conversation(payload.get("messages"))
     limit = max_tokens(payload, "max_completion_tokens", "max_tokens")
-    job = engine.job(last_user, prompt_tokens, limit, payload, started)
+    job = engine.job(prompt, last_user, limit, payload, started)
     if payload.get("stream") is True:
         return partial(_chat_stream, engine, job, _include_usage(payload))
     return partial(_chat_full, engine, job)
@@ -140,7 +141,8 @@ def prepare_completion(engine: SimEngine, payload: dict[str, Any], started: floa
         raise RequestError(400, "`prompt` must be a string (one prompt per request)")
     prompt_words = words(prompt)
     limit = max_tokens(payload, "max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS
-    job = engine.job(prompt_words, len(prompt_words), limit, payload, started)
+    # A raw prompt gets no chat template: its words are tagged with no role.
+    job = engine.job(template("", prompt_words), prompt_words, limit, payload, started)
     if payload.get("stream") is True:
         return partial(_completion_stream, engine, job, _include_usage(payload))
     return partial(_completion_full, engine, job)

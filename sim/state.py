@@ -9,13 +9,28 @@ from typing import Any
 
 from sim.faults import MALFORMED
 
+# vLLM's block size on GPUs.
+DEFAULT_PREFIX_BLOCK_TOKENS = 16
+# 8,192 blocks of 16 tokens: 131,072 cached tokens, 16 GiB of KV for an 8B model (128 KiB
+# per token), what an 80 GB GPU keeps beside other requests; 1.3 MB of keys here (about 155
+# bytes each, measured).
+DEFAULT_PREFIX_CACHE_BLOCKS = 8192
+# Bounds the memory the keys may take: 160 MB at most.
+MAX_PREFIX_CACHE_BLOCKS = 1 << 20
+# A block longer than the default context (4,096 tokens) could never fill.
+MAX_PREFIX_BLOCK_TOKENS = 4096
+
 
 @dataclass
 class SimState:
     """Run-time knobs (settable through `POST /sim/state`) and counters."""
 
-    token_latency: float
-    ttft: float
+    token_latency: float  # decode: seconds per generated token after the first
+    ttft: float  # seconds to the first token, whatever the prompt
+    # Prefill: seconds per prompt token not found in the prefix cache, on top of `ttft`.
+    prefill_token_latency: float = 0.0
+    prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS
+    prefix_cache_blocks: int = DEFAULT_PREFIX_CACHE_BLOCKS  # 0: no prefix cache
     kv_cache_utilization: float | None = None  # None: follows the load
     healthy: bool = True
     # Anything but 200 makes `/metrics` fail with that status (an engine restarting).
@@ -97,5 +112,8 @@ SETTERS: dict[str, Callable[[Any], Any]] = {
     "malformed": _malformed_shape,
     "token_latency": _number(0.0),
     "ttft": _number(0.0),
+    "prefill_token_latency": _number(0.0),
+    "prefix_block_tokens": _integer(1, MAX_PREFIX_BLOCK_TOKENS),
+    "prefix_cache_blocks": _integer(0, MAX_PREFIX_CACHE_BLOCKS),
     "stall_after_tokens": _optional(_integer(0)),
 }

@@ -62,7 +62,7 @@ async def _rerank(
 def prepare_tokenize(engine: SimEngine, payload: dict[str, Any], started: float) -> Run:
     """A chat (`messages`) or a `prompt`, counted as generation counts it."""
     if "messages" in payload:
-        count, _ = conversation(payload["messages"])
+        count = len(conversation(payload["messages"])[0])
         prompt = [w for m in payload["messages"] for w in words(content_text(m.get("content")))]
     elif isinstance(payload.get("prompt"), str):
         prompt = words(payload["prompt"])
