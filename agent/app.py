@@ -131,7 +131,8 @@ class AgentDaemon:
         )
 
     async def _start_sim(self, nursery: trio.Nursery) -> str:
-        from agent.engines.sim import create_sim_app, serve_sim
+        from sim.__main__ import serve_sim
+        from sim.app import create_sim_app
 
         s = self.settings
         self.sim_app = create_sim_app(

@@ -56,6 +56,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.engine == "custom" and not (args.health_url and args.model):
         print("hivenet-agent: --engine custom needs --health-url and --model", file=sys.stderr)
         return 2
+    if args.engine == "sim":
+        from sim import missing_extra
+
+        why = missing_extra()
+        if why is not None:
+            print(f"hivenet-agent: --engine sim: {why}", file=sys.stderr)
+            return 2
     try:
         for address in args.router:
             parse_router_address(address)

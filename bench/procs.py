@@ -42,7 +42,7 @@ class Procs:
         return proc
 
     def sim(self, model: str, port: int, *extra: str) -> subprocess.Popen[bytes]:
-        argv = [sys.executable, "-m", "agent.engines.sim", "--model", model, "--port", str(port)]
+        argv = [sys.executable, "-m", "sim", "--model", model, "--port", str(port)]
         proc = self.spawn(f"sim-{port}", [*argv, "--capacity", "1024", *extra])
         wait_http(f"http://127.0.0.1:{port}/health")
         return proc

@@ -172,7 +172,7 @@ def test_count_tokens_is_refused_when_no_agent_has_a_tokenizer(
     # A llama.cpp agent (no /tokenize the router uses), its engine played by the sim.
     port = free_port()
     backend = subprocess.Popen(
-        [sys.executable, "-m", "agent.engines.sim", "--model", "m2", "--port", str(port)],
+        [sys.executable, "-m", "sim", "--model", "m2", "--port", str(port)],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )

@@ -17,7 +17,7 @@ import httpx
 import openai
 import pytest
 
-from agent.engines.sim import _embedding
+from sim.openai import embedding
 from tests.fleet import Agent, Fleet, Router, wait_until
 
 CLIENT_KEY = "sdk-client-key"
@@ -167,11 +167,11 @@ def test_openai_embeddings(sdk: SdkFleet) -> None:
         result = client.embeddings.create(model=EMBED, input=["first text", "second"], **extra)
         assert result.model == EMBED
         assert [d.index for d in result.data] == [0, 1]
-        assert _close(result.data[0].embedding, _embedding(b"first text", 8))
-        assert _close(result.data[1].embedding, _embedding(b"second", 8))
+        assert _close(result.data[0].embedding, embedding(b"first text", 8))
+        assert _close(result.data[1].embedding, embedding(b"second", 8))
         assert result.usage.prompt_tokens == 3
     sized = client.embeddings.create(model=EMBED, input="x", dimensions=16, encoding_format="float")
-    assert _close(sized.data[0].embedding, _embedding(b"x", 16))
+    assert _close(sized.data[0].embedding, embedding(b"x", 16))
 
 
 def test_rerank_with_httpx(sdk: SdkFleet) -> None:

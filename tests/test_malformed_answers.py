@@ -1,7 +1,7 @@
 """A 200 whose body is broken is a `backend_error`: retried on another agent, never relayed.
 
 Real router and agent processes; the bad agent's simulated engine answers with one of
-the broken shapes of `agent/engines/sim.py` (`malformed` in `/sim/state`). Each model
+the broken shapes of `sim/faults.py` (`malformed` in `/sim/state`). Each model
 has two agents; the bad one has the lower peer ID, so least-loaded ranking (ties to the
 lowest peer ID) tries it first, and the good one must then serve the client.
 """

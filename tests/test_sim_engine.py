@@ -6,9 +6,13 @@ from __future__ import annotations
 import base64
 import json
 import math
+import os
 import struct
+import subprocess
+import sys
 from collections.abc import Callable
 from functools import partial
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -17,7 +21,11 @@ import pytest
 import trio
 
 from agent.engines import get_adapter
-from agent.engines.sim import MALFORMED, SimEngine, create_sim_app, serve_sim
+from protocol.p2p import load_or_create_identity, peer_id_of
+from sim.__main__ import serve_sim
+from sim.app import SimEngine, create_sim_app
+from sim.faults import MALFORMED
+from tests.fleet import free_port, wait_until
 
 MODEL = "sim/test-model"
 
@@ -454,3 +462,89 @@ def test_state_is_json_serialisable() -> None:
     with pytest.raises(ValueError, match="fail_count"):
         app.update_state({"fail_count": True})
     assert json.loads(json.dumps(app.state.__dict__))["stall_after_tokens"] == 3
+
+
+# Runs in a fresh interpreter as if the `sim` extra were not installed: a None entry in
+# sys.modules makes `import hypercorn` raise ImportError, as a missing package does.
+_WITHOUT_HYPERCORN = "import sys; sys.modules['hypercorn'] = None; "
+
+
+def _python(code: str, **env: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, **env},
+        cwd=Path(__file__).parent.parent,
+    )
+
+
+def test_the_daemons_and_the_sim_adapter_load_neither_the_sim_nor_hypercorn() -> None:
+    loaded = _python(
+        "import sys, agent.app, agent.engines, router.app; "
+        "agent.engines.get_adapter('sim'); "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'sim', 'hypercorn'}))"
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == "[]"
+
+
+def test_the_sim_imports_neither_daemon() -> None:
+    loaded = _python(
+        "import sys, sim.__main__, sim.app; "
+        "print(sorted({m.split('.')[0] for m in sys.modules} & {'agent', 'router'}))"
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    assert loaded.stdout.strip() == "[]"
+
+
+def test_an_agent_with_engine_sim_but_no_sim_extra_exits_naming_the_extra(
+    tmp_path: Path,
+) -> None:
+    router = peer_id_of(load_or_create_identity(tmp_path / "router.key"))
+    argv = [
+        "--router",
+        f"/ip4/127.0.0.1/tcp/9/p2p/{router}",
+        "--engine",
+        "sim",
+        "--identity-path",
+        str(tmp_path / "agent.key"),
+    ]
+    agent = _python(
+        _WITHOUT_HYPERCORN + f"from agent.cli import main; sys.exit(main({argv!r}))",
+        HIVENET_ROUTER_JWT_SECRET="x" * 32,
+    )
+    assert agent.returncode == 2, agent.stderr
+    assert agent.stderr.strip() == (
+        "hivenet-agent: --engine sim: the simulated engine needs the `sim` extra (its HTTP "
+        "server, Hypercorn): pip install 'hivenet-router[sim]'"
+    )
+
+
+def test_python_m_sim_without_the_sim_extra_exits_naming_the_extra() -> None:
+    for module in ("sim", "agent.engines.sim"):
+        engine = _python(
+            _WITHOUT_HYPERCORN + "import runpy; sys.argv = ['x', '--model', 'm']; "
+            f"runpy.run_module({module!r}, run_name='__main__')"
+        )
+        assert engine.returncode == 2, engine.stderr
+        assert engine.stderr.strip().endswith("pip install 'hivenet-router[sim]'")
+
+
+@pytest.mark.parametrize("module", ["sim", "agent.engines.sim"])
+def test_both_commands_serve_the_engine(module: str) -> None:
+    port = free_port()
+    engine = subprocess.Popen(
+        [sys.executable, "-m", module, "--model", MODEL, "--port", str(port)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_until(lambda: httpx.get(url + "/health").is_success, 30, f"python -m {module}")
+        answer = httpx.post(url + "/v1/chat/completions", json=_chat("hello"))
+        assert answer.json()["choices"][0]["message"]["content"] == "Echo: hello"
+    finally:
+        engine.terminate()
+        engine.wait(10)

@@ -487,7 +487,7 @@ def test_exec_start_lines_run_become_ready_reload_and_stop(tmp_path: Path) -> No
         [
             str(VENV_BIN / "python"),
             "-m",
-            "agent.engines.sim",
+            "sim",
             "--model",
             model,
             "--port",

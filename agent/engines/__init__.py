@@ -31,7 +31,7 @@ def get_adapter(engine: str) -> EngineAdapter:
     """The adapter for an `--engine` value; ValueError for an unknown one."""
     if engine not in ENGINES:
         raise ValueError(f"unknown engine {engine!r}; expected one of {', '.join(ENGINES)}")
-    # Imported on demand: only `sim` needs the ASGI server, and `python -m
-    # agent.engines.sim` must not find its module already imported by the package.
+    # Imported on demand: `python -m agent.engines.sim` must not find its module
+    # already imported by the package.
     adapter: EngineAdapter = importlib.import_module(f"agent.engines.{engine}").ADAPTER
     return adapter

@@ -1,0 +1,95 @@
+"""Anthropic's Messages API (`/v1/messages`), plain and streamed, with its error shape."""
+
+from __future__ import annotations
+
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from sim.asgi import SSE_HEADERS, Exchange, dumps, sse_event
+from sim.generation import Job, RequestError, Run, content_text, conversation, max_tokens, words
+
+if TYPE_CHECKING:
+    from sim.app import SimEngine
+
+
+def error_body(error: RequestError) -> bytes:
+    kind = "not_found_error" if error.status == 404 else "invalid_request_error"
+    return dumps({"type": "error", "error": {"type": kind, "message": error.message}})
+
+
+def prepare_messages(engine: SimEngine, payload: dict[str, Any], started: float) -> Run:
+    limit = max_tokens(payload, "max_tokens")
+    if limit is None:
+        # Required by Anthropic's API, unlike OpenAI's.
+        raise RequestError(400, "max_tokens: Field required")
+    system = words(content_text(payload.get("system")))
+    prompt, last_user = conversation(payload.get("messages"), system)
+    job = engine.job(prompt, last_user, limit, payload, started)
+    if payload.get("stream") is True:
+        return partial(_messages_stream, engine, job)
+    return partial(_messages_full, engine, job)
+
+
+def _stop_reason(job: Job) -> str:
+    return "max_tokens" if job.finish == "length" else "end_turn"
+
+
+async def _messages_full(engine: SimEngine, job: Job, exchange: Exchange) -> None:
+    await engine.generate(job, None)
+    body = {
+        "id": f"msg_sim{engine.next_id()}",
+        "type": "message",
+        "role": "assistant",
+        "model": engine.model,
+        "content": [{"type": "text", "text": "".join(job.pieces)}],
+        "stop_reason": _stop_reason(job),
+        "stop_sequence": None,
+        "usage": {"input_tokens": job.prompt_tokens, "output_tokens": len(job.pieces)},
+    }
+    await exchange.reply(200, dumps(body))
+
+
+async def _messages_stream(engine: SimEngine, job: Job, exchange: Exchange) -> None:
+    message = {
+        "id": f"msg_sim{engine.next_id()}",
+        "type": "message",
+        "role": "assistant",
+        "model": engine.model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": job.prompt_tokens, "output_tokens": 0},
+    }
+    delta_head = (
+        b"event: content_block_delta\ndata: "
+        b'{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":'
+    )
+
+    async def emit(index: int, piece: str) -> None:
+        await exchange.chunk(delta_head + dumps(piece) + b"}}\n\n")
+
+    await exchange.start(200, SSE_HEADERS)
+    await exchange.chunk(
+        sse_event("message_start", {"type": "message_start", "message": message})
+        + sse_event(
+            "content_block_start",
+            {
+                "type": "content_block_start",
+                "index": 0,
+                "content_block": {"type": "text", "text": ""},
+            },
+        )
+    )
+    await engine.generate(job, emit)
+    await exchange.finish(
+        sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        + sse_event(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": _stop_reason(job), "stop_sequence": None},
+                "usage": {"output_tokens": len(job.pieces)},
+            },
+        )
+        + sse_event("message_stop", {"type": "message_stop"})
+    )

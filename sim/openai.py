@@ -1,0 +1,257 @@
+"""OpenAI's API as vLLM serves it: chat completions, legacy completions, embeddings.
+
+Stream chunks are built from pre-encoded pieces: benchmarks use the sim as the baseline
+engine, so the request path does no per-chunk JSON encoding beyond the token's text.
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import math
+import struct
+import time
+from functools import partial
+from typing import TYPE_CHECKING, Any
+
+from sim.asgi import SSE_DONE, SSE_HEADERS, Exchange, dumps
+from sim.generation import (
+    Job,
+    RequestError,
+    Run,
+    conversation,
+    max_tokens,
+    template,
+    words,
+)
+
+if TYPE_CHECKING:
+    from sim.app import SimEngine
+
+# Legacy completions default to 16 tokens in OpenAI's API and in vLLM.
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+# Bounds the work one request can ask for; real embedding models stay far below.
+MAX_EMBEDDING_DIM = 65536
+
+
+def error_body(error: RequestError) -> bytes:
+    """vLLM's error shape for the OpenAI endpoints."""
+    return dumps(
+        {
+            "object": "error",
+            "message": error.message,
+            "type": error.kind,
+            "param": None,
+            "code": error.status,
+        }
+    )
+
+
+def _include_usage(payload: dict[str, Any]) -> bool:
+    options = payload.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
+
+
+# Chat ---------------------------------------------------------------------------------
+
+
+def prepare_chat(engine: SimEngine, payload: dict[str, Any], started: float) -> Run:
+    prompt, last_user = conversation(payload.get("messages"))
+    limit = max_tokens(payload, "max_completion_tokens", "max_tokens")
+    job = engine.job(prompt, last_user, limit, payload, started)
+    if payload.get("stream") is True:
+        return partial(_chat_stream, engine, job, _include_usage(payload))
+    return partial(_chat_full, engine, job)
+
+
+async def _chat_full(engine: SimEngine, job: Job, exchange: Exchange) -> None:
+    await engine.generate(job, None)
+    body = {
+        "id": f"chatcmpl-sim{engine.next_id()}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": engine.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": "".join(job.pieces)},
+                "logprobs": None,
+                "finish_reason": job.finish,
+            }
+        ],
+        "usage": job.usage(),
+    }
+    await exchange.reply(200, dumps(body))
+
+
+async def _chat_stream(
+    engine: SimEngine, job: Job, include_usage: bool, exchange: Exchange
+) -> None:
+    request_id = f"chatcmpl-sim{engine.next_id()}"
+    head = (
+        b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,'
+        b'"choices":[{"index":0,"delta":{'
+    ) % (request_id.encode(), int(time.time()), engine.model_json)
+    open_tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+    role = head + b'"role":"assistant","content":""' + open_tail
+
+    async def emit(index: int, piece: str) -> None:
+        data = head + b'"content":' + dumps(piece) + open_tail
+        await exchange.chunk(role + data if index == 0 else data)
+
+    await exchange.start(200, SSE_HEADERS)
+    await engine.generate(job, emit)
+    end = head + b'},"logprobs":null,"finish_reason":"%s"}]}\n\n' % job.finish.encode()
+    await _finish_stream(
+        engine, exchange, end, request_id, "chat.completion.chunk", job, include_usage
+    )
+
+
+async def _finish_stream(
+    engine: SimEngine,
+    exchange: Exchange,
+    end: bytes,
+    request_id: str,
+    kind: str,
+    job: Job,
+    include_usage: bool,
+) -> None:
+    """The last chunk, the usage chunk when asked for (`stream_options`), `[DONE]`."""
+    if include_usage:
+        usage = {
+            "id": request_id,
+            "object": kind,
+            "created": int(time.time()),
+            "model": engine.model,
+            "choices": [],
+            "usage": job.usage(),
+        }
+        end += b"data: " + dumps(usage) + b"\n\n"
+    await exchange.finish(end + SSE_DONE)
+
+
+# Legacy completions -------------------------------------------------------------------
+
+
+def prepare_completion(engine: SimEngine, payload: dict[str, Any], started: float) -> Run:
+    prompt = payload.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str):
+        raise RequestError(400, "`prompt` must be a string (one prompt per request)")
+    prompt_words = words(prompt)
+    limit = max_tokens(payload, "max_tokens") or COMPLETIONS_DEFAULT_MAX_TOKENS
+    # A raw prompt gets no chat template: its words are tagged with no role.
+    job = engine.job(template("", prompt_words), prompt_words, limit, payload, started)
+    if payload.get("stream") is True:
+        return partial(_completion_stream, engine, job, _include_usage(payload))
+    return partial(_completion_full, engine, job)
+
+
+async def _completion_full(engine: SimEngine, job: Job, exchange: Exchange) -> None:
+    await engine.generate(job, None)
+    body = {
+        "id": f"cmpl-sim{engine.next_id()}",
+        "object": "text_completion",
+        "created": int(time.time()),
+        "model": engine.model,
+        "choices": [
+            {
+                "index": 0,
+                "text": "".join(job.pieces),
+                "logprobs": None,
+                "finish_reason": job.finish,
+            }
+        ],
+        "usage": job.usage(),
+    }
+    await exchange.reply(200, dumps(body))
+
+
+async def _completion_stream(
+    engine: SimEngine, job: Job, include_usage: bool, exchange: Exchange
+) -> None:
+    request_id = f"cmpl-sim{engine.next_id()}"
+    head = (
+        b'data: {"id":"%s","object":"text_completion","created":%d,"model":%s,'
+        b'"choices":[{"index":0,"text":'
+    ) % (request_id.encode(), int(time.time()), engine.model_json)
+
+    async def emit(index: int, piece: str) -> None:
+        await exchange.chunk(head + dumps(piece) + b',"logprobs":null,"finish_reason":null}]}\n\n')
+
+    await exchange.start(200, SSE_HEADERS)
+    await engine.generate(job, emit)
+    end = head + b'"","logprobs":null,"finish_reason":"%s"}]}\n\n' % job.finish.encode()
+    await _finish_stream(engine, exchange, end, request_id, "text_completion", job, include_usage)
+
+
+# Embeddings ---------------------------------------------------------------------------
+
+
+def embedding(key: bytes, dim: int) -> list[float]:
+    """A unit vector that is a function of the input alone (tests recompute it)."""
+    raw = struct.unpack(f"<{dim}H", hashlib.shake_256(key).digest(2 * dim))
+    vector = [v / 32767.5 - 1.0 for v in raw]
+    norm = math.sqrt(sum(v * v for v in vector)) or 1.0
+    return [v / norm for v in vector]
+
+
+def prepare_embeddings(engine: SimEngine, payload: dict[str, Any], started: float) -> Run:
+    items = payload.get("input")
+    if isinstance(items, str) or (
+        isinstance(items, list) and items and all(isinstance(t, int) for t in items)
+    ):
+        items = [items]
+    if not isinstance(items, list) or not items:
+        raise RequestError(400, "`input` must be a string, a list of strings or token ids")
+    inputs: list[tuple[bytes, int]] = []
+    for item in items:
+        if isinstance(item, str):
+            inputs.append((item.encode(), len(words(item))))
+        elif isinstance(item, list) and all(isinstance(t, int) for t in item):
+            inputs.append((dumps(item), len(item)))
+        else:
+            raise RequestError(400, "`input` items must be strings or lists of token ids")
+    for _, tokens in inputs:
+        if tokens > engine.max_context:
+            raise RequestError(
+                400,
+                f"This model's maximum context length is {engine.max_context} tokens. "
+                f"However, you requested {tokens} tokens in the input for embedding "
+                "generation. Please reduce the length of the input.",
+            )
+    dim = payload.get("dimensions") or engine.embedding_dim
+    if isinstance(dim, bool) or not isinstance(dim, int) or not 0 < dim <= MAX_EMBEDDING_DIM:
+        raise RequestError(400, f"`dimensions` must be an integer in [1, {MAX_EMBEDDING_DIM}]")
+    encoding = payload.get("encoding_format") or "float"
+    if encoding not in ("float", "base64"):
+        raise RequestError(400, "`encoding_format` must be 'float' or 'base64'")
+    return partial(_embeddings, engine, inputs, dim, encoding == "base64")
+
+
+async def _embeddings(
+    engine: SimEngine,
+    inputs: list[tuple[bytes, int]],
+    dim: int,
+    as_base64: bool,
+    exchange: Exchange,
+) -> None:
+    prompt_tokens = sum(tokens for _, tokens in inputs)
+    await engine.prefill(prompt_tokens)
+    data = []
+    for index, (key, _) in enumerate(inputs):
+        vector = embedding(key, dim)
+        encoded: list[float] | str = (
+            base64.b64encode(struct.pack(f"<{dim}f", *vector)).decode() if as_base64 else vector
+        )
+        data.append({"object": "embedding", "index": index, "embedding": encoded})
+    body = {
+        "id": f"embd-sim{engine.next_id()}",
+        "object": "list",
+        "created": int(time.time()),
+        "model": engine.model,
+        "data": data,
+        "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    }
+    await exchange.reply(200, dumps(body))
