@@ -8,10 +8,11 @@ from typing import Any
 
 import trio
 
-from protocol.errors import ErrorCode, RouterError
+from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
 from router.capacity import WaitQueue
 from router.http import admin
+from router.http.admin_auth import admin_auth
 from router.http.asgi import (
     Receive,
     Scope,
@@ -20,13 +21,13 @@ from router.http.asgi import (
     send_bytes,
     send_json,
 )
-from router.http.auth import AdminKeys, ClientKeys
-from router.http.client import ENDPOINTS, ClientApi, error_payload
+from router.http.auth import AdminKeys, presented_keys
+from router.http.client import ENDPOINTS, TICKET, ClientApi
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.policy.store import PolicyStore
-from router.tenants.admin_api import admin_auth
 from router.tenants.gate import TenantGate
+from router.tenants.keys import ClientKeys
 
 log = logging.getLogger("http")
 
@@ -89,7 +90,7 @@ class RouterApp:
         except Exception:
             # A bug must cost one request, never the daemon.
             if path.startswith("/v1/"):
-                tenant = self.client_keys.tenant(scope) or "-"
+                tenant = self.client_keys.tenant(presented_keys(scope, allow_x_api_key=True)) or "-"
             log.exception("req=%s handler_error path=%s tenant=%s", rid, quote(path), quote(tenant))
             status = 500
             err = RouterError(ErrorCode.INTERNAL_ERROR, "internal router error")
@@ -101,7 +102,7 @@ class RouterApp:
             self.metrics.requests.labels(path, str(status), tenant).inc()
             self.metrics.duration.labels(path, tenant).observe(elapsed)
             if self.tenants:
-                self.tenants.audit(scope, path, rid, tenant, status, elapsed)
+                self.tenants.audit(scope.get(TICKET), path, rid, tenant, status, elapsed)
         log.info(
             "req=%s method=%s path=%s status=%d tenant=%s duration_ms=%.1f",
             rid,
@@ -118,7 +119,8 @@ class RouterApp:
         path, method = scope["path"], scope["method"]
         protocol = protocol_of(path)
         extra = [("x-request-id", rid)]
-        tenant = self.tenants.identify(scope) if self.tenants else self.client_keys.tenant(scope)
+        keys = presented_keys(scope, allow_x_api_key=True)
+        tenant = self.tenants.identify(keys) if self.tenants else self.client_keys.tenant(keys)
         if tenant is None:
             err = RouterError(
                 ErrorCode.UNAUTHORIZED,
@@ -135,7 +137,8 @@ class RouterApp:
                 return 503, tenant
             self.inflight += 1
             self.idle = trio.Event()
-            ticket = self.tenants.open(scope, rid, tenant) if self.tenants else None
+            ticket = self.tenants.open(rid, tenant) if self.tenants else None
+            scope[TICKET] = ticket
             try:
                 record = ticket.record if ticket is not None else None
                 priority = record.priority if record is not None else 0

@@ -9,12 +9,7 @@ from dataclasses import dataclass
 
 import trio
 
-from protocol.errors import (
-    ErrorCode,
-    RouterError,
-    anthropic_error_body,
-    openai_error_body,
-)
+from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
 from router.dispatch import Dispatcher, ProviderServed
 from router.http import count_tokens
@@ -34,7 +29,7 @@ from router.link import AgentResponse, StreamBroken
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.session import BackendRejected, RouteRequest
-from router.tenants.gate import TICKET, Ticket
+from router.tenants.gate import Ticket
 
 log = logging.getLogger("http")
 
@@ -46,6 +41,8 @@ ENDPOINTS: dict[str, tuple[str, str]] = {
     "/v1/rerank": ("reranker", "openai"),
     count_tokens.COUNT_TOKENS_PATH: ("llm", "anthropic"),
 }
+# Where the app keeps a request's tenant ticket in its ASGI scope.
+TICKET = "hivenet.ticket"
 # Model names are short; a longer one is an error, not a multi-megabyte log line.
 MAX_MODEL_NAME = 1024
 _FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "anthropic-version", "anthropic-beta")
@@ -71,10 +68,6 @@ def parse_json_object(body: bytes) -> tuple[dict | None, str]:
     if not isinstance(payload, dict):
         return None, "body must be a JSON object"
     return payload, ""
-
-
-def error_payload(protocol: str, err: RouterError) -> dict:
-    return anthropic_error_body(err) if protocol == "anthropic" else openai_error_body(err)
 
 
 def sse_error(protocol: str, err: RouterError) -> bytes:
