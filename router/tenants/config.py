@@ -135,21 +135,16 @@ class _Validator(Validator):
         by_hash: dict[str, Tenant] = {}
         owner: dict[str, str] = {}
         for name, body in raw.items():
-            tenant = self.tenant(str(name), body)
+            tenant = self.tenant(str(name), body, owner)
             if tenant is None:
                 continue
             tenants[tenant.name] = tenant
-            for digest in tenant.key_hashes:
-                if digest in owner:
-                    self.error(
-                        f"tenants.{name}.keys",
-                        f"key {digest[:19]}… is also a key of tenant {owner[digest]!r}",
-                    )
-                owner[digest] = tenant.name
-                by_hash[digest] = tenant
+            by_hash.update(dict.fromkeys(tenant.key_hashes, tenant))
         return AuthConfig(tenants, by_hash, source)
 
-    def tenant(self, name: str, raw: object) -> Tenant | None:
+    def tenant(self, name: str, raw: object, owner: dict[str, str]) -> Tenant | None:
+        """The tenant, or None when it has errors. `owner` maps each key hash seen so
+        far to its tenant, valid or not, so that no other error hides a shared key."""
         path = f"tenants.{name}"
         before = len(self.errors)
         if not _NAME.match(name):
@@ -173,6 +168,12 @@ class _Validator(Validator):
         priority = self.integer(f"{path}.priority", raw.get("priority"), -1000, 1000)
         if ints["burst"] and not ints["requests_per_minute"]:
             self.error(f"{path}.burst", "needs requests_per_minute (the bucket's refill rate)")
+        for digest in keys:
+            if digest in owner:
+                self.error(
+                    f"{path}.keys", f"key {digest[:19]}… is also a key of tenant {owner[digest]!r}"
+                )
+            owner[digest] = name
         if len(self.errors) > before:
             return None
         return Tenant(
