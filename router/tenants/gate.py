@@ -233,6 +233,10 @@ class Ticket:
             )
         return refusal
 
+    def answered_with(self, code: ErrorCode) -> None:
+        """The error code the client got (a refusal, or the error that cut its stream)."""
+        self.code = str(code)
+
     def served_by(self, step: str, agent: str) -> None:
         self.step, self.agent = step, agent
 
