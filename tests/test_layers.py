@@ -98,7 +98,7 @@ class _Imports(ast.NodeVisitor):
         self.path = path
         self.importer = importer
         self.is_package = is_package
-        self.depth = 0  # functions enclosing the node being visited
+        self.depth = 0  # functions (or `__main__` blocks) enclosing the node visited
         self.edges: list[Edge] = []
 
     def visit_FunctionDef(self, node: ast.FunctionDef) -> None:
@@ -107,6 +107,24 @@ class _Imports(ast.NodeVisitor):
         self.depth -= 1
 
     visit_AsyncFunctionDef = visit_FunctionDef  # type: ignore[assignment]
+
+    def visit_If(self, node: ast.If) -> None:
+        # `if __name__ == "__main__":` runs only when the file is run as a script: its
+        # imports are as lazy as a function's.
+        script = (
+            isinstance(node.test, ast.Compare)
+            and isinstance(node.test.left, ast.Name)
+            and node.test.left.id == "__name__"
+            and any(
+                isinstance(c, ast.Constant) and c.value == "__main__" for c in node.test.comparators
+            )
+        )
+        self.depth += script
+        for child in node.body:
+            self.visit(child)
+        self.depth -= script
+        for child in node.orelse:
+            self.visit(child)
 
     def visit_Import(self, node: ast.Import) -> None:
         for alias in node.names:
@@ -210,7 +228,9 @@ def test_the_check_names_the_file_line_and_edge_of_each_forbidden_import(
         "agent/__init__.py": "",
         "agent/app.py": "def start():\n    import sim.app\n",
         "agent/engines/__init__.py": "",
-        "agent/engines/sim.py": "from sim import app\n",
+        "agent/engines/sim.py": (
+            'from sim import app\n\nif __name__ == "__main__":\n    from sim.__main__ import main\n'
+        ),
         "sim/__init__.py": "",
         "sim/app.py": "from protocol import errors\nimport agent.engines\n",
     }
