@@ -33,6 +33,8 @@ from router.tenants.gate import Ticket
 
 log = logging.getLogger("http")
 
+# Where the app keeps a request's tenant ticket in its ASGI scope.
+TICKET = "hivenet.ticket"
 # endpoint -> (capability, error protocol)
 ENDPOINTS: dict[str, tuple[str, str]] = {
     "/v1/chat/completions": ("llm", "openai"),
@@ -41,8 +43,6 @@ ENDPOINTS: dict[str, tuple[str, str]] = {
     "/v1/rerank": ("reranker", "openai"),
     count_tokens.COUNT_TOKENS_PATH: ("llm", "anthropic"),
 }
-# Where the app keeps a request's tenant ticket in its ASGI scope.
-TICKET = "hivenet.ticket"
 # Model names are short; a longer one is an error, not a multi-megabyte log line.
 MAX_MODEL_NAME = 1024
 _FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "anthropic-version", "anthropic-beta")
@@ -112,10 +112,10 @@ class ClientApi:
         capability, protocol = ENDPOINTS[path]
         received = trio.current_time()
         extra = [("x-request-id", rid)]
-        ticket: Ticket | None = scope.get(TICKET)
 
         async def fail(err: RouterError) -> int:
-            return await send_error(send, protocol, err, [*extra, *err.retry_headers()], ticket)
+            headers = [*extra, *err.retry_headers()]
+            return await send_error(send, protocol, err, headers, scope.get(TICKET))
 
         deadline = received + self.settings.request_timeout
         try:
@@ -149,6 +149,7 @@ class ClientApi:
                     ErrorCode.REQUEST_INVALID, f"field 'model' is longer than {MAX_MODEL_NAME}"
                 )
             )
+        ticket: Ticket | None = scope.get(TICKET)
         if ticket is not None:
             refused = await ticket.admit(model, len(body))
             if refused is not None:
