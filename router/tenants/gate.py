@@ -2,9 +2,9 @@
 
 The HTTP layer asks `TenantGate.identify` for the tenant of the keys a caller presented
 and opens a `Ticket` per inference request; the client API admits the ticket once the
-model is known, the ticket records where the request went and the engine's token usage,
-and closing it gives back the concurrent slot, charges the tokens and writes the audit
-line.
+model is known, the ticket records where the request went, the engine's token usage
+and the error code the client got, and closing it gives back the concurrent slot and
+charges the tokens. `TenantGate.audit` writes the ticket's audit line.
 """
 
 from __future__ import annotations
