@@ -175,6 +175,11 @@ def anthropic_error_body(err: RouterError) -> dict:
     }
 
 
+def error_payload(protocol: str, err: RouterError) -> dict:
+    """`err` as a caller of `protocol` ("anthropic" or "openai") reads an error."""
+    return anthropic_error_body(err) if protocol == "anthropic" else openai_error_body(err)
+
+
 def classify_backend_status(status: int, body: bytes) -> ErrorCode | None:
     """Map an engine's HTTP answer to an error code; None when it is a success.
 

@@ -19,7 +19,7 @@ from router.agent_metrics import AgentCollector
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
 from router.http.app import RouterApp, with_lifespan
-from router.http.auth import AdminKeys, ClientKeys
+from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
 from router.http.server import HttpServer
 from router.link import AgentLink, LinkSettings
@@ -33,6 +33,7 @@ from router.providers import ProviderClient
 from router.session import RoutingSession
 from router.settings import RouterSettings
 from router.tenants.gate import GateSettings, TenantGate
+from router.tenants.keys import ClientKeys
 
 log = logging.getLogger("router")
 

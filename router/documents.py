@@ -1,12 +1,19 @@
-"""A YAML document the router runs on (its policy, its auth file) and its reloads from
-SIGHUP and the admin API: a bad document never replaces a good one."""
+"""A YAML document the router runs on (its policy, its auth file): its parsing, the
+validation both loaders share, and its reloads from SIGHUP and the admin API: a bad
+document never replaces a good one.
+
+Validation collects every error with the path of the offending field, because an
+operator fixing a rejected file should not have to reload it once per mistake.
+"""
 
 from __future__ import annotations
 
+import difflib
 import logging
 from pathlib import Path
-from typing import Generic, TypeVar
+from typing import Any, Generic, TypeVar
 
+import yaml
 from prometheus_client import Counter
 
 from protocol.logs import quote
@@ -22,6 +29,175 @@ class DocumentError(ValueError):
     def __init__(self, errors: list[str]) -> None:
         super().__init__(f"invalid {self.label}: " + "; ".join(errors))
         self.errors = errors
+
+
+class YamlInvalid(ValueError):
+    """Text that is not one YAML document; `errors` holds the reason."""
+
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("; ".join(errors))
+        self.errors = errors
+
+
+def parse_yaml(text: str) -> tuple[object, list[str]]:
+    """The YAML document, and its duplicate keys as errors; YamlInvalid when unreadable."""
+    try:
+        return _parse(text)
+    except yaml.YAMLError as exc:
+        raise YamlInvalid([yaml_error(exc)]) from None
+    except RecursionError:  # PyYAML composes nested collections recursively
+        raise YamlInvalid(["invalid YAML: collections nested too deeply"]) from None
+    except Exception as exc:  # PyYAML's constructors fail on some tagged scalars (`!!int`)
+        raise YamlInvalid([f"invalid YAML: {type(exc).__name__}: {exc}"]) from None
+
+
+def parse_document(text: str, error: type[DocumentError]) -> tuple[object, list[str]]:
+    """`parse_yaml` for a loader: text that is not YAML is `error` with the reason."""
+    try:
+        return parse_yaml(text)
+    except YamlInvalid as exc:
+        raise error(exc.errors) from None
+
+
+def _parse(text: str) -> tuple[object, list[str]]:
+    """The YAML document, and the duplicate keys PyYAML would silently overwrite."""
+    loader = yaml.SafeLoader(text)
+    try:
+        node = loader.get_single_node()
+        if node is None:
+            return None, []
+        duplicates: list[str] = []
+        find_duplicates(node, "", duplicates)
+        return loader.construct_document(node), duplicates
+    finally:
+        loader.dispose()
+
+
+def find_duplicates(
+    node: yaml.Node, path: str, found: list[str], visited: set[int] | None = None
+) -> None:
+    """Append to `found` each mapping key under `node` that repeats an earlier one."""
+    # An alias is its anchor's node object: walking each node once keeps aliases of
+    # aliases (a "billion laughs") and self-referencing anchors from running away.
+    visited = set() if visited is None else visited
+    if id(node) in visited:
+        return
+    visited.add(id(node))
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            # A collection as a key is refused when the document is constructed.
+            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
+            child = f"{path}.{key}" if path else key
+            if key in seen:
+                found.append(
+                    f"{child}: duplicate key at line {key_node.start_mark.line + 1}"
+                    " (only the last one would apply)"
+                )
+            seen.add(key)
+            find_duplicates(value_node, child, found, visited)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            find_duplicates(item, f"{path}[{i}]", found, visited)
+
+
+def yaml_error(exc: yaml.YAMLError) -> str:
+    """PyYAML's error as one message, with its line and column when it has them."""
+    mark = getattr(exc, "problem_mark", None)
+    problem = getattr(exc, "problem", None) or str(exc)
+    if mark is None:
+        return f"invalid YAML: {problem}"
+    return f"line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {problem}"
+
+
+def hint(word: str, known: tuple[str, ...]) -> str:
+    """ "; did you mean 'x'?" for the known word closest to `word`, or nothing."""
+    close = difflib.get_close_matches(word, known, n=1)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def kind(value: object) -> str:
+    """How a wrong value reads in an error message."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        # YAML 1.1 reads bare yes/no/on/off (and NO, the country code) as booleans.
+        return f"boolean {str(value).lower()} (quote the value if it is text)"
+    if isinstance(value, str):
+        return f"string {value!r}"
+    if isinstance(value, int | float):
+        return f"number {value}"
+    if isinstance(value, list):
+        return "a list"
+    if isinstance(value, dict):
+        return "a mapping"
+    return type(value).__name__
+
+
+def is_number(value: object) -> bool:
+    """An int or float from YAML; booleans (`yes`) are not numbers."""
+    return isinstance(value, int | float) and not isinstance(value, bool)
+
+
+class Validator:
+    """Collects every problem of a document into `errors` as `<path>: <message>`; a
+    loader subclasses it with one method per section."""
+
+    def __init__(self, errors: list[str]) -> None:
+        self.errors = errors
+
+    def error(self, path: str, message: str) -> None:
+        self.errors.append(f"{path}: {message}")
+
+    def unknown_keys(
+        self,
+        prefix: str,
+        mapping: dict[Any, Any],
+        known: tuple[str, ...],
+        what: str,
+        misplaced: dict[str, str] | None = None,
+        aliases: dict[str, str] | None = None,
+    ) -> None:
+        """One error per key of `mapping` not in `known`. The hint says where a
+        `misplaced` key belongs, which known key an alias (another gateway's name) is,
+        or else the closest known key."""
+        for key in mapping:
+            if key not in known:
+                word = str(key)
+                if aliases and word in aliases:
+                    found = f"; did you mean {aliases[word]!r}?"
+                else:
+                    found = (misplaced or {}).get(word) or hint(word, known)
+                self.error(f"{prefix}{word}", f"{what} (known: {', '.join(known)}){found}")
+
+    def integer(self, path: str, raw: object, low: int, high: int | None = None) -> int:
+        """A whole number from `low` to `high` (`2.0` is 2); 0 when absent or invalid."""
+        if raw is None:
+            return 0
+        if not is_number(raw) or not float(raw).is_integer():
+            self.error(path, f"must be an integer, got {kind(raw)}")
+            return 0
+        value = int(raw)
+        if value < low or (high is not None and value > high):
+            bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
+            self.error(path, f"must be {bounds}, got {value}")
+            return 0
+        return value
+
+    def required_string(self, path: str, raw: dict[Any, Any], what: str) -> str:
+        """`raw[key]` for the last part of `path`: a non-empty string, `what` it means."""
+        key = path.rsplit(".", 1)[1]
+        value = raw.get(key)
+        if value is None:
+            self.error(path, f"missing (required: {what})")
+            return ""
+        if not isinstance(value, str):
+            self.error(path, f"must be a string, got {kind(value)}")
+            return ""
+        if not value.strip():
+            self.error(path, f"must not be empty (required: {what})")
+            return ""
+        return value
 
 
 def read_document(path: str | Path, error: type[DocumentError], noun: str) -> str:

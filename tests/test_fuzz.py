@@ -43,7 +43,7 @@ from protocol.tokens import TokenError, issue_token, verify_token
 from router.capacity import WaitQueue, try_acquire
 from router.dispatch import Dispatcher
 from router.http.app import RouterApp
-from router.http.auth import AdminKeys, ClientKeys
+from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
 from router.link import AgentLink, AgentResponse, AgentSession, LinkSettings, parse_metadata
 from router.metrics import RouterMetrics
@@ -53,6 +53,7 @@ from router.policy.rank import STRATEGIES
 from router.policy.schema import Policy, PolicyError, load_policy
 from router.policy.store import PolicyStore
 from router.session import RoutingSession, Slot
+from router.tenants.keys import ClientKeys
 
 SECRET = b"fuzz-secret-0123456789-abcdefghijklmnop"
 PEER = "12D3KooWFuzzAgent"

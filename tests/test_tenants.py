@@ -13,6 +13,7 @@ from agent.usage import UsageTap
 from protocol import messages as m
 from protocol.errors import ErrorCode
 from protocol.usage import usage_of_body, valid_usage
+from router.cli import main
 from router.tenants.audit import AuditLog, AuditRecord
 from router.tenants.config import AuthError, Tenant, hash_key, load_auth, new_key
 from router.tenants.counters import LocalCounters, until_midnight
@@ -87,6 +88,40 @@ def test_shared_keys_duplicate_yaml_keys_and_bad_documents_are_refused() -> None
     assert any("tenants: must be a mapping" in e for e in errors_of("tenants: []\n"))
     assert errors_of("- a\n")[0].startswith("auth: must be a mapping")
     assert "invalid YAML" in errors_of("tenants: [\n")[0]
+
+
+def test_a_shared_key_is_listed_whatever_else_is_wrong_with_either_tenant(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # a's unknown key used to hide the key b shares with it, and b's bad priority the
+    # one c shares with b: check-auth promises every problem at once.
+    text = f"""
+tenants:
+  a:
+    keys: ["{H1}"]
+    rpm: 3
+  b:
+    keys: ["{H1}", "{H2}"]
+    priority: high
+  c:
+    keys: ["{H2}"]
+"""
+    errors = errors_of(text)
+    shared_a = f"tenants.b.keys: key {H1[:19]}… is also a key of tenant 'a'"
+    shared_b = f"tenants.c.keys: key {H2[:19]}… is also a key of tenant 'b'"
+    assert errors == [
+        "tenants.a.rpm: unknown tenant key (known: keys, models, requests_per_minute, burst,"
+        " tokens_per_day, max_concurrent, max_input_bytes, priority);"
+        " did you mean 'requests_per_minute'?",
+        "tenants.b.priority: must be an integer, got string 'high'",
+        shared_a,
+        shared_b,
+    ]
+    path = tmp_path / "auth.yaml"
+    path.write_text(text)
+    assert main(["check-auth", str(path)]) == 1
+    printed = capsys.readouterr().err.splitlines()
+    assert printed == [f"{path}: invalid auth file", *(f"  - {e}" for e in errors)]
 
 
 def test_new_keys_hash_to_what_the_file_stores() -> None:

@@ -8,6 +8,7 @@ import re
 import signal
 import subprocess
 import threading
+import uuid
 from pathlib import Path
 
 import anthropic
@@ -21,6 +22,7 @@ from tests.fleet import ADMIN_KEY, VENV_BIN, Fleet, Proc, Router, wait_until
 ALPHA, BETA, GAMMA, DELTA = (f"hnr-test-{n}-key" for n in ("alpha", "beta", "gamma", "delta"))
 # A word no log or audit line may contain: prompts are never written down.
 SECRET_WORD = "zebracadabra"
+CHAT_PATH = "/v1/chat/completions"
 
 AUTH = f"""
 tenants:
@@ -323,3 +325,69 @@ def test_auth_file_validation_and_reloads(fleet: Fleet, tmp_path: Path) -> None:
     }
     assert chat(oai(router, key)) == "Echo: hello"
     assert httpx.get(router.url + "/admin/auth").status_code == 401
+
+
+def test_every_audit_line_carries_the_code_the_client_got(fleet: Fleet, tmp_path: Path) -> None:
+    audit = tmp_path / "audit.jsonl"
+    auth = f'tenants:\n  alpha:\n    keys: ["{hash_key(ALPHA)}"]\n    models: [m1]\n'
+    router = fleet.router(
+        "--auth-file",
+        write(tmp_path / "auth.yaml", auth),
+        "--audit-log",
+        str(audit),
+        "--request-timeout",
+        "2s",
+    )
+    agent = fleet.agent(router, "m1")
+    got: dict[str, tuple[int, str | None]] = {}  # request id: status, the code in the answer
+
+    def call(path: str, key: str | None, method: str = "POST", **kwargs: object) -> None:
+        rid = str(uuid.uuid4())
+        headers = {"x-request-id": rid}
+        if key is not None and path == "/v1/messages":
+            headers["x-api-key"] = key
+        elif key is not None:
+            headers["authorization"] = f"Bearer {key}"
+        with httpx.stream(method, router.url + path, headers=headers, timeout=30, **kwargs) as r:  # type: ignore[arg-type]
+            text = r.read().decode()
+        code = None
+        if r.status_code >= 400:
+            code = json.loads(text)["error"]["code"]
+        elif '"error"' in text:  # a stream cut by an error event
+            code = json.loads(text.rsplit("data: ", 1)[1])["error"]["code"]
+        got[rid] = (r.status_code, code)
+
+    def chat_body(model: str = "m1", stream: bool = False) -> dict:
+        messages = [{"role": "user", "content": "a b c"}]
+        return {"model": model, "messages": messages, "stream": stream}
+
+    call(CHAT_PATH, None, json=chat_body())
+    call("/v1/messages", "hnr-nobody", json={**chat_body(), "max_tokens": 5})
+    call(CHAT_PATH, ALPHA, method="GET")
+    call(CHAT_PATH, ALPHA, content=b"not json")
+    call(CHAT_PATH, ALPHA, json=chat_body("m2"))
+    call(CHAT_PATH, ALPHA, json=chat_body())
+    agent.sim_state(fail_status=400, fail_count=1, fail_body=None)
+    call(CHAT_PATH, ALPHA, json=chat_body())
+    agent.sim_state(fail_status=500, fail_count=100, fail_body=None)
+    call(CHAT_PATH, ALPHA, json=chat_body())
+    agent.sim_state(fail_count=0, stall_after_tokens=1)
+    call(CHAT_PATH, ALPHA, json=chat_body(stream=True))
+    agent.sim_state(stall_after_tokens=None)
+    assert list(got.values()) == [
+        (401, "unauthorized"),
+        (401, "unauthorized"),
+        (405, "method_not_allowed"),
+        (400, "request_invalid"),
+        (403, "model_not_allowed"),
+        (200, None),
+        (400, "invalid_parameter"),
+        (502, "backend_error"),
+        (200, "request_timeout"),
+    ]
+
+    def lines() -> list[dict]:
+        return [json.loads(line) for line in audit.read_text().splitlines()]
+
+    wait_until(lambda: len(lines()) == len(got), 10, "an audit line per request")
+    assert {x["request_id"]: (x["status"], x["code"]) for x in lines()} == got

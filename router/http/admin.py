@@ -9,12 +9,11 @@ from typing import Any
 
 import trio
 
-from protocol.errors import ErrorCode, RouterError
+from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from router.capacity import WaitQueue
 from router.documents import DocumentStore
 from router.http.asgi import BodyTooLarge, ClientGone, Receive, Scope, Send, read_body, send_json
-from router.http.client import error_payload
 from router.peers import Peer, PeerTable
 from router.policy.gates import metric_value
 

@@ -8,10 +8,11 @@ from typing import Any
 
 import trio
 
-from protocol.errors import ErrorCode, RouterError
+from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
 from router.capacity import WaitQueue
 from router.http import admin
+from router.http.admin_auth import admin_auth
 from router.http.asgi import (
     Receive,
     Scope,
@@ -20,13 +21,13 @@ from router.http.asgi import (
     send_bytes,
     send_json,
 )
-from router.http.auth import AdminKeys, ClientKeys
-from router.http.client import ENDPOINTS, ClientApi, error_payload
+from router.http.auth import AdminKeys, presented_keys
+from router.http.client import ENDPOINTS, TICKET, ClientApi, send_error
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.policy.store import PolicyStore
-from router.tenants.admin_api import admin_auth
-from router.tenants.gate import TenantGate
+from router.tenants.gate import TenantGate, Ticket
+from router.tenants.keys import ClientKeys
 
 log = logging.getLogger("http")
 
@@ -89,19 +90,19 @@ class RouterApp:
         except Exception:
             # A bug must cost one request, never the daemon.
             if path.startswith("/v1/"):
-                tenant = self.client_keys.tenant(scope) or "-"
+                tenant = self.client_keys.tenant(presented_keys(scope, allow_x_api_key=True)) or "-"
             log.exception("req=%s handler_error path=%s tenant=%s", rid, quote(path), quote(tenant))
             status = 500
             err = RouterError(ErrorCode.INTERNAL_ERROR, "internal router error")
             # The response may have started; then the client sees a cut stream.
             with contextlib.suppress(Exception):
-                await send_json(send, 500, error_payload(protocol, err), [("x-request-id", rid)])
+                await send_error(send, protocol, err, [("x-request-id", rid)], scope.get(TICKET))
         elapsed = trio.current_time() - started
         if path in ENDPOINTS:
             self.metrics.requests.labels(path, str(status), tenant).inc()
             self.metrics.duration.labels(path, tenant).observe(elapsed)
             if self.tenants:
-                self.tenants.audit(scope, path, rid, tenant, status, elapsed)
+                self.tenants.audit(scope.get(TICKET), path, rid, tenant, status, elapsed)
         log.info(
             "req=%s method=%s path=%s status=%d tenant=%s duration_ms=%.1f",
             rid,
@@ -118,24 +119,26 @@ class RouterApp:
         path, method = scope["path"], scope["method"]
         protocol = protocol_of(path)
         extra = [("x-request-id", rid)]
-        tenant = self.tenants.identify(scope) if self.tenants else self.client_keys.tenant(scope)
+        keys = presented_keys(scope, allow_x_api_key=True)
+        tenant = self.tenants.identify(keys) if self.tenants else self.client_keys.tenant(keys)
+        ticket = None
+        if path in ENDPOINTS and self.tenants:
+            # Refused requests have a ticket too: it holds the code their audit line shows.
+            ticket = scope[TICKET] = self.tenants.open(rid, tenant or "-")
         if tenant is None:
             err = RouterError(
                 ErrorCode.UNAUTHORIZED,
                 "missing or invalid API key (send Authorization: Bearer <key> or x-api-key)",
             )
-            await send_json(send, 401, error_payload(protocol, err), [*extra, _CHALLENGE])
-            return 401, "-"
+            return await send_error(send, protocol, err, [*extra, _CHALLENGE], ticket), "-"
         if path in ENDPOINTS and method != "POST":
-            return await _not_allowed(send, rid, protocol, "POST"), tenant
+            return await _not_allowed(send, rid, protocol, "POST", ticket), tenant
         if path in ENDPOINTS:
             if self.draining:
                 err = RouterError(ErrorCode.NO_AGENTS_AVAILABLE, "router is shutting down")
-                await send_json(send, 503, error_payload(protocol, err), extra)
-                return 503, tenant
+                return await send_error(send, protocol, err, extra, ticket), tenant
             self.inflight += 1
             self.idle = trio.Event()
-            ticket = self.tenants.open(scope, rid, tenant) if self.tenants else None
             try:
                 record = ticket.record if ticket is not None else None
                 priority = record.priority if record is not None else 0
@@ -239,11 +242,12 @@ async def _not_found(send: Send, rid: str, protocol: str, code: str = "not_found
     return 404
 
 
-async def _not_allowed(send: Send, rid: str, protocol: str, allow: str) -> int:
+async def _not_allowed(
+    send: Send, rid: str, protocol: str, allow: str, ticket: Ticket | None = None
+) -> int:
     err = RouterError(ErrorCode.METHOD_NOT_ALLOWED, f"method not allowed; use {allow}")
     headers = [("x-request-id", rid), ("allow", allow)]
-    await send_json(send, 405, error_payload(protocol, err), headers)
-    return 405
+    return await send_error(send, protocol, err, headers, ticket)
 
 
 async def _lifespan(receive: Receive, send: Send) -> None:

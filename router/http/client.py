@@ -9,12 +9,7 @@ from dataclasses import dataclass
 
 import trio
 
-from protocol.errors import (
-    ErrorCode,
-    RouterError,
-    anthropic_error_body,
-    openai_error_body,
-)
+from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
 from router.dispatch import Dispatcher, ProviderServed
 from router.http import count_tokens
@@ -34,10 +29,12 @@ from router.link import AgentResponse, StreamBroken
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.session import BackendRejected, RouteRequest
-from router.tenants.gate import TICKET, Ticket
+from router.tenants.gate import Ticket
 
 log = logging.getLogger("http")
 
+# Where the app keeps a request's tenant ticket in its ASGI scope.
+TICKET = "hivenet.ticket"
 # endpoint -> (capability, error protocol)
 ENDPOINTS: dict[str, tuple[str, str]] = {
     "/v1/chat/completions": ("llm", "openai"),
@@ -73,8 +70,18 @@ def parse_json_object(body: bytes) -> tuple[dict | None, str]:
     return payload, ""
 
 
-def error_payload(protocol: str, err: RouterError) -> dict:
-    return anthropic_error_body(err) if protocol == "anthropic" else openai_error_body(err)
+async def send_error(
+    send: Send,
+    protocol: str,
+    err: RouterError,
+    headers: list[tuple[str, str]],
+    ticket: Ticket | None,
+) -> int:
+    """Answer with `err`; its code goes on the request's ticket for the audit line."""
+    if ticket is not None:
+        ticket.answered_with(err.code)
+    await send_json(send, err.http_status, error_payload(protocol, err), headers)
+    return err.http_status
 
 
 def sse_error(protocol: str, err: RouterError) -> bytes:
@@ -108,8 +115,7 @@ class ClientApi:
 
         async def fail(err: RouterError) -> int:
             headers = [*extra, *err.retry_headers()]
-            await send_json(send, err.http_status, error_payload(protocol, err), headers)
-            return err.http_status
+            return await send_error(send, protocol, err, headers, scope.get(TICKET))
 
         deadline = received + self.settings.request_timeout
         try:
@@ -220,8 +226,7 @@ class ClientApi:
             if state.started:
                 await _end_stream_with_error(send, protocol, err, state)
                 return state.status
-            await send_json(send, err.http_status, error_payload(protocol, err), extra)
-            return err.http_status
+            return await send_error(send, protocol, err, extra, state.ticket)
         return state.status
 
     async def _answer(
@@ -237,13 +242,11 @@ class ClientApi:
         except BackendRejected as exc:
             f = exc.failure
             err = RouterError(f.code, _backend_message(f.body) or f.message, "backend", f.status)
-            state.status = err.http_status
-            await send_json(send, err.http_status, error_payload(protocol, err), extra)
+            state.status = await send_error(send, protocol, err, extra, state.ticket)
             return
         except RouterError as err:
-            state.status = err.http_status
             headers = [*extra, *err.retry_headers()]
-            await send_json(send, err.http_status, error_payload(protocol, err), headers)
+            state.status = await send_error(send, protocol, err, headers, state.ticket)
             return
         if isinstance(served, ProviderServed):
             if state.ticket:
@@ -258,9 +261,13 @@ class ClientApi:
         own = req.sent_at - req.received_at - req.waited
         if req.path == count_tokens.TOKENIZE_PATH:
             self.metrics.overhead.labels(count_tokens.COUNT_TOKENS_PATH).observe(max(0.0, own))
-            state.status, answer = await count_tokens.answer(req, response)
+            answer = await count_tokens.answer(req, response)
             state.started = True
-            await send_json(send, state.status, answer, extra)
+            if isinstance(answer, RouterError):
+                state.status = await send_error(send, protocol, answer, extra, state.ticket)
+            else:
+                state.status = 200
+                await send_json(send, 200, answer, extra)
             return
         self.metrics.overhead.labels(req.path).observe(max(0.0, own))
         await self._relay(req, protocol, response, send, extra, state)
@@ -311,8 +318,7 @@ class ClientApi:
             if state.started and req.stream:
                 await _end_stream_with_error(send, protocol, err, state)
             else:
-                state.status = err.http_status
-                await send_json(send, err.http_status, error_payload(protocol, err), extra)
+                state.status = await send_error(send, protocol, err, extra, state.ticket)
         finally:
             response.close()
             if state.ticket:
@@ -389,6 +395,8 @@ async def _end_stream_with_error(
     send: Send, protocol: str, err: RouterError, state: _Progress
 ) -> None:
     """A stream already started: end it with an error event the SDKs understand."""
+    if state.ticket is not None:
+        state.ticket.answered_with(err.code)
     with trio.CancelScope(shield=True), trio.move_on_after(5):
         try:
             await send(

@@ -14,7 +14,7 @@ import json
 import logging
 from collections.abc import Sequence
 
-from protocol.errors import ErrorCode, RouterError, anthropic_error_body
+from protocol.errors import ErrorCode, RouterError
 from protocol.logs import quote
 from router.link import AgentResponse, StreamBroken
 from router.peers import Peer
@@ -61,10 +61,11 @@ def to_tokenize(req: RouteRequest, payload: dict, pool: Sequence[Peer]) -> None:
     req.stream = False
 
 
-async def answer(req: RouteRequest, response: AgentResponse) -> tuple[int, dict]:
-    """The status and body for the client: `{"input_tokens": N}` from the engine's count."""
+async def answer(req: RouteRequest, response: AgentResponse) -> dict | RouterError:
+    """The client's answer, `{"input_tokens": N}` from the engine's count, or the error
+    to answer with."""
     try:
-        return 200, input_tokens(await response.read_all())
+        return input_tokens(await response.read_all())
     except StreamBroken as exc:
         err = RouterError(ErrorCode.BACKEND_ERROR, f"answer interrupted: {exc}")
     except RouterError as exc:
@@ -77,7 +78,7 @@ async def answer(req: RouteRequest, response: AgentResponse) -> tuple[int, dict]
         quote(err.message),
         quote(req.tenant),
     )
-    return err.http_status, anthropic_error_body(err)
+    return err
 
 
 def input_tokens(body: bytes) -> dict:

@@ -1,23 +1,27 @@
 """Policy files: YAML in, immutable step objects out, or every reason it is invalid.
 
 A policy is a primary `routing_policy` step, an ordered `fallback_chain` of further
-steps, and an optional external `fallback_provider`. Validation collects every error
-with the path of the offending field, because an operator fixing a rejected file
-should not have to reload it once per mistake.
+steps, and an optional external `fallback_provider`. Parsing and the shared checks
+(every error with its path, did-you-mean hints) are router/documents.py's.
 """
 
 from __future__ import annotations
 
-import difflib
 import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
-from router.documents import DocumentError, read_document
+from router.documents import (
+    DocumentError,
+    Validator,
+    hint,
+    is_number,
+    kind,
+    parse_document,
+    read_document,
+)
 from router.peers import UNIVERSAL_FIELDS
 from router.policy.rank import NOT_IMPLEMENTED, STRATEGIES
 
@@ -143,31 +147,8 @@ class PolicyError(DocumentError):
     label = "policy"
 
 
-class YamlInvalid(ValueError):
-    """Text that is not one YAML document; `errors` holds the reason."""
-
-    def __init__(self, errors: list[str]) -> None:
-        super().__init__("; ".join(errors))
-        self.errors = errors
-
-
-def parse_yaml(text: str) -> tuple[object, list[str]]:
-    """The YAML document, and its duplicate keys as errors; YamlInvalid when unreadable."""
-    try:
-        return _parse(text)
-    except yaml.YAMLError as exc:
-        raise YamlInvalid([_yaml_error(exc)]) from None
-    except RecursionError:  # PyYAML composes nested collections recursively
-        raise YamlInvalid(["invalid YAML: collections nested too deeply"]) from None
-    except Exception as exc:  # PyYAML's constructors fail on some tagged scalars (`!!int`)
-        raise YamlInvalid([f"invalid YAML: {type(exc).__name__}: {exc}"]) from None
-
-
 def load_policy(text: str) -> Policy:
-    try:
-        document, errors = parse_yaml(text)
-    except YamlInvalid as exc:
-        raise PolicyError(exc.errors) from None
+    document, errors = parse_document(text, PolicyError)
     policy = _Validator(errors).policy(document, text)
     if errors or policy is None:
         raise PolicyError(errors)
@@ -183,89 +164,7 @@ def default_policy() -> Policy:
     return load_policy(DEFAULT_POLICY_YAML)
 
 
-def _parse(text: str) -> tuple[object, list[str]]:
-    """The YAML document, and the duplicate keys PyYAML would silently overwrite."""
-    loader = yaml.SafeLoader(text)
-    try:
-        node = loader.get_single_node()
-        if node is None:
-            return None, []
-        duplicates: list[str] = []
-        _find_duplicates(node, "", duplicates)
-        return loader.construct_document(node), duplicates
-    finally:
-        loader.dispose()
-
-
-def _find_duplicates(
-    node: yaml.Node, path: str, found: list[str], visited: set[int] | None = None
-) -> None:
-    # An alias is its anchor's node object: walking each node once keeps aliases of
-    # aliases (a "billion laughs") and self-referencing anchors from running away.
-    visited = set() if visited is None else visited
-    if id(node) in visited:
-        return
-    visited.add(id(node))
-    if isinstance(node, yaml.MappingNode):
-        seen: set[str] = set()
-        for key_node, value_node in node.value:
-            # A collection as a key is refused when the document is constructed.
-            key = str(key_node.value) if isinstance(key_node, yaml.ScalarNode) else "?"
-            child = f"{path}.{key}" if path else key
-            if key in seen:
-                found.append(
-                    f"{child}: duplicate key at line {key_node.start_mark.line + 1}"
-                    " (only the last one would apply)"
-                )
-            seen.add(key)
-            _find_duplicates(value_node, child, found, visited)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            _find_duplicates(item, f"{path}[{i}]", found, visited)
-
-
-def _yaml_error(exc: yaml.YAMLError) -> str:
-    mark = getattr(exc, "problem_mark", None)
-    problem = getattr(exc, "problem", None) or str(exc)
-    if mark is None:
-        return f"invalid YAML: {problem}"
-    return f"line {mark.line + 1}, column {mark.column + 1}: invalid YAML: {problem}"
-
-
-def _hint(word: str, known: tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(word, known, n=1)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
-def _kind(value: object) -> str:
-    """How a wrong value reads in an error message."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        # YAML 1.1 reads bare yes/no/on/off (and NO, the country code) as booleans.
-        return f"boolean {str(value).lower()} (quote the value if it is text)"
-    if isinstance(value, str):
-        return f"string {value!r}"
-    if isinstance(value, int | float):
-        return f"number {value}"
-    if isinstance(value, list):
-        return "a list"
-    if isinstance(value, dict):
-        return "a mapping"
-    return type(value).__name__
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, int | float) and not isinstance(value, bool)
-
-
-class _Validator:
-    def __init__(self, errors: list[str]) -> None:
-        self.errors = errors
-
-    def error(self, path: str, message: str) -> None:
-        self.errors.append(f"{path}: {message}")
-
+class _Validator(Validator):
     def policy(self, document: object, source: str) -> Policy | None:
         if document is None:
             document = {}
@@ -273,7 +172,7 @@ class _Validator:
             self.error(
                 "policy",
                 "the document must be a mapping with routing_policy at the top level,"
-                f" got {_kind(document)}",
+                f" got {kind(document)}",
             )
             return None
         self.unknown_keys("", document, TOP_LEVEL_KEYS, "unknown top-level key", _MISPLACED_TOP)
@@ -285,20 +184,6 @@ class _Validator:
             return None
         self.unique_names((primary, *chain))
         return Policy(primary, chain, provider, source)
-
-    def unknown_keys(
-        self,
-        prefix: str,
-        mapping: dict[Any, Any],
-        known: tuple[str, ...],
-        what: str,
-        misplaced: dict[str, str] | None = None,
-    ) -> None:
-        for key in mapping:
-            if key not in known:
-                word = str(key)
-                hint = (misplaced or {}).get(word) or _hint(word, known)
-                self.error(f"{prefix}{word}", f"{what} (known: {', '.join(known)}){hint}")
 
     def primary(self, document: dict[Any, Any]) -> Step | None:
         if PRIMARY not in document:
@@ -317,7 +202,7 @@ class _Validator:
         if raw is None:
             return ()
         if not isinstance(raw, list):
-            self.error("fallback_chain", f"must be a list of steps, got {_kind(raw)}")
+            self.error("fallback_chain", f"must be a list of steps, got {kind(raw)}")
             return None
         steps: list[Step] = []
         valid = True
@@ -332,7 +217,7 @@ class _Validator:
 
     def step(self, path: str, raw: object, default_name: str) -> Step | None:
         if not isinstance(raw, dict):
-            self.error(path, f"must be a mapping (a policy step), got {_kind(raw)}")
+            self.error(path, f"must be a mapping (a policy step), got {kind(raw)}")
             return None
         before = len(self.errors)
         self.unknown_keys(f"{path}.", raw, STEP_KEYS, "unknown step key", _MISPLACED_IN_STEP)
@@ -350,7 +235,7 @@ class _Validator:
         if raw is None:
             return default
         if not isinstance(raw, str) or not raw.strip():
-            self.error(f"{path}.name", f"must be a non-empty string, got {_kind(raw)}")
+            self.error(f"{path}.name", f"must be a non-empty string, got {kind(raw)}")
             return default
         return raw
 
@@ -358,7 +243,7 @@ class _Validator:
         if raw is None:
             return Match()
         if not isinstance(raw, dict):
-            self.error(path, f"must be a mapping of metadata fields, got {_kind(raw)}")
+            self.error(path, f"must be a mapping of metadata fields, got {kind(raw)}")
             return Match()
         self.unknown_keys(f"{path}.", raw, (*MATCH_FIELDS, "tags"), "unknown match field")
         values: dict[str, str] = {}
@@ -369,25 +254,25 @@ class _Validator:
             if isinstance(value, str):
                 values[name] = value
             else:
-                self.error(f"{path}.{name}", f"must be a string, got {_kind(value)}")
+                self.error(f"{path}.{name}", f"must be a string, got {kind(value)}")
         return Match(**values, tags=self.tags(f"{path}.tags", raw.get("tags")))
 
     def tags(self, path: str, raw: object) -> tuple[str, ...]:
         if raw is None:
             return ()
         if not isinstance(raw, list):
-            self.error(path, f"must be a list of strings, got {_kind(raw)}")
+            self.error(path, f"must be a list of strings, got {kind(raw)}")
             return ()
         for i, tag in enumerate(raw):
             if not isinstance(tag, str) or not tag:
-                self.error(f"{path}[{i}]", f"must be a non-empty string, got {_kind(tag)}")
+                self.error(f"{path}[{i}]", f"must be a non-empty string, got {kind(tag)}")
         return tuple(tag for tag in raw if isinstance(tag, str))
 
     def exclude_if(self, path: str, raw: object) -> tuple[Rule, ...]:
         if raw is None:
             return ()
         if not isinstance(raw, dict):
-            self.error(path, f"must be a mapping of gate fields, got {_kind(raw)}")
+            self.error(path, f"must be a mapping of gate fields, got {kind(raw)}")
             return ()
         rules: list[Rule] = []
         for key, body in raw.items():
@@ -396,7 +281,7 @@ class _Validator:
                 self.error(
                     f"{path}.{field}",
                     f"unknown gate field (known: {', '.join(GATE_FIELDS)})"
-                    + _hint(field, GATE_FIELDS),
+                    + hint(field, GATE_FIELDS),
                 )
                 continue
             rule = self.rule(f"{path}.{field}", field, body)
@@ -408,15 +293,9 @@ class _Validator:
         if raw is None:
             return None
         if not isinstance(raw, dict):
-            self.error(path, f"must be a mapping of load fields and selectors, got {_kind(raw)}")
+            self.error(path, f"must be a mapping of load fields and selectors, got {kind(raw)}")
             return None
-        for key in raw:
-            if key not in SHED_KEYS:
-                word = str(key)
-                hint = _MISPLACED_IN_SHED.get(word) or _hint(word, SHED_KEYS)
-                self.error(
-                    f"{path}.{word}", f"unknown shed_if key (known: {', '.join(SHED_KEYS)}){hint}"
-                )
+        self.unknown_keys(f"{path}.", raw, SHED_KEYS, "unknown shed_if key", _MISPLACED_IN_SHED)
         rules = [self.rule(f"{path}.{key}", key, raw[key]) for key in raw if key in SHED_FIELDS]
         if not any(field in raw for field in SHED_FIELDS):
             self.error(
@@ -440,20 +319,20 @@ class _Validator:
         if not isinstance(raw, list) or not raw:
             self.error(
                 path,
-                f"must be a non-empty list of tenant names, got {_kind(raw)}"
+                f"must be a non-empty list of tenant names, got {kind(raw)}"
                 " (remove the key to shed every tenant)",
             )
             return ()
         for i, tenant in enumerate(raw):
             if not isinstance(tenant, str) or not tenant.strip():
-                self.error(f"{path}[{i}]", f"must be a non-empty string, got {_kind(tenant)}")
+                self.error(f"{path}[{i}]", f"must be a non-empty string, got {kind(tenant)}")
         return tuple(tenant for tenant in raw if isinstance(tenant, str))
 
     def retry_after(self, path: str, raw: object) -> int:
         if raw is None:
             return DEFAULT_RETRY_AFTER
         if not isinstance(raw, int) or isinstance(raw, bool) or not 0 <= raw <= MAX_RETRY_AFTER:
-            self.error(path, f"must be whole seconds from 0 to {MAX_RETRY_AFTER}, got {_kind(raw)}")
+            self.error(path, f"must be whole seconds from 0 to {MAX_RETRY_AFTER}, got {kind(raw)}")
             return DEFAULT_RETRY_AFTER
         return raw
 
@@ -462,14 +341,14 @@ class _Validator:
             self.error(
                 path,
                 f"must be a mapping of one operator to a threshold, e.g. {{gt: 0.9}},"
-                f" got {_kind(body)}",
+                f" got {kind(body)}",
             )
             return None
         unknown = [str(op) for op in body if op not in OPERATORS]
         for op in unknown:
             self.error(
                 f"{path}.{op}",
-                f"unknown operator (known: {', '.join(OPERATORS)}){_hint(op, OPERATORS)}",
+                f"unknown operator (known: {', '.join(OPERATORS)}){hint(op, OPERATORS)}",
             )
         ops = [op for op in body if op in OPERATORS]
         if len(ops) != 1:
@@ -479,8 +358,8 @@ class _Validator:
             return None
         op = ops[0]
         threshold = body[op]
-        if not _is_number(threshold):
-            self.error(f"{path}.{op}", f"threshold must be a number, got {_kind(threshold)}")
+        if not is_number(threshold):
+            self.error(f"{path}.{op}", f"threshold must be a number, got {kind(threshold)}")
             return None
         if not math.isfinite(threshold):
             self.error(f"{path}.{op}", f"threshold must be a finite number, got {threshold}")
@@ -493,7 +372,7 @@ class _Validator:
             return ""
         value = raw["strategy"]
         if not isinstance(value, str):
-            self.error(path, f"must be a string, got {_kind(value)}")
+            self.error(path, f"must be a string, got {kind(value)}")
             return ""
         if value in STRATEGIES:
             return value
@@ -501,14 +380,14 @@ class _Validator:
         if value in NOT_IMPLEMENTED:
             self.error(path, f"unknown strategy {value!r} (not implemented; only {only})")
         else:
-            self.error(path, f"unknown strategy {value!r} (only {only}){_hint(value, _KNOWN)}")
+            self.error(path, f"unknown strategy {value!r} (only {only}){hint(value, _KNOWN)}")
         return ""
 
     def max_tries(self, path: str, raw: object) -> int:
         if raw is None:
             return 0
         if not isinstance(raw, int) or isinstance(raw, bool):
-            self.error(path, f"must be an integer, got {_kind(raw)}")
+            self.error(path, f"must be an integer, got {kind(raw)}")
             return 0
         return raw
 
@@ -520,7 +399,7 @@ class _Validator:
         if not isinstance(raw, dict):
             self.error(
                 path,
-                f"must be a mapping with engine and model, got {_kind(raw)}"
+                f"must be a mapping with engine and model, got {kind(raw)}"
                 " (remove the key for no provider fallback)",
             )
             return None
@@ -533,20 +412,6 @@ class _Validator:
         if not engine or not model:
             return None
         return ProviderFallback(engine, model)
-
-    def required_string(self, path: str, raw: dict[Any, Any], what: str) -> str:
-        key = path.rsplit(".", 1)[1]
-        value = raw.get(key)
-        if value is None:
-            self.error(path, f"missing (required: {what})")
-            return ""
-        if not isinstance(value, str):
-            self.error(path, f"must be a string, got {_kind(value)}")
-            return ""
-        if not value.strip():
-            self.error(path, f"must not be empty (required: {what})")
-            return ""
-        return value
 
     def unique_names(self, steps: tuple[Step, ...]) -> None:
         first: dict[str, int] = {}

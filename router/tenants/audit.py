@@ -25,7 +25,7 @@ class AuditRecord:
     prompt_tokens: int | None
     completion_tokens: int | None
     duration_s: float
-    code: str | None = None  # the router's refusal code, when it refused
+    code: str | None = None  # the error code the client got; None on success
 
 
 class AuditLog:

@@ -15,8 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from router.documents import DocumentError, read_document
-from router.policy.schema import YamlInvalid, _hint, _is_number, _kind, parse_yaml
+from router.documents import DocumentError, Validator, kind, parse_document, read_document
 
 TENANT_KEYS: tuple[str, ...] = (
     "keys",
@@ -111,10 +110,7 @@ class AuthError(DocumentError):
 
 
 def load_auth(text: str) -> AuthConfig:
-    try:
-        document, errors = parse_yaml(text)
-    except YamlInvalid as exc:
-        raise AuthError(exc.errors) from None
+    document, errors = parse_document(text, AuthError)
     config = _Validator(errors).config(document, text)
     if errors or config is None:
         raise AuthError(errors)
@@ -125,63 +121,38 @@ def load_auth_file(path: str | Path) -> AuthConfig:
     return load_auth(read_document(path, AuthError, "auth file"))
 
 
-class _Validator:
-    def __init__(self, errors: list[str]) -> None:
-        self.errors = errors
-
-    def error(self, path: str, message: str) -> None:
-        self.errors.append(f"{path}: {message}")
-
+class _Validator(Validator):
     def config(self, document: object, source: str) -> AuthConfig | None:
         if not isinstance(document, dict):
-            self.error("auth", f"must be a mapping with `tenants`, got {_kind(document)}")
+            self.error("auth", f"must be a mapping with `tenants`, got {kind(document)}")
             return None
-        for key in document:
-            if key != "tenants":
-                word = str(key)
-                hint = _hint(word, ("tenants",))
-                self.error(word, f"unknown top-level key (known: tenants){hint}")
+        self.unknown_keys("", document, ("tenants",), "unknown top-level key")
         raw = document.get("tenants")
         if not isinstance(raw, dict) or not raw:
-            self.error("tenants", f"must be a mapping of tenant names to tenants, got {_kind(raw)}")
+            self.error("tenants", f"must be a mapping of tenant names to tenants, got {kind(raw)}")
             return None
         tenants: dict[str, Tenant] = {}
         by_hash: dict[str, Tenant] = {}
         owner: dict[str, str] = {}
         for name, body in raw.items():
-            tenant = self.tenant(str(name), body)
+            tenant = self.tenant(str(name), body, owner)
             if tenant is None:
                 continue
             tenants[tenant.name] = tenant
-            for digest in tenant.key_hashes:
-                if digest in owner:
-                    self.error(
-                        f"tenants.{name}.keys",
-                        f"key {digest[:19]}… is also a key of tenant {owner[digest]!r}",
-                    )
-                owner[digest] = tenant.name
-                by_hash[digest] = tenant
+            by_hash.update(dict.fromkeys(tenant.key_hashes, tenant))
         return AuthConfig(tenants, by_hash, source)
 
-    def tenant(self, name: str, raw: object) -> Tenant | None:
+    def tenant(self, name: str, raw: object, owner: dict[str, str]) -> Tenant | None:
+        """The tenant, or None when it has errors. `owner` maps each key hash seen so
+        far to its tenant, valid or not, so that no other error hides a shared key."""
         path = f"tenants.{name}"
         before = len(self.errors)
         if not _NAME.match(name):
             self.error(path, "tenant names are 1-64 letters, digits, `.`, `_` or `-`")
         if not isinstance(raw, dict):
-            self.error(path, f"must be a mapping with at least `keys`, got {_kind(raw)}")
+            self.error(path, f"must be a mapping with at least `keys`, got {kind(raw)}")
             return None
-        for key in raw:
-            if key not in TENANT_KEYS:
-                word = str(key)
-                hint = (
-                    f"; did you mean {_ALIASES[word]!r}?"
-                    if word in _ALIASES
-                    else _hint(word, TENANT_KEYS)
-                )
-                self.error(
-                    f"{path}.{word}", f"unknown tenant key (known: {', '.join(TENANT_KEYS)}){hint}"
-                )
+        self.unknown_keys(f"{path}.", raw, TENANT_KEYS, "unknown tenant key", aliases=_ALIASES)
         keys = self.key_hashes(f"{path}.keys", raw.get("keys"))
         models = self.models(f"{path}.models", raw.get("models"))
         ints = {
@@ -197,6 +168,12 @@ class _Validator:
         priority = self.integer(f"{path}.priority", raw.get("priority"), -1000, 1000)
         if ints["burst"] and not ints["requests_per_minute"]:
             self.error(f"{path}.burst", "needs requests_per_minute (the bucket's refill rate)")
+        for digest in keys:
+            if digest in owner:
+                self.error(
+                    f"{path}.keys", f"key {digest[:19]}… is also a key of tenant {owner[digest]!r}"
+                )
+            owner[digest] = name
         if len(self.errors) > before:
             return None
         return Tenant(
@@ -216,14 +193,14 @@ class _Validator:
             self.error(
                 path,
                 "must be a list of key hashes (`hivenet-router hash-key` prints one),"
-                f" got {_kind(raw)}",
+                f" got {kind(raw)}",
             )
             return ()
         out: list[str] = []
         for i, value in enumerate(raw):
             if not isinstance(value, str) or not _HASH.match(value):
                 clear = isinstance(value, str) and value.startswith(KEY_PREFIX)
-                shown = "a key in clear" if clear else _kind(value)
+                shown = "a key in clear" if clear else kind(value)
                 self.error(
                     f"{path}[{i}]",
                     "must be `sha256:` and 64 lowercase hex digits"
@@ -239,22 +216,9 @@ class _Validator:
         if raw is None:
             return ()
         if not isinstance(raw, list) or not raw:
-            self.error(path, f"must be a non-empty list of model names or globs, got {_kind(raw)}")
+            self.error(path, f"must be a non-empty list of model names or globs, got {kind(raw)}")
             return ()
         for i, value in enumerate(raw):
             if not isinstance(value, str) or not value:
-                self.error(f"{path}[{i}]", f"must be a non-empty string, got {_kind(value)}")
+                self.error(f"{path}[{i}]", f"must be a non-empty string, got {kind(value)}")
         return tuple(v for v in raw if isinstance(v, str) and v)
-
-    def integer(self, path: str, raw: object, low: int, high: int | None = None) -> int:
-        if raw is None:
-            return 0
-        if not _is_number(raw) or not float(raw).is_integer():
-            self.error(path, f"must be an integer, got {_kind(raw)}")
-            return 0
-        value = int(raw)
-        if value < low or (high is not None and value > high):
-            bounds = f"between {low} and {high}" if high is not None else f"at least {low}"
-            self.error(path, f"must be {bounds}, got {value}")
-            return 0
-        return value

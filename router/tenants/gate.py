@@ -1,9 +1,10 @@
 """Tenants at the door: who is calling, may they, and what their request cost.
 
-The HTTP layer asks `TenantGate.identify` for the caller's tenant and opens a `Ticket`
-per inference request; the client API admits the ticket once the model is known, the
-ticket records where the request went and the engine's token usage, and closing it
-gives back the concurrent slot, charges the tokens and writes the audit line.
+The HTTP layer asks `TenantGate.identify` for the tenant of the keys a caller presented
+and opens a `Ticket` per inference request; the client API admits the ticket once the
+model is known, the ticket records where the request went, the engine's token usage
+and the error code the client got, and closing it gives back the concurrent slot and
+charges the tokens. `TenantGate.audit` writes the ticket's audit line.
 """
 
 from __future__ import annotations
@@ -19,17 +20,13 @@ from protocol.errors import ErrorCode, RouterError
 from protocol.logs import quote
 from protocol.usage import COMPLETION, PROMPT, usage_of_body
 from router.documents import DocumentStore
-from router.http.asgi import Scope
-from router.http.auth import ClientKeys, presented_keys
 from router.metrics import RouterMetrics
 from router.tenants.audit import AuditLog, AuditRecord
 from router.tenants.config import AuthConfig, Tenant, load_auth, load_auth_file
+from router.tenants.keys import ClientKeys
 from router.tenants.shared import TenantState
 
 log = logging.getLogger("tenant")
-
-# Where the HTTP layer keeps a request's ticket in its ASGI scope.
-TICKET = "hivenet.ticket"
 
 
 @dataclass(frozen=True)
@@ -82,12 +79,13 @@ class TenantGate:
             else None
         )
 
-    def identify(self, scope: Scope) -> str | None:
-        """The caller's tenant name, or None when a key is required and none matches."""
+    def identify(self, keys: list[str]) -> str | None:
+        """The tenant of the presented `keys`, or None when a key is required and none
+        matches."""
         config = self.store.current
         if config is None:
-            return self.client_keys.tenant(scope)
-        for key in presented_keys(scope, allow_x_api_key=True):
+            return self.client_keys.tenant(keys)
+        for key in keys:
             tenant = config.tenant_for_key(key)
             if tenant is not None:
                 return tenant.name
@@ -97,17 +95,15 @@ class TenantGate:
         config = self.store.current
         return None if config is None else config.tenants.get(name)
 
-    def open(self, scope: Scope, request_id: str, tenant: str) -> Ticket | None:
-        """A ticket for an inference request, kept in `scope`; None when nothing counts."""
+    def open(self, request_id: str, tenant: str) -> Ticket | None:
+        """A ticket for an inference request; None when nothing counts."""
         if self.store.current is None and self.audit_log is None:
             return None
-        ticket = Ticket(self, request_id, tenant, self.tenant(tenant), trio.current_time())
-        scope[TICKET] = ticket
-        return ticket
+        return Ticket(self, request_id, tenant, self.tenant(tenant), trio.current_time())
 
     def audit(
         self,
-        scope: Scope,
+        ticket: Ticket | None,
         endpoint: str,
         request_id: str,
         tenant: str,
@@ -116,7 +112,6 @@ class TenantGate:
     ) -> None:
         if self.audit_log is None:
             return
-        ticket: Ticket | None = scope.get(TICKET)
         usage = ticket.usage if ticket is not None else None
         self.audit_log.write(
             AuditRecord(
@@ -237,6 +232,10 @@ class Ticket:
                 "-" if refusal.retry_after is None else f"{refusal.retry_after:.3f}",
             )
         return refusal
+
+    def answered_with(self, code: ErrorCode) -> None:
+        """The error code the client got (a refusal, or the error that cut its stream)."""
+        self.code = str(code)
 
     def served_by(self, step: str, agent: str) -> None:
         self.step, self.agent = step, agent

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from protocol.errors import ErrorCode, RouterError
+from protocol.errors import ErrorCode, RouterError, error_payload
 from router.http.admin import put_document, send_rejected
 from router.http.asgi import Receive, Scope, Send, send_json
-from router.http.client import error_payload
 from router.tenants.gate import TenantGate
 
 
