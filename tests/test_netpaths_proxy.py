@@ -1,0 +1,219 @@
+"""A GPU host whose firewall lets out nothing but its network's HTTP proxy (Debian's
+tinyproxy, in a namespace of its own) joins the router over `/ws` and `/wss` through
+`CONNECT`."""
+
+from __future__ import annotations
+
+import datetime
+import ipaddress
+import shutil
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from agent.http_proxy import HttpProxy, ProxyError, check_connect_answer, parse_proxy_url
+from tests.fleet import wait_until
+from tests.netns import AgentIn, Lab, Netns, RouterIn, lab, require_netns
+
+ROUTER_IP = "10.77.1.1"
+PROXY_PUBLIC_IP = "10.77.1.3"
+PROXY_IP = "10.77.3.1"
+AGENT_IP = "10.77.3.2"
+PROXY_PORT = 8888
+PROXY_URL = f"http://{PROXY_IP}:{PROXY_PORT}"
+
+pytestmark = [pytest.mark.netpaths, pytest.mark.xdist_group("netpaths")]
+
+
+@dataclass
+class ProxyPath:
+    lab: Lab
+    router_ns: Netns
+    agent_ns: Netns
+
+
+def only_a_proxy_out(the_lab: Lab) -> ProxyPath:
+    """router ── 10.77.1.0/24 ── proxy ── 10.77.3.0/24 ── agent. The proxy host does
+    not forward packets; the agent's firewall drops every packet out but those to the
+    proxy's port, and the proxy lets CONNECT reach ports 80 and 443 only, as a
+    corporate proxy does."""
+    router_ns, proxy_ns, agent_ns = the_lab.netns("r"), the_lab.netns("p"), the_lab.netns("a")
+    the_lab.link(router_ns, f"{ROUTER_IP}/24", proxy_ns, f"{PROXY_PUBLIC_IP}/24")
+    the_lab.link(proxy_ns, f"{PROXY_IP}/24", agent_ns, f"{AGENT_IP}/24")
+    agent_ns.iptables("-P", "OUTPUT", "DROP")
+    agent_ns.iptables("-A", "OUTPUT", "-o", "lo", "-j", "ACCEPT")
+    agent_ns.iptables(
+        "-A", "OUTPUT", "-d", PROXY_IP, "-p", "tcp", "--dport", str(PROXY_PORT), "-j", "ACCEPT"
+    )  # fmt: skip
+    config = the_lab.dir / "tinyproxy.conf"
+    config.write_text(
+        f"Port {PROXY_PORT}\nListen {PROXY_IP}\nAllow 10.77.3.0/24\nTimeout 600\n"
+        "ConnectPort 443\nConnectPort 80\nMaxClients 50\nLogLevel Connect\n"
+    )
+    proxy = proxy_ns.spawn(
+        "tinyproxy", [shutil.which("tinyproxy") or "tinyproxy", "-d", "-c", str(config)]
+    )
+    wait_until(
+        lambda: f"{PROXY_IP}:{PROXY_PORT}" in proxy_ns.sh("ss", "-ltn").stdout or not proxy.alive(),
+        15,
+        "tinyproxy listening",
+    )
+    assert proxy.alive(), proxy.log()
+    return ProxyPath(the_lab, router_ns, agent_ns)
+
+
+@pytest.fixture
+def proxy_path(tmp_path: Path) -> Iterator[ProxyPath]:
+    require_netns("tinyproxy")
+    with lab(tmp_path) as the_lab:
+        yield only_a_proxy_out(the_lab)
+
+
+def make_certificates(directory: Path, ip: str) -> tuple[Path, Path, Path]:
+    """A CA, and a certificate for `ip` it signed: (ca.pem, cert.pem, key.pem)."""
+    now = datetime.datetime.now(datetime.UTC)
+    ca_key = ec.generate_private_key(ec.SECP256R1())
+    ca_name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "netpaths test CA")])
+    ca = (
+        x509.CertificateBuilder()
+        .subject_name(ca_name)
+        .issuer_name(ca_name)
+        .public_key(ca_key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=True, path_length=0), critical=True)
+        .sign(ca_key, hashes.SHA256())
+    )
+    key = ec.generate_private_key(ec.SECP256R1())
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, ip)]))
+        .issuer_name(ca_name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(
+            x509.SubjectAlternativeName([x509.IPAddress(ipaddress.ip_address(ip))]),
+            critical=False,
+        )
+        .sign(ca_key, hashes.SHA256())
+    )
+    pem = serialization.Encoding.PEM
+    paths = directory / "ca.pem", directory / "cert.pem", directory / "key.pem"
+    paths[0].write_bytes(ca.public_bytes(pem))
+    paths[1].write_bytes(cert.public_bytes(pem))
+    paths[2].write_bytes(
+        key.private_bytes(pem, serialization.PrivateFormat.PKCS8, serialization.NoEncryption())
+    )
+    return paths
+
+
+def serves(router: RouterIn, model: str, text: str) -> None:
+    http = httpx.Client(transport=httpx.HTTPTransport(uds=str(router.http_socket)), timeout=60)
+    client = openai.OpenAI(base_url="http://router/v1", api_key="unused", http_client=http)
+    chunks = client.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": text}], stream=True
+    )
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == f"Echo: {text}"
+
+
+@pytest.mark.parametrize("how", ["flag", "env"])
+def test_agent_joins_over_ws_through_the_proxy(proxy_path: ProxyPath, how: str) -> None:
+    router = RouterIn(proxy_path.router_ns, ROUTER_IP, "--p2p-ws-port", "80")
+    assert not proxy_path.agent_ns.reaches(ROUTER_IP)
+    flags, env = (
+        (["--proxy", PROXY_URL], None) if how == "flag" else ([], {"HTTP_PROXY": PROXY_URL})
+    )
+    agent = AgentIn(
+        proxy_path.agent_ns,
+        [router.address("ws", 80)],
+        "m-proxy",
+        *flags,
+        env=None if env is None else {**proxy_path.lab.env, **env},
+    )
+    entry = router.wait_agent(agent.peer_id)
+    assert entry["status"]["remote_addr"].startswith(f"{PROXY_PUBLIC_IP}:")
+    serves(router, "m-proxy", "over ws via CONNECT")
+    router.close()
+
+
+def test_agent_joins_over_wss_through_https_proxy(proxy_path: ProxyPath) -> None:
+    """HTTPS_PROXY and a router listening with TLS: the proxy tunnels ciphertext; the
+    agent checks the router's certificate against SSL_CERT_FILE. An agent that does
+    not trust that CA is refused by its own TLS check and never joins."""
+    ca, cert, key = make_certificates(proxy_path.lab.dir, ROUTER_IP)
+    router = RouterIn(
+        proxy_path.router_ns,
+        ROUTER_IP,
+        "--p2p-wss-port", "443", "--tls-cert-file", str(cert), "--tls-key-file", str(key),
+    )  # fmt: skip
+    assert router.proc.wait_log(r"router_listening p2p=\S+/tcp/443/wss/")
+    env = {**proxy_path.lab.env, "HTTPS_PROXY": PROXY_URL}
+    untrusting = AgentIn(proxy_path.agent_ns, [router.address("wss", 443)], "m-other", env=env)
+    agent = AgentIn(
+        proxy_path.agent_ns,
+        [router.address("wss", 443)],
+        "m-tls",
+        env={**env, "SSL_CERT_FILE": str(ca)},
+    )
+    entry = router.wait_agent(agent.peer_id)
+    assert entry["status"]["remote_addr"].startswith(f"{PROXY_PUBLIC_IP}:")
+    serves(router, "m-tls", "over wss via CONNECT")
+    untrusting.proc.wait_log("router_dial_failed.*certificate verify failed")
+    assert router.agent(untrusting.peer_id) is None
+    router.close()
+
+
+def test_proxy_urls_other_than_http_are_refused_with_the_reason() -> None:
+    assert parse_proxy_url("http://10.0.0.1:3128") == HttpProxy("10.0.0.1", 3128)
+    assert parse_proxy_url("http://proxy.example") == HttpProxy("proxy.example", 80)
+    assert parse_proxy_url("http://u%40x:p%3Aw@proxy:8080").authorization == ("Basic dUB4OnA6dw==")
+    for bad in (
+        "socks5://proxy:1080",
+        "https://proxy:443",
+        "proxy:3128",
+        "http://",
+        "http://h:99999",
+    ):
+        with pytest.raises(ValueError, match="proxy"):
+            parse_proxy_url(bad)
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [
+        b"HTTP/1.1 403 Forbidden",
+        b"HTTP/1.0 407 Proxy Authentication Required",
+        b"SSH-2.0-OpenSSH_9.2",
+        b"",
+        b"HTTP/1.1 abc",
+    ],
+)
+def test_a_proxy_that_refuses_connect_is_named_in_the_error(answer: bytes) -> None:
+    proxy = HttpProxy("10.0.0.1", 3128)
+    with pytest.raises(ProxyError, match=r"proxy http://10\.0\.0\.1:3128"):
+        check_connect_answer(answer + b"\r\nServer: x", proxy, "router:443")
+
+
+ROUTER_ID = "12D3KooWApxiqsXah3puHxXvEwhSVpUJKtyJi7weokxaETkQaZnw"
+
+
+def test_agent_refuses_a_proxy_it_cannot_use(capsys: pytest.CaptureFixture[str]) -> None:
+    from agent.cli import main
+
+    wss = f"/ip4/10.0.0.1/tcp/443/wss/p2p/{ROUTER_ID}"
+    assert main(["--router", wss, "--proxy", "socks5://p:1080"]) == 2
+    assert "is not an HTTP proxy URL" in capsys.readouterr().err
+    tcp = f"/ip4/10.0.0.1/tcp/9000/p2p/{ROUTER_ID}"
+    assert main(["--router", tcp, "--proxy", "http://p:3128"]) == 2
+    assert "--proxy needs a /ws or /wss --router" in capsys.readouterr().err
