@@ -128,6 +128,26 @@ class Netns:
         self.lab.procs.append(proc)
         return proc.start()
 
+    def slow_and_lossy(self, ifname: str, delay: float, jitter: float, loss: float) -> None:
+        """What `tc qdisc add dev IF root netem delay D J loss L` does to the packets
+        this namespace sends out of `ifname`: each is lost with probability `loss`, the
+        others held for `delay` ± `jitter` (uniform) by a queue process."""
+        argv = [sys.executable, "-m", "tests.netns", "delay", "0", str(delay), str(jitter)]
+        delayer = self.spawn("delay", argv)
+        delayer.wait_log("delay_ready")
+        assert delayer.alive(), delayer.log()
+        self.iptables(
+            "-A", "OUTPUT", "-o", ifname, "-m", "statistic", "--mode", "random",
+            "--probability", str(loss), "-j", "DROP",
+        )  # fmt: skip
+        self.iptables("-A", "OUTPUT", "-o", ifname, "-j", "NFQUEUE", "--queue-num", "0")
+
+    def black_hole(self, ifname: str, on: bool) -> None:
+        """Drop every packet in and out of `ifname`, silently, or stop doing so."""
+        action = "-I" if on else "-D"
+        self.iptables(action, "OUTPUT", "-o", ifname, "-j", "DROP")
+        self.iptables(action, "INPUT", "-i", ifname, "-j", "DROP")
+
     def relay(self, host: str, port: int) -> Path:
         """A Unix socket in the lab directory whose connections go to host:port as
         opened from inside this namespace."""
