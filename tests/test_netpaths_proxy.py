@@ -4,8 +4,11 @@ tinyproxy, in a namespace of its own) joins the router over `/ws` and `/wss` thr
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import functools
 import ipaddress
+import re
 import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -217,3 +220,54 @@ def test_agent_refuses_a_proxy_it_cannot_use(capsys: pytest.CaptureFixture[str])
     tcp = f"/ip4/10.0.0.1/tcp/9000/p2p/{ROUTER_ID}"
     assert main(["--router", tcp, "--proxy", "http://p:3128"]) == 2
     assert "--proxy needs a /ws or /wss --router" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("answer", "error"),
+    [
+        (b"HTTP/1.1 403 Forbidden\r\n\r\n", "refused CONNECT 10.0.0.1:443: HTTP/1.1 403"),
+        (b"HTTP/1.1 200 OK\r\n" + b"X: y\r\n" * 4000, "sent over 16384 bytes"),
+        (b"HTTP/1.1 200 OK\r\n\r\nSSH-2.0-x\r\n", "sent data before the tunnel"),
+        (b"", "closed the connection during CONNECT"),
+    ],
+)
+async def test_open_tunnel_against_a_hostile_proxy(answer: bytes, error: str) -> None:
+    """A proxy that refuses, floods, talks first or hangs up: the dial fails with the
+    proxy and the reason named, and holds no more than MAX_ANSWER_BYTES."""
+    import trio
+
+    from agent.http_proxy import open_tunnel
+
+    async def proxy(stream: trio.SocketStream) -> None:
+        request = await stream.receive_some(4096)
+        assert request.startswith(b"CONNECT 10.0.0.1:443 HTTP/1.1\r\n")
+        with contextlib.suppress(trio.BrokenResourceError):
+            await stream.send_all(answer)
+        await stream.aclose()
+
+    async with trio.open_nursery() as nursery:
+        serve = functools.partial(trio.serve_tcp, proxy, 0, host="127.0.0.1")
+        listeners = await nursery.start(serve)
+        port = listeners[0].socket.getsockname()[1]
+        with pytest.raises(ProxyError, match=re.escape(error)):
+            await open_tunnel(HttpProxy("127.0.0.1", port), "10.0.0.1", 443)
+        nursery.cancel_scope.cancel()
+
+
+def test_dial_errors_name_the_innermost_cause() -> None:
+    from libp2p.exceptions import MultiError
+
+    from agent.dial_errors import describe
+
+    ssl_error = ValueError("certificate verify failed")
+    try:
+        try:
+            raise RuntimeError("transport failed") from ssl_error
+        except RuntimeError as transport:
+            raise ConnectionError("unable to connect") from MultiError([transport])
+    except ConnectionError as dial:
+        text = describe(dial)
+    assert text == (
+        "ConnectionError: unable to connect (cause: ValueError: certificate verify failed)"
+    )
+    assert describe(KeyError("x")) == "KeyError: 'x'"
