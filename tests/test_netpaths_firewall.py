@@ -15,7 +15,7 @@ import pytest
 from tests.fleet import ADMIN_KEY
 from tests.netns import HTTP_PORT, METRICS_PORT, P2P_PORT, AgentIn, RouterIn, lab, require_netns
 
-pytestmark = [pytest.mark.netpaths, pytest.mark.xdist_group("netpaths")]
+pytestmark = pytest.mark.netpaths
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 CLIENT_SIDE_IP, ROUTER_CLIENT_IP = "10.77.1.9", "10.77.1.1"

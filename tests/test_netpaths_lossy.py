@@ -16,7 +16,7 @@ import pytest
 from tests.fleet import wait_until
 from tests.netns import AgentIn, RouterIn, lab, require_netns
 
-pytestmark = [pytest.mark.netpaths, pytest.mark.xdist_group("netpaths")]
+pytestmark = pytest.mark.netpaths
 
 ROUTER_IP = "10.77.1.1"
 AGENT_IP = "10.77.1.2"

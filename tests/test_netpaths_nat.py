@@ -15,7 +15,7 @@ import pytest
 
 from tests.netns import AgentIn, Lab, Netns, RouterIn, lab, require_netns
 
-pytestmark = [pytest.mark.netpaths, pytest.mark.xdist_group("netpaths")]
+pytestmark = pytest.mark.netpaths
 
 ROUTER_IP = "10.77.1.1"
 NAT_PUBLIC_IP = "10.77.1.2"

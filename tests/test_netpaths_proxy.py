@@ -33,7 +33,7 @@ AGENT_IP = "10.77.3.2"
 PROXY_PORT = 8888
 PROXY_URL = f"http://{PROXY_IP}:{PROXY_PORT}"
 
-pytestmark = [pytest.mark.netpaths, pytest.mark.xdist_group("netpaths")]
+pytestmark = pytest.mark.netpaths
 
 
 @dataclass
