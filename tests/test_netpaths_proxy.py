@@ -10,6 +10,7 @@ import functools
 import ipaddress
 import re
 import shutil
+import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +162,16 @@ def test_agent_joins_over_wss_through_https_proxy(proxy_path: ProxyPath) -> None
         "--p2p-wss-port", "443", "--tls-cert-file", str(cert), "--tls-key-file", str(key),
     )  # fmt: skip
     assert router.proc.wait_log(r"router_listening p2p=\S+/tcp/443/wss/")
+    # Plain TCP garbage and plain HTTP at the TLS port end those connections only.
+    for probe in (b"\x16\x03\x01\x00\xff" + b"\x00" * 300, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n"):
+        proxy_path.router_ns.sh(
+            sys.executable, "-c",
+            "import socket, sys\n"
+            f"s = socket.create_connection(({ROUTER_IP!r}, 443), timeout=5)\n"
+            f"s.sendall({probe!r})\n"
+            "s.settimeout(5)\n"
+            "try:\n    s.recv(100)\nexcept OSError:\n    pass\n",
+        )  # fmt: skip
     env = {**proxy_path.lab.env, "HTTPS_PROXY": PROXY_URL}
     untrusting = AgentIn(proxy_path.agent_ns, [router.address("wss", 443)], "m-other", env=env)
     agent = AgentIn(
@@ -271,3 +282,36 @@ def test_dial_errors_name_the_innermost_cause() -> None:
         "ConnectionError: unable to connect (cause: ValueError: certificate verify failed)"
     )
     assert describe(KeyError("x")) == "KeyError: 'x'"
+
+
+def test_router_tls_flags_are_checked_at_start(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from router.cli import main
+
+    monkeypatch.setenv("HIVENET_ROUTER_ADMIN_API_KEYS", "k")
+    monkeypatch.setenv("HIVENET_ROUTER_JWT_SECRET", "s" * 32)
+    base = ["serve", "--identity-path", str(tmp_path / "id.key")]
+    garbage = tmp_path / "garbage.pem"
+    garbage.write_text("not a certificate")
+    cases = {
+        "--p2p-wss-port needs --tls-cert-file and --tls-key-file": ["--p2p-wss-port", "443"],
+        "--tls-cert-file and --tls-key-file are for --p2p-wss-port": [
+            "--tls-cert-file", str(garbage), "--tls-key-file", str(garbage),
+        ],
+        "cannot both be set": [
+            "--p2p-ws-port", "80", "--p2p-wss-port", "443",
+            "--tls-cert-file", str(garbage), "--tls-key-file", str(garbage),
+        ],
+        "TLS file not found": [
+            "--p2p-wss-port", "443",
+            "--tls-cert-file", str(tmp_path / "none.pem"), "--tls-key-file", str(garbage),
+        ],
+        "not a PEM certificate chain and its private key": [
+            "--p2p-wss-port", "443",
+            "--tls-cert-file", str(garbage), "--tls-key-file", str(garbage),
+        ],
+    }  # fmt: skip
+    for message, flags in cases.items():
+        assert main([*base, *flags]) == 2
+        assert message in capsys.readouterr().err
