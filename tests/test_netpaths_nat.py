@@ -152,3 +152,27 @@ def test_short_nat_idle_timeout_does_not_cut_an_idle_agent(nat_path: NatPath) ->
     )
     assert reply.choices[0].message.content == "Echo: still here"
     router.close()
+
+
+def test_namespaces_left_by_a_dead_test_run_are_swept() -> None:
+    """A run killed before its cleanup leaves namespaces named after its pid; the next
+    run deletes them, and keeps those of test processes still alive."""
+    require_netns()
+    import os
+    import subprocess
+
+    from tests.netns import PREFIX, sweep_stale
+
+    gone = subprocess.Popen(["true"])
+    gone.wait()
+    stale, live = f"{PREFIX}-{gone.pid}-0r", f"{PREFIX}-{os.getppid()}-0r"
+    for name in (stale, live):
+        subprocess.run(["ip", "netns", "add", name], check=True)
+    try:
+        assert sweep_stale.__wrapped__() >= 1
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert stale not in names
+        assert live in names
+    finally:
+        for name in (stale, live):
+            subprocess.run(["ip", "netns", "del", name], capture_output=True)
