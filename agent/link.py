@@ -14,6 +14,7 @@ import multiaddr
 import trio
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
+from agent.dial_errors import describe
 from agent.forward import BackendClients, forward
 from protocol import messages as m
 from protocol.logs import quote
@@ -214,7 +215,7 @@ class RouterConnection:
                 log.warning(
                     "router_dial_failed router=%s error=%s",
                     self.address,
-                    quote(f"{type(exc).__name__}: {exc}"),
+                    quote(describe(exc)),
                 )
             finally:
                 self.session = None

@@ -168,7 +168,11 @@ class FramedStream:
     def send_nowait(self, message: dict) -> None:
         if self.closed.is_set():
             raise SessionClosed(self.close_reason or "session closed")
-        self._send.send_nowait(encode_frame(message))
+        try:
+            self._send.send_nowait(encode_frame(message))
+        except trio.ClosedResourceError:
+            # close() shuts the queue at once; `closed` is set only when run() returns.
+            raise SessionClosed(self.close_reason or "session closed") from None
         self.last_tx = trio.current_time()
 
     async def run(self, on_message: Callable[[dict], Awaitable[None] | None]) -> str:

@@ -28,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--p2p-ws-port", type=int, default=0, help="libp2p WebSocket port (0: no WebSocket)"
     )
+    serve.add_argument(
+        "--p2p-wss-port", type=int, default=0, help="libp2p WebSocket-over-TLS port (0: none)"
+    )
+    serve.add_argument("--tls-cert-file", default=None, help="PEM certificate chain for /wss")
+    serve.add_argument("--tls-key-file", default=None, help="PEM private key for /wss")
     serve.add_argument("--p2p-listen-addr", default="127.0.0.1")
     serve.add_argument("--p2p-announce-addr", default=None)
     serve.add_argument("--identity-path", default="./router_identity.key")
@@ -94,6 +99,9 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         metrics_addr=split_hostport(args.metrics_port),
         p2p_port=args.p2p_port,
         p2p_ws_port=args.p2p_ws_port,
+        p2p_wss_port=args.p2p_wss_port,
+        tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file,
         p2p_listen_addr=args.p2p_listen_addr,
         p2p_announce_addr=args.p2p_announce_addr,
         identity_path=args.identity_path,
@@ -121,6 +129,13 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         )
     if s.audit_log_max_bytes < 1024 or s.audit_log_backups < 0:
         raise ValueError("--audit-log-max-bytes must be at least 1024, --audit-log-backups >= 0")
+    if s.p2p_wss_port and not (s.tls_cert_file and s.tls_key_file):
+        raise ValueError("--p2p-wss-port needs --tls-cert-file and --tls-key-file")
+    if (s.tls_cert_file or s.tls_key_file) and not s.p2p_wss_port:
+        raise ValueError("--tls-cert-file and --tls-key-file are for --p2p-wss-port: set it")
+    if s.p2p_wss_port and s.p2p_ws_port:
+        # py-libp2p 0.8.1 gives every WebSocket listener of a host the same TLS context.
+        raise ValueError("--p2p-ws-port and --p2p-wss-port cannot both be set: choose one")
     if s.max_tries_per_step < 1:
         raise ValueError("--max-tries-per-step must be at least 1")
     if not s.admin_api_keys and not s.allow_insecure_admin:

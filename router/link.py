@@ -30,6 +30,7 @@ from router.peers import (
     Peer,
     PeerTable,
 )
+from router.remote_addr import remote_address_of
 from router.session import ForwardFailure, RouteRequest, Slot
 
 log = logging.getLogger("link")
@@ -110,6 +111,7 @@ class AgentSession:
         self.last_rx = trio.current_time()
         self.hello_seen = trio.Event()
         self.refused: str | None = None
+        self.remote_addr = ""
 
     def on_message(self, msg: dict) -> None:
         self.last_rx = trio.current_time()
@@ -230,6 +232,7 @@ class AgentLink:
         remote = str(stream.muxed_conn.peer_id)
         fs = FramedStream(stream)
         session = AgentSession(self, fs, remote)
+        session.remote_addr = remote_address_of(stream)
         reason = "cancelled"
         try:
             async with trio.open_nursery() as nursery:
@@ -270,6 +273,7 @@ class AgentLink:
             send=session.fs.send,
             connected_at=now,
             last_seen=now,
+            remote_addr=session.remote_addr,
         )
         old = self.table.get(peer.peer_id)
         if old is not None:
