@@ -136,9 +136,9 @@ FLEET = Dashboard(
                 ),
                 stat(
                     "Client 5xx share",
-                    'sum(rate(hivenet_router_http_requests_total{status=~"5.."}'
-                    "[$__rate_interval])) / sum(rate(hivenet_router_http_requests_total"
-                    "[$__rate_interval]))",
+                    '(sum(rate(hivenet_router_http_requests_total{status=~"5.."}'
+                    "[$__rate_interval])) or vector(0)) / "
+                    "sum(rate(hivenet_router_http_requests_total[$__rate_interval]))",
                     "percentunit",
                     "Answers with a 5xx over all client answers",
                 ),
