@@ -172,3 +172,29 @@ def test_every_exported_router_family_is_on_a_dashboard(exported: set[str]) -> N
         and not n.endswith(("_created", "_bucket", "_sum", "_count"))
     }
     assert sorted(families - shown) == []
+
+
+def test_dashboard_panels_tile_a_24_column_grid_with_unique_ids() -> None:
+    for path in dashboard_files():
+        dash = dashboard_json(path)
+        ids = [p["id"] for p in panels(dash)]
+        assert len(ids) == len(set(ids)), path.name
+        cells: dict[tuple[int, int], str] = {}
+        for panel in panels(dash):
+            g = panel["gridPos"]
+            assert g["x"] >= 0 and g["x"] + g["w"] <= 24, (path.name, panel["title"])
+            for x in range(g["x"], g["x"] + g["w"]):
+                for y in range(g["y"], g["y"] + g["h"]):
+                    assert (x, y) not in cells, (
+                        f"{path.name}: {panel['title']!r} overlaps {cells[(x, y)]!r}"
+                    )
+                    cells[(x, y)] = panel["title"]
+            refs = [t["refId"] for t in panel.get("targets", [])]
+            assert len(refs) == len(set(refs)), (path.name, panel["title"])
+
+
+def test_the_readme_lists_the_panels_the_builder_renders() -> None:
+    readme = (DEPLOY.parent / "README.md").read_text()
+    assert load_builder().markdown() in readme, (
+        "paste: python deploy/grafana/dashboards.py --markdown"
+    )
