@@ -13,6 +13,7 @@ and the JWT secret from a file only, join it and answer a request.
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
 import json
 import os
@@ -98,6 +99,11 @@ def agent_services() -> list[str]:
     return [name for name in SERVICES if name.startswith("agent-")]
 
 
+def agent_args(service: str) -> argparse.Namespace:
+    """The agent's parsed arguments; the entry point adds --router."""
+    return agent_parser().parse_args([*SERVICES[service]["command"], "--router", "x"])
+
+
 # --- static ----------------------------------------------------------------------------
 
 
@@ -111,14 +117,11 @@ def test_compose_runs_a_router_two_sim_agents_prometheus_and_grafana() -> None:
         "grafana",
     }
     for name in agent_services():
-        args = agent_parser().parse_args(SERVICES[name]["command"] + ["--router", "x"])
+        args = agent_args(name)
         assert args.engine == "sim"
         assert args.jwt_secret_file == SECRET_TARGET
         assert SERVICES[name]["secrets"] == ["jwt_secret"]
-    assert len(agent_services()) == 2
-    machines = {agent_parser().parse_args(SERVICES[n]["command"] + ["--router", "x"]).machine
-                for n in agent_services()}  # fmt: skip
-    assert len(machines) == 2
+    assert len({agent_args(name).machine for name in agent_services()}) == 2
 
 
 def test_bind_mounts_name_files_of_this_checkout_and_named_volumes_are_declared() -> None:
@@ -316,7 +319,7 @@ def test_compose_wiring_router_identity_entrypoint_and_two_agents(fleet: Fleet) 
         proc = Proc(name, argv, agent_env, root / f"{name}.log")
         fleet.procs.append(proc)
         agents.append(proc.start())
-    model = agent_parser().parse_args(SERVICES["agent-1"]["command"] + ["--router", "x"]).model
+    model = agent_args("agent-1").model
 
     def both_healthy() -> bool:
         table = router.agents()
