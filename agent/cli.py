@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from protocol.durations import parse_duration
-from protocol.logs import setup_logging
+from protocol.logs import FORMATS, setup_logging
 from protocol.secrets import load_secret
 
 CAPABILITIES = ("llm", "embedding", "reranker")
@@ -49,12 +49,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-token-latency", type=parse_duration, default="0s")
     p.add_argument("--sim-ttft", type=parse_duration, default="0s")
     p.add_argument("--sim-port", type=int, default=0)
+    p.add_argument(
+        "--log-format", choices=FORMATS, default=None, help="text (key=value) or json lines"
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging()
+    setup_logging(log_format=args.log_format)
     from agent.link import parse_router_address
     from agent.settings import AgentSettings
 

@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from protocol.durations import parse_duration
-from protocol.logs import setup_logging
+from protocol.logs import FORMATS, setup_logging
 from protocol.secrets import load_secret
 from router.settings import RouterSettings, split_hostport
 
@@ -65,6 +65,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--audit-log-max-bytes", type=int, default=100 * 1024 * 1024)
     serve.add_argument("--audit-log-backups", type=int, default=5)
+    serve.add_argument(
+        "--log-format", choices=FORMATS, default=None, help="text (key=value) or json lines"
+    )
 
     check = sub.add_parser("check-policy", help="validate a policy file and print its chain")
     check.add_argument("file")
@@ -252,7 +255,7 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging()
+    setup_logging(log_format=getattr(args, "log_format", None))
     return COMMANDS[args.command](args)
 
 
