@@ -33,6 +33,7 @@ from router.providers import ProviderClient
 from router.session import RoutingSession
 from router.settings import RouterSettings
 from router.tenants.gate import GateSettings, TenantGate
+from router.unjoined import UnjoinedLimits
 
 log = logging.getLogger("router")
 
@@ -77,6 +78,7 @@ class RouterDaemon:
                 remove_after=settings.remove_after,
                 router_peer_id=self.peer_id,
                 release_stream_slot_at_head=settings.stream_slot_release == "head",
+                unjoined=UnjoinedLimits(per_address=settings.max_unjoined_per_ip),
             ),
         )
         self.session = RoutingSession(

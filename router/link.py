@@ -13,7 +13,7 @@ import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -29,6 +29,7 @@ from protocol.conversation import (
 )
 from protocol.errors import ErrorCode, classify_backend_status
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
+from protocol.frames import MAX_FRAME_BYTES
 from protocol.logs import quote
 from protocol.p2p import FramedStream, SessionClosed
 from protocol.tokens import TokenError, verify_token
@@ -41,6 +42,7 @@ from router.peers import (
     PeerTable,
 )
 from router.session import ForwardFailure, RouteRequest, Slot
+from router.unjoined import Unjoined, UnjoinedLimits, source_of
 
 log = logging.getLogger("link")
 
@@ -63,6 +65,7 @@ class LinkSettings:
     remove_after: float
     router_peer_id: str
     release_stream_slot_at_head: bool = True
+    unjoined: UnjoinedLimits = field(default_factory=UnjoinedLimits)
 
     @property
     def liveness_interval(self) -> float:
@@ -166,10 +169,18 @@ class AgentSession:
     the tail of a request this router already finished or cancelled, and are dropped.
     """
 
-    def __init__(self, link: AgentLink, fs: FramedStream, remote_peer: str) -> None:
+    def __init__(
+        self,
+        link: AgentLink,
+        fs: FramedStream,
+        remote_peer: str,
+        unjoined: tuple[int, str] | None = None,
+    ) -> None:
         self.link = link
         self.fs = fs
         self.remote_peer = remote_peer
+        # (connection, source address) while counted among the unjoined sessions.
+        self.unjoined = unjoined
         self.peer: Peer | None = None
         self.state = SessionState.AWAITING_HELLO
         self.pending: dict[int, _Pending] = {}
@@ -239,8 +250,10 @@ class AgentSession:
             pending.put((state, msg))
 
     def admitted(self) -> None:
-        """The router sent its welcome."""
+        """The router sent its welcome: the agent may send frames of any size now."""
         self.state = next_session_state(Role.ROUTER, self.state, m.WELCOME)
+        self.fs.allow_frames(MAX_FRAME_BYTES)
+        self.link.release_unjoined(self)
 
     def refuse(self) -> None:
         self.state = next_session_state(Role.ROUTER, self.state, m.REFUSAL)
@@ -338,6 +351,10 @@ class AgentLink:
         self.metrics = metrics
         self.settings = settings
         self.sessions: dict[Peer, AgentSession] = {}
+        self.unjoined = Unjoined(settings.unjoined)
+
+    def __repr__(self) -> str:
+        return f"<AgentLink {len(self.sessions)} sessions, {self.unjoined!r}>"
 
     # --- sessions -------------------------------------------------------------------
 
@@ -350,9 +367,27 @@ class AgentLink:
             log.exception("session_error")
 
     async def _serve(self, stream: Any) -> None:
-        remote = str(stream.muxed_conn.peer_id)
-        fs = FramedStream(stream)
-        session = AgentSession(self, fs, remote)
+        conn = stream.muxed_conn
+        remote = str(conn.peer_id)
+        source = source_of(conn.get_remote_address())
+        refusal = self.unjoined.enter(id(conn), source)
+        if refusal is not None:
+            log.warning(
+                "session_refused_before_hello peer=%s source=%s reason=%s",
+                remote,
+                source,
+                quote(refusal),
+            )
+            self.metrics.sessions_refused.labels("unjoined limit").inc()
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(1),
+                contextlib.suppress(Exception),
+            ):
+                await stream.reset()
+            return
+        fs = FramedStream(stream, max_frame_bytes=self.settings.unjoined.frame_bytes)
+        session = AgentSession(self, fs, remote, (id(conn), source))
         reason = "cancelled"
         try:
             async with trio.open_nursery() as nursery:
@@ -360,7 +395,14 @@ class AgentLink:
                 reason = await fs.run(session.on_message)
                 nursery.cancel_scope.cancel()
         finally:
+            self.release_unjoined(session)
             self._closed(session, reason)
+
+    def release_unjoined(self, session: AgentSession) -> None:
+        """The session no longer counts among the unjoined (welcomed, or gone)."""
+        if session.unjoined is not None:
+            self.unjoined.leave(*session.unjoined)
+            session.unjoined = None
 
     async def _keepalive(self, session: AgentSession) -> None:
         fs = session.fs

@@ -16,6 +16,8 @@ import trio
 from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
+from libp2p.network.config import ConnectionConfig
+from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from protocol import messages as m
 from protocol.p2p import FramedStream, peer_id_of
@@ -147,4 +149,28 @@ async def fake_router(
         finally:
             for fs in router.sessions:
                 fs.close("test over")
+            await host.close()
+
+
+@asynccontextmanager
+async def stranger(router: Router, ip: str = "127.0.0.1") -> AsyncIterator[Callable[[], Any]]:
+    """A libp2p connection to `router` from a new peer ID, dialled at `ip` (a loopback
+    address other than 127.0.0.1 is also the connection's source); yields a function
+    that opens one more agent stream on that connection."""
+    host = new_host(
+        key_pair=create_new_key_pair(os.urandom(32)),
+        listen_addrs=[],
+        connection_config=ConnectionConfig(max_connections_per_peer=1),
+    )
+    address = router.multiaddr.replace("/ip4/127.0.0.1/", f"/ip4/{ip}/")
+    info = info_from_p2p_addr(multiaddr.Multiaddr(address))
+    async with host.run(listen_addrs=[]):
+        await host.connect(info)
+
+        async def open_stream() -> Any:
+            return await host.new_stream(info.peer_id, [m.PROTOCOL_ID])
+
+        try:
+            yield open_stream
+        finally:
             await host.close()
