@@ -32,6 +32,8 @@ __all__ = [
     "next_request_state",
     "next_session_state",
     "open_request",
+    "request_error",
+    "session_error",
 ]
 
 
@@ -130,9 +132,7 @@ def next_session_state(sender: Role, state: SessionState, kind: str) -> SessionS
     try:
         return SESSION_TRANSITIONS[sender][state][kind]
     except KeyError:
-        raise ProtocolError(
-            f"can't handle {kind} from the {sender.value} in session state {state.name}"
-        ) from None
+        raise session_error(sender, state, kind) from None
 
 
 def next_request_state(sender: Role, state: RequestState, kind: str) -> RequestState:
@@ -140,7 +140,19 @@ def next_request_state(sender: Role, state: RequestState, kind: str) -> RequestS
     try:
         return REQUEST_TRANSITIONS[sender][state][kind]
     except KeyError:
-        raise ProtocolError(f"can't handle {kind} in state {state.name}") from None
+        raise request_error(state, kind) from None
+
+
+# A daemon on its hot path may look the tables up itself (one dict lookup, no call);
+# these name what a missing key means.
+def session_error(sender: Role, state: SessionState, kind: str) -> ProtocolError:
+    return ProtocolError(
+        f"can't handle {kind} from the {sender.value} in session state {state.name}"
+    )
+
+
+def request_error(state: RequestState, kind: str) -> ProtocolError:
+    return ProtocolError(f"can't handle {kind} in state {state.name}")
 
 
 def open_request(live: RequestState | None) -> RequestState:

@@ -133,7 +133,7 @@ def _link() -> tuple[AgentLink, AgentSession, _FakeStream, Peer]:
     peer = _peer()
     session = AgentSession(link, fs, peer.peer_id)  # type: ignore[arg-type]
     session.peer = peer
-    session.state = SessionState.JOINED  # as if its hello had been welcomed
+    session._enter(SessionState.JOINED)  # as if its hello had been welcomed
     link.sessions[peer] = session
     table.add(peer)
     return link, session, fs, peer
