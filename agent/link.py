@@ -18,12 +18,14 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from agent.forward import BackendClients, forward
 from protocol import messages as m
 from protocol.conversation import (
+    REQUEST_TRANSITIONS,
     RequestState,
     Role,
     SessionState,
     next_request_state,
     next_session_state,
     open_request,
+    request_error,
 )
 from protocol.errors import ErrorCode
 from protocol.logs import quote
@@ -73,6 +75,9 @@ class Status:
             hardware["age"] = now - self.hardware_at
             hardware["interval"] = max(self.hardware_interval, confirm_period)
         return m.heartbeat(time.time(), self.backend_healthy, engine, hardware)
+
+
+_SEND_MOVES = REQUEST_TRANSITIONS[Role.AGENT]
 
 
 class _Served:
@@ -197,14 +202,26 @@ class RouterSession:
 
         def send(answer: dict) -> None:
             # What this agent sends obeys the same rules as what it receives; after a
-            # cancel the router has stopped listening, so the rest is not sent.
-            state = served.state = next_request_state(Role.AGENT, served.state, answer["type"])
+            # cancel the router has stopped listening, so the rest is not sent. One
+            # lookup per streamed chunk, no call.
+            kind = answer["type"]
+            state = _SEND_MOVES[served.state].get(kind)
+            if state is None:
+                raise request_error(served.state, kind)
+            served.state = state
             if state is not RequestState.CANCELLED:
                 self.send(answer)
 
         with served.scope:
             try:
                 await forward(self.client.for_request(req_id), self.backend_url, msg, send)
+            except m.ProtocolError as exc:
+                # This agent's own answer broke the rules: the request fails, the
+                # session and its other requests go on.
+                log.error("answer_out_of_order id=%d reason=%s", req_id, quote(str(exc)))
+                if served.state in (RequestState.AWAITING_HEAD, RequestState.BODY):
+                    served.state = RequestState.FAILED
+                    self.send(m.error(req_id, ErrorCode.BACKEND_ERROR, f"agent error: {exc}"))
             finally:
                 if self.requests.get(req_id) is served:
                     del self.requests[req_id]

@@ -138,10 +138,8 @@ class _Pending:
         self._task: trio.lowlevel.Task | None = None
 
     def __repr__(self) -> str:
-        waiting = "waiting" if self._task is not None else "not waiting"
-        return (
-            f"<_Pending id={self.req_id} {self.state.name}, {len(self.frames)} queued, {waiting}>"
-        )
+        waiting = ", a task waiting" if self._task is not None else ""
+        return f"<_Pending id={self.req_id} {self.state.name}, {len(self.frames)} queued{waiting}>"
 
     def put(self, item: Answer) -> None:
         self.frames.append(item)
