@@ -152,7 +152,7 @@ class FramedStream:
     ) -> None:
         self.stream = stream
         self._write_timeout = write_timeout
-        self._max = max_frame_bytes
+        self.decoder = FrameDecoder(max_frame_bytes)
         self._send, self._queue = trio.open_memory_channel[bytes](math.inf)
         self.closed = trio.Event()
         self.close_reason = ""
@@ -160,6 +160,10 @@ class FramedStream:
         self._scope: trio.CancelScope | None = None
         self._abort_early = False
         self._drained = trio.Event()
+
+    def allow_frames(self, max_frame_bytes: int) -> None:
+        """Take frames up to this size from now on (a peer that is trusted now)."""
+        self.decoder.max_frame_bytes = max_frame_bytes
 
     async def send(self, message: dict) -> None:
         """Queue one message; never blocks the caller behind the network."""
@@ -225,7 +229,7 @@ class FramedStream:
         self.close(reason)
 
     async def _reader(self, on_message: Callable[[dict], Awaitable[None] | None]) -> None:
-        decoder = FrameDecoder(self._max)
+        decoder = self.decoder
         while True:
             try:
                 data = await self.stream.read(READ_BYTES)

@@ -35,6 +35,7 @@ from router.settings import RouterSettings
 from router.tenants.gate import GateSettings, TenantGate
 from router.tenants.keys import ClientKeys
 from router.tls import server_context
+from router.unjoined import UnjoinedLimits
 
 log = logging.getLogger("router")
 
@@ -87,6 +88,7 @@ class RouterDaemon:
                 remove_after=settings.remove_after,
                 router_peer_id=self.peer_id,
                 release_stream_slot_at_head=settings.stream_slot_release == "head",
+                unjoined=UnjoinedLimits(per_address=settings.max_unjoined_per_ip),
             ),
         )
         self.session = RoutingSession(

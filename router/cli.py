@@ -45,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--heartbeat-interval", type=parse_duration, default="5s")
     serve.add_argument("--unhealthy-after", type=parse_duration, default="15s")
     serve.add_argument("--remove-after", type=parse_duration, default="30s")
+    serve.add_argument("--max-unjoined-per-ip", type=int, default=64)
     serve.add_argument("--drain-timeout", type=parse_duration, default="30s")
     serve.add_argument("--stream-slot-release", choices=("head", "end"), default="head")
     serve.add_argument("--jwt-secret-file", default=None)
@@ -115,6 +116,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         heartbeat_interval=args.heartbeat_interval,
         unhealthy_after=args.unhealthy_after,
         remove_after=args.remove_after,
+        max_unjoined_per_ip=args.max_unjoined_per_ip,
         drain_timeout=args.drain_timeout,
         stream_slot_release=args.stream_slot_release,
         jwt_secret=load_secret(args.jwt_secret_file),
@@ -139,6 +141,8 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
     if s.p2p_wss_port and s.p2p_ws_port:
         # py-libp2p 0.8.1 gives every WebSocket listener of a host the same TLS context.
         raise ValueError("--p2p-ws-port and --p2p-wss-port cannot both be set: choose one")
+    if s.max_unjoined_per_ip < 1:
+        raise ValueError("--max-unjoined-per-ip must be at least 1")
     if s.max_tries_per_step < 1:
         raise ValueError("--max-tries-per-step must be at least 1")
     if not s.admin_api_keys and not s.allow_insecure_admin:

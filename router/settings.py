@@ -37,6 +37,8 @@ class RouterSettings:
     heartbeat_interval: float = 5.0
     unhealthy_after: float = 15.0
     remove_after: float = 30.0
+    # Agent sessions from one address (IPv6: one /64) not yet past their hello.
+    max_unjoined_per_ip: int = 64
     drain_timeout: float = 30.0
     stream_slot_release: str = "head"
     jwt_secret: bytes = b""
