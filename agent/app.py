@@ -71,6 +71,8 @@ class AgentDaemon:
             "gpu_model": s.gpu_model or self.hardware.gpu_model() or "",
             "tags": list(s.tags),
             "version": VERSION,
+            "deployment_id": s.deployment_id,
+            "replica_id": s.replica_id,
         }
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:

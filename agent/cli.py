@@ -33,6 +33,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--machine", default=socket.gethostname())
     p.add_argument("--gpu-model", default="")
     p.add_argument("--tags", default="")
+    p.add_argument("--deployment-id", default="")
+    p.add_argument("--replica-id", default="")
     p.add_argument("--identity-path", default="./agent_identity.key")
     p.add_argument("--heartbeat-interval", type=parse_duration, default="5s")
     p.add_argument("--engine-sample-interval", type=parse_duration, default="500ms")
@@ -94,6 +96,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             machine=args.machine,
             gpu_model=args.gpu_model,
             tags=[t.strip() for t in args.tags.split(",") if t.strip()],
+            deployment_id=args.deployment_id,
+            replica_id=args.replica_id,
             identity_path=args.identity_path,
             heartbeat_interval=args.heartbeat_interval,
             engine_sample_interval=args.engine_sample_interval,

@@ -20,6 +20,9 @@ class AgentSettings:
     machine: str = ""
     gpu_model: str = ""
     tags: list[str] = field(default_factory=list)
+    # The registration stream's join key for external schedulers.
+    deployment_id: str = ""
+    replica_id: str = ""
     identity_path: str = "./agent_identity.key"
     heartbeat_interval: float = 5.0
     engine_sample_interval: float = 0.5

@@ -30,6 +30,7 @@ from router.policy.describe import policy_warnings
 from router.policy.schema import Policy
 from router.policy.store import PolicyStore
 from router.providers import ProviderClient
+from router.registrations import RegistrationFeed
 from router.session import RoutingSession
 from router.settings import RouterSettings
 from router.tenants.gate import GateSettings, TenantGate
@@ -78,6 +79,7 @@ class RouterDaemon:
             if settings.p2p_wss_port and settings.tls_cert_file and settings.tls_key_file
             else None
         )
+        self.registrations = RegistrationFeed()
         self.link = AgentLink(
             self.table,
             self.metrics,
@@ -90,6 +92,7 @@ class RouterDaemon:
                 release_stream_slot_at_head=settings.stream_slot_release == "head",
                 unjoined=UnjoinedLimits(per_address=settings.max_unjoined_per_ip),
             ),
+            self.registrations,
         )
         self.session = RoutingSession(
             self.table,
@@ -142,6 +145,7 @@ class RouterDaemon:
             AdminKeys(settings.admin_api_keys, settings.allow_insecure_admin),
             self.tenants.client_keys,
             self.tenants,
+            self.registrations,
         )
         self._stop = trio.Event()
         self._http_stop = trio.Event()

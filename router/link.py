@@ -45,6 +45,7 @@ from router.peers import (
     Peer,
     PeerTable,
 )
+from router.registrations import RegistrationFeed, registration
 from router.remote_addr import format_endpoint, remote_endpoint
 from router.session import ForwardFailure, RouteRequest, Slot
 from router.unjoined import Unjoined, UnjoinedLimits, source_of
@@ -365,10 +366,17 @@ class AgentResponse:
 
 
 class AgentLink:
-    def __init__(self, table: PeerTable, metrics: RouterMetrics, settings: LinkSettings) -> None:
+    def __init__(
+        self,
+        table: PeerTable,
+        metrics: RouterMetrics,
+        settings: LinkSettings,
+        registrations: RegistrationFeed | None = None,
+    ) -> None:
         self.table = table
         self.metrics = metrics
         self.settings = settings
+        self.registrations = registrations or RegistrationFeed()
         self.sessions: dict[Peer, AgentSession] = {}
         self.unjoined = Unjoined(settings.unjoined)
 
@@ -478,6 +486,7 @@ class AgentLink:
         )
         session.hello_seen.set()
         self._count()
+        self.registrations.publish(registration("registered", peer))
         log.info(
             "agent_joined peer=%s model=%s capability=%s engine=%s capacity=%d",
             peer.peer_id,
@@ -497,6 +506,8 @@ class AgentLink:
             return
         if self.sessions.get(peer) is session:
             del self.sessions[peer]
+            # A session replaced by the same agent's newer one is no unregistration.
+            self.registrations.publish(registration("unregistered", peer))
         peer.connected = False
         peer.healthy = False
         self.table.changed(peer.metadata.model)
@@ -563,6 +574,7 @@ class AgentLink:
                 session = self.sessions.pop(peer, None)
                 if session is not None:
                     session.fs.close(f"no heartbeat for {silent:.0f}s")
+                    self.registrations.publish(registration("unregistered", peer))
                 log.info("agent_removed peer=%s silent_s=%.1f", peer.peer_id, silent)
             elif silent > s.unhealthy_after and peer.healthy:
                 peer.healthy = False
@@ -741,4 +753,6 @@ def parse_metadata(raw: dict) -> AgentMetadata:
         gpu_model=text("gpu_model"),
         tags=tuple(tags),
         version=text("version"),
+        deployment_id=text("deployment_id"),
+        replica_id=text("replica_id"),
     )

@@ -27,6 +27,8 @@ class AgentMetadata:
     gpu_model: str = ""
     tags: tuple[str, ...] = ()
     version: str = ""
+    deployment_id: str = ""
+    replica_id: str = ""
 
     def to_json(self) -> dict:
         return {
@@ -40,6 +42,8 @@ class AgentMetadata:
             "tags": list(self.tags),
             "capacity": self.capacity,
             "version": self.version,
+            "deployment_id": self.deployment_id,
+            "replica_id": self.replica_id,
         }
 
 

@@ -23,9 +23,11 @@ from router.http.asgi import (
 )
 from router.http.auth import AdminKeys, presented_keys
 from router.http.client import ENDPOINTS, TICKET, ClientApi, send_error
+from router.http.registration_stream import registration_stream
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.policy.store import PolicyStore
+from router.registrations import RegistrationFeed
 from router.tenants.gate import TenantGate, Ticket
 from router.tenants.keys import ClientKeys
 
@@ -43,6 +45,7 @@ class RouterApp:
         admin_keys: AdminKeys,
         client_keys: ClientKeys,
         tenants: TenantGate | None = None,
+        registrations: RegistrationFeed | None = None,
     ) -> None:
         self.client = client
         self.table = table
@@ -52,6 +55,7 @@ class RouterApp:
         self.admin_keys = admin_keys
         self.client_keys = client_keys
         self.tenants = tenants
+        self.registrations = registrations or RegistrationFeed()
         self.draining = False
         self.inflight = 0
         self.idle = trio.Event()
@@ -177,6 +181,8 @@ class RouterApp:
         path, method = scope["path"], scope["method"]
         if method == "GET" and path == "/admin/routing-table":
             await send_json(send, 200, admin.routing_table(self.table), extra)
+        elif method == "GET" and path == "/admin/registration-stream":
+            return await registration_stream(self.registrations, receive, send, extra)
         elif method == "GET" and path == "/admin/health":
             await send_json(send, 200, admin.health(self.table, self.queue), extra)
         elif method == "GET" and path == "/admin/models":
@@ -222,6 +228,7 @@ _CHALLENGE = ("www-authenticate", "Bearer")
 _ADMIN_METHODS = {
     "/admin/routing-table": "GET",
     "/admin/health": "GET",
+    "/admin/registration-stream": "GET",
     "/admin/models": "GET",
     "/admin/policy": "GET, PUT",
     "/admin/auth": "GET, PUT",
