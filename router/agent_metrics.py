@@ -17,15 +17,22 @@ three sample periods) has no sample at all, never a zero. `..._engine_age_second
 `..._hardware_age_seconds` say how old the latest snapshots are, as the routing table
 does. Health is `hivenet_router_agent_healthy` (agent and link) and
 `hivenet_router_agent_backend_healthy` (its inference backend), 1 or 0.
+
+Lifetime counts (router/history.py keeps them across restarts; POST /admin/metrics/reset
+zeroes them) are counters: `..._requests_success_total`, `..._requests_failed_total`,
+`..._input_tokens_total`, `..._output_tokens_total`, `..._rejected_requests_total`,
+`..._disconnections_total`. `..._info` is 1 with the agent's metadata as labels, and
+`..._last_seen_timestamp_seconds` the wall time of its latest heartbeat.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 
 import trio
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
@@ -34,6 +41,24 @@ from router.policy.gates import metric_value
 
 PREFIX = "hivenet_router_agent_"
 LABELS = ("peer_id", "model", "engine")
+INFO_LABELS = (
+    *LABELS,
+    "capability",
+    "region",
+    "gpu_model",
+    "version",
+    "deployment_id",
+    "replica_id",
+)
+# (counter name without _total, UniversalStats field, help text)
+_LIFETIME = (
+    ("requests_success", "successes", "Successful forwards (lifetime)"),
+    ("requests_failed", "failures", "Failed forwards counted against the agent (lifetime)"),
+    ("input_tokens", "input_tokens", "Prompt tokens the engine reported (lifetime)"),
+    ("output_tokens", "output_tokens", "Completion tokens the engine reported (lifetime)"),
+    ("rejected_requests", "rejections", "Requests the engine refused with a 4xx (lifetime)"),
+    ("disconnections", "disconnections", "Agent sessions that ended (lifetime)"),
+)
 
 # (metric name suffix, policy field, help text)
 _UNIVERSAL = (
@@ -84,12 +109,21 @@ class AgentCollector(Collector):
         yield from families.values()
 
     @staticmethod
-    def _families() -> dict[str, GaugeMetricFamily]:
+    def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
         def gauge(name: str, text: str) -> tuple[str, GaugeMetricFamily]:
             return name, GaugeMetricFamily(PREFIX + name, text, labels=LABELS)
 
+        def counter(name: str, text: str) -> tuple[str, CounterMetricFamily]:
+            return name, CounterMetricFamily(PREFIX + name, text, labels=LABELS)
+
+        text = "1, with the agent's metadata as labels"
+        info = GaugeMetricFamily(PREFIX + "info", text, labels=INFO_LABELS)
         return dict(
             [
+                ("info", info),
+                gauge("last_seen_timestamp_seconds", "Wall time of the latest heartbeat"),
+                *(counter(name, text) for name, _, text in _LIFETIME),
+                gauge("rttvar_milliseconds", "RFC 6298 RTTVAR of the request time, ms"),
                 gauge("healthy", "1 when the agent is connected and heartbeating, else 0"),
                 gauge("backend_healthy", "1 when the agent's inference backend is healthy"),
                 gauge("active_requests", "Requests the router has in flight on the agent"),
@@ -103,7 +137,11 @@ class AgentCollector(Collector):
         )
 
     @staticmethod
-    def _add(families: dict[str, GaugeMetricFamily], peer: Peer, now: float | None) -> None:
+    def _add(
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily],
+        peer: Peer,
+        now: float | None,
+    ) -> None:
         md = peer.metadata
         labels = [peer.peer_id, md.model, md.engine]
 
@@ -119,10 +157,16 @@ class AgentCollector(Collector):
         stats = peer.stats
         put("success_rate", stats.success_rate)
         put("srtt_milliseconds", stats.srtt_ms)
+        put("rttvar_milliseconds", stats.rttvar_ms)
+        for name, attr, _ in _LIFETIME:
+            put(name, getattr(stats, attr))
+        meta = (md.capability, md.region, md.gpu_model, md.version, md.deployment_id, md.replica_id)
+        families["info"].add_metric([*labels, *meta], 1.0)
         if stats.successes + stats.failures:
             put("consecutive_failures", stats.consecutive_failures)
         if now is None:
             return
+        put("last_seen_timestamp_seconds", time.time() - (now - peer.last_seen))
         for field in (*ENGINE_FIELDS, *HARDWARE_FIELDS):
             put(field, metric_value(peer, field, now))
         if peer.engine_at:

@@ -18,6 +18,7 @@ from protocol.sdnotify import sd_notify
 from router.agent_metrics import AgentCollector
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
+from router.history import AgentHistory, default_path
 from router.http.app import RouterApp, with_lifespan
 from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
@@ -80,6 +81,10 @@ class RouterDaemon:
             else None
         )
         self.registrations = RegistrationFeed()
+        self.history = AgentHistory(
+            settings.history_path or default_path(settings.identity_path), self.table
+        )
+        self.history.load()
         self.link = AgentLink(
             self.table,
             self.metrics,
@@ -93,6 +98,7 @@ class RouterDaemon:
                 unjoined=UnjoinedLimits(per_address=settings.max_unjoined_per_ip),
             ),
             self.registrations,
+            self.history,
         )
         self.session = RoutingSession(
             self.table,
@@ -146,6 +152,7 @@ class RouterDaemon:
             self.tenants.client_keys,
             self.tenants,
             self.registrations,
+            self.history,
         )
         self._stop = trio.Event()
         self._http_stop = trio.Event()
@@ -177,6 +184,7 @@ class RouterDaemon:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self.link.sweep)
                     nursery.start_soon(self.tenants.run)
+                    nursery.start_soon(self.history.run)
                     nursery.start_soon(self._signals, nursery.cancel_scope)
                     await nursery.start(self._serve_http, self.app, s.http_addr)
                     metrics_app = with_lifespan(make_asgi_app(self.metrics.registry))
@@ -201,7 +209,9 @@ class RouterDaemon:
                 with trio.CancelScope(shield=True):
                     await close_listeners(host)
                     await self.providers.aclose()
+                    await self.history.write()
                 self.tenants.close()
+                self.history.close()
         log.info("router_stopped")
 
     def announce_addrs(self, host: Any) -> list[str]:

@@ -37,7 +37,8 @@ from protocol.frames import MAX_FRAME_BYTES
 from protocol.logs import quote
 from protocol.p2p import FramedStream, SessionClosed
 from protocol.tokens import TokenError, verify_token
-from protocol.usage import valid_usage
+from protocol.usage import COMPLETION, PROMPT, valid_usage
+from router.history import AgentHistory
 from router.metrics import RouterMetrics
 from router.peers import (
     CAPABILITIES,
@@ -338,7 +339,7 @@ class AgentResponse:
                     yield frame["data"]
                 elif state is _DONE:
                     self.done = True
-                    self.usage = valid_usage(frame.get("usage"))
+                    self._ended(frame)
                     return
                 else:
                     self.done = True
@@ -347,6 +348,12 @@ class AgentResponse:
                     raise StreamBroken(f"{failure.code}: {failure.message}")
         finally:
             self.close()
+
+    def _ended(self, frame: dict) -> None:
+        self.usage = usage = valid_usage(frame.get("usage"))
+        peer = self.session.peer
+        if usage is not None and peer is not None:
+            peer.stats.record_tokens(usage[PROMPT], usage[COMPLETION])
 
     async def read_all(self) -> bytes:
         return b"".join([chunk async for chunk in self.chunks()])
@@ -359,7 +366,7 @@ class AgentResponse:
             for state, frame in self.pending.frames:
                 if state is _DONE:
                     self.done = True
-                    self.usage = valid_usage(frame.get("usage"))
+                    self._ended(frame)
         self.slot.release()
         self.session.finish(self.req_id, cancel=not self.done)
         self.done = True
@@ -372,11 +379,13 @@ class AgentLink:
         metrics: RouterMetrics,
         settings: LinkSettings,
         registrations: RegistrationFeed | None = None,
+        history: AgentHistory | None = None,
     ) -> None:
         self.table = table
         self.metrics = metrics
         self.settings = settings
         self.registrations = registrations or RegistrationFeed()
+        self.history = history
         self.sessions: dict[Peer, AgentSession] = {}
         self.unjoined = Unjoined(settings.unjoined)
 
@@ -468,6 +477,9 @@ class AgentLink:
             remote_addr=session.remote_addr,
         )
         old = self.table.get(peer.peer_id)
+        restored = self.history.restore(peer.peer_id) if self.history else None
+        if restored is not None:
+            peer.stats = restored
         if old is not None:
             peer.stats = old.stats
             stale = self.sessions.pop(old, None)
@@ -506,6 +518,7 @@ class AgentLink:
             return
         if self.sessions.get(peer) is session:
             del self.sessions[peer]
+            peer.stats.disconnections += 1
             # A session replaced by the same agent's newer one is no unregistration.
             self.registrations.publish(registration("unregistered", peer))
         peer.connected = False
@@ -671,6 +684,8 @@ class AgentLink:
         code = classify_backend_status(status, bytes(body)) or ErrorCode.BACKEND_ERROR
         if code in (ErrorCode.BACKEND_ERROR, ErrorCode.BACKEND_UNAVAILABLE):
             peer.stats.record_failure()
+        else:
+            peer.stats.rejections += 1
         text = bytes(body[:2000]).decode("utf-8", "replace")
         return ForwardFailure(
             code,

@@ -56,6 +56,12 @@ class UniversalStats:
     consecutive_failures: int = 0
     srtt_ms: float | None = None
     rttvar_ms: float | None = None
+    # Lifetime counts kept by router/history.py across restarts: tokens as the engine
+    # reported them, answers the engine refused (4xx), sessions that ended.
+    input_tokens: int = 0
+    output_tokens: int = 0
+    rejections: int = 0
+    disconnections: int = 0
 
     @property
     def success_rate(self) -> float | None:
@@ -77,6 +83,15 @@ class UniversalStats:
     def record_failure(self) -> None:
         self.failures += 1
         self.consecutive_failures += 1
+
+    def record_tokens(self, prompt: int, completion: int) -> None:
+        self.input_tokens += prompt
+        self.output_tokens += completion
+
+    def reset(self) -> None:
+        """POST /admin/metrics/reset: back to an agent never seen."""
+        for name, value in vars(UniversalStats()).items():
+            setattr(self, name, value)
 
 
 @dataclass(eq=False)

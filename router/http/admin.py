@@ -52,6 +52,17 @@ def agent_view(peer: Peer, now: float) -> dict:
             "success_rate": stats.success_rate,
             "srtt": stats.srtt_ms,
             "consecutive_failures": stats.consecutive_failures,
+            # Lifetime counts (kept across restarts by router/history.py), named as
+            # upstream's routing table names them.
+            "successful_requests_total": stats.successes,
+            "failed_requests_total": stats.failures,
+            "input_tokens_total": stats.input_tokens,
+            "output_tokens_total": stats.output_tokens,
+            "rejected_requests_total": stats.rejections,
+            "disconnections_total": stats.disconnections,
+            "srtt_ms": stats.srtt_ms,
+            "rttvar_ms": stats.rttvar_ms,
+            "latency_state": "UNKNOWN" if stats.srtt_ms is None else "KNOWN",
         },
         "engine": engine,
         "hardware": hardware,

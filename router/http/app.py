@@ -11,6 +11,7 @@ import trio
 from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
 from router.capacity import WaitQueue
+from router.history import AgentHistory
 from router.http import admin
 from router.http.admin_auth import admin_auth
 from router.http.asgi import (
@@ -46,6 +47,7 @@ class RouterApp:
         client_keys: ClientKeys,
         tenants: TenantGate | None = None,
         registrations: RegistrationFeed | None = None,
+        history: AgentHistory | None = None,
     ) -> None:
         self.client = client
         self.table = table
@@ -56,6 +58,7 @@ class RouterApp:
         self.client_keys = client_keys
         self.tenants = tenants
         self.registrations = registrations or RegistrationFeed()
+        self.history = history
         self.draining = False
         self.inflight = 0
         self.idle = trio.Event()
@@ -183,6 +186,12 @@ class RouterApp:
             await send_json(send, 200, admin.routing_table(self.table), extra)
         elif method == "GET" and path == "/admin/registration-stream":
             return await registration_stream(self.registrations, receive, send, extra)
+        elif path == "/admin/storage" and method == "GET" and self.history:
+            await send_json(send, 200, self.history.storage(), extra)
+        elif path == "/admin/metrics/reset" and method == "POST" and self.history:
+            await self.history.reset()
+            message = "per-agent lifetime counters cleared (disk, in-memory, and Prometheus series)"
+            await send_json(send, 200, {"status": "metrics reset", "message": message}, extra)
         elif method == "GET" and path == "/admin/health":
             await send_json(send, 200, admin.health(self.table, self.queue), extra)
         elif method == "GET" and path == "/admin/models":
@@ -229,6 +238,8 @@ _ADMIN_METHODS = {
     "/admin/routing-table": "GET",
     "/admin/health": "GET",
     "/admin/registration-stream": "GET",
+    "/admin/storage": "GET",
+    "/admin/metrics/reset": "POST",
     "/admin/models": "GET",
     "/admin/policy": "GET, PUT",
     "/admin/auth": "GET, PUT",
