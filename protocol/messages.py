@@ -57,7 +57,7 @@ _OPTIONAL: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
     HEARTBEAT: (("backend_healthy", bool), ("engine", dict), ("hardware", dict)),
     WELCOME: (("liveness_interval", _NUM),),
     ERROR: (("status", int),),
-    REQUEST: (("report_usage", bool),),
+    REQUEST: (("report_usage", bool), ("traceparent", str)),
     RESPONSE_END: (("usage", dict),),
 }
 
@@ -127,6 +127,7 @@ def request(
     body: bytes,
     stream: bool,
     report_usage: bool = False,
+    traceparent: str | None = None,
 ) -> dict:
     msg = {
         "type": REQUEST,
@@ -141,6 +142,9 @@ def request(
         # The router counts tokens for quotas or its audit log: send them back on
         # response_end (`usage`: prompt_tokens, completion_tokens).
         msg["report_usage"] = True
+    if traceparent is not None:
+        # W3C trace context of the router's try, for the agent's span and the engine.
+        msg["traceparent"] = traceparent
     return msg
 
 

@@ -15,6 +15,7 @@ from protocol.logs import quote
 from protocol.messages import PROTOCOL_ID
 from protocol.p2p import load_or_create_identity, peer_id_of
 from protocol.sdnotify import sd_notify
+from protocol.tracing import tracer_from_env
 from router.agent_metrics import AgentCollector
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
@@ -81,6 +82,7 @@ class RouterDaemon:
             else None
         )
         self.registrations = RegistrationFeed()
+        self.tracer = tracer_from_env("hivenet-router")
         self.history = AgentHistory(
             settings.history_path or default_path(settings.identity_path), self.table
         )
@@ -153,6 +155,7 @@ class RouterDaemon:
             self.tenants,
             self.registrations,
             self.history,
+            self.tracer,
         )
         self._stop = trio.Event()
         self._http_stop = trio.Event()
@@ -185,6 +188,8 @@ class RouterDaemon:
                     nursery.start_soon(self.link.sweep)
                     nursery.start_soon(self.tenants.run)
                     nursery.start_soon(self.history.run)
+                    if self.tracer.enabled:
+                        nursery.start_soon(self.tracer.run)
                     nursery.start_soon(self._signals, nursery.cancel_scope)
                     await nursery.start(self._serve_http, self.app, s.http_addr)
                     metrics_app = with_lifespan(make_asgi_app(self.metrics.registry))
@@ -210,6 +215,7 @@ class RouterDaemon:
                     await close_listeners(host)
                     await self.providers.aclose()
                     await self.history.write()
+                    await self.tracer.flush()
                 self.tenants.close()
                 self.history.close()
         log.info("router_stopped")

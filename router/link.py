@@ -37,6 +37,7 @@ from protocol.frames import MAX_FRAME_BYTES
 from protocol.logs import quote
 from protocol.p2p import FramedStream, SessionClosed
 from protocol.tokens import TokenError, verify_token
+from protocol.tracing import Span
 from protocol.usage import COMPLETION, PROMPT, valid_usage
 from router.history import AgentHistory
 from router.metrics import RouterMetrics
@@ -612,6 +613,17 @@ class AgentLink:
             return ForwardFailure(
                 ErrorCode.AGENT_DISCONNECTED, "agent session is gone", connection_level=True
             )
+        with req.span.child("forward", {"hivenet.peer_id": peer.peer_id}) as span:
+            result = await self._forward(session, peer, req, slot, span)
+            if isinstance(result, ForwardFailure):
+                span.fail(str(result.code))
+            else:
+                span.set("http.response.status_code", result.status)
+            return result
+
+    async def _forward(
+        self, session: AgentSession, peer: Peer, req: RouteRequest, slot: Slot, span: Span
+    ) -> AgentResponse | ForwardFailure:
         req_id, pending = session.open()
         started = trio.current_time()
         try:
@@ -624,6 +636,7 @@ class AgentLink:
                     req.body,
                     req.stream,
                     req.report_usage,
+                    span.traceparent() or req.traceparent,
                 )
             )
         except SessionClosed as exc:

@@ -15,6 +15,7 @@ import trio
 
 from protocol.errors import REQUEST_LEVEL, ErrorCode, RouterError
 from protocol.logs import quote
+from protocol.tracing import NULL_SPAN, Span
 from router.capacity import Waiter, WaitQueue, try_acquire
 from router.metrics import RouterMetrics
 from router.peers import Peer, PeerTable
@@ -53,6 +54,11 @@ class RouteRequest:
     # A hard constraint like the model: only agents running one of these engines
     # (empty: any engine). Token counting needs an engine with a tokenizer endpoint.
     engines: frozenset[str] = frozenset()
+    # The request's innermost open span, under which the next one goes (NULL_SPAN with
+    # tracing off), and the W3C traceparent the agent and its engine get with tracing
+    # off: the client's.
+    span: Span = NULL_SPAN
+    traceparent: str | None = None
 
 
 class Slot:

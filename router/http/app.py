@@ -10,14 +10,17 @@ import trio
 
 from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
+from protocol.tracing import NO_TRACER, NULL_SPAN, Span, Tracer
 from router.capacity import WaitQueue
 from router.history import AgentHistory
 from router.http import admin
 from router.http.admin_auth import admin_auth
 from router.http.asgi import (
+    SPAN,
     Receive,
     Scope,
     Send,
+    header,
     request_id,
     send_bytes,
     send_json,
@@ -48,6 +51,7 @@ class RouterApp:
         tenants: TenantGate | None = None,
         registrations: RegistrationFeed | None = None,
         history: AgentHistory | None = None,
+        tracer: Tracer = NO_TRACER,
     ) -> None:
         self.client = client
         self.table = table
@@ -59,6 +63,7 @@ class RouterApp:
         self.tenants = tenants
         self.registrations = registrations or RegistrationFeed()
         self.history = history
+        self.tracer = tracer
         self.draining = False
         self.inflight = 0
         self.idle = trio.Event()
@@ -80,6 +85,14 @@ class RouterApp:
         method: str = scope["method"]
         tenant = "-"
         protocol = protocol_of(path)
+        span = NULL_SPAN
+        if self.tracer.enabled and path in ENDPOINTS:
+            span = scope[SPAN] = self.tracer.root(
+                f"{method} {path}",
+                header(scope, b"traceparent"),
+                {"http.request.method": method, "url.path": path, "hivenet.request_id": rid},
+            )
+            send = _with_traceparent(send, span)
         try:
             if path.startswith("/v1/"):
                 status, tenant = await self._client(scope, receive, send, rid)
@@ -105,19 +118,29 @@ class RouterApp:
             with contextlib.suppress(Exception):
                 await send_error(send, protocol, err, [("x-request-id", rid)], scope.get(TICKET))
         elapsed = trio.current_time() - started
+        trace_id = span.trace_id
         if path in ENDPOINTS:
             self.metrics.requests.labels(path, str(status), tenant).inc()
             self.metrics.duration.labels(path, tenant).observe(elapsed)
             if self.tenants:
-                self.tenants.audit(scope.get(TICKET), path, rid, tenant, status, elapsed)
+                self.tenants.audit(
+                    scope.get(TICKET), path, rid, tenant, status, elapsed, trace_id or None
+                )
+            if trace_id:
+                span.set("http.response.status_code", status)
+                span.set("hivenet.tenant", tenant)
+                if status >= 500:
+                    span.fail(f"answered {status}")
+                span.__exit__(None, None, None)
         log.info(
-            "req=%s method=%s path=%s status=%d tenant=%s duration_ms=%.1f",
+            "req=%s method=%s path=%s status=%d tenant=%s duration_ms=%.1f%s",
             rid,
             quote(method),
             quote(path),
             status,
             quote(tenant),
             elapsed * 1000,
+            f" trace_id={trace_id}" if trace_id else "",
         )
 
     async def _client(
@@ -231,6 +254,18 @@ class RouterApp:
             card["queue_length"] = self.queue.length(card["id"])
             cards.append(card)
         return cards
+
+
+def _with_traceparent(send: Send, span: Span) -> Send:
+    """The response names the request's trace (W3C `traceparent`), so a client can find it."""
+    value = (span.traceparent() or "").encode()
+
+    async def traced_send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (b"traceparent", value)]}
+        await send(message)
+
+    return traced_send
 
 
 _CHALLENGE = ("www-authenticate", "Bearer")
