@@ -18,7 +18,7 @@ three sample periods) has no sample at all, never a zero. `..._engine_age_second
 does. Health is `hivenet_router_agent_healthy` (agent and link) and
 `hivenet_router_agent_backend_healthy` (its inference backend), 1 or 0.
 
-Lifetime counts (router/history.py keeps them across restarts; POST /admin/metrics/reset
+Lifetime counts (router/lifetime.py keeps them across restarts; POST /admin/metrics/reset
 zeroes them) are counters: `..._requests_success_total`, `..._requests_failed_total`,
 `..._input_tokens_total`, `..._output_tokens_total`, `..._rejected_requests_total`,
 `..._disconnections_total`. `..._info` is 1 with the agent's metadata as labels, and

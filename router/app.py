@@ -19,11 +19,11 @@ from protocol.tracing import tracer_from_env
 from router.agent_metrics import AgentCollector
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
-from router.history import AgentHistory, default_path
 from router.http.app import RouterApp, with_lifespan
 from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
 from router.http.server import HttpServer
+from router.lifetime import LifetimeStore, default_path
 from router.link import AgentLink, LinkSettings
 from router.metrics import RouterMetrics
 from router.p2p_host import close_listeners, router_host
@@ -83,10 +83,10 @@ class RouterDaemon:
         )
         self.registrations = RegistrationFeed()
         self.tracer = tracer_from_env("hivenet-router")
-        self.history = AgentHistory(
+        self.lifetime = LifetimeStore(
             settings.history_path or default_path(settings.identity_path), self.table
         )
-        self.history.load()
+        self.lifetime.load()
         self.link = AgentLink(
             self.table,
             self.metrics,
@@ -100,7 +100,7 @@ class RouterDaemon:
                 unjoined=UnjoinedLimits(per_address=settings.max_unjoined_per_ip),
             ),
             self.registrations,
-            self.history,
+            self.lifetime,
         )
         self.session = RoutingSession(
             self.table,
@@ -154,7 +154,7 @@ class RouterDaemon:
             self.tenants.client_keys,
             self.tenants,
             self.registrations,
-            self.history,
+            self.lifetime,
             self.tracer,
         )
         self._stop = trio.Event()
@@ -187,7 +187,7 @@ class RouterDaemon:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self.link.sweep)
                     nursery.start_soon(self.tenants.run)
-                    nursery.start_soon(self.history.run)
+                    nursery.start_soon(self.lifetime.run)
                     if self.tracer.enabled:
                         nursery.start_soon(self.tracer.run)
                     nursery.start_soon(self._signals, nursery.cancel_scope)
@@ -214,10 +214,10 @@ class RouterDaemon:
                 with trio.CancelScope(shield=True):
                     await close_listeners(host)
                     await self.providers.aclose()
-                    await self.history.write()
+                    await self.lifetime.write()
                     await self.tracer.flush()
                 self.tenants.close()
-                self.history.close()
+                self.lifetime.close()
         log.info("router_stopped")
 
     def announce_addrs(self, host: Any) -> list[str]:

@@ -39,7 +39,7 @@ from protocol.p2p import FramedStream, SessionClosed
 from protocol.tokens import TokenError, verify_token
 from protocol.tracing import Span
 from protocol.usage import COMPLETION, PROMPT, valid_usage
-from router.history import AgentHistory
+from router.lifetime import LifetimeStore
 from router.metrics import RouterMetrics
 from router.peers import (
     CAPABILITIES,
@@ -380,13 +380,13 @@ class AgentLink:
         metrics: RouterMetrics,
         settings: LinkSettings,
         registrations: RegistrationFeed | None = None,
-        history: AgentHistory | None = None,
+        lifetime: LifetimeStore | None = None,
     ) -> None:
         self.table = table
         self.metrics = metrics
         self.settings = settings
         self.registrations = registrations or RegistrationFeed()
-        self.history = history
+        self.lifetime = lifetime
         self.sessions: dict[Peer, AgentSession] = {}
         self.unjoined = Unjoined(settings.unjoined)
 
@@ -478,7 +478,7 @@ class AgentLink:
             remote_addr=session.remote_addr,
         )
         old = self.table.get(peer.peer_id)
-        restored = self.history.restore(peer.peer_id) if self.history else None
+        restored = self.lifetime.restore(peer.peer_id) if self.lifetime else None
         if restored is not None:
             peer.stats = restored
         if old is not None:

@@ -56,7 +56,7 @@ class UniversalStats:
     consecutive_failures: int = 0
     srtt_ms: float | None = None
     rttvar_ms: float | None = None
-    # Lifetime counts kept by router/history.py across restarts: tokens as the engine
+    # Lifetime counts kept by router/lifetime.py across restarts: tokens as the engine
     # reported them, answers the engine refused (4xx), sessions that ended.
     input_tokens: int = 0
     output_tokens: int = 0

@@ -55,7 +55,7 @@ class RouterSettings:
     audit_log: str | None = None
     audit_log_max_bytes: int = 100 * 1024 * 1024
     audit_log_backups: int = 5
-    # Per-agent lifetime stats (router/history.py); None: beside the identity key.
+    # Per-agent lifetime stats (router/lifetime.py); None: beside the identity key.
     history_path: str | None = None
 
     def apply_environment(self, env: dict[str, str] | None = None) -> None:

@@ -52,7 +52,7 @@ def agent_view(peer: Peer, now: float) -> dict:
             "success_rate": stats.success_rate,
             "srtt": stats.srtt_ms,
             "consecutive_failures": stats.consecutive_failures,
-            # Lifetime counts (kept across restarts by router/history.py), named as
+            # Lifetime counts (kept across restarts by router/lifetime.py), named as
             # upstream's routing table names them.
             "successful_requests_total": stats.successes,
             "failed_requests_total": stats.failures,

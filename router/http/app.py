@@ -12,7 +12,6 @@ from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
 from protocol.tracing import NO_TRACER, NULL_SPAN, Span, Tracer
 from router.capacity import WaitQueue
-from router.history import AgentHistory
 from router.http import admin
 from router.http.admin_auth import admin_auth
 from router.http.asgi import (
@@ -28,6 +27,7 @@ from router.http.asgi import (
 from router.http.auth import AdminKeys, presented_keys
 from router.http.client import ENDPOINTS, TICKET, ClientApi, send_error
 from router.http.registration_stream import registration_stream
+from router.lifetime import LifetimeStore
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.policy.store import PolicyStore
@@ -50,7 +50,7 @@ class RouterApp:
         client_keys: ClientKeys,
         tenants: TenantGate | None = None,
         registrations: RegistrationFeed | None = None,
-        history: AgentHistory | None = None,
+        lifetime: LifetimeStore | None = None,
         tracer: Tracer = NO_TRACER,
     ) -> None:
         self.client = client
@@ -62,7 +62,7 @@ class RouterApp:
         self.client_keys = client_keys
         self.tenants = tenants
         self.registrations = registrations or RegistrationFeed()
-        self.history = history
+        self.lifetime = lifetime
         self.tracer = tracer
         self.draining = False
         self.inflight = 0
@@ -209,10 +209,10 @@ class RouterApp:
             await send_json(send, 200, admin.routing_table(self.table), extra)
         elif method == "GET" and path == "/admin/registration-stream":
             return await registration_stream(self.registrations, receive, send, extra)
-        elif path == "/admin/storage" and method == "GET" and self.history:
-            await send_json(send, 200, self.history.storage(), extra)
-        elif path == "/admin/metrics/reset" and method == "POST" and self.history:
-            await self.history.reset()
+        elif path == "/admin/storage" and method == "GET" and self.lifetime:
+            await send_json(send, 200, self.lifetime.storage(), extra)
+        elif path == "/admin/metrics/reset" and method == "POST" and self.lifetime:
+            await self.lifetime.reset()
             message = "per-agent lifetime counters cleared (disk, in-memory, and Prometheus series)"
             await send_json(send, 200, {"status": "metrics reset", "message": message}, extra)
         elif method == "GET" and path == "/admin/health":

@@ -81,7 +81,7 @@ def default_path(identity_path: str) -> str:
     return os.path.join(os.path.dirname(os.path.abspath(identity_path)), FILE_NAME)
 
 
-class AgentHistory:
+class LifetimeStore:
     def __init__(self, path: str, table: PeerTable, interval: float = WRITE_INTERVAL) -> None:
         self.path = path
         self.table = table
@@ -95,7 +95,7 @@ class AgentHistory:
         self._db: sqlite3.Connection | None = None
 
     def __repr__(self) -> str:
-        return f"<AgentHistory {self.path} {self.rows} rows, {len(self._saved)} not yet rejoined>"
+        return f"<LifetimeStore {self.path} {self.rows} rows, {len(self._saved)} not yet rejoined>"
 
     def restore(self, peer_id: str) -> UniversalStats | None:
         """The stats an agent had before the router restarted (once per agent)."""

@@ -1,4 +1,4 @@
-"""Per-agent lifetime history (router/history.py) through a real router restart, with
+"""Per-agent lifetime history (router/lifetime.py) through a real router restart, with
 /admin/storage, POST /admin/metrics/reset and the per-agent series on /metrics."""
 
 from __future__ import annotations
