@@ -23,6 +23,12 @@ zeroes them) are counters: `..._requests_success_total`, `..._requests_failed_to
 `..._input_tokens_total`, `..._output_tokens_total`, `..._rejected_requests_total`,
 `..._disconnections_total`. `..._info` is 1 with the agent's metadata as labels, and
 `..._last_seen_timestamp_seconds` the wall time of its latest heartbeat.
+
+From the same snapshots, while they are fresh, and read by no gate: per GPU (label
+`gpu_index`) `..._gpu_power_watts`, `..._gpu_vram_used_bytes` and
+`..._gpu_vram_total_bytes`; the host's `..._memory_used_bytes` and
+`..._memory_total_bytes`; and the engine's `..._preemptions_total` (vLLM's count of
+requests preempted for lack of KV cache).
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from prometheus_client.registry import Collector
 
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from router.peers import Peer, PeerTable
-from router.policy.gates import metric_value
+from router.policy.gates import STALE_AFTER_PERIODS, metric_value
 
 PREFIX = "hivenet_router_agent_"
 LABELS = ("peer_id", "model", "engine")
@@ -49,6 +55,13 @@ INFO_LABELS = (
     "version",
     "deployment_id",
     "replica_id",
+)
+GPU_LABELS = (*LABELS, "gpu_index")
+# (gauge name, per-GPU field, help text)
+_PER_GPU = (
+    ("gpu_power_watts", "power_watts", "GPU power draw, watts"),
+    ("gpu_vram_used_bytes", "vram_used_bytes", "GPU memory in use, bytes"),
+    ("gpu_vram_total_bytes", "vram_total_bytes", "GPU memory, bytes"),
 )
 # (counter name without _total, UniversalStats field, help text)
 _LIFETIME = (
@@ -124,6 +137,15 @@ class AgentCollector(Collector):
                 gauge("last_seen_timestamp_seconds", "Wall time of the latest heartbeat"),
                 *(counter(name, text) for name, _, text in _LIFETIME),
                 gauge("rttvar_milliseconds", "RFC 6298 RTTVAR of the request time, ms"),
+                *(
+                    (name, GaugeMetricFamily(PREFIX + name, text, labels=GPU_LABELS))
+                    for name, _, text in _PER_GPU
+                ),
+                gauge("memory_used_bytes", "Host memory in use, bytes"),
+                gauge("memory_total_bytes", "Host memory, bytes"),
+                counter(
+                    "preemptions", "Requests the engine preempted (vLLM, lifetime of the engine)"
+                ),
                 gauge("healthy", "1 when the agent is connected and heartbeating, else 0"),
                 gauge("backend_healthy", "1 when the agent's inference backend is healthy"),
                 gauge("active_requests", "Requests the router has in flight on the agent"),
@@ -169,6 +191,16 @@ class AgentCollector(Collector):
         put("last_seen_timestamp_seconds", time.time() - (now - peer.last_seen))
         for field in (*ENGINE_FIELDS, *HARDWARE_FIELDS):
             put(field, metric_value(peer, field, now))
+        if now - peer.hardware_at <= STALE_AFTER_PERIODS * peer.hardware_interval:
+            for gpu in peer.gpus:
+                for name, attr, _ in _PER_GPU:
+                    value = gpu.values.get(attr)
+                    if value is not None:
+                        families[name].add_metric([*labels, str(gpu.index)], value)
+            put("memory_used_bytes", peer.memory.get("memory_used_bytes"))
+            put("memory_total_bytes", peer.memory.get("memory_total_bytes"))
+        if now - peer.engine_at <= STALE_AFTER_PERIODS * peer.engine_interval:
+            put("preemptions", peer.preemptions)
         if peer.engine_at:
             put("engine_age_seconds", now - peer.engine_at)
         if peer.hardware_at:

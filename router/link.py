@@ -39,6 +39,7 @@ from protocol.p2p import FramedStream, SessionClosed
 from protocol.tokens import TokenError, verify_token
 from protocol.tracing import Span
 from protocol.usage import COMPLETION, PROMPT, valid_usage
+from router.agent_detail import gpus_of, memory_of, preemptions_of
 from router.lifetime import LifetimeStore
 from router.metrics import RouterMetrics
 from router.peers import (
@@ -539,11 +540,14 @@ class AgentLink:
             peer.engine = _floats(engine, ENGINE_FIELDS)
             peer.engine_at = now - _age(engine)
             peer.engine_interval = _interval(engine, peer.engine_interval)
+            peer.preemptions = preemptions_of(engine)
         hardware = msg.get("hardware") or {}
         if hardware:
             peer.hardware = _floats(hardware, HARDWARE_FIELDS)
             peer.hardware_at = now - _age(hardware)
             peer.hardware_interval = _interval(hardware, peer.hardware_interval)
+            peer.gpus = gpus_of(hardware)
+            peer.memory = memory_of(hardware)
         if peer.routable != was:
             self.table.changed(peer.metadata.model)
             self._count()

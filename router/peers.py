@@ -11,6 +11,8 @@ import bisect
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from router.agent_detail import Gpu
+
 UNIVERSAL_FIELDS = ("capacity_utilization", "success_rate", "srtt", "consecutive_failures")
 CAPABILITIES = ("llm", "embedding", "reranker")
 
@@ -117,6 +119,10 @@ class Peer:
     engine_interval: float = 0.5
     hardware_interval: float = 2.0
     stats: UniversalStats = field(default_factory=UniversalStats)
+    # Heartbeat values no gate reads (router/agent_detail.py), of the same snapshots.
+    gpus: tuple[Gpu, ...] = ()
+    memory: dict[str, float | None] = field(default_factory=dict)
+    preemptions: float | None = None
     # `host:port` the router saw the agent's connection come from (a NAT's, a proxy's).
     remote_addr: str = ""
 

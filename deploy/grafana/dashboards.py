@@ -368,6 +368,15 @@ FLEET = Dashboard(
                     description="Older than three sample periods: the gates treat the "
                     "value as missing",
                 ),
+                series(
+                    "Preemptions",
+                    t(
+                        f"rate({agent_gauge('preemptions_total')}[$__rate_interval])",
+                        AGENT_LEGEND,
+                    ),
+                    unit="reqps",
+                    description="Requests the engine preempted for lack of KV cache (vLLM)",
+                ),
             ),
         ),
         Row(
@@ -401,6 +410,26 @@ FLEET = Dashboard(
                     t(agent_gauge("memory_used_percent"), AGENT_LEGEND),
                     unit="percentunit",
                     max=1,
+                ),
+                series(
+                    "GPU power",
+                    t(agent_gauge("gpu_power_watts"), AGENT_LEGEND + " gpu {{gpu_index}}"),
+                    unit="watt",
+                ),
+                series(
+                    "GPU VRAM bytes",
+                    t(agent_gauge("gpu_vram_used_bytes"), AGENT_LEGEND + " gpu {{gpu_index}} used"),
+                    t(
+                        agent_gauge("gpu_vram_total_bytes"),
+                        AGENT_LEGEND + " gpu {{gpu_index}} total",
+                    ),
+                    unit="bytes",
+                ),
+                series(
+                    "Host memory bytes",
+                    t(agent_gauge("memory_used_bytes"), AGENT_LEGEND + " used"),
+                    t(agent_gauge("memory_total_bytes"), AGENT_LEGEND + " total"),
+                    unit="bytes",
                 ),
             ),
         ),
