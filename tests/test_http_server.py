@@ -6,6 +6,10 @@ the API tests; these pin the server's own promises.
 
 from __future__ import annotations
 
+import errno
+import logging
+import os
+import resource
 import socket
 from collections.abc import Awaitable, Callable
 
@@ -207,3 +211,88 @@ async def test_a_fault_in_one_connection_leaves_the_server_serving(
                 assert r.text == "POST /f x"
         nursery.cancel_scope.cancel()
     assert faults == 2
+
+
+def _lowest_free_fd() -> int:
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.close(fd)
+    return fd
+
+
+class LogEvent(logging.Handler):
+    """Sets `event` when a record containing `text` is logged."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.event = trio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+async def test_accept_retries_when_out_of_descriptors() -> None:
+    """A real EMFILE: the soft descriptor limit is lowered to the lowest free number,
+    so the kernel refuses the accepted socket until it is raised again."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    failed = LogEvent("http_accept_failed error=EMFILE")
+    logging.getLogger("http").addHandler(failed)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(HttpServer(echo).serve, ("127.0.0.1", 0), trio.sleep_forever)
+        client = trio.socket.socket()
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (_lowest_free_fd(), hard))
+            await client.connect(("127.0.0.1", port))
+            with trio.fail_after(10):
+                await failed.event.wait()
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            logging.getLogger("http").removeHandler(failed)
+        stream = trio.SocketStream(client)
+        await stream.send_all(b"POST /m HTTP/1.1\r\nHost: t\r\nContent-Length: 1\r\n\r\nx")
+        with trio.fail_after(10):
+            answer = await stream.receive_some(1000)
+        assert answer.endswith(b"POST /m x"), answer
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_accept_error_it_cannot_name_ends_the_server() -> None:
+    # accept() on a listening socket shut down for reading fails with EINVAL on Linux:
+    # retrying it would spin forever, so the error reaches the caller.
+    sock = trio.socket.socket()
+    await sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    listener = trio.SocketListener(sock)
+    sock.shutdown(socket.SHUT_RD)
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(OSError) as raised, trio.fail_after(10):
+            await HttpServer(echo)._accept(listener, nursery)
+    assert raised.value.errno == errno.EINVAL
+    await listener.aclose()
+
+
+async def test_a_connection_shows_its_state_in_its_repr() -> None:
+    seen: list[str] = []
+    server = HttpServer(echo)
+
+    async def shows(scope: dict, receive: Receive, send: Send) -> None:
+        seen.append(repr(next(iter(server.connections))))
+        await echo(scope, receive, send)
+
+    server.app = shows
+    client, server_side = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.run_connection, server_side)
+        for _ in range(2):
+            await client.send_all(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+            await client.receive_some(65536)
+        await trio.testing.wait_all_tasks_blocked()
+        seen.append(repr(next(iter(server.connections))))
+        await client.aclose()
+    assert seen == [
+        "<_Connection HTTP/1.1, ACTIVE, request READING, Request Count: 1, peer ->",
+        "<_Connection HTTP/1.1, ACTIVE, request READING, Request Count: 2, peer ->",
+        "<_Connection HTTP/1.1, IDLE, request DONE, Request Count: 2, peer ->",
+    ]
