@@ -6,19 +6,22 @@ the API tests; these pin the server's own promises.
 
 from __future__ import annotations
 
+import contextlib
 import errno
+import json
 import logging
 import os
 import resource
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
 import trio
 import trio.testing
 
-from router.http.server import HttpServer, _Connection
+from router.http.app import protocol_of
+from router.http.server import MAX_HEAD_BYTES, HttpServer, UnsendableHead, _Connection
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -296,3 +299,180 @@ async def test_a_connection_shows_its_state_in_its_repr() -> None:
         "<_Connection HTTP/1.1, ACTIVE, request READING, Request Count: 2, peer ->",
         "<_Connection HTTP/1.1, IDLE, request DONE, Request Count: 2, peer ->",
     ]
+
+
+# --- hostile input through real sockets -----------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Callable, **options: float) -> AsyncIterator[tuple[HttpServer, int]]:
+    """A running server on a loopback port, with the router's error protocols."""
+    server = HttpServer(app, protocol_of=protocol_of, **options)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(server.serve, ("127.0.0.1", 0), trio.sleep_forever)
+        yield server, port
+        nursery.cancel_scope.cancel()
+
+
+async def exchange(port: int, data: bytes, piece: int = 0) -> bytes:
+    """Send `data` (in pieces of `piece` bytes, one read each, when given), never
+    half-close, and read until the server closes: what it answered."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    received = b""
+    with trio.fail_after(20):
+        if piece:
+            for i in range(0, len(data), piece):
+                await stream.send_all(data[i : i + piece])
+                await trio.sleep(0.005)  # pacing, so the server reads each piece alone
+        else:
+            await stream.send_all(data)
+        try:
+            while chunk := await stream.receive_some(65536):
+                received += chunk
+        except trio.BrokenResourceError:  # a reset after the answer
+            pass
+    await stream.aclose()
+    return received
+
+
+def refusal(answer: bytes, status: int, code: str, protocol: str = "openai") -> dict:
+    """The only answer on the connection: `status`, a close, and the error body."""
+    assert answer.startswith(b"HTTP/1.1 %d " % status), answer[:300]
+    assert answer.count(b"HTTP/1.1 ") == 1, answer
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"\r\nconnection: close" in head.lower(), head
+    assert b"\r\ncontent-length: %d" % len(body) in head.lower(), answer
+    payload = json.loads(body)
+    if protocol == "anthropic":
+        assert payload["type"] == "error", payload
+    else:
+        assert "type" not in payload, payload
+    assert payload["error"]["code"] == code, payload
+    return payload
+
+
+BOTH = [(b"/v1/chat/completions", "openai"), (b"/v1/messages", "anthropic")]
+SECOND = b"GET /second HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+CHUNKED = b"5\r\nhello\r\n0\r\n\r\n"
+
+
+async def test_content_length_with_chunked_is_refused_and_the_connection_closes() -> None:
+    """Request smuggling (RFC 9112 §6.1): a proxy that frames by Content-Length sees
+    one request; the server must never run the bytes after the chunks as a second."""
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n" % (len(CHUNKED) + len(SECOND))
+    )
+    async with serving(echo) as (_, port):
+        answer = await exchange(port, head + CHUNKED + SECOND)
+    message = refusal(answer, 400, "request_invalid")["error"]["message"]
+    assert "Content-Length" in message and "Transfer-Encoding" in message, message
+
+
+@pytest.mark.parametrize(
+    ("coding", "path", "protocol"),
+    [
+        (b"Transfer-Encoding: gzip", b"/v1/chat/completions", "openai"),
+        (b"Transfer-Encoding: gzip, chunked", b"/v1/messages", "anthropic"),
+        (b"Transfer-Encoding: chunked, chunked", b"/v1/embeddings", "openai"),
+        (b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked", b"/v1/messages", "anthropic"),
+        (b"Transfer-Encoding: identity", b"/health", "openai"),
+    ],
+)
+async def test_a_transfer_encoding_other_than_chunked_is_refused_and_closes(
+    coding: bytes, path: bytes, protocol: str
+) -> None:
+    request = b"POST %s HTTP/1.1\r\nHost: t\r\n%s\r\n\r\n%s" % (path, coding, CHUNKED + SECOND)
+    async with serving(echo) as (_, port):
+        answer = await exchange(port, request)
+    refusal(answer, 400, "request_invalid", protocol)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"zz\r\nhello\r\n0\r\n\r\n",  # not a hex size
+        b"-1\r\nhello\r\n0\r\n\r\n",  # a negative size
+        b"1" * 21 + b"\r\nhello\r\n0\r\n\r\n",  # 21 hex digits
+        b"5\r\nhel\r\n0\r\n\r\n",  # a chunk shorter than its size
+        b"5\r\nhello0\r\n\r\n",  # no CRLF after the chunk
+    ],
+    ids=["zz", "negative", "21-digits", "short-chunk", "missing-crlf"],
+)
+@pytest.mark.parametrize(
+    ("path", "protocol"), [(b"/v1/chat/completions", "openai"), (b"/v1/messages", "anthropic")]
+)
+async def test_a_malformed_chunked_body_gets_400_and_a_close(
+    body: bytes, path: bytes, protocol: str
+) -> None:
+    seen: list[str] = []
+
+    async def reads(scope: dict, receive: Receive, send: Send) -> None:
+        while (message := await receive()).get("more_body"):
+            pass
+        seen.append(message["type"])
+        # An app that answers anyway: the server has answered for it, this goes nowhere.
+        await echo(scope, receive, send)
+
+    request = b"POST %s HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" % path
+    async with serving(reads) as (_, port):
+        answer = await exchange(port, request + body + SECOND)
+    refusal(answer, 400, "request_invalid", protocol)
+    assert seen == ["http.disconnect"]
+
+
+def head_of(size: int) -> bytes:
+    """A request head of exactly `size` bytes (request line to the blank line)."""
+    start = b"GET /v1/models HTTP/1.1\r\nHost: t\r\nX-Pad: "
+    pad = size - len(start) - len(b"\r\n\r\n")
+    return start + b"p" * pad + b"\r\n\r\n"
+
+
+@pytest.mark.parametrize("piece", [0, 1000], ids=["one-write", "dribbled"])
+async def test_the_head_limit_holds_however_the_head_arrives(piece: int) -> None:
+    async with serving(echo) as (_, port):
+        under = await exchange(port, head_of(MAX_HEAD_BYTES - 100) + SECOND, piece)
+        over = await exchange(port, head_of(MAX_HEAD_BYTES + 100) + SECOND, piece)
+        far_over = await exchange(port, head_of(39 * 1024), piece)
+    assert under.count(b"HTTP/1.1 200 ") == 2, under[:300]
+    refusal(over, 431, "request_invalid")
+    refusal(far_over, 431, "request_invalid")
+
+
+@pytest.mark.parametrize(
+    ("status", "headers"),
+    [
+        (200, [(b"x-evil", b"a\r\nset-cookie: b")]),
+        (200, [(b"x-evil", b"a\nb")]),
+        (200, [(b"x-evil", b"a\x00b")]),
+        (200, [(b"bad name", b"v")]),
+        (200, [(b"", b"v")]),
+        (200, [(b"x-evil", b"a\r\nb"), (b"content-length", b"2")]),
+        (101, []),
+        (100, []),
+        (199, []),
+        (600, []),
+        (999, []),
+    ],
+)
+@pytest.mark.parametrize(
+    ("path", "protocol"), [(b"/v1/chat/completions", "openai"), (b"/v1/messages", "anthropic")]
+)
+async def test_a_response_head_that_cannot_be_sent_is_a_502_and_send_raises(
+    status: int, headers: list, path: bytes, protocol: str
+) -> None:
+    raised: list[BaseException] = []
+
+    async def bad_head(scope: dict, receive: Receive, send: Send) -> None:
+        await receive()
+        try:
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+        except Exception as exc:
+            raised.append(exc)
+            return
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async with serving(bad_head) as (_, port):
+        answer = await exchange(port, b"GET %s HTTP/1.1\r\nHost: t\r\n\r\n%s" % (path, SECOND))
+    refusal(answer, 502, "backend_error", protocol)
+    assert len(raised) == 1 and isinstance(raised[0], UnsendableHead), raised

@@ -11,6 +11,13 @@ keep no state that needs it), no HTTP/2 and no WebSocket.
 Per connection: one task and one cancel scope, whose deadline is the keep-alive
 timeout while the connection waits for a request. A response head whose length is
 known is held until the first body part, so a whole answer leaves in one write.
+
+Hostile input ends in an answer in the caller's error format and a close, never in a
+connection left usable for bytes the server did not frame itself: a head over 16 KiB
+(431), Content-Length with Transfer-Encoding (RFC 9112 §6.1: request smuggling behind
+a proxy that frames by Content-Length), a transfer coding other than `chunked`, or a
+malformed chunked body (400). A response head that cannot go on the wire (a status
+outside 200-599, CR/LF/NUL in a header) becomes a 502 and `send` raises.
 """
 
 from __future__ import annotations
@@ -18,16 +25,20 @@ from __future__ import annotations
 import contextlib
 import email.utils
 import errno
+import http
+import json
 import logging
 import math
 import time
 from collections.abc import Awaitable, Callable
 from enum import Enum
-from typing import Any
+from typing import Any, NoReturn
 from urllib.parse import unquote
 
 import h11
 import trio
+
+from protocol.errors import ErrorCode, RouterError, anthropic_error_body, openai_error_body
 
 log = logging.getLogger("http")
 
@@ -45,7 +56,6 @@ DISCARD_BYTES = 64 * 1024 * 1024
 LINGER_TIMEOUT = 1.0
 # What a client may send ahead (pipelining) while its request is being answered.
 MAX_AHEAD_BYTES = 64 * 1024
-
 # What `accept` can fail with while the server itself is sound: out of descriptors or
 # kernel memory (trio's ACCEPT_CAPACITY_ERRNOS). Serving the connections already open
 # frees some; any other error is a bug or a broken listener and ends the server.
@@ -71,6 +81,9 @@ class RequestState(Enum):
     RESPONDING = "RESPONDING"  # the head is accepted (held or sent): body parts follow
     DONE = "DONE"  # the whole answer was handed to the socket
     BROKEN = "BROKEN"  # the answer cannot end cleanly: the connection closes after it
+    # The server answered for the app (an error of its own) and closes the connection:
+    # the app is told the client left, and what it sends goes nowhere.
+    REFUSED = "REFUSED"
 
 
 # The hot path compares states about ten times a request: on Python 3.11
@@ -78,7 +91,12 @@ class RequestState(Enum):
 # global 18 ns.
 IDLE, ACTIVE, CLOSED = ConnectionState.IDLE, ConnectionState.ACTIVE, ConnectionState.CLOSED
 READING, RESPONDING = RequestState.READING, RequestState.RESPONDING
-DONE, BROKEN = RequestState.DONE, RequestState.BROKEN
+DONE, BROKEN, REFUSED = RequestState.DONE, RequestState.BROKEN, RequestState.REFUSED
+
+
+class UnsendableHead(ValueError):
+    """The app's response head cannot go on the wire (a status outside 200-599, a bad
+    header name or value): the client got a 502 instead."""
 
 
 class HttpServer:
@@ -87,10 +105,14 @@ class HttpServer:
         app: App,
         keep_alive_timeout: float = 75.0,
         graceful_timeout: float = 1.0,
+        protocol_of: Callable[[str], str] = lambda path: "openai",
     ) -> None:
         self.app = app
         self.keep_alive_timeout = keep_alive_timeout
         self.graceful_timeout = graceful_timeout
+        # The error format a caller of a path understands ("openai" or "anthropic"),
+        # for the answers the server gives itself.
+        self.protocol_of = protocol_of
         self.stopping = False
         self.connections: set[_Connection] = set()
         self._all_closed = trio.Event()
@@ -215,16 +237,19 @@ class _Connection:
     async def _next_request(self) -> h11.Request | None:
         self.state = IDLE
         self.scope.deadline = trio.current_time() + self.server.keep_alive_timeout
+        first_read = b""
         try:
             while True:
                 try:
                     event = self.h11.next_event()
                 except h11.RemoteProtocolError as exc:
-                    await self._refuse(exc.error_status_hint)
+                    await self._refuse_head(exc, first_read)
                     return None
                 if event is h11.NEED_DATA:
-                    if not await self._read():
+                    data = await self._read()
+                    if not data:
                         return None
+                    first_read = first_read or data
                     continue
                 return event if isinstance(event, h11.Request) else None
         finally:
@@ -232,8 +257,8 @@ class _Connection:
                 self.state = ACTIVE
             self.scope.deadline = math.inf
 
-    async def _read(self) -> bool:
-        """Feed h11 one read from the socket; False when the client is gone."""
+    async def _read(self) -> bytes:
+        """Feed h11 one read from the socket; b"" when the client is gone."""
         try:
             data = await self.stream.receive_some(READ_BYTES)
         except _GONE:
@@ -241,7 +266,7 @@ class _Connection:
         self.h11.receive_data(data)
         if not data:
             self.state = CLOSED
-        return bool(data)
+        return data
 
     async def _serve(self, request: h11.Request) -> None:
         self.request = request
@@ -250,34 +275,42 @@ class _Connection:
         self.answer = READING
         target = bytes(request.target)
         raw_path, _, query = target.partition(b"?")
+        path = unquote(raw_path.decode("ascii", "replace"))
+        headers = list(request.headers)
+        problem = _head_problem(request, headers)
+        if problem is not None:
+            await self._refuse(problem[0], ErrorCode.REQUEST_INVALID, problem[1], path)
+            return
         scope = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
             "http_version": request.http_version.decode(),
             "method": request.method.decode(),
             "scheme": "http",
-            "path": unquote(raw_path.decode("ascii", "replace")),
+            "path": path,
             "raw_path": raw_path,
             "query_string": query,
             "root_path": "",
-            "headers": list(request.headers),
+            "headers": headers,
             "client": self.client,
             "server": self.server_addr,
         }
         try:
             await self.server.app(scope, self.receive, self.send)
         except Exception:
-            log.exception("http_app_error path=%s", scope["path"])
+            log.exception("http_app_error path=%s", path)
         if self.answer is READING and self.state is not CLOSED:
             # The app ended without an answer: the client still gets one.
             self.head = None
             await self.send({"type": "http.response.start", "status": 500, "headers": []})
             await self.send({"type": "http.response.body", "body": b""})
-        if self.answer is not DONE:
+        if self.answer is RESPONDING:  # the app left mid-answer
             self.answer = BROKEN
 
     async def receive(self) -> dict:
         if self.state is CLOSED or self.h11.their_state is not h11.SEND_BODY:
+            if self.answer is REFUSED:
+                return _DISCONNECT
             return await self._wait_for_disconnect()
         if self.h11.they_are_waiting_for_100_continue:
             await self._write(self.h11.send(h11.InformationalResponse(status_code=100, headers=[])))
@@ -285,9 +318,13 @@ class _Connection:
         while True:
             try:
                 event = self.h11.next_event()
-            except h11.RemoteProtocolError:
-                self.state = CLOSED
-                self.answer = BROKEN
+            except h11.RemoteProtocolError as exc:
+                # Bad chunked framing, or a body cut short by the client.
+                if self.answer is READING and self.state is not CLOSED:
+                    message = f"malformed request body: {exc}"
+                    await self._refuse(400, ErrorCode.REQUEST_INVALID, message, self._path())
+                elif self.answer is not REFUSED:
+                    self.answer = BROKEN
                 return _DISCONNECT
             if isinstance(event, h11.Data):
                 parts.append(bytes(event.data))
@@ -324,37 +361,67 @@ class _Connection:
         kind = message["type"]
         if kind == "http.response.start":
             if self.answer is not READING:
+                if self.answer is REFUSED:
+                    return
                 raise RuntimeError("http.response.start sent twice")
-            self.answer = RESPONDING
+            status = message["status"]
             headers = [(b"date", self.server.date()), *message.get("headers", ())]
             if self.server.stopping:  # this connection ends after this answer: say so
                 headers.append((b"connection", b"close"))
-            self.head = h11.Response(status_code=message["status"], headers=headers)
+            try:
+                if type(status) is not int or not 200 <= status <= 599:
+                    raise ValueError(f"status {status!r} is outside 200-599")
+                self.head = h11.Response(status_code=status, headers=headers)
+            except (h11.LocalProtocolError, ValueError, TypeError) as exc:
+                await self._unsendable(exc)
+            self.answer = RESPONDING
             if any(name.lower() == b"content-length" for name, _ in headers):
                 return  # held until the body, so both leave in one write
             await self._flush_head()
         elif kind == "http.response.body":
-            if self.answer is READING or self.answer is DONE:
-                raise RuntimeError("http.response.body outside a response")
+            if self.answer is not RESPONDING:
+                if self.answer is REFUSED:
+                    return
+                if self.answer is not BROKEN:
+                    raise RuntimeError("http.response.body outside a response")
             body = message.get("body", b"")
             more = message.get("more_body", False)
             parts = []
-            if self.head is not None:
-                parts.append(self.h11.send(self.head))
+            held = self.head is not None
+            try:
+                if held:
+                    parts.append(self.h11.send(self.head))
+                    self.head = None
+                if body and self.request is not None and self.request.method != b"HEAD":
+                    parts.append(self.h11.send(h11.Data(data=body)))
+                if not more:
+                    parts.append(self.h11.send(h11.EndOfMessage()))
+            except h11.LocalProtocolError as exc:  # more body than its Content-Length, say
                 self.head = None
-            if body and self.request is not None and self.request.method != b"HEAD":
-                parts.append(self.h11.send(h11.Data(data=body)))
-            if not more:
-                parts.append(self.h11.send(h11.EndOfMessage()))
-                if self.answer is RESPONDING:
-                    self.answer = DONE
+                if held:
+                    await self._unsendable(exc)
+                self.answer = BROKEN
+                raise
+            if not more and self.answer is RESPONDING:
+                self.answer = DONE
             if parts:
                 await self._write(b"".join(parts))
 
     async def _flush_head(self) -> None:
         if self.head is not None:
             head, self.head = self.head, None
-            await self._write(self.h11.send(head))
+            try:
+                data = self.h11.send(head)
+            except h11.LocalProtocolError as exc:
+                await self._unsendable(exc)
+            await self._write(data)
+
+    async def _unsendable(self, exc: Exception) -> NoReturn:
+        """Nothing of the app's answer went out and none can: a 502 goes instead, and
+        the app learns it from the exception."""
+        message = f"the answer's head cannot be sent: {exc}"
+        await self._refuse(502, ErrorCode.BACKEND_ERROR, message, self._path(), "backend")
+        raise UnsendableHead(str(exc)) from exc
 
     async def _write(self, data: bytes | None) -> None:
         # A client that left gets nothing more; the app learns it from receive().
@@ -400,21 +467,43 @@ class _Connection:
                 else:
                     return
 
-    async def _refuse(self, status: int) -> None:
-        """A request h11 cannot parse: answer with its status and close."""
-        if self.h11.our_state not in (h11.IDLE, h11.SEND_RESPONSE):
-            return
-        headers = [
-            (b"date", self.server.date()),
-            (b"content-length", b"0"),
-            (b"connection", b"close"),
-        ]
-        try:
-            data = self.h11.send(h11.Response(status_code=status, headers=headers))
-            data = (data or b"") + (self.h11.send(h11.EndOfMessage()) or b"")
-        except h11.LocalProtocolError:
-            return
-        await self._write(data)
+    async def _refuse_head(self, exc: h11.RemoteProtocolError, first_read: bytes) -> None:
+        """A request head h11 cannot take: 400, or 431 when it is too large."""
+        status = exc.error_status_hint
+        if status == 431:
+            message = f"request head larger than {MAX_HEAD_BYTES} bytes"
+            # Nothing of the head was consumed: it starts the buffer.
+            first_read = self.h11.trailing_data[0]
+        elif status == 501:  # h11's answer to a transfer coding other than `chunked`
+            status, message = 400, "only Transfer-Encoding: chunked is supported"
+        else:
+            message = f"malformed request: {exc}"
+        # The path chooses the error format; a head that began in an earlier read (a
+        # pipelined one) is answered in the default format.
+        await self._refuse(status, ErrorCode.REQUEST_INVALID, message, _path_of(first_read))
+
+    async def _refuse(
+        self, status: int, code: ErrorCode, message: str, path: str, source: str = "router"
+    ) -> None:
+        """Answer for the app in the caller's error format, and close after it."""
+        self.answer = REFUSED
+        err = RouterError(code, message, source)
+        if self.server.protocol_of(path) == "anthropic":
+            payload = anthropic_error_body(err)
+        else:
+            payload = openai_error_body(err)
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        head = (
+            b"HTTP/1.1 %d %s\r\ndate: %s\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\nconnection: close\r\n\r\n"
+            % (status, http.HTTPStatus(status).phrase.encode(), self.server.date(), len(body))
+        )
+        await self._write(head + body)
+
+    def _path(self) -> str:
+        if self.request is None:
+            return ""
+        return unquote(bytes(self.request.target).partition(b"?")[0].decode("ascii", "replace"))
 
     async def _close(self) -> None:
         try:
@@ -427,6 +516,35 @@ class _Connection:
             pass
         finally:
             await self.stream.aclose()
+
+
+def _head_problem(
+    request: h11.Request, headers: list[tuple[bytes, bytes]]
+) -> tuple[int, str] | None:
+    """Why a parsed head must be refused (status, message), or None.
+
+    h11 bounds a head only while it is incomplete, so one read of up to 64 KiB can
+    bring a whole head of any size: it is measured here, as its request line and
+    `name: value` lines. h11 frames a request with both Content-Length and
+    Transfer-Encoding by its chunks; a proxy in front may frame it by its length.
+    """
+    size = len(request.method) + len(request.target) + 14
+    size += sum(len(name) + len(value) + 4 for name, value in headers)
+    if size > MAX_HEAD_BYTES:
+        return 431, f"request head larger than {MAX_HEAD_BYTES} bytes"
+    names = dict(headers)
+    if b"transfer-encoding" in names and b"content-length" in names:
+        return 400, "a request may not have both Content-Length and Transfer-Encoding"
+    return None
+
+
+def _path_of(head: bytes) -> str:
+    """The path of the request line that starts `head`, or "" when there is none."""
+    line = head[:MAX_HEAD_BYTES].partition(b"\r\n")[0]
+    parts = line.split(b" ")
+    if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
+        return ""
+    return unquote(parts[1].partition(b"?")[0].decode("ascii", "replace"))
 
 
 def _addr(value: Any) -> tuple[str, int] | None:
