@@ -198,7 +198,13 @@ class RouterDaemon:
         *,
         task_status: Any = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        server = HttpServer(app, KEEP_ALIVE_TIMEOUT, GRACEFUL_TIMEOUT, protocol_of=protocol_of)
+        server = HttpServer(
+            app,
+            KEEP_ALIVE_TIMEOUT,
+            GRACEFUL_TIMEOUT,
+            write_timeout=self.settings.http_write_timeout,
+            protocol_of=protocol_of,
+        )
         # HTTP stays up while draining, so in-flight streams can finish.
         await server.serve(addr, self._http_stop.wait, task_status=task_status)
 

@@ -1,7 +1,8 @@
 """The router's HTTP/1.1 server (router/http/server.py) on its own, with small ASGI apps.
 
 Whole-router behaviour (errors, cancels, shutdown, closed connections) is covered by
-the API tests; these pin the server's own promises.
+the API tests; these pin the server's own promises, hostile input through real
+sockets among them, and its one router flag (`--http-write-timeout`) end to end.
 """
 
 from __future__ import annotations
@@ -20,8 +21,16 @@ import pytest
 import trio
 import trio.testing
 
+from router.cli import build_parser, settings_from
 from router.http.app import protocol_of
-from router.http.server import MAX_HEAD_BYTES, HttpServer, UnsendableHead, _Connection
+from router.http.server import (
+    MAX_HEAD_BYTES,
+    WRITE_PIECE_BYTES,
+    HttpServer,
+    UnsendableHead,
+    _Connection,
+)
+from tests.fleet import Fleet, wait_until
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -476,3 +485,125 @@ async def test_a_response_head_that_cannot_be_sent_is_a_502_and_send_raises(
         answer = await exchange(port, b"GET %s HTTP/1.1\r\nHost: t\r\n\r\n%s" % (path, SECOND))
     refusal(answer, 502, "backend_error", protocol)
     assert len(raised) == 1 and isinstance(raised[0], UnsendableHead), raised
+
+
+# --- clients that stop reading ---------------------------------------------------------------
+
+
+async def test_a_client_that_never_reads_is_closed_after_the_write_timeout() -> None:
+    """The keep-alive deadline does not apply while the server writes; the write
+    timeout does. The app, which streams without end, learns it as the client leaving
+    (so the router's client API frees the agent's slot as for any client that left)."""
+    seen: list[str] = []
+    ended = trio.Event()
+
+    async def streams_forever(scope: dict, receive: Receive, send: Send) -> None:
+        try:
+            await receive()
+            async with trio.open_nursery() as nursery:
+
+                async def watch() -> None:  # as router/http/client.py `_watch` does
+                    seen.append((await receive())["type"])
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch)
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                while True:
+                    await send(
+                        {"type": "http.response.body", "body": b"x" * 65536, "more_body": True}
+                    )
+        finally:
+            ended.set()
+
+    async with serving(streams_forever, write_timeout=0.5) as (server, port):
+        stuck = trio.socket.socket()
+        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await stuck.connect(("127.0.0.1", port))
+        await stuck.send(b"GET /v1/chat/completions HTTP/1.1\r\nHost: t\r\n\r\n")
+        with trio.fail_after(30):
+            await ended.wait()
+        assert seen == ["http.disconnect"]
+        await trio.testing.wait_all_tasks_blocked()
+        assert not server.connections
+        # The socket was closed under the blocked write: the client reads to its end.
+        with trio.fail_after(30):
+            try:
+                while await stuck.recv(1 << 20):
+                    pass
+            except ConnectionResetError:
+                pass
+        stuck.close()
+
+
+async def test_a_large_answer_leaves_in_pieces_the_write_timeout_counts_on() -> None:
+    body = b"y" * (WRITE_PIECE_BYTES * 2 + 1000)
+
+    async def large(scope: dict, receive: Receive, send: Send) -> None:
+        headers = [(b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    writes, received = await writes_of(
+        large, b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+    )
+    assert [len(w) for w in writes[:2]] == [WRITE_PIECE_BYTES] * 2
+    assert len(writes) == 3 and received.endswith(body)
+
+
+def test_the_write_timeout_is_a_router_flag_and_an_environment_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HIVENET_ROUTER_ADMIN_API_KEYS", "k")
+    monkeypatch.setenv("HIVENET_ROUTER_JWT_SECRET", "s" * 32)
+    assert settings_from(build_parser().parse_args(["serve"])).http_write_timeout == 30
+    monkeypatch.setenv("HIVENET_ROUTER_HTTP_WRITE_TIMEOUT", "1500ms")
+    assert settings_from(build_parser().parse_args(["serve"])).http_write_timeout == 1.5
+    args = build_parser().parse_args(["serve", "--http-write-timeout", "2m"])
+    assert settings_from(args).http_write_timeout == 120
+    with pytest.raises(ValueError, match="--http-write-timeout must be positive"):
+        settings_from(build_parser().parse_args(["serve", "--http-write-timeout", "0s"]))
+
+
+async def test_the_router_frees_the_slot_of_a_client_that_never_reads(fleet: Fleet) -> None:
+    """End to end: with a request deadline far away, only the write timeout can end a
+    stream whose client reads nothing; the agent's slot (held until the stream ends)
+    comes back and the engine call is cancelled."""
+    router = fleet.router(
+        "--http-write-timeout", "1s", "--request-timeout", "600s", "--stream-slot-release", "end"
+    )
+    agent = fleet.agent(router, "m1", "--sim-token-latency", "2ms")
+    # About 12 MB of answer, far more than the socket buffers hold.
+    words = " ".join(f"{i}{'x' * 4000}" for i in range(10))
+    payload = {
+        "model": "m1",
+        "messages": [{"role": "user", "content": words}],
+        "stream": True,
+        "max_tokens": 3000,
+        "ignore_eos": True,
+    }
+    body = json.dumps(payload).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+    def active() -> int:
+        row = router.agent(agent.peer_id)
+        return -1 if row is None else row["status"]["active_requests"]
+
+    stuck = trio.socket.socket()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        await stuck.connect(("127.0.0.1", router.http_port))
+        view = memoryview(request)
+        while view:
+            view = view[await stuck.send(view) :]
+        await trio.to_thread.run_sync(lambda: wait_until(lambda: active() == 1, 15, "slot held"))
+        await trio.to_thread.run_sync(lambda: wait_until(lambda: active() == 0, 30, "slot freed"))
+        await trio.to_thread.run_sync(
+            lambda: wait_until(lambda: agent.sim_state()["in_flight"] == 0, 15, "engine idle")
+        )
+    finally:
+        stuck.close()
+    log = router.log()
+    assert "http_write_timeout" in log and "client_disconnected" in log, log[-3000:]
