@@ -243,11 +243,14 @@ class _Connection:
                 self.client = _addr(sock.getpeername())
                 self.server_addr = _addr(sock.getsockname())
 
+    @property
+    def peer(self) -> str:
+        return f"{self.client[0]}:{self.client[1]}" if self.client else "-"
+
     def __repr__(self) -> str:
-        peer = f"{self.client[0]}:{self.client[1]}" if self.client else "-"
         return (
             f"<_Connection HTTP/1.1, {self.state.value}, request {self.answer.value},"
-            f" Request Count: {self.requests}, peer {peer}>"
+            f" Request Count: {self.requests}, peer {self.peer}>"
         )
 
     def stop_if_idle(self) -> None:
@@ -256,11 +259,7 @@ class _Connection:
 
     async def abandon(self) -> None:
         """The client stopped reading: close the socket under the blocked write."""
-        log.info(
-            "http_write_timeout client=%s timeout_s=%g",
-            f"{self.client[0]}:{self.client[1]}" if self.client else "-",
-            self.server.write_timeout,
-        )
+        log.info("http_write_timeout client=%s timeout_s=%g", self.peer, self.server.write_timeout)
         self.state = CLOSED
         self.write_began = math.inf
         await self.stream.aclose()
@@ -363,7 +362,7 @@ class _Connection:
             try:
                 event = self.h11.next_event()
             except h11.RemoteProtocolError as exc:
-                # Bad chunked framing, or a body cut short by the client.
+                # Bad chunked framing (a body cut short ends at the empty read below).
                 if self.answer is READING and self.state is not CLOSED:
                     message = f"malformed request body: {exc}"
                     await self._refuse(400, ErrorCode.REQUEST_INVALID, message, self._path())
