@@ -365,9 +365,12 @@ SECOND = b"GET /second HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
 CHUNKED = b"5\r\nhello\r\n0\r\n\r\n"
 
 
-async def test_content_length_with_chunked_is_refused_and_the_connection_closes() -> None:
+async def test_content_length_with_chunked_is_refused_and_the_connection_closes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     """Request smuggling (RFC 9112 §6.1): a proxy that frames by Content-Length sees
     one request; the server must never run the bytes after the chunks as a second."""
+    caplog.set_level(logging.INFO, "http")
     head = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n"
         b"Transfer-Encoding: chunked\r\n\r\n" % (len(CHUNKED) + len(SECOND))
@@ -376,6 +379,8 @@ async def test_content_length_with_chunked_is_refused_and_the_connection_closes(
         answer = await exchange(port, head + CHUNKED + SECOND)
     message = refusal(answer, 400, "request_invalid")["error"]["message"]
     assert "Content-Length" in message and "Transfer-Encoding" in message, message
+    assert "http_refused status=400 code=request_invalid" in caplog.text, caplog.text
+    assert "path=/v1/chat/completions" in caplog.text
 
 
 @pytest.mark.parametrize(

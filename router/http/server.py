@@ -42,6 +42,7 @@ import h11
 import trio
 
 from protocol.errors import ErrorCode, RouterError, anthropic_error_body, openai_error_body
+from protocol.logs import quote
 
 log = logging.getLogger("http")
 
@@ -543,6 +544,14 @@ class _Connection:
     ) -> None:
         """Answer for the app in the caller's error format, and close after it."""
         self.answer = REFUSED
+        log.info(
+            "http_refused status=%d code=%s client=%s path=%s reason=%s",
+            status,
+            code,
+            self.peer,
+            quote(path),
+            quote(message),
+        )
         err = RouterError(code, message, source)
         if self.server.protocol_of(path) == "anthropic":
             payload = anthropic_error_body(err)
