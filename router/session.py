@@ -166,13 +166,24 @@ class RoutingSession:
             if hit is not None:
                 # Admission comes before the gates: a refused request neither queues nor
                 # tries the later steps, which read the same router-wide load.
+                with req.span.child("shed", {"hivenet.step": step.name}) as refused:
+                    refused.fail(hit.detail())
                 reasons.append(f"{step.name}: shed_if [{hit.detail()}]")
                 chain = [s.name for s in steps]
                 retry_after = step.shed_if.retry_after if step.shed_if else 0
                 return LoadShed(
                     step.name, hit, retry_after, " | ".join(reasons), chain, len(reasons)
                 )
-            outcome = await self._run_step(index, step, req, recovered)
+            parent = req.span
+            with parent.child("step", {"hivenet.step": step.name}) as span:
+                # The step's queue wait and tries go under its span.
+                req.span = span
+                try:
+                    outcome = await self._run_step(index, step, req, recovered)
+                finally:
+                    req.span = parent
+                if not isinstance(outcome, Served):
+                    span.fail(outcome[0])
             if isinstance(outcome, Served):
                 return outcome
             reason, failure, full = outcome
@@ -246,8 +257,12 @@ class RoutingSession:
                         quote(req.tenant),
                     )
                     # The request's own deadline bounds the wait (cancellation).
-                    await wait.wait()
-                    if wait.evicted():
+                    with req.span.child("queue_wait") as queued:
+                        await wait.wait()
+                        evicted = wait.evicted()
+                        if evicted:
+                            queued.fail("evicted by a request of higher priority")
+                    if evicted:
                         log.debug(
                             "req=%s queue_evicted step=%s priority=%d tenant=%s",
                             req.request_id,
@@ -273,11 +288,19 @@ class RoutingSession:
                 )
                 slot = Slot(peer, self.on_release)
                 forward_started = trio.current_time()
-                try:
-                    result = await self.forward(peer, req, slot)
-                except BaseException:
-                    slot.release()
-                    raise
+                parent = req.span
+                with parent.child("try", {"hivenet.peer_id": peer.peer_id}) as attempt:
+                    # The link's forward span goes under this try's.
+                    req.span = attempt
+                    try:
+                        result = await self.forward(peer, req, slot)
+                    except BaseException:
+                        slot.release()
+                        raise
+                    finally:
+                        req.span = parent
+                    if isinstance(result, ForwardFailure):
+                        attempt.fail(str(result.code))
                 if not isinstance(result, ForwardFailure):
                     return Served(result, peer, index, step.name)
                 slot.release()

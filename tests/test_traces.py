@@ -214,15 +214,20 @@ def test_one_trace_across_router_agent_and_engine(
     (root,) = got.named("hivenet-router", "POST /v1/chat/completions")
     (admission,) = got.named("hivenet-router", "admission")
     (route,) = got.named("hivenet-router", "route")
+    (step,) = got.named("hivenet-router", "step")
+    (attempt,) = got.named("hivenet-router", "try")
     (forward,) = got.named("hivenet-router", "forward")
     (agent_span,) = got.named("hivenet-agent", "agent.forward")
     assert {s.trace_id for s in got.spans} == {TRACE_ID}
-    # The tree: client → router root → admission, route → forward → agent → engine.
+    # The tree: client → router root → admission, route → step → try → forward →
+    # agent → engine.
     assert root.parent == CLIENT_SPAN
     assert answer_trace[2] == root.span_id
     assert admission.parent == root.span_id
     assert route.parent == root.span_id
-    assert forward.parent == route.span_id
+    assert step.parent == route.span_id
+    assert attempt.parent == step.span_id
+    assert forward.parent == attempt.span_id
     assert agent_span.parent == forward.span_id
     assert seen.traceparents == [f"00-{TRACE_ID}-{agent_span.span_id}-01"]
 
@@ -309,3 +314,65 @@ assert not loaded, loaded
     env = {k: v for k, v in os.environ.items() if not k.startswith("OTEL_")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
+
+
+def _traces(got: Collector, count: int) -> list[list[Collected]]:
+    """The router's spans grouped by trace, once `count` root spans arrived."""
+    roots = wait_until(
+        lambda: len(r := got.named("hivenet-router", "POST /v1/chat/completions")) >= count and r,
+        what=f"{count} traces",
+    )
+    return [[s for s in got.spans if s.trace_id == root.trace_id] for root in roots]
+
+
+def _one(spans: list[Collected], name: str, parent: Collected) -> Collected:
+    (span,) = [s for s in spans if s.name == name and s.parent == parent.span_id]
+    return span
+
+
+def test_a_failed_try_and_the_next_are_spans_of_their_step(
+    fleet: Fleet, collector: tuple[Collector, int]
+) -> None:
+    got, port = collector
+    env = _otel_env(port)
+    router = fleet.router(env=env)
+    agents = [fleet.agent(router, "m1", env=env) for _ in range(2)]
+    # Idle agents tie, and ties go to the lowest peer id: that one fails first.
+    first, second = sorted(agents, key=lambda a: a.peer_id)
+    first.sim_state(fail_count=1, fail_status=500)
+    _chat(router, None)
+    (spans,) = _traces(got, 1)
+    (root,) = [s for s in spans if s.name == "POST /v1/chat/completions"]
+    route = _one(spans, "route", root)
+    step = _one(spans, "step", route)
+    assert step.attributes["hivenet.step"] == "routing_policy"
+    tries = sorted((s for s in spans if s.name == "try"), key=lambda s: s.error, reverse=True)
+    assert [t.parent for t in tries] == [step.span_id] * 2
+    failed, served = tries
+    assert (failed.error, served.error) == (True, False)
+    assert failed.attributes["hivenet.peer_id"] == first.peer_id
+    assert served.attributes["hivenet.peer_id"] == second.peer_id
+    assert _one(spans, "forward", served).attributes["hivenet.peer_id"] == second.peer_id
+
+
+def test_a_wait_in_the_capacity_queue_is_a_span(
+    fleet: Fleet, collector: tuple[Collector, int]
+) -> None:
+    got, port = collector
+    env = _otel_env(port)
+    router = fleet.router(env=env)
+    agent = fleet.agent(router, "m1", "--capacity", "1", "--sim-token-latency", "100ms", env=env)
+    long = threading.Thread(target=_chat, args=(router, None))
+    long.start()
+    wait_until(
+        lambda: router.agent(agent.peer_id)["status"]["active_requests"] == 1,
+        what="the agent busy",
+    )
+    _chat(router, None)
+    long.join()
+    _traces(got, 2)
+    waits = [s for s in got.spans if s.name == "queue_wait"]
+    (queued,) = waits
+    (step,) = [s for s in got.spans if s.span_id == queued.parent]
+    assert step.name == "step"
+    assert not queued.error
