@@ -376,3 +376,31 @@ def test_a_wait_in_the_capacity_queue_is_a_span(
     (step,) = [s for s in got.spans if s.span_id == queued.parent]
     assert step.name == "step"
     assert not queued.error
+
+
+def test_a_shed_request_is_a_failed_shed_span(
+    fleet: Fleet, tmp_path: Path, collector: tuple[Collector, int]
+) -> None:
+    got, port = collector
+    env = _otel_env(port)
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "routing_policy:\n  strategy: least-loaded\n"
+        "  shed_if:\n    total_queue_depth: {gte: 0}\n    retry_after: 1\n"
+    )
+    router = fleet.router("--policy-file", str(policy), env=env)
+    fleet.agent(router, "m1", env=env)
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={"model": "m1", "messages": [{"role": "user", "content": "hello"}]},
+        timeout=30,
+    )
+    assert r.status_code == 503 and r.json()["error"]["code"] == "load_shed"
+    (spans,) = _traces(got, 1)
+    (root,) = [s for s in spans if s.name == "POST /v1/chat/completions"]
+    route = _one(spans, "route", root)
+    shed = _one(spans, "shed", route)
+    assert shed.attributes["hivenet.step"] == "routing_policy"
+    assert shed.error and route.error and root.error
+    assert root.attributes["http.response.status_code"] == 503
+    assert not [s for s in spans if s.name in ("step", "try", "forward")]
