@@ -137,3 +137,20 @@ def test_a_history_file_that_is_not_sqlite_is_a_startup_error(fleet: Fleet, tmp_
     assert router.popen is not None
     assert router.popen.wait(30) == 2
     assert f"hivenet-router: --history-path {bad}: file is not a database" in router.log()
+
+
+def test_an_answer_the_engine_refused_is_a_rejection_not_a_failure(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    router, agent, _ = _setup(fleet, tmp_path)
+    agent.sim_state(fail_count=1, fail_status=400, fail_body={"error": {"message": "bad"}})
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={"model": "m1", "messages": [{"role": "user", "content": "hello"}]},
+        timeout=30,
+    )
+    assert r.status_code == 400
+    universal = _universal(router, agent)
+    assert universal["rejected_requests_total"] == 1
+    assert universal["failed_requests_total"] == 0
+    assert router.metric("hivenet_router_agent_rejected_requests_total") == 1
