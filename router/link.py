@@ -431,21 +431,18 @@ class AgentLink:
             if kind == m.ERROR:
                 finished = True
                 session.finish(req_id, cancel=False)
-                peer.stats.record_failure()
                 return ForwardFailure(_code(msg["code"]), msg["message"], status=msg.get("status"))
             if kind != m.RESPONSE_HEAD:
                 # An agent out of step with the protocol costs this try, not the request.
                 finished = True
                 session.finish(req_id, cancel=True)
-                peer.stats.record_failure()
                 return ForwardFailure(
                     ErrorCode.BACKEND_ERROR, f"agent sent {kind} before response_head"
                 )
             peer.stats.record_rtt((trio.current_time() - started) * 1000.0)
             status, headers = msg["status"], msg["headers"]
             if status >= 400:
-                return await self._failed_answer(session, req_id, pending, peer, status, headers)
-            peer.stats.record_success()
+                return await self._failed_answer(session, req_id, pending, status, headers)
             response = AgentResponse(session, req_id, pending, status, headers, slot)
             if req.stream and self.settings.release_stream_slot_at_head:
                 slot.release()
@@ -461,7 +458,6 @@ class AgentLink:
         session: AgentSession,
         req_id: int,
         pending: _Pending,
-        peer: Peer,
         status: int,
         headers: dict[str, str],
     ) -> ForwardFailure:
@@ -474,8 +470,6 @@ class AgentLink:
                 break
         session.finish(req_id, cancel=len(body) > MAX_ERROR_BODY)
         code = classify_backend_status(status, bytes(body)) or ErrorCode.BACKEND_ERROR
-        if code in (ErrorCode.BACKEND_ERROR, ErrorCode.BACKEND_UNAVAILABLE):
-            peer.stats.record_failure()
         text = bytes(body[:2000]).decode("utf-8", "replace")
         return ForwardFailure(
             code,

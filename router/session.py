@@ -17,9 +17,9 @@ from protocol.errors import REQUEST_LEVEL, ErrorCode, RouterError
 from protocol.logs import quote
 from router.capacity import Waiter, WaitQueue, try_acquire
 from router.metrics import RouterMetrics
-from router.peers import Peer, PeerTable
+from router.peers import DEFAULT_FAILURE_COOLDOWN, Peer, PeerTable
 from router.policy.admission import ShedHit, shed
-from router.policy.gates import evaluate
+from router.policy.gates import evaluate, is_probe
 from router.policy.schema import Policy, Step
 
 log = logging.getLogger("policy")
@@ -86,6 +86,16 @@ class ForwardFailure:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+def charged(failure: ForwardFailure) -> bool:
+    """Whether `failure` counts against the agent (`success_rate`, `consecutive_failures`).
+
+    Not when the client caused it (a request-level code: the engine judged the request,
+    and another agent would answer the same), nor when the link broke (the agent's
+    session, not its backend; that has its own recovery).
+    """
+    return not failure.connection_level and failure.code not in REQUEST_LEVEL
+
+
 # A successful forward hands back whatever the link returned as the response.
 Forward = Callable[[Peer, RouteRequest, Slot], Awaitable["object | ForwardFailure"]]
 
@@ -137,6 +147,7 @@ class RoutingSession:
         forward: Forward,
         default_max_tries: int,
         on_release: Callable[[Peer], None],
+        failure_cooldown: float = DEFAULT_FAILURE_COOLDOWN,
     ) -> None:
         self.table = table
         self.queue = queue
@@ -144,6 +155,7 @@ class RoutingSession:
         self.forward = forward
         self.default_max_tries = default_max_tries
         self.on_release = on_release
+        self.failure_cooldown = failure_cooldown
 
     async def route(self, policy: Policy, req: RouteRequest) -> Served | Exhausted | LoadShed:
         """Serve `req` through the policy's local steps, or report why none could.
@@ -267,15 +279,26 @@ class RoutingSession:
                 )
                 slot = Slot(peer, self.on_release)
                 forward_started = trio.current_time()
+                stats = peer.stats
+                probe = is_probe(peer, step, forward_started)
+                held = stats.start_probe() if probe else 0.0
                 try:
                     result = await self.forward(peer, req, slot)
                 except BaseException:
                     slot.release()
+                    if probe:
+                        stats.end_probe(held)
                     raise
                 if not isinstance(result, ForwardFailure):
+                    stats.record_success(probe)
                     return Served(result, peer, index, step.name)
                 slot.release()
-                req.waited += trio.current_time() - forward_started
+                now = trio.current_time()
+                if charged(result):
+                    stats.record_failure(now, self.failure_cooldown)
+                elif probe:
+                    stats.end_probe(held)
+                req.waited += now - forward_started
                 self.metrics.forward_failures.labels(req.model, str(result.code), req.tenant).inc()
                 log.info(
                     "req=%s forward_error step=%s peer=%s code=%s message=%s tenant=%s",

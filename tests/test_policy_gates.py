@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -579,6 +580,11 @@ def _reference(pool: list[Peer], s: Step, capability: str, failed: frozenset[str
         if p.peer_id in failed or p.active >= md.capacity:
             continue
         values = {f: metric_value(p, f, NOW) for f in GATE_FIELDS}
+        stats, total = p.stats, p.stats.successes + p.stats.failures
+        # The history gates judge an agent only while its breaker is open (peers.py).
+        judged = total and stats.probe_at > NOW
+        values["success_rate"] = stats.successes / total if judged else None
+        values["consecutive_failures"] = stats.consecutive_failures if judged else None
         if any(values[r.field] is not None and r.violated(values[r.field]) for r in s.exclude_if):
             continue
         out.append(p)
@@ -611,6 +617,8 @@ def _random_peer(rng: random.Random, i: int) -> Peer:
             failures=failures,
             consecutive_failures=rng.randrange(0, failures + 1),
             srtt_ms=maybe(rng.uniform(50, 900)),
+            # Open, half-open (cool-down over), closed by a probe, or never tripped.
+            probe_at=rng.choice((NOW + 1, NOW, NOW - 1, -math.inf, math.inf)),
         ),
     )
 

@@ -21,7 +21,7 @@ from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
-from router.peers import AgentMetadata, Peer
+from router.peers import HISTORY_FIELDS, AgentMetadata, Peer, UniversalStats
 from router.policy.rank import STRATEGIES
 from router.policy.schema import GATE_FIELDS, MATCH_FIELDS, Rule, Step
 
@@ -58,12 +58,11 @@ def metric_value(peer: Peer, field: str, now: float) -> float | None:
     if field == "capacity_utilization":
         return peer.active / peer.metadata.capacity
     stats = peer.stats
-    if field == "success_rate":
-        return stats.success_rate
+    if field in HISTORY_FIELDS:
+        # A half-open or closed breaker lets the agent past its history (peers.py).
+        return _history_value(stats, field) if stats.history_gated(now) else None
     if field == "srtt":
         return stats.srtt_ms
-    if field == "consecutive_failures":
-        return stats.consecutive_failures if stats.successes + stats.failures else None
     if field in ENGINE_FIELDS:
         if now - peer.engine_at > STALE_AFTER_PERIODS * peer.engine_interval:
             return None
@@ -73,6 +72,26 @@ def metric_value(peer: Peer, field: str, now: float) -> float | None:
             return None
         return peer.hardware.get(field)
     raise ValueError(f"unknown gate field {field!r}")
+
+
+def _history_value(stats: UniversalStats, field: str) -> float | None:
+    if field == "success_rate":
+        return stats.success_rate
+    return stats.consecutive_failures if stats.successes + stats.failures else None
+
+
+def is_probe(peer: Peer, step: Step, now: float) -> bool:
+    """Whether `peer` passes `step` only as its breaker's probe: half-open, and one of
+    the step's history rules would exclude it."""
+    stats = peer.stats
+    if not stats.half_open(now):
+        return False
+    for rule in step.exclude_if:
+        if rule.field in HISTORY_FIELDS:
+            value = _history_value(stats, rule.field)
+            if value is not None and rule.violated(value):
+                return True
+    return False
 
 
 def evaluate(
@@ -205,7 +224,8 @@ def _compile_rules(rules: tuple[Rule, ...], const: Callable[[object], str]) -> l
             "        stats = peer.stats",
             "        total = stats.successes + stats.failures",
             # No history yet: both values are missing, and a missing metric passes.
-            "        if total:",
+            # From the breaker's cool-down on, the history lets a probe past (peers.py).
+            "        if total and now < stats.probe_at:",
         ]
         for rule in history:
             value = (
