@@ -51,6 +51,7 @@ class Evaluation:
     # Drained, but an agent stopped only by its full capacity would otherwise be
     # eligible: waiting in the capacity queue for a free slot can help.
     waitable: bool
+    gate: int | None = None  # the gate that drained the pool (1-7); None when not drained
 
 
 def metric_value(peer: Peer, field: str, now: float) -> float | None:
@@ -103,7 +104,7 @@ def evaluate(
 ) -> Evaluation:
     """Run gates 1-7 of `step` over `pool` (the model's agents, in peer-ID order)."""
     if not pool:
-        return Evaluation(None, 0, _drain(1, "no_agents"), False)
+        return Evaluation(None, 0, _drain(1, "no_agents"), False, 1)
     survivors = _compiled(step)(pool, capability, failed, now)
     if survivors:
         return Evaluation(STRATEGIES[step.strategy](survivors), len(survivors), None, False)
@@ -292,18 +293,18 @@ def _drained(
             raise RuntimeError(f"gates disagree on {peer.peer_id} in step {step.name}")
         excluded[rule.field] = excluded.get(rule.field, 0) + 1
     if excluded:
-        drain = _drain(7, _counts(excluded))
+        gate, detail = 7, _counts(excluded)
     elif at_capacity:
-        drain = _drain(6, f"at_capacity={at_capacity}")
+        gate, detail = 6, f"at_capacity={at_capacity}"
     elif prev_failed:
-        drain = _drain(5, f"prev_failed={prev_failed}")
+        gate, detail = 5, f"prev_failed={prev_failed}"
     elif mismatches:
-        drain = _drain(4, _counts(mismatches))
+        gate, detail = 4, _counts(mismatches)
     elif capabilities:
-        drain = _drain(3, _counts(capabilities))
+        gate, detail = 3, _counts(capabilities)
     else:
-        drain = _drain(2, _counts(health))
-    return Evaluation(None, 0, drain, waitable)
+        gate, detail = 2, _counts(health)
+    return Evaluation(None, 0, _drain(gate, detail), waitable, gate)
 
 
 def first_violation(peer: Peer, rules: Sequence[Rule], now: float) -> Rule | None:
