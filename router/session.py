@@ -2,7 +2,10 @@
 
 The session knows nothing of libp2p or HTTP. It is handed a `forward` function that
 sends the request to one agent and reports how that went, and a clock; so the whole
-of the seeds' routing behaviour is testable with plain objects.
+of the seeds' routing behaviour is testable with plain objects. It is also where each
+forward's outcome is charged to its agent (`charged`: the history the `success_rate`
+and `consecutive_failures` gates read, and the circuit breaker over them), because only
+here is it known whether the client or the agent was at fault.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from router.capacity import Waiter, WaitQueue, try_acquire
 from router.metrics import RouterMetrics
 from router.peers import DEFAULT_FAILURE_COOLDOWN, Peer, PeerTable
 from router.policy.admission import ShedHit, shed
-from router.policy.gates import Evaluation, evaluate, is_probe
+from router.policy.gates import MODEL_FILTER, Evaluation, evaluate, is_probe
 from router.policy.schema import Policy, Step
 
 log = logging.getLogger("policy")
@@ -232,7 +235,7 @@ class RoutingSession:
             reasons.append(f"{step.name}: {outcome.reason}")
             last_failure = outcome.failure or last_failure
             capacity_drained = capacity_drained or outcome.capacity_full
-            if outcome.drained_gate == 1:
+            if outcome.drained_gate == MODEL_FILTER.number:
                 # Gate 1: the model is fixed for the whole chain, so no later local
                 # step can recover; `tried=` then shows how far the chain went.
                 break
