@@ -672,7 +672,7 @@ def test_each_removal_is_the_first_gate_whose_reference_check_fails() -> None:
         pool = [_random_peer(rng, i) for i in range(rng.randrange(1, 10))]
         s = _random_step(rng)
         failed = frozenset(p.peer_id for p in pool if rng.random() < 0.15)
-        ctx = gates.Context(s, "llm", failed, NOW)
+        ctx = gates.context(s, "llm", failed, NOW)
         removed = gates._compiled(s).removals(pool, "llm", failed, NOW)
         survivors = gates._compiled(s).survivors(pool, "llm", failed, NOW)
         assert len(removed) + len(survivors) == len(pool)

@@ -25,7 +25,8 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
-from dataclasses import dataclass, field
+from dataclasses import dataclass
+from operator import itemgetter
 
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from router.peers import HISTORY_FIELDS, AgentMetadata, Peer, UniversalStats
@@ -111,7 +112,7 @@ def evaluate(
 # --- the gate table ------------------------------------------------------------------
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Context:
     """What a reference check reads besides the agent: one request's step and state."""
 
@@ -119,11 +120,11 @@ class Context:
     capability: str
     failed: AbstractSet[str]
     now: float
-    wants: tuple[tuple[str, str], ...] = field(init=False)
+    wants: tuple[tuple[str, str], ...]  # the step's non-empty match fields, in order
 
-    def __post_init__(self) -> None:
-        wants = tuple((name, getattr(self.step.match, name)) for name in MATCH_FIELDS)
-        object.__setattr__(self, "wants", tuple((n, w) for n, w in wants if w))
+
+def context(step: Step, capability: str, failed: AbstractSet[str], now: float) -> Context:
+    return Context(step, capability, failed, now, _compiled(step).wants)
 
 
 # A fragment's helpers: `const` binds a policy value as a constant and returns its
@@ -259,6 +260,10 @@ class _Compiled:
     step: Step  # kept alive, so its id() is not reused while the entry exists
     survivors: _Pass  # pool in, the agents that pass every gate out
     removals: _Pass  # pool in, (gate number, agent) for each removed agent out
+    # What the drain explanation reads of the step, worked out once.
+    wants: tuple[tuple[str, str], ...]
+    # Its load is what waiting changes, so a full agent's capacity_utilization is moot.
+    rules_when_free: tuple[Rule, ...]
 
 
 # Policies change only on reload, so a few compiled steps serve every live request.
@@ -272,7 +277,14 @@ def _compiled(step: Step) -> _Compiled:
     entry = _compiled_steps.get(id(step))
     if entry is not None and entry.step is step:
         return entry
-    entry = _Compiled(step, _compile(step, removals=False), _compile(step, removals=True))
+    wants = tuple((name, getattr(step.match, name)) for name in MATCH_FIELDS)
+    entry = _Compiled(
+        step,
+        _compile(step, removals=False),
+        _compile(step, removals=True),
+        tuple((name, want) for name, want in wants if want),
+        tuple(r for r in step.exclude_if if r.field != "capacity_utilization"),
+    )
     if len(_compiled_steps) >= _CACHE_SIZE:
         _compiled_steps.clear()
     _compiled_steps[id(step)] = entry
@@ -394,24 +406,26 @@ def _drained(
     removals pass says which gate removed each agent; the reference checks then say
     why, for the draining gate's agents only.
     """
-    removed: list[tuple[int, Peer]] = _compiled(step).removals(pool, capability, failed, now)
-    number = max(n for n, _ in removed)
+    compiled = _compiled(step)
+    removed: list[tuple[int, Peer]] = compiled.removals(pool, capability, failed, now)
+    number = max(removed, key=_NUMBER)[0]
     gate = GATES[number - 1]
-    ctx = Context(step, capability, failed, now)
-    counts: dict[str, int] = {}
-    waitable = False
-    # Its load is what waiting changes, so a full agent's capacity_utilization is moot.
-    rules_when_free = tuple(r for r in step.exclude_if if r.field != "capacity_utilization")
-    for n, peer in removed:
-        if n == CAPACITY.number and not waitable:
-            waitable = first_violation(peer, rules_when_free, now) is None
-        if n == number:
-            keys = gate.check(peer, ctx)
-            if not keys:
-                raise RuntimeError(f"gates disagree on {peer.peer_id} in step {step.name}")
-            for key in keys:
-                counts[key] = counts.get(key, 0) + 1
+    check = gate.check
+    ctx = Context(step, capability, failed, now, compiled.wants)
+    counts: dict[str, int] = {}  # in the order first seen, as the detail lists them
+    for peer in [peer for n, peer in removed if n == number]:
+        why = check(peer, ctx)
+        if not why:
+            raise RuntimeError(f"gates disagree on {peer.peer_id} in step {step.name}")
+        for key in why:
+            counts[key] = counts.get(key, 0) + 1
+    rules = compiled.rules_when_free
+    full = [peer for n, peer in removed if n == CAPACITY.number]
+    waitable = bool(full) and any(first_violation(peer, rules, now) is None for peer in full)
     return Evaluation(None, 0, _drain(gate, counts), waitable, number)
+
+
+_NUMBER = itemgetter(0)
 
 
 def first_violation(peer: Peer, rules: Sequence[Rule], now: float) -> Rule | None:
