@@ -362,7 +362,22 @@ def test_a_wait_in_the_capacity_queue_is_a_span(
     env = _otel_env(port)
     router = fleet.router(env=env)
     agent = fleet.agent(router, "m1", "--capacity", "1", "--sim-token-latency", "100ms", env=env)
-    long = threading.Thread(target=_chat, args=(router, None))
+
+    def four_seconds() -> None:
+        # 40 tokens at 100 ms each (the sim's ignore_eos, as vLLM's, runs to max_tokens).
+        r = httpx.post(
+            router.url + "/v1/chat/completions",
+            json={
+                "model": "m1",
+                "messages": [{"role": "user", "content": "hello"}],
+                "max_tokens": 40,
+                "ignore_eos": True,
+            },
+            timeout=30,
+        )
+        assert r.status_code == 200, r.text
+
+    long = threading.Thread(target=four_seconds)
     long.start()
     wait_until(
         lambda: router.agent(agent.peer_id)["status"]["active_requests"] == 1,
