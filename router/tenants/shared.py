@@ -50,11 +50,11 @@ local maxc, quota = tonumber(ARGV[3]), tonumber(ARGV[4])
 local lease = tonumber(ARGV[6])
 if quota > 0 then
   local used = tonumber(redis.call('GET', KEYS[3]) or '0')
-  if used >= quota then return {'quota_exceeded', ARGV[7]} end
+  if used >= quota then return {'token_limit_exceeded', ARGV[7]} end
 end
 if maxc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-  if redis.call('ZCARD', KEYS[2]) >= maxc then return {'too_many_concurrent', '1'} end
+  if redis.call('ZCARD', KEYS[2]) >= maxc then return {'concurrency_limit_exceeded', '1'} end
 end
 if rate > 0 then
   local b = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
@@ -63,7 +63,7 @@ if rate > 0 then
   tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
   if tokens < 1 then
     redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
-    return {'rate_limited', tostring((1 - tokens) / rate)}
+    return {'rate_limit_exceeded', tostring((1 - tokens) / rate)}
   end
   redis.call('HSET', KEYS[1], 'tokens', tostring(tokens - 1), 'ts', tostring(now))
   redis.call('EXPIRE', KEYS[1], math.ceil(burst / rate) + 60)
