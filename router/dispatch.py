@@ -59,7 +59,7 @@ class Dispatcher:
         self.provider_available = provider_available
 
     def provider_for(self, req: RouteRequest) -> ProviderFallback | None:
-        provider = self.store.current.fallback_provider
+        provider = self.store.for_model(req.model).fallback_provider
         if (
             provider is None
             or self.provider_call is None
@@ -72,7 +72,7 @@ class Dispatcher:
 
     async def dispatch(self, req: RouteRequest) -> Served | ProviderServed:
         """Serve `req`, or raise RouterError (BackendRejected for request-level errors)."""
-        policy = self.store.current
+        policy = self.store.for_model(req.model)
         outcome = await self.session.route(policy, req)
         if isinstance(outcome, Served):
             self.metrics.routed.labels(req.model, req.tenant).inc()
@@ -89,6 +89,14 @@ class Dispatcher:
         """Refused under load: no provider (shedding is meant to cut work), no exhaustion."""
         log.info("%s", shed_line(req, shed))
         self.metrics.shed.labels(req.model, req.tenant, shed.step_name).inc()
+        if shed.front_door:
+            # Upstream's answer for its top-level shed_if, so its clients back off alike.
+            raise RouterError(
+                ErrorCode.TOO_MANY_CONCURRENT,
+                f"model {req.model!r} is saturated: {shed.hit.detail()} over its healthy"
+                " agents (policy shed_if); retry later",
+                retry_after=shed.retry_after,
+            )
         raise RouterError(
             ErrorCode.LOAD_SHED,
             f"load shed at policy step {shed.step_name!r}: {shed.hit.detail()}"

@@ -13,6 +13,7 @@ from protocol.logs import quote
 from router.capacity import WaitQueue
 from router.http import admin
 from router.http.admin_auth import admin_auth
+from router.http.admin_policy import PREFIX, admin_policy_models
 from router.http.asgi import (
     Receive,
     Scope,
@@ -199,6 +200,8 @@ class RouterApp:
                 extra,
                 lambda: {"chain": self.store.current.chain_names()},
             )
+        elif path == PREFIX or path.startswith(PREFIX + "/"):
+            return await admin_policy_models(self.store, scope, receive, send, extra)
         elif path == "/admin/auth" and self.tenants:
             return await admin_auth(self.tenants, scope, receive, send, extra)
         elif path in _ADMIN_METHODS:
