@@ -18,6 +18,7 @@ from protocol.sdnotify import sd_notify
 from router.agent_metrics import AgentCollector
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
+from router.forward_limit import ForwardLimit
 from router.http.app import RouterApp, with_lifespan
 from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
@@ -65,7 +66,7 @@ class RouterDaemon:
         AgentCollector(self.table, self.metrics.registry)
         self.queue = WaitQueue(settings.queue_depth)
         self.table.on_change(self.queue.notify)
-        self.store = PolicyStore(self.metrics, settings.policy_file)
+        self.store = PolicyStore(self.metrics, settings.policy_file, settings.policy_model_dir)
         self.key_pair = load_or_create_identity(settings.identity_path)
         self.peer_id = str(peer_id_of(self.key_pair))
         self.link = AgentLink(
@@ -78,6 +79,7 @@ class RouterDaemon:
                 remove_after=settings.remove_after,
                 router_peer_id=self.peer_id,
                 release_stream_slot_at_head=settings.stream_slot_release == "head",
+                health_check_interval=settings.health_check_interval,
             ),
         )
         self.session = RoutingSession(
@@ -101,6 +103,7 @@ class RouterDaemon:
             self.metrics,
             provider_call=self.providers,
             provider_available=self.providers.available,
+            limit=ForwardLimit(settings.max_concurrent, settings.queue_size),
         )
         self._warn_about_policy(self.store.current)
         self.store.listeners.append(self._warn_about_policy)
@@ -118,10 +121,17 @@ class RouterDaemon:
                 audit_log_max_bytes=settings.audit_log_max_bytes,
                 audit_log_backups=settings.audit_log_backups,
                 lease=settings.request_timeout + 60.0,
+                rpm_burst_seconds=settings.rpm_burst_seconds,
             ),
             ClientKeys(settings.client_api_keys),
             self.metrics,
         )
+        self.tenants.replicas = self._healthy_replicas
+        auth = self.tenants.store.current
+        if auth is not None and auth.admin_mode == "api-key" and not settings.admin_api_keys:
+            raise ValueError(
+                "the auth file sets admin.mode api-key but HIVENET_ROUTER_ADMIN_API_KEYS is empty"
+            )
         self.app = RouterApp(
             self.client,
             self.table,
@@ -134,6 +144,9 @@ class RouterDaemon:
         )
         self._stop = trio.Event()
         self._http_stop = trio.Event()
+
+    def _healthy_replicas(self, model: str) -> int:
+        return sum(1 for peer in self.table.for_model(model) if peer.routable)
 
     def _warn_about_policy(self, policy: Policy) -> None:
         """A provider without its key is skipped, not fatal: say so at load."""
@@ -153,7 +166,12 @@ class RouterDaemon:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         s = self.settings
         addrs = listen_multiaddrs(s)
-        host = router_host(self.key_pair, addrs, websocket=bool(s.p2p_ws_port))
+        host = router_host(
+            self.key_pair,
+            addrs,
+            websocket=bool(s.p2p_ws_port),
+            max_conns_per_ip=s.p2p_max_conns_per_ip,
+        )
         async with host.run(listen_addrs=addrs):
             host.set_stream_handler(PROTOCOL_ID, self.link.handle_stream)
             try:

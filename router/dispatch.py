@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from protocol.errors import ErrorCode, RouterError
+from router.forward_limit import ForwardLimit
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.policy.schema import ProviderFallback
@@ -50,6 +51,7 @@ class Dispatcher:
         metrics: RouterMetrics,
         provider_call: ProviderCall | None = None,
         provider_available: Callable[[str], bool] = lambda engine: False,
+        limit: ForwardLimit | None = None,
     ) -> None:
         self.table = table
         self.session = session
@@ -57,6 +59,7 @@ class Dispatcher:
         self.metrics = metrics
         self.provider_call = provider_call
         self.provider_available = provider_available
+        self.limit = limit or ForwardLimit(0, 0)
 
     def provider_for(self, req: RouteRequest) -> ProviderFallback | None:
         provider = self.store.for_model(req.model).fallback_provider
@@ -73,7 +76,8 @@ class Dispatcher:
     async def dispatch(self, req: RouteRequest) -> Served | ProviderServed:
         """Serve `req`, or raise RouterError (BackendRejected for request-level errors)."""
         policy = self.store.for_model(req.model)
-        outcome = await self.session.route(policy, req)
+        async with self.limit.slot():
+            outcome = await self.session.route(policy, req)
         if isinstance(outcome, Served):
             self.metrics.routed.labels(req.model, req.tenant).inc()
             if outcome.step_index == 0:

@@ -53,6 +53,8 @@ class LinkSettings:
     remove_after: float
     router_peer_id: str
     release_stream_slot_at_head: bool = True
+    # --health-check-interval: the longest pause between passes over the table.
+    health_check_interval: float = 1.0
 
     @property
     def liveness_interval(self) -> float:
@@ -338,13 +340,14 @@ class AgentLink:
         """Keep sessions alive and mark silent agents unhealthy, then forget them."""
         s = self.settings
         # Heartbeats leave within a quarter period of falling due.
-        period = min(1.0, s.unhealthy_after / 3, s.heartbeat_interval / 4)
+        table_period = min(s.health_check_interval, s.unhealthy_after / 3)
+        period = min(table_period, s.heartbeat_interval / 4)
         last_table_sweep = trio.current_time()
         while True:
             await trio.sleep(period)
             now = trio.current_time()
             self._liveness(now)
-            if now - last_table_sweep >= min(1.0, s.unhealthy_after / 3):
+            if now - last_table_sweep >= table_period:
                 last_table_sweep = now
                 self._sweep_table(now)
 
@@ -546,4 +549,9 @@ def parse_metadata(raw: dict) -> AgentMetadata:
         gpu_model=text("gpu_model"),
         tags=tuple(tags),
         version=text("version"),
+        deployment_id=text("deployment_id"),
+        replica_id=text("replica_id"),
+        hide_llm=raw.get("hide_llm") is True,
+        llm_pretty_name=text("llm_pretty_name"),
+        llm_info=text("llm_info"),
     )
