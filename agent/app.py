@@ -50,7 +50,7 @@ class AgentDaemon:
             hardware_interval=settings.hardware_sample_interval,
             changed=trio.Event(),
         )
-        self.hardware = HardwareSampler()
+        self.hardware = HardwareSampler(settings.gpu_devices)
         self.health = HealthTracker()
         self.connections: list[RouterConnection] = []
         self.endpoints: EngineEndpoints | None = None
@@ -69,7 +69,13 @@ class AgentDaemon:
             "machine": s.machine,
             "gpu_model": s.gpu_model or self.hardware.gpu_model() or "",
             "tags": list(s.tags),
-            "version": VERSION,
+            "version": s.version or VERSION,
+            # The Go router's registration fields (its --deployment-id and friends).
+            "deployment_id": s.deployment_id,
+            "replica_id": s.replica_id,
+            "hide_llm": s.hide_llm,
+            "llm_pretty_name": s.llm_pretty_name,
+            "llm_info": s.llm_info,
         }
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
