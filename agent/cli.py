@@ -9,7 +9,7 @@ import sys
 from collections.abc import Mapping, Sequence
 
 from protocol.durations import parse_duration
-from protocol.logs import setup_logging
+from protocol.logs import FORMATS, setup_logging
 from protocol.secrets import load_secret
 from protocol.upstream_flags import Refused, add_refused
 
@@ -81,10 +81,18 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-write-timeout", type=parse_duration, default="60s")
     p.add_argument("--drain-timeout", type=parse_duration, default="30s")
     p.add_argument("--jwt-secret-file", default=None)
+    p.add_argument(
+        "--proxy",
+        default=None,
+        help="HTTP proxy for /ws and /wss routers (http://host:port); default HTTP(S)_PROXY",
+    )
     p.add_argument("--sim-token-latency", type=parse_duration, default="0s")
     p.add_argument("--sim-ttft", type=parse_duration, default="0s")
     p.add_argument("--sim-port", type=int, default=0)
     add_refused(p, REFUSED)
+    p.add_argument(
+        "--log-format", choices=FORMATS, default=None, help="text (key=value) or json lines"
+    )
     return p
 
 
@@ -118,7 +126,7 @@ def upstream_values(args: argparse.Namespace, env: Mapping[str, str]) -> dict[st
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging()
+    setup_logging(log_format=args.log_format)
     from agent.link import parse_router_address
     from agent.settings import AgentSettings
 
@@ -135,6 +143,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for address in args.router:
             parse_router_address(address)
+        if args.proxy:
+            from agent.http_proxy import parse_proxy_url
+
+            parse_proxy_url(args.proxy)
+            if not any("/ws" in r for r in args.router):
+                raise ValueError("--proxy needs a /ws or /wss --router (it tunnels WebSocket)")
         settings = AgentSettings(
             routers=args.router,
             model=args.model,
@@ -162,6 +176,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sim_ttft=args.sim_ttft,
             sim_port=args.sim_port,
             **upstream_values(args, os.environ),  # type: ignore[arg-type]
+            proxy=args.proxy,
         )
         import trio
 

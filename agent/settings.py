@@ -38,6 +38,8 @@ class AgentSettings:
     llm_info: str = ""
     # --gpu-devices-file: the GPU UUIDs to report (None: every visible GPU).
     gpu_devices: frozenset[str] | None = None
+    # HTTP proxy for WebSocket routers; None: HTTPS_PROXY/HTTP_PROXY from the environment.
+    proxy: str | None = None
     # Simulated engine (--engine sim) knobs.
     sim_token_latency: float = 0.0
     sim_ttft: float = 0.0

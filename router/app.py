@@ -35,6 +35,8 @@ from router.session import RoutingSession
 from router.settings import RouterSettings
 from router.tenants.gate import GateSettings, TenantGate
 from router.tenants.keys import ClientKeys
+from router.tls import server_context
+from router.unjoined import UnjoinedLimits
 
 log = logging.getLogger("router")
 
@@ -49,6 +51,9 @@ def listen_multiaddrs(settings: RouterSettings) -> list[multiaddr.Multiaddr]:
     if settings.p2p_ws_port:
         ws = f"/ip4/{settings.p2p_listen_addr}/tcp/{settings.p2p_ws_port}/ws"
         addrs.append(multiaddr.Multiaddr(ws))
+    if settings.p2p_wss_port:
+        wss = f"/ip4/{settings.p2p_listen_addr}/tcp/{settings.p2p_wss_port}/wss"
+        addrs.append(multiaddr.Multiaddr(wss))
     return addrs
 
 
@@ -69,6 +74,11 @@ class RouterDaemon:
         self.store = PolicyStore(self.metrics, settings.policy_file, settings.policy_model_dir)
         self.key_pair = load_or_create_identity(settings.identity_path)
         self.peer_id = str(peer_id_of(self.key_pair))
+        self.tls_context = (
+            server_context(settings.tls_cert_file, settings.tls_key_file)
+            if settings.p2p_wss_port and settings.tls_cert_file and settings.tls_key_file
+            else None
+        )
         self.link = AgentLink(
             self.table,
             self.metrics,
@@ -80,6 +90,7 @@ class RouterDaemon:
                 router_peer_id=self.peer_id,
                 release_stream_slot_at_head=settings.stream_slot_release == "head",
                 health_check_interval=settings.health_check_interval,
+                unjoined=UnjoinedLimits(per_address=settings.max_unjoined_per_ip),
             ),
         )
         self.session = RoutingSession(
@@ -170,6 +181,7 @@ class RouterDaemon:
             self.key_pair,
             addrs,
             websocket=bool(s.p2p_ws_port),
+            tls=self.tls_context,
             max_conns_per_ip=s.p2p_max_conns_per_ip,
         )
         async with host.run(listen_addrs=addrs):

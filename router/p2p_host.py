@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import ssl
 from collections.abc import Sequence
 from typing import Any
 
@@ -133,6 +134,7 @@ def router_host(
     listen_addrs: Sequence[multiaddr.Multiaddr],
     websocket: bool,
     max_conns_per_ip: int = 32,
+    tls: ssl.SSLContext | None = None,
 ) -> Any:
     tune_libp2p()
     limits = ConnectionLimits(
@@ -146,7 +148,8 @@ def router_host(
     host = new_host(
         key_pair=key_pair,
         listen_addrs=list(listen_addrs),
-        enable_websocket=websocket,
+        enable_websocket=websocket or tls is not None,
+        tls_server_config=tls,
         connection_config=ConnectionConfig(
             max_connections=MAX_AGENT_CONNECTIONS + 256,
             min_connections=0,
