@@ -15,6 +15,7 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
+import trio
 
 from tests.fleet import ADMIN_KEY, VENV_BIN, Fleet, Router, free_port, wait_until
 
@@ -238,8 +239,14 @@ def test_upstream_auth_file_serves_end_to_end(fleet: Fleet) -> None:
     put = httpx.put(router.url + "/admin/auth", content=filled, headers=ADMIN, timeout=10)
     assert put.status_code == 200, put.text
     answer = openai.OpenAI(base_url=router.url + "/v1", api_key=key, max_retries=0)
-    reply = answer.chat.completions.create(model="m2", messages=[{"role": "user", "content": "x"}])
-    assert reply.choices[0].message.content
+    raw = answer.chat.completions.with_raw_response.create(
+        model="m2", messages=[{"role": "user", "content": "x"}]
+    )
+    assert raw.parse().choices[0].message.content
+    # The quota headers upstream's clients read: the bucket after this request, and the
+    # day's budget before its tokens are charged.
+    assert raw.headers["x-ratelimit-remaining-requests"] == "99"
+    assert raw.headers["x-ratelimit-remaining-tokens"] == "500000"
 
     # Expiry, model allowlist, quota: upstream's codes for each.
     limited, limited_hash = keygen("acme")
@@ -258,7 +265,104 @@ def test_upstream_auth_file_serves_end_to_end(fleet: Fleet) -> None:
     assert hidden.status_code == 404
     detail = httpx.get(router.url + "/v1/models/m1", headers=headers, timeout=10).json()
     assert [a["is_healthy"] for a in detail["agents"]["list"]] == [True]
-    assert chat(router, "m1", limited).status_code == 200
+    first = chat(router, "m1", limited)
+    assert first.status_code == 200
+    assert first.headers["x-ratelimit-remaining-requests"] == "0"
+    assert "x-ratelimit-remaining-tokens" not in first.headers  # no daily budget: no header
     over = chat(router, "m1", limited)
     assert over.status_code == 429 and over.json()["error"]["code"] == "rate_limit_exceeded"
     assert int(over.headers["retry-after"]) >= 1
+
+
+def test_cors_preflight_and_headers(fleet: Fleet) -> None:
+    router = fleet.router(env={"HIVENET_ROUTER_API_KEYS": "k1:web"})
+    fleet.agent(router, "m1")
+    asked = "authorization, content-type"
+    pre = httpx.options(
+        router.url + "/v1/chat/completions",
+        headers={
+            "Origin": "https://app.example",
+            "Access-Control-Request-Method": "POST",
+            "Access-Control-Request-Headers": asked,
+        },
+        timeout=10,
+    )
+    # Answered before authentication: browsers send no credentials on a preflight.
+    assert pre.status_code == 204
+    assert pre.headers["access-control-allow-origin"] == "*"
+    assert "POST" in pre.headers["access-control-allow-methods"]
+    assert pre.headers["access-control-allow-headers"] == asked
+    assert "OPTIONS" not in router.log()  # preflights are neither logged nor audited
+    answer = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={"model": "m1", "messages": [{"role": "user", "content": "hi"}]},
+        headers={"Origin": "https://app.example", "Authorization": "Bearer k1"},
+        timeout=30,
+    )
+    assert answer.status_code == 200
+    assert answer.headers["access-control-allow-origin"] == "*"
+    assert "X-Request-ID" in answer.headers["access-control-expose-headers"]
+    # Without an Origin nothing changes, and a plain OPTIONS is no preflight.
+    plain = chat(router, "m1", "k1")
+    assert "access-control-allow-origin" not in plain.headers
+    assert httpx.options(router.url + "/v1/models", timeout=10).status_code != 204
+
+
+def test_display_fields_hide_llm_and_agents_list(fleet: Fleet) -> None:
+    router = fleet.router()
+    shown = fleet.agent(
+        router,
+        "m1",
+        "--llm-pretty-name",
+        "Balanced · M1",
+        "--llm-info",
+        "Good balance",
+        "--deployment-id",
+        "dep-1",
+        "--replica-id",
+        "r-7",
+        "--version",
+        "1.2.3",
+    )
+    fleet.agent(router, "secret-model", "--hide-llm")
+    listed = httpx.get(router.url + "/v1/models", timeout=10).json()["data"]
+    # Hidden from the list (upstream still lists it), still served and still inspectable.
+    assert [card["id"] for card in listed] == ["m1"]
+    assert listed[0]["pretty_name"] == "Balanced · M1" and listed[0]["info"] == "Good balance"
+    assert chat(router, "secret-model").status_code == 200
+    hidden = httpx.get(router.url + "/v1/models/secret-model", timeout=10).json()
+    assert hidden["hide_llm"] is True
+    detail = httpx.get(router.url + "/v1/models/m1", timeout=10).json()
+    [entry] = detail["agents"]["list"]
+    assert entry["peer_id"] == shown.peer_id and entry["version"] == "1.2.3"
+    assert entry["is_healthy"] is True and isinstance(entry["last_seen"], int)
+    metadata = router.agent(shown.peer_id)["metadata"]
+    assert metadata["deployment_id"] == "dep-1" and metadata["replica_id"] == "r-7"
+    assert metadata["tags"] == ["production"]
+
+
+async def test_max_concurrent_and_queue_size_answer_queue_full(fleet: Fleet) -> None:
+    router = fleet.router("--max-concurrent", "1", "--queue-size", "1")
+    agent = fleet.agent(router, "m1", "--sim-ttft", "4s", "--capacity", "8")
+    async with httpx.AsyncClient(timeout=60) as client:
+
+        async def ask(results: list[int]) -> None:
+            body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
+            r = await client.post(router.url + "/v1/chat/completions", json=body)
+            results.append(r.status_code)
+            if r.status_code == 503:
+                assert r.json()["error"]["code"] == "queue_full"
+                assert r.headers["retry-after"] == "1"
+
+        results: list[int] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask, results)
+            # The first request holds the slot once the agent has it in hand.
+            while True:
+                if router.agent(agent.peer_id)["status"]["active_requests"] >= 1:
+                    break
+                await trio.sleep(0.05)
+            # One slot, taken: the next request waits, the one after is refused.
+            nursery.start_soon(ask, results)
+            nursery.start_soon(ask, results)
+    assert sorted(results) == [200, 200, 503]

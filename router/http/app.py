@@ -11,7 +11,7 @@ import trio
 from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
 from router.capacity import WaitQueue
-from router.http import admin, models
+from router.http import admin, cors, models
 from router.http.admin_auth import admin_auth
 from router.http.admin_policy import PREFIX, admin_policy_models
 from router.http.asgi import (
@@ -24,6 +24,7 @@ from router.http.asgi import (
 )
 from router.http.auth import AdminKeys, presented_keys
 from router.http.client import ENDPOINTS, TICKET, ClientApi, send_error
+from router.http.quota_headers import with_quota_headers
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.policy.store import PolicyStore
@@ -69,6 +70,10 @@ class RouterApp:
         if scope["type"] != "http":
             return
         rid = request_id(scope)
+        if cors.is_preflight(scope):
+            await cors.preflight(scope, send, rid)
+            return
+        send = cors.with_cors(scope, send)
         started = trio.current_time()
         path: str = scope["path"]
         method: str = scope["method"]
@@ -76,7 +81,9 @@ class RouterApp:
         protocol = protocol_of(path)
         try:
             if path.startswith("/v1/"):
-                status, tenant = await self._client(scope, receive, send, rid)
+                status, tenant = await self._client(
+                    scope, receive, with_quota_headers(scope, send), rid
+                )
             elif path.startswith("/admin/"):
                 status = await self._admin(scope, receive, send, rid)
             elif path == "/health" and method == "GET":

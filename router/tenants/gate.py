@@ -182,6 +182,7 @@ class Ticket:
         "id",
         "model",
         "record",
+        "remaining",
         "request_id",
         "shared",
         "slot_taken",
@@ -206,6 +207,8 @@ class Ticket:
         self.agent: str | None = None
         self.usage: dict[str, int] | None = None
         self.code: str | None = None
+        # (requests, tokens) an admitted request leaves: X-RateLimit-Remaining-*.
+        self.remaining: tuple[int | None, int | None] = (None, None)
         self.slot_taken = False
         self.shared = False
         self.closed = False
@@ -242,6 +245,7 @@ class Ticket:
                 )
             else:
                 self.slot_taken = bool(tenant.max_concurrent)
+                self.remaining = (verdict.requests_left, verdict.tokens_left)
         if refusal is not None:
             self.code = str(refusal.code)
             self.gate.metrics.tenant_rejections.labels(tenant.name, self.code).inc()
