@@ -36,6 +36,7 @@ from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from protocol.frames import MAX_FRAME_BYTES
 from protocol.logs import quote
 from protocol.p2p import FramedStream, SessionClosed
+from protocol.router_proof import MAX_CHALLENGE, router_proof
 from protocol.tokens import TokenError, verify_token
 from protocol.usage import valid_usage
 from router.metrics import RouterMetrics
@@ -443,6 +444,9 @@ class AgentLink:
         try:
             verify_token(self.settings.secret, msg["token"], session.remote_peer)
             meta = parse_metadata(msg["metadata"])
+            challenge = msg.get("challenge")
+            if challenge is not None and len(challenge) > MAX_CHALLENGE:
+                raise ValueError(f"challenge longer than {MAX_CHALLENGE} characters")
         except (TokenError, ValueError) as exc:
             reason = str(exc)
             log.warning("agent_refused peer=%s reason=%s", session.remote_peer, quote(reason))
@@ -471,13 +475,16 @@ class AgentLink:
         self.sessions[peer] = session
         self.table.add(peer)
         session.admitted()
-        session.fs.send_nowait(
-            m.welcome(
-                self.settings.heartbeat_interval,
-                self.settings.router_peer_id,
-                self.settings.liveness_interval,
-            )
+        welcome = m.welcome(
+            self.settings.heartbeat_interval,
+            self.settings.router_peer_id,
+            self.settings.liveness_interval,
         )
+        if challenge is not None:
+            welcome["proof"] = router_proof(
+                self.settings.secret, self.settings.router_peer_id, session.remote_peer, challenge
+            )
+        session.fs.send_nowait(welcome)
         session.hello_seen.set()
         self._count()
         log.info(
