@@ -17,7 +17,7 @@ import openai
 import pytest
 import trio
 
-from tests.fleet import ADMIN_KEY, VENV_BIN, Fleet, Router, free_port, wait_until
+from tests.fleet import ADMIN_KEY, SECRET, VENV_BIN, Fleet, Proc, Router, free_port, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -366,3 +366,123 @@ async def test_max_concurrent_and_queue_size_answer_queue_full(fleet: Fleet) -> 
             nursery.start_soon(ask, results)
             nursery.start_soon(ask, results)
     assert sorted(results) == [200, 200, 503]
+
+
+def unit_command(doc: str, binary: str) -> list[str]:
+    """The ExecStart of `binary` in a systemd unit of `doc`, as argv."""
+    start = doc.index(f"ExecStart=/opt/hivenet-router/{binary}")
+    lines = []
+    for line in doc[start:].splitlines():
+        lines.append(line.strip().removesuffix("\\").strip())
+        if not line.rstrip().endswith("\\"):
+            break
+    return " ".join(lines).split()[1:]
+
+
+def doc_environment(doc: str, binary: str) -> dict[str, str]:
+    """`Environment=` lines of the unit that runs `binary`."""
+    start = doc.index(f"ExecStart=/opt/hivenet-router/{binary}")
+    unit = doc[start : doc.index("[Install]", start)]
+    pairs = [
+        line.removeprefix("Environment=")
+        for line in unit.splitlines()
+        if line.startswith("Environment=")
+    ]
+    return dict(pair.split("=", 1) for pair in pairs)
+
+
+def test_bare_metal_deployment_routes_a_request(fleet: Fleet, tmp_path: Path) -> None:
+    doc = upstream("docs", "deploy", "bare-metal.mdx").read_text()
+    router_argv = unit_command(doc, "hivenet-router")
+    agent_argv = unit_command(doc, "hivenet-agent")
+    env_file = doc[doc.index("ROUTER_IP=") :].split("```")[0]
+    variables = dict(line.split("=", 1) for line in env_file.split())
+    assert variables == {
+        "ROUTER_IP": "192.168.1.100",
+        "AGENT_REGION": "EU-Primary",
+        "AGENT_CAPACITY": "32",
+    }
+
+    secret = tmp_path / "jwt.secret"
+    secret.write_text(SECRET + "\n")
+    http, metrics, p2p = free_port(), free_port(), free_port()
+    # Adapted only where the spec wins: `serve`, no gRPC port, the libp2p `--router`;
+    # and the test's own paths and ports. --disk-db-path names a BadgerDB, which this
+    # router does not have (refused with what to use; see the README).
+    replace = {
+        "/etc/hivenet-router/jwt.secret": str(secret),
+        ":8080": f"127.0.0.1:{http}",
+        ":2112": f"127.0.0.1:{metrics}",
+        "9000": str(p2p),
+        "0.0.0.0": "127.0.0.1",
+    }
+    argv: list[str] = []
+    skip = {"--grpc-port", "--disk-db-path"}
+    it = iter(router_argv)
+    for arg in it:
+        if arg in skip:
+            next(it)
+            continue
+        argv.append(replace.get(arg, arg))
+    env = {k: v for k, v in fleet.env.items() if not k.startswith("HIVENET_ROUTER_")}
+    audit = tmp_path / "audit.jsonl"
+    unit_env = doc_environment(doc, "hivenet-router")
+    assert set(unit_env) == {"HIVENET_ROUTER_AUDIT_LOG_PATH", "HIVENET_ROUTER_ALLOW_INSECURE_ADMIN"}
+    unit_env["HIVENET_ROUTER_AUDIT_LOG_PATH"] = str(audit)
+    router_proc = Proc(
+        "router",
+        # The unit's WorkingDirectory holds the identity key; here the test's directory.
+        [
+            str(VENV_BIN / "hivenet-router"),
+            "serve",
+            *argv,
+            "--identity-path",
+            str(tmp_path / "r.key"),
+        ],
+        {**env, **unit_env},
+        tmp_path / "router.log",
+    )
+    fleet.procs.append(router_proc)
+    router_proc.start()
+    router_proc.wait_log("router_ready")
+
+    variables["ROUTER_IP"] = "127.0.0.1"
+    with vllm_backend("m1") as backend:
+        argv = []
+        it = iter(agent_argv)
+        for arg in it:
+            value = arg
+            for name, var in variables.items():
+                value = value.replace("${" + name + "}", var)
+            if arg == "--router-grpc":
+                host = next(it).replace("${ROUTER_IP}", variables["ROUTER_IP"]).split(":")[0]
+                argv += ["--router", f"/ip4/{host}/tcp/{p2p}"]
+                continue
+            argv.append(replace.get(value, value))
+        argv = [backend if a == "http://localhost:8888" else a for a in argv]
+        argv = [str(tmp_path / "agent.key") if a.endswith("identity.key") else a for a in argv]
+        agent_proc = Proc(
+            "agent",
+            [str(VENV_BIN / "hivenet-agent"), "--model", "m1", *argv],
+            env,
+            tmp_path / "agent.log",
+        )
+        fleet.procs.append(agent_proc)
+        agent_proc.start()
+        url = f"http://127.0.0.1:{http}"
+        wait_until(
+            lambda: httpx.get(url + "/v1/models", timeout=5).json()["data"] or None,
+            timeout=30,
+            what="agent registered",
+        )
+        card = httpx.get(url + "/v1/models/m1", timeout=5).json()
+        assert card["agents"]["regions"] == ["EU-Primary"]
+        assert card["agents"]["total_capacity"] == 32
+        reply = openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+        answer = reply.chat.completions.create(
+            model="m1", messages=[{"role": "user", "content": "hello"}], max_tokens=4
+        )
+        assert answer.choices[0].message.content
+    # The admin API is open, as that unit's HIVENET_ROUTER_ALLOW_INSECURE_ADMIN says.
+    assert httpx.get(url + "/admin/health", timeout=5).status_code == 200
+    wait_until(lambda: audit.exists() and audit.read_text(), what="audit line")
