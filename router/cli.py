@@ -240,6 +240,12 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
     ):
         if value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
+    if not 0 < s.heartbeat_interval < s.unhealthy_after < s.remove_after:
+        # Upstream leaves a mis-ordered set running (its docs say so); here it is an error.
+        raise ValueError(
+            "need --heartbeat-interval < --unhealthy-after < --remove-after, got"
+            f" {s.heartbeat_interval:g}s, {s.unhealthy_after:g}s, {s.remove_after:g}s"
+        )
     if s.health_check_interval <= 0 or s.request_timeout <= 0:
         raise ValueError("--health-check-interval and --request-timeout must be positive")
     if s.auth_mode == "api-key" and not s.auth_file and not s.client_api_keys.strip():

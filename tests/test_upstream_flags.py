@@ -150,6 +150,21 @@ def test_router_invalid_or_refused_values_are_startup_errors(
     assert message in str(failed.value)
 
 
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ["--unhealthy-after", "5s"],  # not above the 5 s heartbeat
+        ["--unhealthy-after", "40s"],  # past the 30 s removal
+        ["--heartbeat-interval", "0"],
+    ],
+)
+def test_inconsistent_liveness_timings_are_a_startup_error(
+    monkeypatch: pytest.MonkeyPatch, flags: list[str]
+) -> None:
+    with pytest.raises(ValueError, match="--heartbeat-interval < --unhealthy-after"):
+        serve(monkeypatch, flags)
+
+
 def test_both_auth_flags_naming_different_files_is_an_error(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
