@@ -19,6 +19,7 @@ from router.agent_metrics import AgentCollector
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
 from router.forward_limit import ForwardLimit
+from router.history import AgentHistory
 from router.http.app import RouterApp, with_lifespan
 from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
@@ -93,6 +94,18 @@ class RouterDaemon:
                 unjoined=UnjoinedLimits(per_address=settings.max_unjoined_per_ip),
             ),
         )
+        self.history = (
+            AgentHistory(
+                settings.disk_db_path,
+                settings.disk_db_ttl,
+                settings.universal_flush_interval,
+                settings.reset_disk_db,
+            )
+            if settings.disk_db_path
+            else None
+        )
+        if self.history is not None:
+            self.link.history_of = self.history.restore
         self.session = RoutingSession(
             self.table,
             self.queue,
@@ -189,6 +202,8 @@ class RouterDaemon:
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self.link.sweep)
+                    if self.history is not None:
+                        nursery.start_soon(self.history.run, self.table)
                     nursery.start_soon(self.tenants.run)
                     nursery.start_soon(self._signals, nursery.cancel_scope)
                     await nursery.start(self._serve_http, self.app, s.http_addr)

@@ -14,8 +14,7 @@ from protocol.secrets import load_secret
 from protocol.upstream_flags import Refused, add_refused, refused_environment
 from router.settings import RouterSettings, env_value, split_hostport
 
-_STATE = "per-agent statistics live in memory and rebuild within seconds of a restart"
-# The Go router's serve flags with no meaning on a libp2p-only router without BadgerDB.
+# The Go router's serve flags with no meaning on a libp2p-only router.
 REFUSED: tuple[Refused, ...] = (
     Refused(
         "--grpc-port",
@@ -29,15 +28,6 @@ REFUSED: tuple[Refused, ...] = (
         "there is no gRPC session token: each agent proves itself with its JWT in the hello"
         " of every libp2p session; set the JWT's lifetime with `hivenet-router token --ttl`",
     ),
-    Refused(
-        "--disk-db-path",
-        "HIVENET_ROUTER_DISK_DB_PATH",
-        f"there is no BadgerDB: {_STATE}; for tenant counts that outlive a restart"
-        " use --state-url redis://host:port/db",
-    ),
-    Refused("--disk-db-ttl", None, f"there is no BadgerDB: {_STATE}"),
-    Refused("--universal-flush-interval", None, f"there is no BadgerDB: {_STATE}"),
-    Refused("--reset-disk-db", None, f"there is no BadgerDB: {_STATE}", takes_value=False),
 )
 
 
@@ -132,6 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--audit-log-max-bytes", type=int, default=100 * 1024 * 1024)
     serve.add_argument("--audit-log-backups", type=int, default=5)
+    serve.add_argument(
+        "--disk-db-path",
+        default=os.environ.get("HIVENET_ROUTER_DISK_DB_PATH") or None,
+        help="directory keeping each agent's history across restarts (default: none)",
+    )
+    serve.add_argument("--disk-db-ttl", type=int, default=30, help="days; 0 keeps entries")
+    serve.add_argument("--universal-flush-interval", type=parse_duration, default="30s")
+    serve.add_argument("--reset-disk-db", action="store_true", help="delete the directory first")
     add_refused(serve, REFUSED)
     serve.add_argument(
         "--log-format", choices=FORMATS, default=None, help="text (key=value) or json lines"
@@ -208,6 +206,10 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         stream_slot_release=args.stream_slot_release,
         jwt_secret=load_secret(args.jwt_secret_file),
         auth_file=args.auth_file or args.auth_config_file,
+        disk_db_path=args.disk_db_path,
+        disk_db_ttl=args.disk_db_ttl,
+        universal_flush_interval=args.universal_flush_interval,
+        reset_disk_db=args.reset_disk_db,
         state_url=args.state_url,
         audit_log=args.audit_log,
         audit_log_max_bytes=args.audit_log_max_bytes,
@@ -237,6 +239,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         ("--queue-size", s.queue_size, 1),
         ("--max-concurrent", s.max_concurrent, 0),
         ("--p2p-max-conns-per-ip", s.p2p_max_conns_per_ip, 1),
+        ("--disk-db-ttl", s.disk_db_ttl, 0),
     ):
         if value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
@@ -246,8 +249,13 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
             "need --heartbeat-interval < --unhealthy-after < --remove-after, got"
             f" {s.heartbeat_interval:g}s, {s.unhealthy_after:g}s, {s.remove_after:g}s"
         )
-    if s.health_check_interval <= 0 or s.request_timeout <= 0:
-        raise ValueError("--health-check-interval and --request-timeout must be positive")
+    if s.health_check_interval <= 0 or s.request_timeout <= 0 or s.universal_flush_interval <= 0:
+        raise ValueError(
+            "--health-check-interval, --request-timeout and --universal-flush-interval"
+            " must be positive"
+        )
+    if s.reset_disk_db and not s.disk_db_path:
+        raise ValueError("--reset-disk-db needs --disk-db-path")
     if s.auth_mode == "api-key" and not s.auth_file and not s.client_api_keys.strip():
         raise ValueError(
             "HIVENET_ROUTER_AUTH_MODE=api-key needs keys: an auth file (--auth-config-file)"

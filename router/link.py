@@ -12,7 +12,7 @@ import math
 import re
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,6 +45,7 @@ from router.peers import (
     AgentMetadata,
     Peer,
     PeerTable,
+    UniversalStats,
 )
 from router.remote_addr import format_endpoint, remote_endpoint
 from router.session import ForwardFailure, RouteRequest, Slot
@@ -374,6 +375,8 @@ class AgentLink:
         self.settings = settings
         self.sessions: dict[Peer, AgentSession] = {}
         self.unjoined = Unjoined(settings.unjoined)
+        # A joining agent's history from before a restart (--disk-db-path), if any.
+        self.history_of: Callable[[str], UniversalStats | None] = lambda peer_id: None
 
     def __repr__(self) -> str:
         return f"<AgentLink {len(self.sessions)} sessions, {self.unjoined!r}>"
@@ -466,6 +469,9 @@ class AgentLink:
             remote_addr=session.remote_addr,
         )
         old = self.table.get(peer.peer_id)
+        restored = self.history_of(peer.peer_id) if old is None else None
+        if restored is not None:
+            peer.stats = restored
         if old is not None:
             peer.stats = old.stats
             stale = self.sessions.pop(old, None)

@@ -59,6 +59,11 @@ class RouterSettings:
     queue_size: int = 100
     request_timeout: float = 60.0
     health_check_interval: float = 1.0
+    # --disk-db-path: agents' history across restarts (router/history.py); None: off.
+    disk_db_path: str | None = None
+    disk_db_ttl: int = 30
+    universal_flush_interval: float = 30.0
+    reset_disk_db: bool = False
     p2p_max_conns_per_ip: int = 32
     heartbeat_interval: float = 5.0
     unhealthy_after: float = 15.0

@@ -407,9 +407,9 @@ def test_bare_metal_deployment_routes_a_request(fleet: Fleet, tmp_path: Path) ->
     secret.write_text(SECRET + "\n")
     http, metrics, p2p = free_port(), free_port(), free_port()
     # Adapted only where the spec wins: `serve`, no gRPC port, the libp2p `--router`;
-    # and the test's own paths and ports. --disk-db-path names a BadgerDB, which this
-    # router does not have (refused with what to use; see the README).
+    # and the test's own paths and ports.
     replace = {
+        "/var/lib/hivenet-router/badger": str(tmp_path / "history"),
         "/etc/hivenet-router/jwt.secret": str(secret),
         ":8080": f"127.0.0.1:{http}",
         ":2112": f"127.0.0.1:{metrics}",
@@ -417,7 +417,7 @@ def test_bare_metal_deployment_routes_a_request(fleet: Fleet, tmp_path: Path) ->
         "0.0.0.0": "127.0.0.1",
     }
     argv: list[str] = []
-    skip = {"--grpc-port", "--disk-db-path"}
+    skip = {"--grpc-port"}
     it = iter(router_argv)
     for arg in it:
         if arg in skip:
@@ -486,3 +486,6 @@ def test_bare_metal_deployment_routes_a_request(fleet: Fleet, tmp_path: Path) ->
     # The admin API is open, as that unit's HIVENET_ROUTER_ALLOW_INSECURE_ADMIN says.
     assert httpx.get(url + "/admin/health", timeout=5).status_code == 200
     wait_until(lambda: audit.exists() and audit.read_text(), what="audit line")
+    # Its --disk-db-path keeps the agents' history for the next start.
+    router_proc.stop()
+    assert '"successes":1' in (tmp_path / "history" / "agents.json").read_text()

@@ -80,6 +80,11 @@ ROUTER_ACCEPTED = [
     ([], {}, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
     ([], {"HIVENET_ROUTER_RPM_BURST_SECONDS": "10"}, "rpm_burst_seconds", 10),
     ([], {"HIVENET_ROUTER_ADMIN_API_KEYS": "a, b"}, "admin_api_keys", ["a", "b"]),
+    (["--disk-db-path", "/var/lib/b"], {}, "disk_db_path", "/var/lib/b"),
+    ([], {"HIVENET_ROUTER_DISK_DB_PATH": "/var/lib/c"}, "disk_db_path", "/var/lib/c"),
+    (["--disk-db-ttl", "0"], {}, "disk_db_ttl", 0),
+    (["--universal-flush-interval", "5s"], {}, "universal_flush_interval", 5.0),
+    (["--disk-db-path", "/d", "--reset-disk-db"], {}, "reset_disk_db", True),
     ([], {"HIVENET_ROUTER_OPENAI_API_KEY": "sk-x"}, "openai_api_key", "sk-x"),
     ([], {"HIVENET_ROUTER_ANTHROPIC_API_KEY": "sk-y"}, "anthropic_api_key", "sk-y"),
     ([], {"HIVENET_ROUTER_JWT_SECRET": "t" * 32}, "jwt_secret", b"t" * 32),
@@ -100,10 +105,6 @@ def test_router_accepts_the_go_routers_flags_and_variables(
 ROUTER_REFUSED_FLAGS = [
     (["--grpc-port", ":50051"], "libp2p only"),
     (["--session-ttl", "1h"], "hivenet-router token --ttl"),
-    (["--disk-db-path", "/var/lib/b"], "--state-url"),
-    (["--disk-db-ttl", "30"], "no BadgerDB"),
-    (["--universal-flush-interval", "30s"], "no BadgerDB"),
-    (["--reset-disk-db"], "no BadgerDB"),
 ]
 
 
@@ -121,7 +122,6 @@ def test_router_refuses_go_only_flags_saying_what_to_use(
 ROUTER_BAD_ENV = [
     ({"HIVENET_ROUTER_GRPC_PORT": ":50051"}, "HIVENET_ROUTER_GRPC_PORT is a Go router variable"),
     ({"HIVENET_ROUTER_SESSION_TTL": "1h"}, "HIVENET_ROUTER_SESSION_TTL is a Go router variable"),
-    ({"HIVENET_ROUTER_DISK_DB_PATH": "/x"}, "HIVENET_ROUTER_DISK_DB_PATH is a Go router variable"),
     ({"HIVENET_ROUTER_REQUEST_TIMEOUT": "five minutes"}, "HIVENET_ROUTER_REQUEST_TIMEOUT="),
     ({"HIVENET_ROUTER_MAX_TRIES_PER_STEP": "three"}, "HIVENET_ROUTER_MAX_TRIES_PER_STEP="),
     ({"HIVENET_ROUTER_MAX_TRIES_PER_STEP": "0"}, "--max-tries-per-step must be at least 1"),
@@ -147,6 +147,25 @@ def test_router_invalid_or_refused_values_are_startup_errors(
 ) -> None:
     with pytest.raises(ValueError) as failed:
         serve(monkeypatch, [], env)
+    assert message in str(failed.value)
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--reset-disk-db"], "--reset-disk-db needs --disk-db-path"),
+        (["--disk-db-ttl", "-1"], "--disk-db-ttl must be at least 0"),
+        (["--universal-flush-interval", "0"], "must be positive"),
+        (["--queue-size", "0"], "--queue-size must be at least 1"),
+        (["--max-concurrent", "-1"], "--max-concurrent must be at least 0"),
+        (["--health-check-interval", "0"], "must be positive"),
+    ],
+)
+def test_router_invalid_flag_values_are_startup_errors(
+    monkeypatch: pytest.MonkeyPatch, flags: list[str], message: str
+) -> None:
+    with pytest.raises(ValueError) as failed:
+        serve(monkeypatch, flags)
     assert message in str(failed.value)
 
 
