@@ -6,7 +6,8 @@ import argparse
 import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from protocol.durations import parse_duration
 from protocol.logs import FORMATS, setup_logging
@@ -42,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the router daemon")
     serve.add_argument("--http-port", default=_env("HIVENET_ROUTER_HTTP_PORT", ":8080"))
     serve.add_argument("--metrics-port", default=_env("HIVENET_ROUTER_METRICS_PORT", ":2112"))
-    serve.add_argument("--p2p-port", type=int, default=int(_env("HIVENET_ROUTER_P2P_PORT", "9000")))
+    serve.add_argument("--p2p-port", type=int, default=None, help="default 9000")
     serve.add_argument(
         "--p2p-ws-port", type=int, default=0, help="libp2p WebSocket port (0: no WebSocket)"
     )
@@ -157,7 +158,7 @@ def build_parser() -> argparse.ArgumentParser:
     ident = sub.add_parser("identity", help="create the key if missing; print the peer ID")
     ident.add_argument("--identity-path", default="./router_identity.key")
     ident.add_argument("--p2p-listen-addr", default="127.0.0.1")
-    ident.add_argument("--p2p-port", type=int, default=int(_env("HIVENET_ROUTER_P2P_PORT", "9000")))
+    ident.add_argument("--p2p-port", type=int, default=None, help="default 9000")
     ident.add_argument("--p2p-announce-addr", default=None)
 
     token = sub.add_parser("token", help="print an agent JWT signed with the shared secret")
@@ -175,13 +176,13 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
     if args.auth_file and args.auth_config_file and args.auth_file != args.auth_config_file:
         raise ValueError("--auth-file and --auth-config-file name different files: keep one")
 
-    def pick(value: object, name: str, convert: object, default: str) -> object:
+    def pick(value: Any, name: str, convert: Callable[[str], Any], default: str) -> Any:
         return value if value is not None else env_value(env, name, convert, default)
 
     s = RouterSettings(
         http_addr=split_hostport(args.http_port),
         metrics_addr=split_hostport(args.metrics_port),
-        p2p_port=args.p2p_port,
+        p2p_port=pick(args.p2p_port, "P2P_PORT", int, "9000"),
         p2p_ws_port=args.p2p_ws_port,
         p2p_wss_port=args.p2p_wss_port,
         tls_cert_file=args.tls_cert_file,
@@ -365,11 +366,16 @@ def cmd_keygen(args: argparse.Namespace) -> int:
 def cmd_identity(args: argparse.Namespace) -> int:
     from protocol.p2p import load_or_create_identity, peer_id_of
 
+    try:
+        port = args.p2p_port or env_value(os.environ, "P2P_PORT", int, "9000")
+    except ValueError as exc:
+        print(f"hivenet-router: {exc}", file=sys.stderr)
+        return 2
     peer_id = peer_id_of(load_or_create_identity(args.identity_path))
     print(f"peer_id: {peer_id}")
     if args.p2p_announce_addr:
         print(f"{args.p2p_announce_addr}/p2p/{peer_id}")
-    print(f"/ip4/{args.p2p_listen_addr}/tcp/{args.p2p_port}/p2p/{peer_id}")
+    print(f"/ip4/{args.p2p_listen_addr}/tcp/{port}/p2p/{peer_id}")
     return 0
 
 

@@ -124,6 +124,7 @@ ROUTER_BAD_ENV = [
     ({"HIVENET_ROUTER_SESSION_TTL": "1h"}, "HIVENET_ROUTER_SESSION_TTL is a Go router variable"),
     ({"HIVENET_ROUTER_REQUEST_TIMEOUT": "five minutes"}, "HIVENET_ROUTER_REQUEST_TIMEOUT="),
     ({"HIVENET_ROUTER_MAX_TRIES_PER_STEP": "three"}, "HIVENET_ROUTER_MAX_TRIES_PER_STEP="),
+    ({"HIVENET_ROUTER_P2P_PORT": "nine"}, "HIVENET_ROUTER_P2P_PORT='nine'"),
     ({"HIVENET_ROUTER_MAX_TRIES_PER_STEP": "0"}, "--max-tries-per-step must be at least 1"),
     ({"HIVENET_ROUTER_QUEUE_DEPTH": "-1"}, "--queue-depth must be at least 0"),
     ({"HIVENET_ROUTER_QUEUE_SIZE": "0"}, "--queue-size must be at least 1"),
