@@ -92,6 +92,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="libp2p connections per source IPv4 /32 or IPv6 /56; default 32",
     )
+    serve.add_argument(
+        "--http-write-timeout",
+        type=parse_duration,
+        default=_env("HIVENET_ROUTER_HTTP_WRITE_TIMEOUT", "30s"),
+        help="close a client connection whose write makes no progress this long",
+    )
     serve.add_argument("--heartbeat-interval", type=parse_duration, default="5s")
     serve.add_argument("--unhealthy-after", type=parse_duration, default="15s")
     serve.add_argument("--remove-after", type=parse_duration, default="30s")
@@ -199,6 +205,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         request_timeout=pick(args.request_timeout, "REQUEST_TIMEOUT", parse_duration, "60s"),
         health_check_interval=args.health_check_interval,
         p2p_max_conns_per_ip=pick(args.p2p_max_conns_per_ip, "P2P_MAX_CONNS_PER_IP", int, "32"),
+        http_write_timeout=args.http_write_timeout,
         heartbeat_interval=args.heartbeat_interval,
         unhealthy_after=args.unhealthy_after,
         remove_after=args.remove_after,
@@ -233,6 +240,8 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         raise ValueError("--p2p-ws-port and --p2p-wss-port cannot both be set: choose one")
     if s.max_unjoined_per_ip < 1:
         raise ValueError("--max-unjoined-per-ip must be at least 1")
+    if s.http_write_timeout <= 0:
+        raise ValueError("--http-write-timeout must be positive")
     if s.max_tries_per_step < 1:
         raise ValueError("--max-tries-per-step must be at least 1")
     for flag, value, low in (

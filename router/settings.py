@@ -65,6 +65,7 @@ class RouterSettings:
     universal_flush_interval: float = 30.0
     reset_disk_db: bool = False
     p2p_max_conns_per_ip: int = 32
+    http_write_timeout: float = 30.0
     heartbeat_interval: float = 5.0
     unhealthy_after: float = 15.0
     remove_after: float = 30.0
