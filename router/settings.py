@@ -7,6 +7,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from router.peers import DEFAULT_FAILURE_COOLDOWN
+
 DEFAULT_MAX_REQUEST_BYTES = 10 * 1024 * 1024
 # HIVENET_ROUTER_MAX_REQUEST_BYTES=0 is the Go router's "no limit". A daemon reading
 # bodies into memory still needs a bound: 1 GiB, above any prompt an engine accepts.
@@ -72,6 +74,7 @@ class RouterSettings:
     # Agent sessions from one address (IPv6: one /64) not yet past their hello.
     max_unjoined_per_ip: int = 64
     drain_timeout: float = 30.0
+    failure_cooldown: float = DEFAULT_FAILURE_COOLDOWN
     stream_slot_release: str = "head"
     jwt_secret: bytes = b""
     admin_api_keys: list[str] = field(default_factory=list)
