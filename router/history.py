@@ -18,7 +18,6 @@ import math
 import os
 import shutil
 import time
-from dataclasses import asdict
 from pathlib import Path
 
 import trio
@@ -30,7 +29,9 @@ log = logging.getLogger("router")
 
 FILE = "agents.json"
 DAY = 86400.0
-_FIELDS = frozenset(UniversalStats.__dataclass_fields__)
+# The history, not the circuit breaker: its `probe_at` is on this process's clock, so a
+# restarted router judges a returning agent by its history as it stands.
+_FIELDS: tuple[str, ...] = ("successes", "failures", "consecutive_failures", "srtt_ms", "rttvar_ms")
 
 
 class AgentHistory:
@@ -91,7 +92,8 @@ class AgentHistory:
     def flush(self, table: PeerTable) -> None:
         now = time.time()
         for peer in table.all():
-            self.saved[peer.peer_id] = {"stats": asdict(peer.stats), "seen": now}
+            stats = {name: getattr(peer.stats, name) for name in _FIELDS}
+            self.saved[peer.peer_id] = {"stats": stats, "seen": now}
         if self.ttl:
             self.saved = {k: v for k, v in self.saved.items() if now - v["seen"] <= self.ttl}
         tmp = self.path.with_suffix(".tmp")

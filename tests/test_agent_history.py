@@ -19,12 +19,13 @@ from tests.test_session import make_peer
 async def test_history_survives_a_restart_and_expires(tmp_path: Path, autojump_clock: Any) -> None:
     table = PeerTable()
     peer = make_peer("A")
-    peer.stats.record_success()
+    peer.stats.record_success(probe=False)
     peer.stats.record_rtt(40.0)
     table.add(peer)
     AgentHistory(str(tmp_path), 30, 1.0, reset=False).flush(table)
     restored = AgentHistory(str(tmp_path), 30, 1.0, reset=False).restore("A")
     assert restored is not None and restored.successes == 1 and restored.srtt_ms == 40.0
+    assert "probe_at" not in (tmp_path / FILE).read_text()  # this process's clock
     assert AgentHistory(str(tmp_path), 30, 1.0, reset=False).restore("B") is None
 
     # An entry not seen for --disk-db-ttl days is dropped at load; 0 keeps it.
