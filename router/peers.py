@@ -28,6 +28,12 @@ class AgentMetadata:
     gpu_model: str = ""
     tags: tuple[str, ...] = ()
     version: str = ""
+    # The Go agent's registration extras (--deployment-id, --llm-pretty-name, …).
+    deployment_id: str = ""
+    replica_id: str = ""
+    hide_llm: bool = False
+    llm_pretty_name: str = ""
+    llm_info: str = ""
 
     def to_json(self) -> dict:
         return {
@@ -41,6 +47,11 @@ class AgentMetadata:
             "tags": list(self.tags),
             "capacity": self.capacity,
             "version": self.version,
+            "deployment_id": self.deployment_id,
+            "replica_id": self.replica_id,
+            "hide_llm": self.hide_llm,
+            "llm_pretty_name": self.llm_pretty_name,
+            "llm_info": self.llm_info,
         }
 
 

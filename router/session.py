@@ -128,6 +128,8 @@ class LoadShed:
     reason: str  # every step's reason up to and including the shedding one
     chain: list[str]
     steps_tried: int
+    # The policy's top-level `shed_if` (upstream's front door), before any step.
+    front_door: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -218,6 +220,14 @@ class RoutingSession:
         recovered: set[str] = set()
         last_failure: ForwardFailure | None = None
         capacity_drained = False
+        if policy.shed_if is not None:
+            pool = self.table.for_model(req.model)
+            hit = shed(policy.shed_if, req.tenant, req.priority, req.model, pool, self.queue)
+            if hit is not None:
+                chain = [s.name for s in steps]
+                reason = f"shed_if: shed_if [{hit.detail()}]"
+                retry = policy.shed_if.retry_after
+                return LoadShed("shed_if", hit, retry, reason, chain, 0, front_door=True)
         for index, step in enumerate(steps):
             hit = self._shed(step, req)
             if hit is not None:

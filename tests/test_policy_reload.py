@@ -33,7 +33,7 @@ def header(path: Path, key: str) -> list[str]:
 def check_policy(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> object:
     """`hivenet-router check-policy` in-process (one process per file would take a minute):
     the same `main`, without the daemon's logging set-up."""
-    monkeypatch.setattr(cli, "setup_logging", lambda: None)
+    monkeypatch.setattr(cli, "setup_logging", lambda **options: None)
 
     def run(path: Path) -> tuple[int, str, str]:
         code = cli.main(["check-policy", str(path)])

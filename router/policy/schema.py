@@ -44,9 +44,18 @@ SHED_FIELDS: tuple[str, ...] = (
 )
 SHED_SELECTORS: tuple[str, ...] = ("tenants", "priority")
 SHED_KEYS: tuple[str, ...] = (*SHED_FIELDS, *SHED_SELECTORS, "retry_after")
+# The Go router's front-door `shed_if` (top level): engine signals averaged over the
+# healthy agents of the model. The same mechanism as a step's, one level up, so the
+# top level takes the router-wide fields too.
+POOL_SHED_FIELDS: tuple[str, ...] = ("kv_cache_utilization", "waiting_requests")
+POLICY_SHED_FIELDS: tuple[str, ...] = (*POOL_SHED_FIELDS, *SHED_FIELDS)
 DEFAULT_RETRY_AFTER = 1
 MAX_RETRY_AFTER = 3600
 TOP_LEVEL_KEYS: tuple[str, ...] = ("routing_policy", "fallback_chain", "fallback_provider")
+# Upstream's top-level fields: `models` names the models of a per-model file
+# (--policy-model-dir), `shed_if` is the front-door check. Not in the `known:` list of
+# the message above, which tests and operators' notes pin.
+UPSTREAM_TOP_LEVEL_KEYS: tuple[str, ...] = ("models", "shed_if")
 PROVIDER_ENGINES: tuple[str, ...] = ("openai", "anthropic")
 PROVIDER_KEYS: tuple[str, ...] = ("engine", "model")
 PRIMARY = "routing_policy"
@@ -131,6 +140,10 @@ class Policy:
     fallback_chain: tuple[Step, ...]
     fallback_provider: ProviderFallback | None
     source: str  # the YAML text it was loaded from, served back by GET /admin/policy
+    # The models of a per-model file; ignored for the global policy, as upstream.
+    models: tuple[str, ...] = ()
+    # Front door: checked once, before the first step (429 concurrency_limit_exceeded).
+    shed_if: Shed | None = None
 
     @property
     def steps(self) -> tuple[Step, ...]:
@@ -175,15 +188,34 @@ class _Validator(Validator):
                 f" got {kind(document)}",
             )
             return None
-        self.unknown_keys("", document, TOP_LEVEL_KEYS, "unknown top-level key", _MISPLACED_TOP)
+        others = {k: v for k, v in document.items() if k not in UPSTREAM_TOP_LEVEL_KEYS}
+        self.unknown_keys("", others, TOP_LEVEL_KEYS, "unknown top-level key", _MISPLACED_TOP)
 
+        models = self.models(document.get("models"))
+        front = self.shed_if("shed_if", document.get("shed_if"), POLICY_SHED_FIELDS)
         primary = self.primary(document)
         chain = self.chain(document.get("fallback_chain"))
         provider = self.provider(document)
         if primary is None or chain is None:
             return None
         self.unique_names((primary, *chain))
-        return Policy(primary, chain, provider, source)
+        return Policy(primary, chain, provider, source, models, front)
+
+    def models(self, raw: object) -> tuple[str, ...]:
+        if raw is None:
+            return ()
+        if not isinstance(raw, list) or not raw:
+            self.error("models", f"must be a non-empty list of model names, got {kind(raw)}")
+            return ()
+        out: list[str] = []
+        for i, model in enumerate(raw):
+            if not isinstance(model, str) or not model.strip():
+                self.error(f"models[{i}]", f"must be a non-empty string, got {kind(model)}")
+            elif model in out:
+                self.error(f"models[{i}]", f"{model!r} listed twice")
+            else:
+                out.append(model)
+        return tuple(out)
 
     def primary(self, document: dict[Any, Any]) -> Step | None:
         if PRIMARY not in document:
@@ -289,19 +321,21 @@ class _Validator(Validator):
                 rules.append(rule)
         return tuple(rules)
 
-    def shed_if(self, path: str, raw: object) -> Shed | None:
+    def shed_if(self, path: str, raw: object, fields: tuple[str, ...] = SHED_FIELDS) -> Shed | None:
         if raw is None:
             return None
         if not isinstance(raw, dict):
             self.error(path, f"must be a mapping of load fields and selectors, got {kind(raw)}")
             return None
-        self.unknown_keys(f"{path}.", raw, SHED_KEYS, "unknown shed_if key", _MISPLACED_IN_SHED)
-        rules = [self.rule(f"{path}.{key}", key, raw[key]) for key in raw if key in SHED_FIELDS]
-        if not any(field in raw for field in SHED_FIELDS):
+        keys = (*fields, *SHED_SELECTORS, "retry_after")
+        misplaced = {k: v for k, v in _MISPLACED_IN_SHED.items() if k not in fields}
+        self.unknown_keys(f"{path}.", raw, keys, "unknown shed_if key", misplaced)
+        rules = [self.rule(f"{path}.{key}", key, raw[key]) for key in raw if key in fields]
+        if not any(field in raw for field in fields):
             self.error(
                 path,
                 "needs at least one load condition"
-                f" ({', '.join(SHED_FIELDS)}), e.g. model_queue_depth: {{gte: 10}}",
+                f" ({', '.join(fields)}), e.g. model_queue_depth: {{gte: 10}}",
             )
         priority = None
         if "priority" in raw:
