@@ -27,6 +27,7 @@ from router.metrics import RouterMetrics
 from router.p2p_host import close_listeners, router_host
 from router.peers import Peer, PeerTable
 from router.policy.describe import policy_warnings
+from router.policy.rank import Ranking
 from router.policy.schema import Policy
 from router.policy.store import PolicyStore
 from router.providers import ProviderClient
@@ -80,6 +81,8 @@ class RouterDaemon:
                 release_stream_slot_at_head=settings.stream_slot_release == "head",
             ),
         )
+        self.ranking = Ranking()
+        self.table.on_remove(self.ranking.forget)
         self.session = RoutingSession(
             self.table,
             self.queue,
@@ -87,6 +90,7 @@ class RouterDaemon:
             self.link.forward,
             settings.max_tries_per_step,
             self._released,
+            self.ranking,
         )
         self.providers = ProviderClient(
             settings.openai_api_key,

@@ -20,6 +20,7 @@ from router.metrics import RouterMetrics
 from router.peers import Peer, PeerTable
 from router.policy.admission import ShedHit, shed
 from router.policy.gates import evaluate
+from router.policy.rank import Ranking, RankRequest
 from router.policy.schema import Policy, Step
 
 log = logging.getLogger("policy")
@@ -137,8 +138,11 @@ class RoutingSession:
         forward: Forward,
         default_max_tries: int,
         on_release: Callable[[Peer], None],
+        ranking: Ranking | None = None,
     ) -> None:
         self.table = table
+        # The router's strategies and what they remember (round-robin, prefix-aware).
+        self.ranking = ranking or Ranking()
         self.queue = queue
         self.metrics = metrics
         self.forward = forward
@@ -155,6 +159,8 @@ class RoutingSession:
         recovered: set[str] = set()
         last_failure: ForwardFailure | None = None
         capacity_drained = False
+        # One per request: the prompt is read once, whatever the steps and re-selections.
+        rank_request = RankRequest(req.model, req.payload)
         for index, step in enumerate(steps):
             hit = self._shed(step, req)
             if hit is not None:
@@ -166,7 +172,7 @@ class RoutingSession:
                 return LoadShed(
                     step.name, hit, retry_after, " | ".join(reasons), chain, len(reasons)
                 )
-            outcome = await self._run_step(index, step, req, recovered)
+            outcome = await self._run_step(index, step, req, recovered, rank_request)
             if isinstance(outcome, Served):
                 return outcome
             reason, failure, full = outcome
@@ -192,7 +198,12 @@ class RoutingSession:
         return shed(step.shed_if, req.tenant, req.priority, req.model, pool, self.queue)
 
     async def _run_step(
-        self, index: int, step: Step, req: RouteRequest, recovered: set[str]
+        self,
+        index: int,
+        step: Step,
+        req: RouteRequest,
+        recovered: set[str],
+        rank_request: RankRequest,
     ) -> Served | tuple[str, ForwardFailure | None, bool]:
         budget = step.budget(self.default_max_tries)
         failed: set[str] = set()
@@ -207,6 +218,8 @@ class RoutingSession:
                     req.capability,
                     failed,
                     trio.current_time(),
+                    self.ranking,
+                    rank_request,
                 )
                 peer = ev.best
                 if peer is None:
@@ -254,6 +267,7 @@ class RoutingSession:
                 wait.leave()
                 if not try_acquire(peer):
                     continue  # lost the race for the last slot: select again, no try used
+                self.ranking.chosen(step.strategy, step.strategy_params, peer, rank_request)
                 log.debug(
                     "req=%s step_selected step=%s peer=%s active=%d capacity=%d"
                     " survivors=%d tenant=%s",

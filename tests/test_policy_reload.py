@@ -134,7 +134,7 @@ fallback_chain:
 UNKNOWN_STRATEGY = """\
 routing_policy:
   match: {}
-  strategy: round-robin
+  strategy: cache_aware
 """
 
 SEVERAL_PROBLEMS = """\

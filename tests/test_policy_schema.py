@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from router.policy.describe import describe, policy_warnings
+from router.policy.rank import STRATEGIES
 from router.policy.schema import (
     DEFAULT_POLICY_YAML,
     GATE_FIELDS,
@@ -236,14 +237,16 @@ def test_load_policy_file(tmp_path: Path) -> None:
         ),
         ("routing_policy:\n  match: {}\n", "routing_policy.strategy: missing (required)"),
         (
-            primary("match: {}") + "fallback_chain:\n  - strategy: round-robin\n",
-            "fallback_chain[0].strategy: unknown strategy 'round-robin'"
-            " (not implemented; only least-loaded)",
+            primary("match: {}") + "fallback_chain:\n  - strategy: round_robin\n",
+            "fallback_chain[0].strategy: unknown strategy 'round_robin' (one of "
+            + ", ".join(STRATEGIES)
+            + "); did you mean 'round-robin'?",
         ),
         (
             "routing_policy:\n  strategy: least_loaded\n",
-            "routing_policy.strategy: unknown strategy 'least_loaded' (only least-loaded);"
-            " did you mean 'least-loaded'?",
+            "routing_policy.strategy: unknown strategy 'least_loaded' (one of "
+            + ", ".join(STRATEGIES)
+            + "); did you mean 'least-loaded'?",
         ),
         (
             "routing_policy:\n  strategy: 1\n",
@@ -289,13 +292,13 @@ def test_load_policy_file(tmp_path: Path) -> None:
         (
             primary("region: EU"),
             "routing_policy.region: unknown step key"
-            " (known: name, match, exclude_if, shed_if, strategy, max_tries);"
+            " (known: name, match, exclude_if, shed_if, strategy, strategy_params, max_tries);"
             " it belongs under match",
         ),
         (
             primary("srtt: {gt: 500}"),
             "routing_policy.srtt: unknown step key"
-            " (known: name, match, exclude_if, shed_if, strategy, max_tries);"
+            " (known: name, match, exclude_if, shed_if, strategy, strategy_params, max_tries);"
             " it belongs under exclude_if",
         ),
         (
@@ -332,7 +335,7 @@ def test_load_policy_file(tmp_path: Path) -> None:
             + "fallback_chain:\n  - strategy: least-loaded\n"
             + "    fallback_provider: {engine: openai, model: gpt-4o-mini}\n",
             "fallback_chain[0].fallback_provider: unknown step key"
-            " (known: name, match, exclude_if, shed_if, strategy, max_tries);"
+            " (known: name, match, exclude_if, shed_if, strategy, strategy_params, max_tries);"
             " fallback_provider is a top-level field, not part of a step",
         ),
         (
@@ -420,8 +423,8 @@ routing_policy:
   max_tries: 1.5
 fallback_chain:
   - name: relaxed
-    strategy: round-robin
-  - strategy: best-ttft
+    strategy: round_robin
+  - strategy: best_ttft
     exclude_if:
       srtt: {gt: fast}
 fallback_provider:

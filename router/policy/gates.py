@@ -22,8 +22,9 @@ from dataclasses import dataclass
 
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from router.peers import AgentMetadata, Peer
-from router.policy.rank import STRATEGIES
+from router.policy.rank import Ranking, RankRequest
 from router.policy.schema import GATE_FIELDS, MATCH_FIELDS, Rule, Step
+from router.policy.signals import STALE_AFTER_PERIODS, metric_value
 
 GATE_NAMES: tuple[str, ...] = (
     "model_filter",
@@ -34,10 +35,6 @@ GATE_NAMES: tuple[str, ...] = (
     "capacity",
     "exclude_if",
 )
-
-# A snapshot older than three sampling periods means the agent stopped reporting it;
-# acting on the old value would keep excluding (or admitting) on stale data.
-STALE_AFTER_PERIODS = 3
 
 # Gate 2's detail counts each removed agent under its first reason, in this order.
 _HEALTH_REASONS = ("disconnected", "unhealthy", "backend_unhealthy", "draining")
@@ -53,41 +50,30 @@ class Evaluation:
     waitable: bool
 
 
-def metric_value(peer: Peer, field: str, now: float) -> float | None:
-    """The value gate 7 compares for `field`; None when it is unknown or stale."""
-    if field == "capacity_utilization":
-        return peer.active / peer.metadata.capacity
-    stats = peer.stats
-    if field == "success_rate":
-        return stats.success_rate
-    if field == "srtt":
-        return stats.srtt_ms
-    if field == "consecutive_failures":
-        return stats.consecutive_failures if stats.successes + stats.failures else None
-    if field in ENGINE_FIELDS:
-        if now - peer.engine_at > STALE_AFTER_PERIODS * peer.engine_interval:
-            return None
-        return peer.engine.get(field)
-    if field in HARDWARE_FIELDS:
-        if now - peer.hardware_at > STALE_AFTER_PERIODS * peer.hardware_interval:
-            return None
-        return peer.hardware.get(field)
-    raise ValueError(f"unknown gate field {field!r}")
-
-
 def evaluate(
     pool: Sequence[Peer],
     step: Step,
     capability: str,
     failed: AbstractSet[str],
     now: float,
+    ranking: Ranking | None = None,
+    request: RankRequest | None = None,
 ) -> Evaluation:
-    """Run gates 1-7 of `step` over `pool` (the model's agents, in peer-ID order)."""
+    """Run gates 1-7 of `step` over `pool` (the model's agents, in peer-ID order).
+
+    `ranking` is the router's (a fresh one when absent: what round-robin and
+    prefix-aware remember then lasts one call); `request` the request being routed.
+    """
     if not pool:
         return Evaluation(None, 0, _drain(1, "no_agents"), False)
     survivors = _compiled(step)(pool, capability, failed, now)
     if survivors:
-        return Evaluation(STRATEGIES[step.strategy](survivors), len(survivors), None, False)
+        if ranking is None:
+            ranking = Ranking()
+        if request is None:
+            request = RankRequest(pool[0].metadata.model, {})
+        best = ranking.pick(step.strategy, step.strategy_params, survivors, request, now)
+        return Evaluation(best, len(survivors), None, False)
     return _drained(pool, step, capability, failed, now)
 
 

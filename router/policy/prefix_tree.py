@@ -1,0 +1,143 @@
+"""Which agents were sent which prompt prefixes: one bounded prefix tree per model.
+
+The tree is kept as its nodes' hash chain, as vLLM's prefix cache and llm-d's prefix
+scorer keep theirs: the prompt is the request's messages as the engine will see them
+(role, then content, in order), each message's content cut into blocks of
+`block_chars` characters, and block i's key hashes its text with block i-1's key, so
+one key stands for the whole path from the root and a flat dict is the tree. A node
+holds the agents the router sent that prefix to.
+
+The router has no tokenizer, so blocks are characters: 256 by default, llm-d's 64-token
+block at its 4 characters per token. Python's string hash is salted per process, which
+is fine here: the tree lives in one router and is rebuilt from traffic after a restart.
+
+Memory is bounded by `max_blocks` nodes per tree, least recently used first out. An
+insert touches a path leaf first and root last, so a root shared by many prompts is
+the most recent and leaves go first; a node whose parent was evicted is unreachable
+(a match walks from the root) and ages out in turn. About 300 bytes per node with a
+few agents each: 65,536 nodes (the default, 16.7 M characters, 4 M tokens) ~ 20 MB.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Iterable
+from typing import Any
+
+# 2^61 - 1, a Mersenne prime: keeps the chained key a small int whatever the chain length.
+_MODULUS = (1 << 61) - 1
+_MULTIPLIER = 1_000_003
+
+
+def prompt_text(payload: dict[str, Any]) -> list[tuple[str, str]]:
+    """(role, content) of each turn the engine will see, in order.
+
+    OpenAI chat `messages`, Anthropic's top-level `system` before its `messages`, and a
+    completions `prompt` (one `prompt` turn). Content parts contribute their text; what
+    has no text (images, tool calls) adds nothing.
+    """
+    turns: list[tuple[str, str]] = []
+    system = payload.get("system")
+    if system is not None:
+        turns.append(("system", _text(system)))
+    messages = payload.get("messages")
+    if isinstance(messages, list):
+        for message in messages:
+            if isinstance(message, dict):
+                turns.append((str(message.get("role")), _text(message.get("content"))))
+    prompt = payload.get("prompt")
+    if isinstance(prompt, str):
+        turns.append(("prompt", prompt))
+    return turns
+
+
+def _text(content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "\n".join(
+            part["text"]
+            for part in content
+            if isinstance(part, dict) and isinstance(part.get("text"), str)
+        )
+    return ""
+
+
+def block_keys(turns: Iterable[tuple[str, str]], block_chars: int) -> list[int]:
+    """The hash chain of the prompt's blocks; each turn starts a block with its role."""
+    keys: list[int] = []
+    key = 0
+    for role, content in turns:
+        key = (key * _MULTIPLIER + hash(role)) % _MODULUS
+        if not content:
+            keys.append(key)
+            continue
+        for start in range(0, len(content), block_chars):
+            key = (key * _MULTIPLIER + hash(content[start : start + block_chars])) % _MODULUS
+            keys.append(key)
+    return keys
+
+
+class PrefixTree:
+    """One model's prefix tree: block key -> the agents that were sent that prefix."""
+
+    __slots__ = ("_nodes",)
+
+    def __init__(self) -> None:
+        self._nodes: OrderedDict[int, set[str]] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._nodes)
+
+    def __repr__(self) -> str:
+        agents = set().union(*self._nodes.values()) if self._nodes else set()
+        return f"<PrefixTree {len(self._nodes)} nodes, {len(agents)} agents>"
+
+    def match(self, keys: list[int]) -> dict[str, int]:
+        """How many leading blocks of `keys` each agent was sent; absent agents: none.
+
+        The walk narrows one set of agents block by block and stops when it is empty,
+        so it costs about one dict lookup per matched block, not per agent.
+        """
+        nodes = self._nodes
+        depth: dict[str, int] = {}
+        live: set[str] | None = None
+        matched = 0
+        for key in keys:
+            holders = nodes.get(key)
+            if not holders:
+                break
+            if live is None:
+                live = holders
+            elif not holders >= live:
+                for peer_id in live - holders:
+                    depth[peer_id] = matched
+                live = live & holders
+                if not live:
+                    break
+            matched += 1
+        for peer_id in live or ():
+            depth[peer_id] = matched
+        return depth
+
+    def insert(self, keys: list[int], peer_id: str, max_blocks: int) -> None:
+        """Record that `peer_id` was sent this prefix, then evict down to `max_blocks`."""
+        nodes = self._nodes
+        for key in reversed(keys):
+            holders = nodes.get(key)
+            if holders is None:
+                nodes[key] = {peer_id}
+            else:
+                holders.add(peer_id)
+                nodes.move_to_end(key)
+        while len(nodes) > max_blocks:
+            nodes.popitem(last=False)
+
+    def forget(self, peer_id: str) -> None:
+        """Drop an agent that left: its engine's cache left with it."""
+        nodes = self._nodes
+        for key in [k for k, holders in nodes.items() if peer_id in holders]:
+            holders = nodes[key]
+            holders.discard(peer_id)
+            if not holders:
+                del nodes[key]
