@@ -165,8 +165,8 @@ def test_prefix_aware_sends_the_next_turn_where_the_conversation_went() -> None:
     turn1 = conversation("You are terse. " * 40, "first question " * 30)
     ranking.chosen("prefix-aware", params, c, turn1)
     turn2 = conversation("You are terse. " * 40, "first question " * 30, "answer", "next")
-    # C is now busier than A and B, but within the balance threshold (0.25 of 10).
-    c.active = 2
+    # C is now busier than A and B, but within the balance threshold (0.1 of 10).
+    c.active = 1
     assert pick(ranking, "prefix-aware", [a, b, c], turn2) == "C"
     # Another conversation shares nothing: the lightest agent.
     assert pick(ranking, "prefix-aware", [a, b, c], conversation("other", "hi")) == "A"
@@ -237,9 +237,9 @@ def test_the_peer_table_tells_the_ranking_who_left() -> None:
     ranking.chosen("prefix-aware", PrefixParams(), a, turn)
     unit = ranking.unit("prefix-aware")
     assert isinstance(unit, PrefixAware)
-    assert unit.tree(MODEL, 256) is not None
+    assert unit.tree(MODEL, PrefixParams().block_chars) is not None
     table.remove(a)
-    assert unit.tree(MODEL, 256) is None
+    assert unit.tree(MODEL, PrefixParams().block_chars) is None
 
 
 def test_prefix_trees_are_per_model() -> None:
@@ -254,8 +254,8 @@ def test_prefix_trees_are_per_model() -> None:
 
 def test_the_prompt_is_cut_once_per_request() -> None:
     turn = conversation("system " * 100, "question")
-    first = turn.block_keys(256)
-    assert turn.block_keys(256) is first
+    first = turn.block_keys(PrefixParams().block_chars)
+    assert turn.block_keys(PrefixParams().block_chars) is first
     assert turn.block_keys(16) is not first
 
 
@@ -318,9 +318,11 @@ async def test_a_unit_hears_of_a_choice_only_once_its_slot_is_held(
     assert served == ["B"]
     unit = ranking.unit("prefix-aware")
     assert isinstance(unit, PrefixAware)
-    tree = unit.tree(MODEL, 256)
+    tree = unit.tree(MODEL, PrefixParams().block_chars)
     assert tree is not None
-    assert set(tree.match(RankRequest(MODEL, payload).block_keys(256))) == {"B"}
+    assert set(tree.match(RankRequest(MODEL, payload).block_keys(PrefixParams().block_chars))) == {
+        "B"
+    }
 
 
 def test_unknown_values_are_infinite_not_missing() -> None:
