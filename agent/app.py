@@ -14,6 +14,7 @@ from libp2p.network.config import ConnectionConfig
 from agent.engines import EngineEndpoints, HealthTracker, get_adapter
 from agent.forward import BackendClients
 from agent.hardware import HardwareSampler
+from agent.http_proxy import dial_through_http_proxy
 from agent.link import RouterConnection, RouterSession, Status, hello_for
 from agent.settings import AgentSettings
 from protocol.logs import quote
@@ -77,7 +78,7 @@ class AgentDaemon:
         timeout = httpx.Timeout(s.http_timeout, connect=min(10.0, s.http_timeout))
         async with (
             BackendClients(s.capacity, timeout) as client,
-            httpx.AsyncClient(timeout=httpx.Timeout(5.0)) as probe,
+            httpx.AsyncClient(timeout=httpx.Timeout(5.0), trust_env=False) as probe,
             trio.open_nursery() as nursery,
         ):
             backend_url = s.backend_url
@@ -91,12 +92,15 @@ class AgentDaemon:
             nursery.start_soon(self._engine_loop, probe, ep)
             nursery.start_soon(self._hardware_loop)
             tune_libp2p()
+            websocket = any("/ws" in r for r in s.routers)
             host = new_host(
                 key_pair=self.key_pair,
                 listen_addrs=[],
-                enable_websocket=any("/ws" in r for r in s.routers),
+                enable_websocket=websocket,
                 connection_config=ConnectionConfig(max_connections_per_peer=1),
             )
+            if websocket:
+                dial_through_http_proxy(host, s.proxy)
             async with host.run(listen_addrs=[]):
                 for address in s.routers:
                     conn = RouterConnection(

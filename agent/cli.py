@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from protocol.durations import parse_duration
-from protocol.logs import setup_logging
+from protocol.logs import FORMATS, setup_logging
 from protocol.secrets import load_secret
 
 CAPABILITIES = ("llm", "embedding", "reranker")
@@ -41,15 +41,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-write-timeout", type=parse_duration, default="60s")
     p.add_argument("--drain-timeout", type=parse_duration, default="30s")
     p.add_argument("--jwt-secret-file", default=None)
+    p.add_argument(
+        "--proxy",
+        default=None,
+        help="HTTP proxy for /ws and /wss routers (http://host:port); default HTTP(S)_PROXY",
+    )
     p.add_argument("--sim-token-latency", type=parse_duration, default="0s")
     p.add_argument("--sim-ttft", type=parse_duration, default="0s")
     p.add_argument("--sim-port", type=int, default=0)
+    p.add_argument(
+        "--log-format", choices=FORMATS, default=None, help="text (key=value) or json lines"
+    )
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging()
+    setup_logging(log_format=args.log_format)
     from agent.link import parse_router_address
     from agent.settings import AgentSettings
 
@@ -66,6 +74,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for address in args.router:
             parse_router_address(address)
+        if args.proxy:
+            from agent.http_proxy import parse_proxy_url
+
+            parse_proxy_url(args.proxy)
+            if not any("/ws" in r for r in args.router):
+                raise ValueError("--proxy needs a /ws or /wss --router (it tunnels WebSocket)")
         settings = AgentSettings(
             routers=args.router,
             model=args.model,
@@ -91,6 +105,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sim_token_latency=args.sim_token_latency,
             sim_ttft=args.sim_ttft,
             sim_port=args.sim_port,
+            proxy=args.proxy,
         )
         import trio
 

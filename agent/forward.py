@@ -42,7 +42,11 @@ class BackendClients:
     def __init__(self, concurrency: int, timeout: httpx.Timeout) -> None:
         count = max(1, math.ceil(concurrency / self.PER_POOL))
         limits = httpx.Limits(max_connections=None, max_keepalive_connections=self.PER_POOL * 2)
-        self.clients = [httpx.AsyncClient(limits=limits, timeout=timeout) for _ in range(count)]
+        # HTTP(S)_PROXY name the agent's way out to its routers (agent/http_proxy.py);
+        # the engine beside it must never be asked through that proxy.
+        self.clients = [
+            httpx.AsyncClient(limits=limits, timeout=timeout, trust_env=False) for _ in range(count)
+        ]
 
     def for_request(self, req_id: int) -> httpx.AsyncClient:
         return self.clients[req_id % len(self.clients)]

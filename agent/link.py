@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -14,8 +15,20 @@ import multiaddr
 import trio
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
+from agent.dial_errors import describe
 from agent.forward import BackendClients, forward
 from protocol import messages as m
+from protocol.conversation import (
+    REQUEST_TRANSITIONS,
+    RequestState,
+    Role,
+    SessionState,
+    next_request_state,
+    next_session_state,
+    open_request,
+    request_error,
+)
+from protocol.errors import ErrorCode
 from protocol.logs import quote
 from protocol.p2p import FramedStream, SessionClosed, limit_unacknowledged
 from protocol.tokens import issue_token
@@ -65,8 +78,28 @@ class Status:
         return m.heartbeat(time.time(), self.backend_healthy, engine, hardware)
 
 
+_SEND_MOVES = REQUEST_TRANSITIONS[Role.AGENT]
+
+
+class _Served:
+    """One request this agent serves: its place in the conversation, and the scope
+    that a cancel or the session's end cancels."""
+
+    __slots__ = ("scope", "state")
+
+    def __init__(self, state: RequestState) -> None:
+        self.state = state
+        self.scope = trio.CancelScope()
+
+
 class RouterSession:
-    """One session with one router over one stream."""
+    """One session with one router over one stream.
+
+    Messages out of order for the session (a request before the welcome, an answer
+    frame from the router) end it. A request whose id is live already is refused with
+    an error frame for that id, and the live request goes on untouched: the router
+    that reused it broke the protocol, and whichever request it meant can only fail.
+    """
 
     def __init__(
         self,
@@ -92,9 +125,23 @@ class RouterSession:
         self.refusal: str | None = None
         self.last_rx = trio.current_time()
         self.router_interval = heartbeat_interval
-        self.requests: dict[int, trio.CancelScope] = {}
+        self.state = SessionState.AWAITING_HELLO
+        self.requests: dict[int, _Served] = {}
         self._nursery: trio.Nursery | None = None
         self._idle = trio.Event()
+        self._handlers = {
+            m.REQUEST: self._on_request,
+            m.CANCEL: self._on_cancel,
+            m.WELCOME: self._on_welcome,
+            m.REFUSAL: self._on_refusal,
+            m.HEARTBEAT: self._on_heartbeat,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"<RouterSession {self.state.name}, {len(self.requests)} live requests, "
+            f"{'closed' if self.fs.closed.is_set() else 'open'}>"
+        )
 
     def send(self, msg: dict) -> None:
         # A closed session is ending; the router fails its requests itself.
@@ -102,6 +149,7 @@ class RouterSession:
             self.fs.send_nowait(msg)
 
     async def run(self) -> str:
+        self.state = next_session_state(Role.AGENT, self.state, m.HELLO)
         self.send(self.hello)
         async with trio.open_nursery() as nursery:
             self._nursery = nursery
@@ -115,29 +163,69 @@ class RouterSession:
     def _on_message(self, msg: dict) -> None:
         self.last_rx = trio.current_time()
         kind = msg["type"]
-        if kind == m.REQUEST:
-            if self._nursery is not None:
-                self._nursery.start_soon(self._serve, msg)
-        elif kind == m.CANCEL:
-            scope = self.requests.get(msg["id"])
-            if scope is not None:
-                scope.cancel()
-        elif kind == m.WELCOME:
-            self.router_interval = float(msg.get("liveness_interval") or msg["heartbeat_interval"])
-            self.welcomed.set()
-            log.info("router_joined router=%s", msg.get("router_peer_id", ""))
-        elif kind == m.REFUSAL:
-            self.refusal = msg["reason"]
-            self.fs.close(f"refused: {msg['reason']}")
+        self.state = next_session_state(Role.ROUTER, self.state, kind)
+        self._handlers[kind](msg)
 
-    async def _serve(self, msg: dict) -> None:
+    def _on_request(self, msg: dict) -> None:
         req_id = msg["id"]
-        with trio.CancelScope() as scope:
-            self.requests[req_id] = scope
+        live = self.requests.get(req_id)
+        try:
+            served = _Served(open_request(live.state if live is not None else None))
+        except m.ProtocolError as exc:
+            log.warning("router_out_of_step id=%d reason=%s", req_id, quote(str(exc)))
+            self.send(m.error(req_id, ErrorCode.BACKEND_ERROR, f"agent refused: {exc}"))
+            return
+        self.requests[req_id] = served
+        if self._nursery is not None:
+            self._nursery.start_soon(self._serve, msg, served)
+
+    def _on_cancel(self, msg: dict) -> None:
+        served = self.requests.get(msg["id"])
+        if served is not None:
+            served.state = next_request_state(Role.ROUTER, served.state, m.CANCEL)
+            served.scope.cancel()
+
+    def _on_welcome(self, msg: dict) -> None:
+        interval = _positive(msg.get("liveness_interval")) or _positive(msg["heartbeat_interval"])
+        self.router_interval = interval or self.heartbeat_interval
+        self.welcomed.set()
+        log.info("router_joined router=%s", quote(str(msg.get("router_peer_id", ""))))
+
+    def _on_refusal(self, msg: dict) -> None:
+        self.refusal = msg["reason"]
+        self.fs.close(f"refused: {msg['reason']}")
+
+    def _on_heartbeat(self, msg: dict) -> None:
+        """The router's liveness frame: its arrival is all it says."""
+
+    async def _serve(self, msg: dict, served: _Served) -> None:
+        req_id = msg["id"]
+
+        def send(answer: dict) -> None:
+            # What this agent sends obeys the same rules as what it receives; after a
+            # cancel the router has stopped listening, so the rest is not sent. One
+            # lookup per streamed chunk, no call.
+            kind = answer["type"]
+            state = _SEND_MOVES[served.state].get(kind)
+            if state is None:
+                raise request_error(served.state, kind)
+            served.state = state
+            if state is not RequestState.CANCELLED:
+                self.send(answer)
+
+        with served.scope:
             try:
-                await forward(self.client.for_request(req_id), self.backend_url, msg, self.send)
+                await forward(self.client.for_request(req_id), self.backend_url, msg, send)
+            except m.ProtocolError as exc:
+                # This agent's own answer broke the rules: the request fails, the
+                # session and its other requests go on.
+                log.error("answer_out_of_order id=%d reason=%s", req_id, quote(str(exc)))
+                if served.state in (RequestState.AWAITING_HEAD, RequestState.BODY):
+                    served.state = RequestState.FAILED
+                    self.send(m.error(req_id, ErrorCode.BACKEND_ERROR, f"agent error: {exc}"))
             finally:
-                del self.requests[req_id]
+                if self.requests.get(req_id) is served:
+                    del self.requests[req_id]
                 if not self.requests:
                     self._idle.set()
 
@@ -192,6 +280,13 @@ class RouterConnection:
         self.make_session = make_session
         self.session: RouterSession | None = None
         self.stopping = False
+        self.sessions_started = 0
+
+    def __repr__(self) -> str:
+        return (
+            f"<RouterConnection {self.address} sessions_started={self.sessions_started} "
+            f"now={self.session!r}>"
+        )
 
     async def run(self) -> None:
         backoff = BACKOFF_START
@@ -204,6 +299,7 @@ class RouterConnection:
                     await self.host.connect(self.info)
                     stream = await self.host.new_stream(self.info.peer_id, [m.PROTOCOL_ID])
                 session = self.session = self.make_session(stream)
+                self.sessions_started += 1
                 reason = await session.run()
                 joined = session.welcomed.is_set()
                 log.warning("router_session_ended router=%s reason=%s", self.address, quote(reason))
@@ -214,7 +310,7 @@ class RouterConnection:
                 log.warning(
                     "router_dial_failed router=%s error=%s",
                     self.address,
-                    quote(f"{type(exc).__name__}: {exc}"),
+                    quote(describe(exc)),
                 )
             finally:
                 self.session = None
@@ -224,6 +320,13 @@ class RouterConnection:
                 backoff = BACKOFF_START
             await trio.sleep(backoff * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, BACKOFF_CAP)
+
+
+def _positive(value: object) -> float | None:
+    """A period from the router's welcome; None unless finite and above zero."""
+    if isinstance(value, int | float) and math.isfinite(value) and value > 0:
+        return float(value)
+    return None
 
 
 def parse_router_address(address: str) -> Any:

@@ -28,6 +28,8 @@ class AgentSettings:
     stream_write_timeout: float = 60.0
     drain_timeout: float = 30.0
     jwt_secret: bytes = b""
+    # HTTP proxy for WebSocket routers; None: HTTPS_PROXY/HTTP_PROXY from the environment.
+    proxy: str | None = None
     # Simulated engine (--engine sim) knobs.
     sim_token_latency: float = 0.0
     sim_ttft: float = 0.0

@@ -11,6 +11,10 @@ from protocol.messages import ProtocolError, validate
 HEADER = struct.Struct(">I")
 # A 10 MiB request body plus its headers fits; anything bigger is refused unread.
 MAX_FRAME_BYTES = 16 * 1024 * 1024
+# Before its hello is welcomed a session may send a hello and no more: a token of some
+# 300 bytes and metadata of a few hundred fit many times over. A session that may not
+# yet be trusted is refused any larger frame as soon as its length arrives.
+HELLO_FRAME_BYTES = 64 * 1024
 
 
 class FrameError(ProtocolError):
@@ -29,7 +33,8 @@ class FrameDecoder:
 
     def __init__(self, max_frame_bytes: int = MAX_FRAME_BYTES) -> None:
         self._buf = bytearray()
-        self._max = max_frame_bytes
+        # Raised by the owner once the peer is trusted with larger frames.
+        self.max_frame_bytes = max_frame_bytes
 
     def feed(self, data: bytes) -> list[dict]:
         self._buf += data
@@ -38,8 +43,8 @@ class FrameDecoder:
         pos = 0
         while len(buf) - pos >= HEADER.size:
             (length,) = HEADER.unpack_from(buf, pos)
-            if length > self._max:
-                raise FrameError(f"oversized frame: {length} bytes > limit {self._max}")
+            if length > self.max_frame_bytes:
+                raise FrameError(f"oversized frame: {length} bytes > limit {self.max_frame_bytes}")
             end = pos + HEADER.size + length
             if len(buf) < end:
                 break

@@ -1,4 +1,4 @@
-"""`key=value` log lines with a level per subsystem.
+"""`key=value` log lines with a level per subsystem, or the same fields as JSON.
 
 `GOLOG_LOG_LEVEL=policy=debug,router=debug` (the seeds' form) or `HIVENET_LOG_LEVEL`
 (`info`, or the same per-subsystem list) set the levels; a bare level applies to every
@@ -8,10 +8,17 @@ that level, and where both name the same thing (a subsystem, or the bare default
 reported once on stderr and ignored.
 
 Messages use logging's lazy `%` arguments, so a disabled level costs no formatting.
+
+`--log-format json` (or go-log's `GOLOG_LOG_FMT=json`, which the Go router's operators
+already set) writes one JSON object per line instead. Its fields are those of the
+`key=value` line: the formatted line is read back with the quoting rules of `quote`, so
+every call site keeps writing one shape and the two formats cannot drift apart. The
+bare words of a line (the event, `policy_exhausted`) become `msg`, go-log's name for it.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -39,10 +46,19 @@ _NAMES = {
     logging.CRITICAL: "fatal",
 }
 _ESCAPES = {"\\": "\\\\", '"': '\\"', "\n": "\\n", "\r": "\\r", "\t": "\\t"}
+_UNESCAPES = {v[1]: k for k, v in _ESCAPES.items()}
+FORMATS = ("text", "json")
 
 
 def _needs_quotes(text: str) -> bool:
     return not text or any(c in ' "=\\' or not c.isprintable() for c in text)
+
+
+def _escape_code(code: int) -> str:
+    # Fixed widths, as in Python's own literals, so the escape reads back unambiguously.
+    if code < 0x100:
+        return f"\\x{code:02x}"
+    return f"\\u{code:04x}" if code < 0x10000 else f"\\U{code:08x}"
 
 
 def quote(value: object) -> str:
@@ -59,7 +75,7 @@ def quote(value: object) -> str:
         if c in _ESCAPES:
             out.append(_ESCAPES[c])
         elif not c.isprintable() and c != " ":
-            out.append(f"\\x{ord(c):02x}" if ord(c) < 0x100 else f"\\u{ord(c):04x}")
+            out.append(_escape_code(ord(c)))
         else:
             out.append(c)
     return '"' + "".join(out) + '"'
@@ -67,6 +83,64 @@ def quote(value: object) -> str:
 
 def kv(**fields: object) -> str:
     return " ".join(f"{k}={quote(v)}" for k, v in fields.items() if v is not None)
+
+
+def _unquote(text: str, start: int) -> tuple[str, int]:
+    """The value of a quoted field that opens at `start`, and the index after it."""
+    out = []
+    i = start + 1
+    while i < len(text):
+        c = text[i]
+        if c == '"':
+            return "".join(out), i + 1
+        if c == "\\" and i + 1 < len(text):
+            e = text[i + 1]
+            width = {"x": 2, "u": 4, "U": 8}.get(e)
+            if width and i + 2 + width <= len(text):
+                out.append(chr(int(text[i + 2 : i + 2 + width], 16)))
+                i += 2 + width
+                continue
+            out.append(_UNESCAPES.get(e, e))
+            i += 2
+            continue
+        out.append(c)
+        i += 1
+    return "".join(out), i  # unterminated: the rest of the line is the value
+
+
+def fields_of(line: str) -> dict[str, str]:
+    """A `key=value` line read back into its fields; bare words are joined into `msg`.
+
+    The inverse of `kv`/`quote` for what they write. Any other text (a free-form debug
+    message, a stray quote) still comes back whole, in `msg` or as a value, never lost.
+    """
+    fields: dict[str, str] = {}
+    words: list[str] = []
+    i, n = 0, len(line)
+    while i < n:
+        if line[i] == " ":
+            i += 1
+            continue
+        j = i
+        while j < n and line[j] not in ' ="':
+            j += 1
+        if j < n and line[j] == "=" and j > i:
+            if j + 1 < n and line[j + 1] == '"':
+                value, end = _unquote(line, j + 1)
+            else:
+                end = line.find(" ", j + 1)
+                end = n if end < 0 else end
+                value = line[j + 1 : end]
+            fields.setdefault(line[i:j], value)
+            i = end
+        else:
+            end = line.find(" ", i)
+            end = n if end < 0 else end
+            words.append(line[i:end])
+            i = end
+    if words:
+        return {"msg": " ".join(words), **fields}
+    return fields
 
 
 class _Formatter(logging.Formatter):
@@ -78,6 +152,22 @@ class _Formatter(logging.Formatter):
         if record.exc_info:
             line += " exc=" + quote(self.formatException(record.exc_info))
         return line
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+        head = {
+            "ts": f"{ts}.{int(record.msecs):03d}Z",
+            "level": _NAMES.get(record.levelno, record.levelname.lower()),
+            "subsystem": record.name,
+        }
+        body = fields_of(record.getMessage())
+        if record.exc_info:
+            body["exc"] = self.formatException(record.exc_info)
+        # The record's own fields come first and win over a message that names one of them.
+        head.update((k, v) for k, v in body.items() if k not in head)
+        return json.dumps(head, ensure_ascii=False)
 
 
 def parse_levels(spec: str) -> tuple[int | None, dict[str, int]]:
@@ -123,10 +213,19 @@ def levels_from(env: dict[str, str] | os._Environ[str]) -> dict[str, int]:
     return levels
 
 
-def setup_logging(environ: dict[str, str] | None = None) -> None:
+def log_format_from(flag: str | None, env: dict[str, str] | os._Environ[str]) -> str:
+    """`--log-format` when given, else `GOLOG_LOG_FMT` (`json`; any other value is text,
+    as go-log treats its `color`/`nocolor`), else text."""
+    if flag:
+        return flag
+    return "json" if env.get("GOLOG_LOG_FMT", "").strip().lower() == "json" else "text"
+
+
+def setup_logging(environ: dict[str, str] | None = None, log_format: str | None = None) -> None:
     env = os.environ if environ is None else environ
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(_Formatter())
+    json_lines = log_format_from(log_format, env) == "json"
+    handler.setFormatter(_JsonFormatter() if json_lines else _Formatter())
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(logging.WARNING)

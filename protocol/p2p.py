@@ -152,7 +152,7 @@ class FramedStream:
     ) -> None:
         self.stream = stream
         self._write_timeout = write_timeout
-        self._max = max_frame_bytes
+        self.decoder = FrameDecoder(max_frame_bytes)
         self._send, self._queue = trio.open_memory_channel[bytes](math.inf)
         self.closed = trio.Event()
         self.close_reason = ""
@@ -161,6 +161,10 @@ class FramedStream:
         self._abort_early = False
         self._drained = trio.Event()
 
+    def allow_frames(self, max_frame_bytes: int) -> None:
+        """Take frames up to this size from now on (a peer that is trusted now)."""
+        self.decoder.max_frame_bytes = max_frame_bytes
+
     async def send(self, message: dict) -> None:
         """Queue one message; never blocks the caller behind the network."""
         self.send_nowait(message)
@@ -168,7 +172,11 @@ class FramedStream:
     def send_nowait(self, message: dict) -> None:
         if self.closed.is_set():
             raise SessionClosed(self.close_reason or "session closed")
-        self._send.send_nowait(encode_frame(message))
+        try:
+            self._send.send_nowait(encode_frame(message))
+        except trio.ClosedResourceError:
+            # close() shuts the queue at once; `closed` is set only when run() returns.
+            raise SessionClosed(self.close_reason or "session closed") from None
         self.last_tx = trio.current_time()
 
     async def run(self, on_message: Callable[[dict], Awaitable[None] | None]) -> str:
@@ -221,7 +229,7 @@ class FramedStream:
         self.close(reason)
 
     async def _reader(self, on_message: Callable[[dict], Awaitable[None] | None]) -> None:
-        decoder = FrameDecoder(self._max)
+        decoder = self.decoder
         while True:
             try:
                 data = await self.stream.read(READ_BYTES)

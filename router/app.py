@@ -35,6 +35,8 @@ from router.session import RoutingSession
 from router.settings import RouterSettings
 from router.tenants.gate import GateSettings, TenantGate
 from router.tenants.keys import ClientKeys
+from router.tls import server_context
+from router.unjoined import UnjoinedLimits
 
 log = logging.getLogger("router")
 
@@ -49,6 +51,9 @@ def listen_multiaddrs(settings: RouterSettings) -> list[multiaddr.Multiaddr]:
     if settings.p2p_ws_port:
         ws = f"/ip4/{settings.p2p_listen_addr}/tcp/{settings.p2p_ws_port}/ws"
         addrs.append(multiaddr.Multiaddr(ws))
+    if settings.p2p_wss_port:
+        wss = f"/ip4/{settings.p2p_listen_addr}/tcp/{settings.p2p_wss_port}/wss"
+        addrs.append(multiaddr.Multiaddr(wss))
     return addrs
 
 
@@ -69,6 +74,11 @@ class RouterDaemon:
         self.store = PolicyStore(self.metrics, settings.policy_file)
         self.key_pair = load_or_create_identity(settings.identity_path)
         self.peer_id = str(peer_id_of(self.key_pair))
+        self.tls_context = (
+            server_context(settings.tls_cert_file, settings.tls_key_file)
+            if settings.p2p_wss_port and settings.tls_cert_file and settings.tls_key_file
+            else None
+        )
         self.link = AgentLink(
             self.table,
             self.metrics,
@@ -79,6 +89,7 @@ class RouterDaemon:
                 remove_after=settings.remove_after,
                 router_peer_id=self.peer_id,
                 release_stream_slot_at_head=settings.stream_slot_release == "head",
+                unjoined=UnjoinedLimits(per_address=settings.max_unjoined_per_ip),
             ),
         )
         self.ranking = Ranking()
@@ -157,7 +168,9 @@ class RouterDaemon:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         s = self.settings
         addrs = listen_multiaddrs(s)
-        host = router_host(self.key_pair, addrs, websocket=bool(s.p2p_ws_port))
+        host = router_host(
+            self.key_pair, addrs, websocket=bool(s.p2p_ws_port), tls=self.tls_context
+        )
         async with host.run(listen_addrs=addrs):
             host.set_stream_handler(PROTOCOL_ID, self.link.handle_stream)
             try:

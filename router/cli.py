@@ -8,7 +8,7 @@ import sys
 from collections.abc import Sequence
 
 from protocol.durations import parse_duration
-from protocol.logs import setup_logging
+from protocol.logs import FORMATS, setup_logging
 from protocol.secrets import load_secret
 from router.settings import RouterSettings, split_hostport
 
@@ -28,6 +28,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--p2p-ws-port", type=int, default=0, help="libp2p WebSocket port (0: no WebSocket)"
     )
+    serve.add_argument(
+        "--p2p-wss-port", type=int, default=0, help="libp2p WebSocket-over-TLS port (0: none)"
+    )
+    serve.add_argument("--tls-cert-file", default=None, help="PEM certificate chain for /wss")
+    serve.add_argument("--tls-key-file", default=None, help="PEM private key for /wss")
     serve.add_argument("--p2p-listen-addr", default="127.0.0.1")
     serve.add_argument("--p2p-announce-addr", default=None)
     serve.add_argument("--identity-path", default="./router_identity.key")
@@ -40,6 +45,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--heartbeat-interval", type=parse_duration, default="5s")
     serve.add_argument("--unhealthy-after", type=parse_duration, default="15s")
     serve.add_argument("--remove-after", type=parse_duration, default="30s")
+    serve.add_argument("--max-unjoined-per-ip", type=int, default=64)
     serve.add_argument("--drain-timeout", type=parse_duration, default="30s")
     serve.add_argument("--stream-slot-release", choices=("head", "end"), default="head")
     serve.add_argument("--jwt-secret-file", default=None)
@@ -60,6 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--audit-log-max-bytes", type=int, default=100 * 1024 * 1024)
     serve.add_argument("--audit-log-backups", type=int, default=5)
+    serve.add_argument(
+        "--log-format", choices=FORMATS, default=None, help="text (key=value) or json lines"
+    )
 
     check = sub.add_parser("check-policy", help="validate a policy file and print its chain")
     check.add_argument("file")
@@ -94,6 +103,9 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         metrics_addr=split_hostport(args.metrics_port),
         p2p_port=args.p2p_port,
         p2p_ws_port=args.p2p_ws_port,
+        p2p_wss_port=args.p2p_wss_port,
+        tls_cert_file=args.tls_cert_file,
+        tls_key_file=args.tls_key_file,
         p2p_listen_addr=args.p2p_listen_addr,
         p2p_announce_addr=args.p2p_announce_addr,
         identity_path=args.identity_path,
@@ -104,6 +116,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         heartbeat_interval=args.heartbeat_interval,
         unhealthy_after=args.unhealthy_after,
         remove_after=args.remove_after,
+        max_unjoined_per_ip=args.max_unjoined_per_ip,
         drain_timeout=args.drain_timeout,
         stream_slot_release=args.stream_slot_release,
         jwt_secret=load_secret(args.jwt_secret_file),
@@ -121,6 +134,15 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         )
     if s.audit_log_max_bytes < 1024 or s.audit_log_backups < 0:
         raise ValueError("--audit-log-max-bytes must be at least 1024, --audit-log-backups >= 0")
+    if s.p2p_wss_port and not (s.tls_cert_file and s.tls_key_file):
+        raise ValueError("--p2p-wss-port needs --tls-cert-file and --tls-key-file")
+    if (s.tls_cert_file or s.tls_key_file) and not s.p2p_wss_port:
+        raise ValueError("--tls-cert-file and --tls-key-file are for --p2p-wss-port: set it")
+    if s.p2p_wss_port and s.p2p_ws_port:
+        # py-libp2p 0.8.1 gives every WebSocket listener of a host the same TLS context.
+        raise ValueError("--p2p-ws-port and --p2p-wss-port cannot both be set: choose one")
+    if s.max_unjoined_per_ip < 1:
+        raise ValueError("--max-unjoined-per-ip must be at least 1")
     if s.max_tries_per_step < 1:
         raise ValueError("--max-tries-per-step must be at least 1")
     if not s.admin_api_keys and not s.allow_insecure_admin:
@@ -237,7 +259,7 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    setup_logging()
+    setup_logging(log_format=getattr(args, "log_format", None))
     return COMMANDS[args.command](args)
 
 

@@ -8,17 +8,32 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
+import re
 import time
 from collections import deque
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
 
 from protocol import messages as m
+from protocol.conversation import (
+    REQUEST_TRANSITIONS,
+    SESSION_END,
+    SESSION_TRANSITIONS,
+    RequestState,
+    Role,
+    SessionState,
+    next_request_state,
+    next_session_state,
+    request_error,
+    session_error,
+)
 from protocol.errors import ErrorCode, classify_backend_status
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
+from protocol.frames import MAX_FRAME_BYTES
 from protocol.logs import quote
 from protocol.p2p import FramedStream, SessionClosed
 from protocol.tokens import TokenError, verify_token
@@ -30,7 +45,9 @@ from router.peers import (
     Peer,
     PeerTable,
 )
+from router.remote_addr import format_endpoint, remote_endpoint
 from router.session import ForwardFailure, RouteRequest, Slot
+from router.unjoined import Unjoined, UnjoinedLimits, source_of
 
 log = logging.getLogger("link")
 
@@ -53,6 +70,7 @@ class LinkSettings:
     remove_after: float
     router_peer_id: str
     release_stream_slot_at_head: bool = True
+    unjoined: UnjoinedLimits = field(default_factory=UnjoinedLimits)
 
     @property
     def liveness_interval(self) -> float:
@@ -68,26 +86,76 @@ class LinkSettings:
         return LIVENESS_PERIODS * self.heartbeat_interval
 
 
+_AGENT = Role.AGENT
+# The agent's moves, looked up on each frame without a call (a third of the cost of a
+# chunk's dispatch went to the calls).
+_SESSION_MOVES = SESSION_TRANSITIONS[_AGENT]
+_ANSWER_MOVES = REQUEST_TRANSITIONS[_AGENT]
+_NO_MOVES: dict[str, SessionState] = {}
+_JOINED = SessionState.JOINED
+_BODY = RequestState.BODY
+_DONE = RequestState.DONE
+_FAILED = RequestState.FAILED
+
+# An answer frame and the request state it moved the request to; when that is FAILED,
+# what the try failed with is the request's `failure`.
+Answer = tuple[RequestState, dict]
+_NO_FRAME: dict = {}
+
+# RFC 9110 field names and values this router's HTTP server can send (h11 refuses the
+# rest at send time, after the try was counted a success): a token, and visible
+# characters or obs-text with single spaces or tabs between them.
+_FIELD_NAME = re.compile(r"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
+_FIELD_VALUE = re.compile(r"(?:[^\x00-\x20\x7f]+(?:[ \t]+[^\x00-\x20\x7f]+)*)?")
+
+
+def unsendable_head(status: int, headers: dict[str, str]) -> str | None:
+    """Why a response head from an agent cannot go to an HTTP client, or None."""
+    if not 200 <= status <= 599:
+        return f"status {status} is not a final status (200-599)"
+    for name, value in headers.items():
+        if _FIELD_NAME.fullmatch(name) is None:
+            return f"header name {name[:80]!r} is not a token"
+        if _FIELD_VALUE.fullmatch(value) is None:
+            return f"header {name!r} has a value with control characters: {value[:80]!r}"
+    return None
+
+
 class _Pending:
-    """One request's frames in arrival order, for its one consuming task.
+    """One request's answer frames in arrival order, for its one consuming task.
 
     A memory channel per request cost the router 4% of its CPU at 64 clients; this is
-    a queue and the waiting task, no more.
+    a queue and the waiting task, no more. `state` is the request's place in the
+    conversation (protocol/conversation.py), moved by the session's reader.
     """
 
-    __slots__ = ("_task", "frames")
+    __slots__ = ("_task", "failure", "frames", "req_id", "state")
 
-    def __init__(self) -> None:
-        self.frames: deque[tuple] = deque()
+    def __init__(self, req_id: int) -> None:
+        self.req_id = req_id
+        self.state = RequestState.AWAITING_HEAD
+        self.failure: ForwardFailure | None = None
+        self.frames: deque[Answer] = deque()
         self._task: trio.lowlevel.Task | None = None
 
-    def put(self, item: tuple) -> None:
+    def __repr__(self) -> str:
+        waiting = ", a task waiting" if self._task is not None else ""
+        return f"<_Pending id={self.req_id} {self.state.name}, {len(self.frames)} queued{waiting}>"
+
+    def put(self, item: Answer) -> None:
         self.frames.append(item)
         task, self._task = self._task, None
         if task is not None:
             trio.lowlevel.reschedule(task)
 
-    async def get(self) -> tuple:
+    def fail(self, failure: ForwardFailure) -> None:
+        """The request ends with `failure`, after the frames queued before it."""
+        if self.failure is None:
+            self.failure = failure
+            self.state = _FAILED
+            self.put((_FAILED, _NO_FRAME))
+
+    async def get(self) -> Answer:
         if not self.frames:
             self._task = trio.lowlevel.current_task()
 
@@ -100,44 +168,119 @@ class _Pending:
 
 
 class AgentSession:
-    def __init__(self, link: AgentLink, fs: FramedStream, remote_peer: str) -> None:
+    """One agent's stream: its place in the conversation and its live requests.
+
+    Out-of-order session messages (anything before the hello, a second hello) end the
+    session. An answer frame out of order for its request (a second head, a chunk
+    before the head) fails that request as backend_error and cancels it on the agent;
+    the session and its other requests go on. Frames for an id that is not live are
+    the tail of a request this router already finished or cancelled, and are dropped.
+    """
+
+    def __init__(
+        self,
+        link: AgentLink,
+        fs: FramedStream,
+        remote_peer: str,
+        unjoined: tuple[int, str] | None = None,
+    ) -> None:
         self.link = link
         self.fs = fs
         self.remote_peer = remote_peer
+        # (connection, source address) while counted among the unjoined sessions.
+        self.unjoined = unjoined
         self.peer: Peer | None = None
+        self.state = SessionState.AWAITING_HELLO
+        self._moves = _SESSION_MOVES[self.state]
         self.pending: dict[int, _Pending] = {}
         self.next_id = 1
         self.last_rx = trio.current_time()
         self.hello_seen = trio.Event()
         self.refused: str | None = None
+        self.remote_addr = ""
+        self._handlers = {
+            m.HELLO: self._on_hello,
+            m.HEARTBEAT: self._on_heartbeat,
+            m.DRAIN: self._on_drain,
+            m.RESPONSE_HEAD: self._on_answer,
+            m.RESPONSE_CHUNK: self._on_answer,
+            m.RESPONSE_END: self._on_answer,
+            m.ERROR: self._on_answer,
+        }
+
+    def __repr__(self) -> str:
+        return (
+            f"<AgentSession peer={self.remote_peer} {self.state.name}, "
+            f"{len(self.pending)} live requests, next id {self.next_id}, "
+            f"{'closed' if self.fs.closed.is_set() else 'open'}>"
+        )
 
     def on_message(self, msg: dict) -> None:
         self.last_rx = trio.current_time()
         kind = msg["type"]
+        state = self._moves.get(kind)
+        if state is None:
+            raise session_error(_AGENT, self.state, kind)
+        if state is not self.state:
+            self._enter(state)
+        self._handlers[kind](msg)
+
+    def _enter(self, state: SessionState) -> None:
+        self.state = state
+        self._moves = _SESSION_MOVES.get(state, _NO_MOVES)
+
+    def _on_hello(self, msg: dict) -> None:
+        self.link.admit(self, msg)
+
+    def _on_heartbeat(self, msg: dict) -> None:
+        if "backend_healthy" in msg and self.peer is not None:
+            self.link.heartbeat(self.peer, msg)
+
+    def _on_drain(self, msg: dict) -> None:
         peer = self.peer
-        if peer is None:
-            if kind != m.HELLO:
-                raise m.ProtocolError(f"expected hello, got {kind}")
-            self.link.admit(self, msg)
-            return
-        if kind in (m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END, m.ERROR):
-            pending = self.pending.get(msg["id"])
-            if pending is not None:
-                pending.put((kind, msg))
-        elif kind == m.HEARTBEAT:
-            if "backend_healthy" in msg:
-                self.link.heartbeat(peer, msg)
-        elif kind == m.DRAIN:
+        if peer is not None:
             peer.draining = True
             log.info("agent_draining peer=%s", peer.peer_id)
             self.link.table.changed(peer.metadata.model)
-        elif kind == m.HELLO:
-            raise m.ProtocolError("second hello on one session")
+
+    def _on_answer(self, msg: dict) -> None:
+        req_id = msg["id"]
+        pending = self.pending.get(req_id)
+        if pending is None:
+            return
+        kind = msg["type"]
+        state = _ANSWER_MOVES[pending.state].get(kind)
+        if state is None:
+            exc = request_error(pending.state, kind)
+            log.warning(
+                "agent_out_of_step peer=%s id=%d reason=%s",
+                self.remote_peer,
+                req_id,
+                quote(str(exc)),
+            )
+            pending.fail(ForwardFailure(ErrorCode.BACKEND_ERROR, f"agent out of step: {exc}"))
+            self.finish(req_id, cancel=True)
+            return
+        if state is _FAILED:
+            code = _code(msg["code"])
+            pending.fail(ForwardFailure(code, msg["message"], status=msg.get("status")))
+        else:
+            pending.state = state
+            pending.put((state, msg))
+
+    def admitted(self) -> None:
+        """The router sent its welcome: the agent may send frames of any size now."""
+        self._enter(next_session_state(Role.ROUTER, self.state, m.WELCOME))
+        self.fs.allow_frames(MAX_FRAME_BYTES)
+        self.link.release_unjoined(self)
+
+    def refuse(self) -> None:
+        self._enter(next_session_state(Role.ROUTER, self.state, m.REFUSAL))
 
     def open(self) -> tuple[int, _Pending]:
         req_id = self.next_id
         self.next_id += 1
-        pending = self.pending[req_id] = _Pending()
+        pending = self.pending[req_id] = _Pending(req_id)
         return req_id, pending
 
     def finish(self, req_id: int, cancel: bool) -> None:
@@ -146,8 +289,14 @@ class AgentSession:
                 self.fs.send_nowait(m.cancel(req_id))
 
     def fail_all(self, reason: str) -> None:
+        failure = ForwardFailure(
+            ErrorCode.AGENT_DISCONNECTED,
+            f"agent session closed: {reason}",
+            connection_level=True,
+        )
         for pending in self.pending.values():
-            pending.put(("closed", {"reason": reason}))
+            if next_request_state(_AGENT, pending.state, SESSION_END) is _FAILED:
+                pending.fail(failure)
         self.pending.clear()
 
 
@@ -173,22 +322,28 @@ class AgentResponse:
         # The engine's token count, when the agent was asked for it (response_end).
         self.usage: dict[str, int] | None = None
 
+    def __repr__(self) -> str:
+        return (
+            f"<AgentResponse id={self.req_id} status={self.status} "
+            f"{self.pending.state.name}, {len(self.pending.frames)} queued, "
+            f"{'done' if self.done else 'open'}>"
+        )
+
     async def chunks(self) -> AsyncIterator[bytes]:
         try:
             while True:
-                kind, msg = await self.pending.get()
-                if kind == m.RESPONSE_CHUNK:
-                    yield msg["data"]
-                elif kind == m.RESPONSE_END:
+                state, frame = await self.pending.get()
+                if state is _BODY:
+                    yield frame["data"]
+                elif state is _DONE:
                     self.done = True
-                    self.usage = valid_usage(msg.get("usage"))
+                    self.usage = valid_usage(frame.get("usage"))
                     return
-                elif kind == m.ERROR:
+                else:
                     self.done = True
-                    raise StreamBroken(f"{msg['code']}: {msg['message']}")
-                elif kind == "closed":
-                    self.done = True
-                    raise StreamBroken(f"agent_disconnected: {msg['reason']}")
+                    failure = self.pending.failure
+                    assert failure is not None  # FAILED is queued by `fail` only
+                    raise StreamBroken(f"{failure.code}: {failure.message}")
         finally:
             self.close()
 
@@ -200,10 +355,10 @@ class AgentResponse:
         if not self.done:
             # A client may leave as soon as it has the last event (the SDKs stop at
             # `[DONE]`): an end that already arrived still brings the engine's usage.
-            for kind, msg in self.pending.frames:
-                if kind == m.RESPONSE_END:
+            for state, frame in self.pending.frames:
+                if state is _DONE:
                     self.done = True
-                    self.usage = valid_usage(msg.get("usage"))
+                    self.usage = valid_usage(frame.get("usage"))
         self.slot.release()
         self.session.finish(self.req_id, cancel=not self.done)
         self.done = True
@@ -215,6 +370,10 @@ class AgentLink:
         self.metrics = metrics
         self.settings = settings
         self.sessions: dict[Peer, AgentSession] = {}
+        self.unjoined = Unjoined(settings.unjoined)
+
+    def __repr__(self) -> str:
+        return f"<AgentLink {len(self.sessions)} sessions, {self.unjoined!r}>"
 
     # --- sessions -------------------------------------------------------------------
 
@@ -227,9 +386,29 @@ class AgentLink:
             log.exception("session_error")
 
     async def _serve(self, stream: Any) -> None:
-        remote = str(stream.muxed_conn.peer_id)
-        fs = FramedStream(stream)
-        session = AgentSession(self, fs, remote)
+        conn = stream.muxed_conn
+        remote = str(conn.peer_id)
+        endpoint = remote_endpoint(stream)
+        source = source_of(endpoint)
+        refusal = self.unjoined.enter(id(conn), source)
+        if refusal is not None:
+            log.warning(
+                "session_refused_before_hello peer=%s source=%s reason=%s",
+                remote,
+                source,
+                quote(refusal),
+            )
+            self.metrics.sessions_refused.labels("unjoined limit").inc()
+            with (
+                trio.CancelScope(shield=True),
+                trio.move_on_after(1),
+                contextlib.suppress(Exception),
+            ):
+                await stream.reset()
+            return
+        fs = FramedStream(stream, max_frame_bytes=self.settings.unjoined.frame_bytes)
+        session = AgentSession(self, fs, remote, (id(conn), source))
+        session.remote_addr = format_endpoint(endpoint)
         reason = "cancelled"
         try:
             async with trio.open_nursery() as nursery:
@@ -237,7 +416,14 @@ class AgentLink:
                 reason = await fs.run(session.on_message)
                 nursery.cancel_scope.cancel()
         finally:
+            self.release_unjoined(session)
             self._closed(session, reason)
+
+    def release_unjoined(self, session: AgentSession) -> None:
+        """The session no longer counts among the unjoined (welcomed, or gone)."""
+        if session.unjoined is not None:
+            self.unjoined.leave(*session.unjoined)
+            session.unjoined = None
 
     async def _keepalive(self, session: AgentSession) -> None:
         fs = session.fs
@@ -259,6 +445,7 @@ class AgentLink:
             reason = str(exc)
             log.warning("agent_refused peer=%s reason=%s", session.remote_peer, quote(reason))
             self.metrics.sessions_refused.labels(reason.split(":")[0][:40]).inc()
+            session.refuse()
             session.fs.send_nowait(m.refusal(reason))
             session.refused = reason
             session.hello_seen.set()
@@ -270,6 +457,7 @@ class AgentLink:
             send=session.fs.send,
             connected_at=now,
             last_seen=now,
+            remote_addr=session.remote_addr,
         )
         old = self.table.get(peer.peer_id)
         if old is not None:
@@ -280,6 +468,7 @@ class AgentLink:
         session.peer = peer
         self.sessions[peer] = session
         self.table.add(peer)
+        session.admitted()
         session.fs.send_nowait(
             m.welcome(
                 self.settings.heartbeat_interval,
@@ -400,61 +589,56 @@ class AgentLink:
             )
         req_id, pending = session.open()
         started = trio.current_time()
-        finished = False
         try:
-            try:
-                session.fs.send_nowait(
-                    m.request(
-                        req_id,
-                        req.method,
-                        req.path,
-                        req.headers,
-                        req.body,
-                        req.stream,
-                        req.report_usage,
-                    )
+            session.fs.send_nowait(
+                m.request(
+                    req_id,
+                    req.method,
+                    req.path,
+                    req.headers,
+                    req.body,
+                    req.stream,
+                    req.report_usage,
                 )
-            except SessionClosed as exc:
-                finished = True
+            )
+        except SessionClosed as exc:
+            session.finish(req_id, cancel=False)
+            return ForwardFailure(ErrorCode.AGENT_DISCONNECTED, str(exc), connection_level=True)
+        req.sent_at = trio.current_time()
+        try:
+            state, head = await pending.get()
+            if state is _FAILED:
                 session.finish(req_id, cancel=False)
-                return ForwardFailure(ErrorCode.AGENT_DISCONNECTED, str(exc), connection_level=True)
-            req.sent_at = trio.current_time()
-            kind, msg = await pending.get()
-            if kind == "closed":
-                finished = True
-                session.finish(req_id, cancel=False)
-                return ForwardFailure(
-                    ErrorCode.AGENT_DISCONNECTED,
-                    f"agent session closed: {msg['reason']}",
-                    connection_level=True,
-                )
-            if kind == m.ERROR:
-                finished = True
-                session.finish(req_id, cancel=False)
-                peer.stats.record_failure()
-                return ForwardFailure(_code(msg["code"]), msg["message"], status=msg.get("status"))
-            if kind != m.RESPONSE_HEAD:
-                # An agent out of step with the protocol costs this try, not the request.
-                finished = True
+                failure = pending.failure
+                assert failure is not None  # FAILED is queued by `fail` only
+                if not failure.connection_level:
+                    peer.stats.record_failure()
+                return failure
+            peer.stats.record_rtt((trio.current_time() - started) * 1000.0)
+            status, headers = head["status"], head["headers"]
+            problem = unsendable_head(status, headers)
+            if problem is not None:
+                # Sent on, the client would get no answer at all and the try would
+                # count as a success: this agent's try fails instead.
                 session.finish(req_id, cancel=True)
                 peer.stats.record_failure()
-                return ForwardFailure(
-                    ErrorCode.BACKEND_ERROR, f"agent sent {kind} before response_head"
+                log.warning(
+                    "agent_bad_head peer=%s id=%d reason=%s", peer.peer_id, req_id, quote(problem)
                 )
-            peer.stats.record_rtt((trio.current_time() - started) * 1000.0)
-            status, headers = msg["status"], msg["headers"]
+                return ForwardFailure(
+                    ErrorCode.BACKEND_ERROR,
+                    f"agent sent a response head the router cannot send: {problem}",
+                )
             if status >= 400:
                 return await self._failed_answer(session, req_id, pending, peer, status, headers)
-            peer.stats.record_success()
-            response = AgentResponse(session, req_id, pending, status, headers, slot)
-            if req.stream and self.settings.release_stream_slot_at_head:
-                slot.release()
-            finished = True
-            return response
         except BaseException:
-            if not finished:
-                session.finish(req_id, cancel=True)
+            session.finish(req_id, cancel=True)
             raise
+        peer.stats.record_success()
+        response = AgentResponse(session, req_id, pending, status, headers, slot)
+        if req.stream and self.settings.release_stream_slot_at_head:
+            slot.release()
+        return response
 
     async def _failed_answer(
         self,
@@ -467,11 +651,10 @@ class AgentLink:
     ) -> ForwardFailure:
         body = bytearray()
         while len(body) <= MAX_ERROR_BODY:
-            kind, msg = await pending.get()
-            if kind == m.RESPONSE_CHUNK:
-                body += msg["data"]
-            else:
+            state, frame = await pending.get()
+            if state is not _BODY:
                 break
+            body += frame["data"]
         session.finish(req_id, cancel=len(body) > MAX_ERROR_BODY)
         code = classify_backend_status(status, bytes(body)) or ErrorCode.BACKEND_ERROR
         if code in (ErrorCode.BACKEND_ERROR, ErrorCode.BACKEND_UNAVAILABLE):
@@ -494,21 +677,33 @@ def _code(value: str) -> ErrorCode:
 
 
 def _floats(values: dict, fields: tuple[str, ...]) -> dict[str, float | None]:
+    # _finite inlined: this runs for twelve fields on every agent heartbeat.
     out: dict[str, float | None] = {}
     for name in fields:
         v = values.get(name)
-        out[name] = float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+        number = float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
+        out[name] = number if number is not None and math.isfinite(number) else None
     return out
 
 
+def _finite(value: object) -> float | None:
+    """A number from a heartbeat; NaN and the infinities are unknown, as a missing
+    value is (msgpack carries them; JSON, where the routing table shows them, cannot)."""
+    if isinstance(value, int | float) and not isinstance(value, bool):
+        number = float(value)
+        if math.isfinite(number):
+            return number
+    return None
+
+
 def _age(values: dict) -> float:
-    age = values.get("age")
-    return float(age) if isinstance(age, int | float) and age >= 0 else 0.0
+    age = _finite(values.get("age"))
+    return age if age is not None and age >= 0 else 0.0
 
 
 def _interval(values: dict, default: float) -> float:
-    iv = values.get("interval")
-    return float(iv) if isinstance(iv, int | float) and iv > 0 else default
+    iv = _finite(values.get("interval"))
+    return iv if iv is not None and iv > 0 else default
 
 
 def parse_metadata(raw: dict) -> AgentMetadata:

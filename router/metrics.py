@@ -128,10 +128,13 @@ class RouterMetrics:
         self.auth_reloads = Counter(
             P + "auth_reloads_total", "Auth file reloads by result", ["result"], registry=r
         )
+        # Labelled so that a router without --state-url exports the family with no
+        # sample: an unlabelled gauge would read 0, "Redis unreachable", on every one.
         self.state_store_up = Gauge(
             P + "state_store_up",
             "1 while tenant counts are shared in Redis (--state-url), 0 while this router"
-            " counts alone because Redis is unreachable",
+            " counts alone because Redis is unreachable; no sample without --state-url",
+            ["store"],
             registry=r,
         )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import ssl
 from collections.abc import Sequence
 from typing import Any
 
@@ -70,7 +71,10 @@ def _fix_inbound_handler(swarm: Swarm) -> None:
 
 
 def router_host(
-    key_pair: KeyPair, listen_addrs: Sequence[multiaddr.Multiaddr], websocket: bool
+    key_pair: KeyPair,
+    listen_addrs: Sequence[multiaddr.Multiaddr],
+    websocket: bool,
+    tls: ssl.SSLContext | None = None,
 ) -> Any:
     tune_libp2p()
     limits = ConnectionLimits(
@@ -84,7 +88,8 @@ def router_host(
     host = new_host(
         key_pair=key_pair,
         listen_addrs=list(listen_addrs),
-        enable_websocket=websocket,
+        enable_websocket=websocket or tls is not None,
+        tls_server_config=tls,
         connection_config=ConnectionConfig(
             max_connections=MAX_AGENT_CONNECTIONS + 256,
             min_connections=0,

@@ -98,6 +98,8 @@ class Peer:
     engine_interval: float = 0.5
     hardware_interval: float = 2.0
     stats: UniversalStats = field(default_factory=UniversalStats)
+    # `host:port` the router saw the agent's connection come from (a NAT's, a proxy's).
+    remote_addr: str = ""
 
     @property
     def capacity(self) -> int:

@@ -24,6 +24,9 @@ class RouterSettings:
     metrics_addr: tuple[str, int] = ("0.0.0.0", 2112)
     p2p_port: int = 9000
     p2p_ws_port: int = 0
+    p2p_wss_port: int = 0
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
     p2p_listen_addr: str = "127.0.0.1"
     p2p_announce_addr: str | None = None
     identity_path: str = "./router_identity.key"
@@ -34,6 +37,8 @@ class RouterSettings:
     heartbeat_interval: float = 5.0
     unhealthy_after: float = 15.0
     remove_after: float = 30.0
+    # Agent sessions from one address (IPv6: one /64) not yet past their hello.
+    max_unjoined_per_ip: int = 64
     drain_timeout: float = 30.0
     stream_slot_release: str = "head"
     jwt_secret: bytes = b""

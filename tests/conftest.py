@@ -11,6 +11,9 @@ from tests.fleet import Fleet
 # The checks against real engines need engines built by `scripts/real-engines`; they run
 # only through it (`scripts/test --real-engines`), never in the default suite.
 collect_ignore = [] if os.environ.get("HIVENET_REAL_ENGINES") else ["real_engines"]
+# The same for the container images, which `scripts/images` builds (`scripts/test --images`).
+if not os.environ.get("HIVENET_IMAGES"):
+    collect_ignore.append("images")
 
 
 @pytest.fixture

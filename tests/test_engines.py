@@ -8,6 +8,7 @@ comments next to each test.
 # ruff: noqa: E501  (the fixtures are engine output lines, kept verbatim)
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any
@@ -533,6 +534,34 @@ def test_untyped_exposition_is_read_by_sample_name() -> None:
     second = sampler.update(later, now=0.5)
     assert second["avg_ttft_seconds"] == pytest.approx(1.0)
     assert second["p90_ttft_seconds"] == pytest.approx(0.9)
+
+
+@pytest.mark.parametrize("bad", ["NaN", "+Inf", "-Inf", "1e308"])
+def test_non_finite_samples_are_unknown(bad: str) -> None:
+    # Valid Prometheus text; before, NaN and the infinities reached the heartbeat and
+    # the router's routing table (bare NaN/Infinity, invalid JSON). 1e308 is finite but
+    # two of them sum past the largest float.
+    def text(count: int) -> str:
+        return (
+            f"sglang_token_usage {bad}\n"
+            f"sglang_num_running_reqs {bad}\n"
+            f"sglang_num_running_reqs {bad}\n"
+            "sglang_num_queue_reqs 2\n"
+            f'sglang_time_to_first_token_seconds_bucket{{le="1.0"}} {bad}\n'
+            f'sglang_time_to_first_token_seconds_bucket{{le="+Inf"}} {count}\n'
+            f"sglang_time_to_first_token_seconds_sum {bad}\n"
+            f"sglang_time_to_first_token_seconds_count {count}\n"
+        )
+
+    sampler = get_adapter("sglang").new_sampler(None)
+    sampler.update(text(4), now=0.0)
+    values = sampler.update(text(8), now=0.5)
+    json.dumps(values, allow_nan=False)
+    assert values["waiting_requests"] == 2.0
+    assert values["running_requests"] is None
+    if bad != "1e308":
+        assert values["kv_cache_utilization"] is None
+        assert values["avg_ttft_seconds"] is None
 
 
 def test_histogram_quantile_edges() -> None:

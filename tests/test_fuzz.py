@@ -36,6 +36,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from protocol import messages as m
+from protocol.conversation import RequestState
 from protocol.frames import HEADER, FrameDecoder, FrameError, encode_frame
 from protocol.messages import ProtocolError, validate
 from protocol.p2p import SessionClosed
@@ -460,6 +461,9 @@ class FakeStream:
 
     async def send(self, msg: dict) -> None:
         self.send_nowait(msg)
+
+    def allow_frames(self, max_frame_bytes: int) -> None:
+        pass
 
     def close(self, reason: str) -> None:
         self.close_reason = self.close_reason or reason
@@ -1350,6 +1354,7 @@ def test_an_end_that_arrived_before_the_client_left_still_brings_its_usage() -> 
             session, peer = agent.session, agent.session.peer
             assert peer is not None and try_acquire(peer)
             req_id, pending = session.open()
+            pending.state = RequestState.BODY  # its head was taken by the forward
             response = AgentResponse(session, req_id, pending, 200, {}, Slot(peer, lambda p: None))
             usage = {"prompt_tokens": 3, "completion_tokens": 4}
             session.on_message(m.response_chunk(req_id, b"data: [DONE]\n\n"))

@@ -1,9 +1,10 @@
-"""`key=value` logs: per-subsystem levels from the environment, quoting, laziness."""
+"""`key=value` and JSON logs: per-subsystem levels from the environment, quoting, laziness."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import json
 import logging
 import re
 import threading
@@ -13,6 +14,8 @@ from pathlib import Path
 
 import httpx
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from protocol import logs
 from protocol.logs import (
@@ -138,6 +141,8 @@ def test_an_unknown_level_is_reported_once_not_fatal(
         ("cr\rhere", '"cr\\rhere"'),
         ("back\\slash", '"back\\\\slash"'),
         ("bell\x07", '"bell\\x07"'),
+        ("zwsp\u200b", '"zwsp\\u200b"'),
+        ("tag\U000e0001", '"tag\\U000e0001"'),
         ("Zürich", "Zürich"),
         ("chain→step", "chain→step"),
     ],
@@ -243,5 +248,89 @@ def test_a_router_honours_the_seeds_debug_setting(tmp_path: Path) -> None:
         assert re.search(rf"level=warn subsystem=policy req={rid} [^\n]*policy_exhausted", log)
         assert "level=info subsystem=router router_ready" in log
         assert "level=info subsystem=http" not in log
+    finally:
+        fleet.close()
+
+
+# --- JSON lines ---------------------------------------------------------------------------
+
+_KEYS = st.from_regex(r"[a-z][a-z_]{0,11}", fullmatch=True)
+
+
+@given(st.dictionaries(_KEYS, st.text(max_size=40), max_size=6), st.sampled_from(["", "ev_x"]))
+def test_fields_of_reads_back_every_kv_line(fields: dict[str, str], event: str) -> None:
+    line = " ".join(filter(None, (event, kv(**fields))))
+    expected = ({"msg": event} if event else {}) | fields
+    assert logs.fields_of(line) == expected
+
+
+def test_fields_of_keeps_free_text_and_the_event_in_place() -> None:
+    got = logs.fields_of('req=r-1 client_disconnected tenant="a b" done')
+    assert got == {"msg": "client_disconnected done", "req": "r-1", "tenant": "a b"}
+    assert logs.fields_of("inbound connection ended: reset") == {
+        "msg": "inbound connection ended: reset"
+    }
+    assert logs.fields_of('why="unterminated') == {"why": "unterminated"}
+
+
+def test_json_record_has_the_fields_of_the_text_record() -> None:
+    record = logging.LogRecord(
+        "policy",
+        logging.WARNING,
+        __file__,
+        1,
+        "req=%s policy_exhausted reason=%s level=%s",
+        ("r-1", quote('gate[4] match [engine(got="",want="vllm")=2]'), "forged"),
+        None,
+    )
+    text = logs._Formatter().format(record)
+    obj = json.loads(logs._JsonFormatter().format(record))
+    assert obj == logs.fields_of(text) | {"level": "warn"}
+    assert list(obj)[:4] == ["ts", "level", "subsystem", "msg"]
+    assert obj["reason"] == 'gate[4] match [engine(got="",want="vllm")=2]'
+    assert obj["level"] == "warn"  # a message cannot overwrite the record's own fields
+
+
+def test_log_format_flag_wins_over_golog_variable() -> None:
+    assert logs.log_format_from(None, {}) == "text"
+    assert logs.log_format_from(None, {"GOLOG_LOG_FMT": "json"}) == "json"
+    assert logs.log_format_from(None, {"GOLOG_LOG_FMT": "nocolor"}) == "text"
+    assert logs.log_format_from("text", {"GOLOG_LOG_FMT": "json"}) == "text"
+
+
+def test_an_unknown_log_format_is_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    from router.cli import main
+
+    with pytest.raises(SystemExit) as exit_:
+        main(["serve", "--log-format", "xml"])
+    assert exit_.value.code == 2
+    assert "--log-format" in capsys.readouterr().err
+
+
+def test_router_and_agent_write_json_lines(tmp_path: Path) -> None:
+    """`--log-format json` on the router, `GOLOG_LOG_FMT=json` on the agent: every line
+    of both is one JSON object, and the seeds' exhaustion line keeps its fields."""
+    fleet = Fleet(tmp_path)
+    try:
+        router = fleet.router("--queue-depth", "0", "--log-format", "json")
+        agent = fleet.agent(router, "m1", env={"GOLOG_LOG_FMT": "json"})
+        rid = str(uuid.uuid4())
+        body = {"model": "absent", "messages": [{"role": "user", "content": "x"}]}
+        r = httpx.post(
+            router.url + "/v1/chat/completions",
+            json=body,
+            headers={"x-request-id": rid},
+            timeout=30,
+        )
+        assert r.status_code == 404
+        wait_until(lambda: rid in router.log(), 10)
+        records = [json.loads(line) for line in router.log().splitlines() if line.strip()]
+        assert all({"ts", "level", "subsystem"} <= set(rec) for rec in records)
+        assert any(rec.get("msg") == "router_ready" for rec in records)
+        mine = [rec for rec in records if rec.get("req") == rid]
+        assert mine and all(rec["subsystem"] in logs.SUBSYSTEMS for rec in mine)
+        agent_lines = [line for line in agent.log().splitlines() if line.strip()]
+        assert agent_lines
+        assert all(json.loads(line)["subsystem"] for line in agent_lines)
     finally:
         fleet.close()

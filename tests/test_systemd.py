@@ -41,7 +41,8 @@ UNITS = ROOT / "systemd"
 CONFIGS = ROOT / "configs"
 ROUTER_UNIT = UNITS / "hivenet-router.service"
 AGENT_UNIT = UNITS / "hivenet-agent@.service"
-INSTALL_PREFIX = "/opt/hivenet/.venv/bin/"
+INSTALL_ROOT = "/opt/hivenet/"
+INSTALL_PREFIX = INSTALL_ROOT + ".venv/bin/"
 AGENT_EXAMPLES = ("vllm", "sglang", "llamacpp", "ollama")
 
 
@@ -413,6 +414,10 @@ def test_units_declare_what_operations_rely_on() -> None:
         # Stopping waits out the drain (plus the router's 5 s wind-down), never less.
         drain = next(v for k, v in unit.defaults().items() if k.endswith("_DRAIN_TIMEOUT"))
         assert parse_duration(unit.value("TimeoutStopSec")) >= parse_duration(drain) + 10
+        # The README's install unpacks this repository into /opt/hivenet: the page is in it.
+        docs = unit.value("Documentation", "Unit")
+        assert docs.startswith(f"file:{INSTALL_ROOT}"), docs
+        assert (ROOT / docs.removeprefix(f"file:{INSTALL_ROOT}")).is_file(), docs
     router = Unit.read(ROUTER_UNIT)
     assert router.value("ExecReload") == "/bin/kill -HUP $MAINPID"
     assert router.value("PrivateDevices") == "yes"

@@ -162,13 +162,15 @@ ATTACKS: dict[str, tuple[Callable[[str], Any], str]] = {
     ),
     "empty": (lambda pid: "", "malformed token"),
     "dots only": (lambda pid: "..", "malformed token"),
-    "huge (1 MiB)": (lambda pid: "a" * (1 << 20), "malformed token"),
+    # As large as a hello may be before it is welcomed (64 KiB in all): larger ones
+    # are refused at their length, unread (below).
+    "huge (60 KiB)": (lambda pid: "a" * (60 << 10), "malformed token"),
     "deeply nested header": (
-        lambda pid: ".".join([b64(b'{"alg":"HS256","x":' + b"[" * 50_000), b64(b"{}"), "x"]),
+        lambda pid: ".".join([b64(b'{"alg":"HS256","x":' + b"[" * 40_000), b64(b"{}"), "x"]),
         "malformed token",
     ),
     "huge base64 segments": (
-        lambda pid: ".".join([b64(b"{" * 300_000), b64(b"[" * 300_000), "x" * 1000]),
+        lambda pid: ".".join([b64(b"{" * 20_000), b64(b"[" * 20_000), "x" * 1000]),
         "malformed token",
     ),
 }
@@ -184,6 +186,20 @@ async def test_forged_tokens_are_refused(router: Router, name: str) -> None:
         assert reason in reply["reason"], (name, reply["reason"])
         joined = {a["peer_id"] for a in router.agents()}
         assert peer_id not in joined
+
+
+@pytest.mark.parametrize("size", [(64 << 10) + 1, 1 << 20, 15 << 20])
+async def test_hellos_over_the_hello_bound_end_the_session_unread(
+    router: Router, size: int
+) -> None:
+    async with raw_session(router) as (stream, peer_id):
+        hello = encode_frame(m.hello("a" * size, METADATA))
+        with trio.fail_after(10), pytest.raises(Exception):  # noqa: B017 - reset by the router
+            await stream.write(hello[:65536])
+            while True:
+                await stream.read(65536)
+        assert peer_id not in {a["peer_id"] for a in router.agents()}
+    router.wait_log(rf"session_closed_before_join peer={peer_id} .*oversized frame")
 
 
 @pytest.mark.parametrize(

@@ -14,6 +14,7 @@ import trio
 from prometheus_client import CollectorRegistry, generate_latest
 
 from protocol import messages as m
+from protocol.conversation import SessionState
 from router.agent_metrics import AgentCollector
 from router.http.admin import agent_view
 from router.link import AgentLink, AgentResponse, AgentSession, LinkSettings
@@ -132,6 +133,7 @@ def _link() -> tuple[AgentLink, AgentSession, _FakeStream, Peer]:
     peer = _peer()
     session = AgentSession(link, fs, peer.peer_id)  # type: ignore[arg-type]
     session.peer = peer
+    session._enter(SessionState.JOINED)  # as if its hello had been welcomed
     link.sessions[peer] = session
     table.add(peer)
     return link, session, fs, peer

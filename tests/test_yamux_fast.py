@@ -32,6 +32,7 @@ from agent.forward import BackendClients
 from agent.link import SILENT_PERIODS, RouterSession, Status
 from protocol import messages as m
 from protocol import p2p, yamux_fast
+from protocol.conversation import Role, next_session_state
 
 
 def _pristine_yamux() -> Any:
@@ -201,11 +202,17 @@ async def test_the_agent_has_the_kernel_watch_its_unacknowledged_heartbeats() ->
 
 
 async def test_the_agent_times_router_silence_by_the_welcomes_liveness_interval() -> None:
-    ours, _ = trio.testing.memory_stream_pair()
-    session = RouterSession(ours, {}, Status(), None, "http://127.0.0.1:9", 0.1, 1.0)  # type: ignore[arg-type]
+    def said_hello() -> RouterSession:
+        ours, _ = trio.testing.memory_stream_pair()
+        session = RouterSession(ours, {}, Status(), None, "http://127.0.0.1:9", 0.1, 1.0)  # type: ignore[arg-type]
+        session.state = next_session_state(Role.AGENT, session.state, m.HELLO)
+        return session
+
+    session = said_hello()
     session._on_message(m.welcome(0.1, "router", 2.0))
     assert session.router_interval == 2.0
     # A router that predates the field: its heartbeat period, as before.
+    session = said_hello()
     session._on_message({"type": m.WELCOME, "heartbeat_interval": 0.5})
     assert session.router_interval == 0.5
 

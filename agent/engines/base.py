@@ -4,7 +4,9 @@ An adapter knows where its engine answers and which Prometheus names carry the p
 engine fields. The sampler turns one `/metrics` text after another into those fields in
 policy units: fractions 0-1 for cache use, counts for queues, seconds for latencies. A
 field no known name provides is None, never zero, so a gate on it is skipped rather than
-passed on a made-up value.
+passed on a made-up value. Prometheus text may carry NaN and ±Inf samples: they are
+unknown too (dropped as they are read), so no field is ever a non-finite number, which
+no JSON document (the router's routing table) could hold.
 """
 
 from __future__ import annotations
@@ -129,7 +131,7 @@ class MetricSampler:
         series = self._collect(text)
         avg_ttft, p90_ttft = self._interval("ttft", series, self._names.ttft_histogram)
         avg_itl, p90_itl = self._interval("itl", series, self._names.itl_histogram)
-        return {
+        values = {
             # Cache use of several series (data-parallel engines) is a pressure: the worst counts.
             "kv_cache_utilization": self._gauge(series, self._names.kv_cache_utilization, max),
             "running_requests": self._gauge(series, self._names.running_requests, sum),
@@ -139,6 +141,8 @@ class MetricSampler:
             "avg_itl_seconds": avg_itl,
             "p90_itl_seconds": p90_itl,
         }
+        # Finite samples can still add up past the largest float (1e308 + 1e308).
+        return {k: v if v is None or math.isfinite(v) else None for k, v in values.items()}
 
     def _collect(self, text: str) -> dict[str, Series]:
         # Indexed by sample name, not family name: untyped exposition (no # TYPE line)
@@ -149,7 +153,7 @@ class MetricSampler:
         try:
             for family in text_string_to_metric_families(text):
                 for sample in family.samples:
-                    if sample.name in self._wanted:
+                    if sample.name in self._wanted and math.isfinite(sample.value):
                         series.setdefault(sample.name, []).append((sample.labels, sample.value))
         except (ValueError, TypeError, IndexError) as exc:
             raise ValueError(f"malformed Prometheus text: {exc}") from exc
@@ -201,6 +205,10 @@ def _snapshot(series: dict[str, Series], names: tuple[str, ...]) -> _HistogramSn
         counts = series.get(name + "_count")
         if not counts:
             continue
+        sums = series.get(name + "_sum")
+        if not sums:
+            # Its sum was not finite (or not there): an average of zero would be made up.
+            return None
         buckets: dict[float, float] = {}
         for labels, value in series.get(name + "_bucket", ()):
             bound = float(labels.get("le", "nan"))
@@ -208,7 +216,7 @@ def _snapshot(series: dict[str, Series], names: tuple[str, ...]) -> _HistogramSn
                 buckets[bound] = buckets.get(bound, 0.0) + value
         return _HistogramSnapshot(
             name=name,
-            total=sum(v for _, v in series.get(name + "_sum", ())),
+            total=sum(v for _, v in sums),
             count=sum(v for _, v in counts),
             buckets=tuple(sorted(buckets.items())),
         )

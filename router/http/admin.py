@@ -46,6 +46,7 @@ def agent_view(peer: Peer, now: float) -> dict:
             "last_seen": _wall(peer.last_seen, now),
             "active_requests": peer.active,
             "capacity_utilization": peer.load_ratio,
+            "remote_addr": peer.remote_addr or None,
         },
         "universal": {
             "success_rate": stats.success_rate,

@@ -115,7 +115,7 @@ class TenantState:
             )
             self._admit = self.client.register_script(_ADMIT)
             self._release = self.client.register_script(_RELEASE)
-            metrics.state_store_up.set(0)
+            metrics.state_store_up.labels("redis").set(0)
 
     @property
     def mode(self) -> str:
@@ -141,7 +141,7 @@ class TenantState:
         if not self.up:
             self.up = True
             self._said_down = False
-            self.metrics.state_store_up.set(1)
+            self.metrics.state_store_up.labels("redis").set(1)
             log.info("state_store_available url=%s counts=shared", quote(_safe(self.url)))
 
     def _down(self, exc: Exception) -> None:
@@ -153,7 +153,7 @@ class TenantState:
                 quote(f"{type(exc).__name__}: {exc}"),
             )
         self.up = False
-        self.metrics.state_store_up.set(0)
+        self.metrics.state_store_up.labels("redis").set(0)
 
     async def admit(self, tenant: Tenant, ticket_id: str) -> tuple[Verdict, bool]:
         """The verdict, and whether it was taken in Redis (release it there too)."""

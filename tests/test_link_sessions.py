@@ -1,0 +1,100 @@
+"""The link's session objects in process: what they say about themselves, and an
+agent whose own answer breaks the rules."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+import agent.link as agent_link
+from agent.link import RouterConnection, RouterSession, Status
+from protocol import messages as m
+from protocol.conversation import Role, next_session_state
+from protocol.tokens import issue_token
+from router.link import AgentLink, AgentResponse, AgentSession, LinkSettings
+from router.metrics import RouterMetrics
+from router.peers import PeerTable
+from router.session import Slot
+from tests.fleet import SECRET
+from tests.test_link import METADATA
+from tests.test_link_fuzz import PEER, MockClients, NoStream, RecordingStream
+
+
+async def test_link_objects_show_their_state_and_live_counts() -> None:
+    link = AgentLink(
+        PeerTable(), RouterMetrics(), LinkSettings(SECRET.encode(), 5.0, 15.0, 30.0, "r")
+    )
+    session = AgentSession(link, RecordingStream(), PEER)  # type: ignore[arg-type]
+    assert repr(session) == (
+        f"<AgentSession peer={PEER} AWAITING_HELLO, 0 live requests, next id 1, open>"
+    )
+    session.on_message(m.hello(issue_token(SECRET.encode(), PEER, 60), METADATA))
+    req_id, pending = session.open()
+    assert repr(pending) == "<_Pending id=1 AWAITING_HEAD, 0 queued>"
+    session.on_message(m.response_head(req_id, 200, {}))
+    session.on_message(m.response_chunk(req_id, b"x"))
+    assert repr(pending) == "<_Pending id=1 BODY, 2 queued>"
+    peer = session.peer
+    assert peer is not None
+    peer.active += 1
+    response = AgentResponse(session, req_id, pending, 200, {}, Slot(peer, lambda p: None))
+    assert repr(response) == "<AgentResponse id=1 status=200 BODY, 2 queued, open>"
+    assert "JOINED, 1 live requests, next id 2" in repr(session)
+    assert repr(link) == (
+        "<AgentLink 1 sessions, <Unjoined 0 sessions on 0 connections from 0 addresses>>"
+    )
+    response.close()
+    assert "0 live requests" in repr(session)
+
+    router_session = RouterSession(
+        NoStream(),
+        m.hello("t", {}),
+        Status(),
+        MockClients(),
+        "http://e",
+        5.0,
+        5.0,  # type: ignore[arg-type]
+    )
+    assert repr(router_session) == "<RouterSession AWAITING_HELLO, 0 live requests, open>"
+    connection = RouterConnection(
+        None, "/ip4/127.0.0.1/tcp/9/p2p/" + PEER_ID, lambda s: router_session
+    )
+    assert repr(connection).startswith("<RouterConnection /ip4/127.0.0.1/tcp/9/p2p/")
+    assert "sessions_started=0 now=None" in repr(connection)
+
+
+PEER_ID = "12D3KooWGQaEXi5zdK6sv4u1rjM8EQrfH3GnjJb8GrmyrXrU2yZ8"
+
+
+def test_an_agent_answer_out_of_order_fails_that_request_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def broken_forward(client: object, url: str, msg: dict, send: object) -> None:
+        send(m.response_chunk(msg["id"], b"before the head"))  # type: ignore[operator]
+
+    monkeypatch.setattr(agent_link, "forward", broken_forward)
+
+    async def main() -> None:
+        session = RouterSession(
+            NoStream(),
+            m.hello("t", {}),
+            Status(),
+            MockClients(),
+            "http://e",
+            5.0,
+            5.0,  # type: ignore[arg-type]
+        )
+        fs = session.fs = RecordingStream()  # type: ignore[assignment]
+        session.state = next_session_state(Role.AGENT, session.state, m.HELLO)
+        async with trio.open_nursery() as nursery:
+            session._nursery = nursery
+            session._on_message(m.welcome(5.0, "r", 30.0))
+            session._on_message(m.request(3, "POST", "/v1/chat/completions", {}, b"{}", False))
+            await session.wait_idle()
+            nursery.cancel_scope.cancel()
+        assert [(f["type"], f["id"]) for f in fs.sent] == [(m.ERROR, 3)]
+        assert "can't handle response_chunk in state AWAITING_HEAD" in fs.sent[0]["message"]
+        assert not session.requests
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
