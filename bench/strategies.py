@@ -1,12 +1,14 @@
 """Ranking strategies on a chat trace whose prompts share prefixes, against vllm-router.
 
-    python -m bench.strategies [--conversations 48] [--turns 8] [--clients 16]
+    python -m bench.strategies [--conversations 48] [--turns 10] [--clients 16] [--interleave 3]
 
 Eight simulated engines with a prefix cache and a prefill cost per uncached token (so
 a cache hit shortens the time to first token as on a GPU) serve one trace: multi-turn
 conversations, each opening with one of a few shared system prompts, each turn the
 whole history so far plus a new user message, the engine's answer appended as the
-next assistant message. The same trace goes through hivenet with `least-loaded`,
+next assistant message. Each client keeps a few conversations open and takes their
+turns in rotation, so other requests come between two turns of one conversation, as
+other users' do. The same trace goes through hivenet with `least-loaded`,
 `prefix-aware` and `round-robin`, and through vLLM's router (`vllm-router`, Rust) with
 `cache_aware` and `round_robin`, on fresh engines each time, in one run.
 
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import math
 import platform
@@ -46,15 +49,20 @@ AGENTS = 8
 ENGINE_SLOTS = 16
 HIVENET_STRATEGIES = ("least-loaded", "prefix-aware", "round-robin")
 VLLM_POLICIES = ("cache_aware", "round_robin")
-# 5,000 prompt tokens per second of prefill, 500 generated per second: the ratio of an
-# 8B model on one GPU, slowed ten times so that a loaded two-core machine keeps up.
-PREFILL_TOKEN_LATENCY = 0.0002
+# 2,000 prompt tokens per second of prefill and 500 generated per second: prefill is
+# slowed well below a GPU's (10,000+ per second for an 8B model) so that it, not the
+# scheduling noise of a loaded two-core machine (100-200 ms at load 10), sets the TTFT.
+PREFILL_TOKEN_LATENCY = 0.0005
 TOKEN_LATENCY = 0.002
 BLOCK_TOKENS = 16
 # 2,048 blocks of 16: 32 k tokens per engine, a quarter of what the whole trace holds,
 # so an engine that sees every conversation evicts and one that sees its share does not.
 CACHE_BLOCKS = 2048
 ANSWER_TOKENS = 32
+# A system prompt of 300 words and user turns of 150: by the tenth turn the history is
+# five sixths of the prompt, and only a router that remembers it saves its prefill.
+SYSTEM_WORDS = 300
+USER_WORDS = 150
 WORDS = [f"w{i}" for i in range(5000)]
 
 
@@ -82,9 +90,9 @@ def make_trace(conversations: int, turns: int, systems: int, seed: int) -> list[
     def text(words: int) -> str:
         return " ".join(rng.choice(WORDS) for _ in range(words))
 
-    prompts = [text(300) for _ in range(systems)]
+    prompts = [text(SYSTEM_WORDS) for _ in range(systems)]
     return [
-        Conversation(prompts[i % systems], [text(150) for _ in range(turns)])
+        Conversation(prompts[i % systems], [text(USER_WORDS) for _ in range(turns)])
         for i in range(conversations)
     ]
 
@@ -117,23 +125,31 @@ async def first_token(
     return ttft, "".join(parts)
 
 
-async def play(port: int, trace: list[Conversation], clients: int, outcome: Outcome) -> None:
+async def play(
+    port: int, trace: list[Conversation], clients: int, interleave: int, outcome: Outcome
+) -> None:
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     pending = iter(trace)
 
     async def client_loop(client: httpx.AsyncClient) -> None:
-        for conversation in pending:
-            messages: list[dict] = [{"role": "system", "content": conversation.system}]
-            for user in conversation.users:
-                messages.append({"role": "user", "content": user})
-                try:
-                    ttft, answer = await first_token(client, url, messages)
-                except (httpx.HTTPError, RuntimeError, KeyError, ValueError):
-                    outcome.errors += 1
-                    break
-                outcome.ttft.append(ttft)
-                messages.append({"role": "assistant", "content": answer})
+        # A client keeps `interleave` conversations open and takes their turns in rotation,
+        # as a user's next turn comes after other users' requests, not at once.
+        while batch := list(itertools.islice(pending, interleave)):
+            chats = [[{"role": "system", "content": c.system}] for c in batch]
+            for index in range(max(len(c.users) for c in batch)):
+                for conversation, messages in zip(batch, chats, strict=True):
+                    if index >= len(conversation.users) or messages[-1].get("failed"):
+                        continue
+                    messages.append({"role": "user", "content": conversation.users[index]})
+                    try:
+                        ttft, answer = await first_token(client, url, messages)
+                    except (httpx.HTTPError, RuntimeError, KeyError, ValueError):
+                        outcome.errors += 1
+                        messages.append({"role": "assistant", "content": "", "failed": True})
+                        continue
+                    outcome.ttft.append(ttft)
+                    messages.append({"role": "assistant", "content": answer})
 
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=120, limits=limits) as client, trio.open_nursery() as n:
@@ -245,7 +261,9 @@ def start_vllm_router(procs: Procs, engines: list[int], policy: str) -> tuple[in
 Start = Callable[[Procs, list[int]], tuple[int, str]]
 
 
-def run_target(name: str, start: Start, trace: list[Conversation], clients: int) -> Outcome:
+def run_target(
+    name: str, start: Start, trace: list[Conversation], clients: int, interleave: int
+) -> Outcome:
     outcome = Outcome(name)
     procs = Procs()
     try:
@@ -254,7 +272,7 @@ def run_target(name: str, start: Start, trace: list[Conversation], clients: int)
         if missing:
             outcome.missing = missing
             return outcome
-        trio.run(play, port, trace, clients, outcome)
+        trio.run(play, port, trace, clients, interleave, outcome)
         for engine in engines:
             hits, queries, requests = engine_counters(engine)
             outcome.hits += hits
@@ -275,9 +293,12 @@ def pct(values: list[float], q: float) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--conversations", type=int, default=48)
-    parser.add_argument("--turns", type=int, default=8)
+    parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--systems", type=int, default=4, help="distinct system prompts")
-    parser.add_argument("--clients", type=int, default=16, help="conversations at a time")
+    parser.add_argument("--clients", type=int, default=16, help="concurrent clients")
+    parser.add_argument(
+        "--interleave", type=int, default=3, help="conversations a client takes turns in"
+    )
     parser.add_argument("--only", default="", help="comma-separated target names")
     parser.add_argument(
         "--prefix-params",
@@ -300,7 +321,7 @@ def main() -> None:
     began = time.monotonic()
     load = psutil.getloadavg()[0]
     outcomes = [
-        run_target(name, start, trace, args.clients)
+        run_target(name, start, trace, args.clients, args.interleave)
         for name, start in targets
         if not only or name in only
     ]
@@ -312,7 +333,8 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, took: float, load:
         f"machine: {platform.machine()}, {psutil.cpu_count()} CPUs, "
         f"Python {platform.python_version()}, load average {load:.2f} at the start; "
         f"{AGENTS} engines x {ENGINE_SLOTS} slots, {args.conversations} conversations x "
-        f"{args.turns} turns, {args.systems} system prompts, {args.clients} at a time; "
+        f"{args.turns} turns, {args.systems} system prompts, {args.clients} clients taking "
+        f"turns in {args.interleave} conversations each; "
         f"run took {took:.0f}s"
     )
     print()

@@ -552,7 +552,7 @@ def test_every_strategy_name_loads(name: str) -> None:
 
 def test_prefix_aware_parameters_have_documented_defaults() -> None:
     params = load_policy(prefix_step()).routing_policy.strategy_params
-    assert params == PrefixParams(block_chars=1024, max_blocks=65_536, balance_threshold=0.1)
+    assert params == PrefixParams(block_chars=1024, max_blocks=65_536, balance_threshold=0.125)
     written = prefix_step("    block_chars: 64\n    max_blocks: 1000\n    balance_threshold: 1\n")
     policy = load_policy(written)
     assert policy.routing_policy.strategy_params == PrefixParams(64, 1000, 1.0)

@@ -165,7 +165,7 @@ def test_prefix_aware_sends_the_next_turn_where_the_conversation_went() -> None:
     turn1 = conversation("You are terse. " * 40, "first question " * 30)
     ranking.chosen("prefix-aware", params, c, turn1)
     turn2 = conversation("You are terse. " * 40, "first question " * 30, "answer", "next")
-    # C is now busier than A and B, but within the balance threshold (0.1 of 10).
+    # C is now busier than A and B, but within the balance threshold (0.125 of 10).
     c.active = 1
     assert pick(ranking, "prefix-aware", [a, b, c], turn2) == "C"
     # Another conversation shares nothing: the lightest agent.
