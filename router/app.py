@@ -18,7 +18,7 @@ from protocol.sdnotify import sd_notify
 from router.agent_metrics import AgentCollector
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
-from router.http.app import RouterApp, with_lifespan
+from router.http.app import RouterApp, protocol_of, with_lifespan
 from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
 from router.http.server import HttpServer
@@ -216,7 +216,13 @@ class RouterDaemon:
         *,
         task_status: Any = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        server = HttpServer(app, KEEP_ALIVE_TIMEOUT, GRACEFUL_TIMEOUT)
+        server = HttpServer(
+            app,
+            KEEP_ALIVE_TIMEOUT,
+            GRACEFUL_TIMEOUT,
+            write_timeout=self.settings.http_write_timeout,
+            protocol_of=protocol_of,
+        )
         # HTTP stays up while draining, so in-flight streams can finish.
         await server.serve(addr, self._http_stop.wait, task_status=task_status)
 
