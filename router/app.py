@@ -101,6 +101,7 @@ class RouterDaemon:
             self.link.forward,
             settings.max_tries_per_step,
             self._released,
+            settings.failure_cooldown,
             self.ranking,
         )
         self.providers = ProviderClient(

@@ -7,7 +7,7 @@ ranking alike.
 from __future__ import annotations
 
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
-from router.peers import Peer
+from router.peers import HISTORY_FIELDS, Peer, UniversalStats
 
 # A snapshot older than three sampling periods means the agent stopped reporting it;
 # acting on the old value would keep excluding (or admitting) on stale data.
@@ -19,12 +19,11 @@ def metric_value(peer: Peer, field: str, now: float) -> float | None:
     if field == "capacity_utilization":
         return peer.active / peer.metadata.capacity
     stats = peer.stats
-    if field == "success_rate":
-        return stats.success_rate
+    if field in HISTORY_FIELDS:
+        # A half-open or closed breaker lets the agent past its history (peers.py).
+        return history_value(stats, field) if stats.history_gated(now) else None
     if field == "srtt":
         return stats.srtt_ms
-    if field == "consecutive_failures":
-        return stats.consecutive_failures if stats.successes + stats.failures else None
     if field in ENGINE_FIELDS:
         if now - peer.engine_at > STALE_AFTER_PERIODS * peer.engine_interval:
             return None
@@ -34,3 +33,9 @@ def metric_value(peer: Peer, field: str, now: float) -> float | None:
             return None
         return peer.hardware.get(field)
     raise ValueError(f"unknown gate field {field!r}")
+
+
+def history_value(stats: UniversalStats, field: str) -> float | None:
+    if field == "success_rate":
+        return stats.success_rate
+    return stats.consecutive_failures if stats.successes + stats.failures else None
