@@ -307,7 +307,7 @@ async def test_a_unit_hears_of_a_choice_only_once_its_slot_is_held(
 
     monkeypatch.setattr(session_module, "evaluate", racing_evaluate)
     session = RoutingSession(
-        table, WaitQueue(10), RouterMetrics(), forward, 3, lambda peer: None, ranking
+        table, WaitQueue(10), RouterMetrics(), forward, 3, lambda peer: None, ranking=ranking
     )
     payload = {"model": MODEL, "messages": [{"role": "user", "content": "x " * 400}]}
     req = RouteRequest("r1", MODEL, "llm", "", "POST", "/v1/chat/completions", {}, b"", False)
