@@ -29,6 +29,7 @@ from router.metrics import RouterMetrics
 from router.p2p_host import close_listeners, router_host
 from router.peers import Peer, PeerTable
 from router.policy.describe import policy_warnings
+from router.policy.rank import Ranking
 from router.policy.schema import Policy
 from router.policy.store import PolicyStore
 from router.providers import ProviderClient
@@ -106,6 +107,8 @@ class RouterDaemon:
         )
         if self.history is not None:
             self.link.history_of = self.history.restore
+        self.ranking = Ranking()
+        self.table.on_remove(self.ranking.forget)
         self.session = RoutingSession(
             self.table,
             self.queue,
@@ -114,6 +117,7 @@ class RouterDaemon:
             settings.max_tries_per_step,
             self._released,
             settings.failure_cooldown,
+            self.ranking,
         )
         self.providers = ProviderClient(
             settings.openai_api_key,

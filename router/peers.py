@@ -177,6 +177,7 @@ class PeerTable:
         self._by_id: dict[str, Peer] = {}
         self._by_model: dict[str, list[Peer]] = {}
         self._listeners: list[Callable[[str], None]] = []
+        self._removed: list[Callable[[str], None]] = []
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -218,11 +219,17 @@ class PeerTable:
         if not peers:
             self._by_model.pop(peer.metadata.model, None)
         self.changed(peer.metadata.model)
+        for listener in self._removed:
+            listener(peer.peer_id)
         return True
 
     def on_change(self, listener: Callable[[str], None]) -> None:
         """Call `listener(model)` whenever that model's pool may have gained room."""
         self._listeners.append(listener)
+
+    def on_remove(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(peer_id)` when an agent's session leaves the table."""
+        self._removed.append(listener)
 
     def changed(self, model: str) -> None:
         for listener in self._listeners:

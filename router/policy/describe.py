@@ -120,7 +120,14 @@ def _step(step: Step, default_max_tries: int) -> list[str]:
     lines += [f"              {rule}" for rule in rules[1:]]
     if step.shed_if is not None:
         lines += _shed(step.shed_if)
-    lines += [f"  strategy:   {step.strategy}", f"  max_tries:  {budget}"]
+    lines.append(f"  strategy:   {step.strategy}")
+    if step.strategy_params is not None:
+        params = step.strategy_params
+        lines.append(
+            f"              block_chars {params.block_chars}, max_blocks {params.max_blocks},"
+            f" balance_threshold {_number(params.balance_threshold)}"
+        )
+    lines.append(f"  max_tries:  {budget}")
     return lines
 
 
