@@ -15,11 +15,18 @@ from agent.engines import EngineEndpoints, HealthTracker, get_adapter
 from agent.forward import BackendClients
 from agent.hardware import HardwareSampler
 from agent.http_proxy import dial_through_http_proxy
-from agent.link import RouterConnection, RouterSession, Status, hello_for
+from agent.link import (
+    RouterConnection,
+    RouterSession,
+    Status,
+    hello_for,
+    parse_router_address,
+)
 from agent.settings import AgentSettings
 from protocol.logs import quote
 from protocol.messages import VERSION
 from protocol.p2p import load_or_create_identity, peer_id_of, tune_libp2p
+from protocol.router_proof import new_challenge, proof_valid
 from protocol.sdnotify import sd_notify
 from protocol.tracing import tracer_from_env
 
@@ -52,7 +59,7 @@ class AgentDaemon:
             hardware_interval=settings.hardware_sample_interval,
             changed=trio.Event(),
         )
-        self.hardware = HardwareSampler()
+        self.hardware = HardwareSampler(settings.gpu_devices)
         self.health = HealthTracker()
         self.connections: list[RouterConnection] = []
         self.endpoints: EngineEndpoints | None = None
@@ -72,9 +79,13 @@ class AgentDaemon:
             "machine": s.machine,
             "gpu_model": s.gpu_model or self.hardware.gpu_model() or "",
             "tags": list(s.tags),
-            "version": VERSION,
+            "version": s.version or VERSION,
+            # The Go router's registration fields (its --deployment-id and friends).
             "deployment_id": s.deployment_id,
             "replica_id": s.replica_id,
+            "hide_llm": s.hide_llm,
+            "llm_pretty_name": s.llm_pretty_name,
+            "llm_info": s.llm_info,
         }
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -109,9 +120,12 @@ class AgentDaemon:
                 dial_through_http_proxy(host, s.proxy)
             async with host.run(listen_addrs=[]):
                 for address in s.routers:
-                    conn = RouterConnection(
-                        host, address, lambda stream: self._session(stream, client, ep)
-                    )
+                    pinned = parse_router_address(address).pinned
+
+                    def make(stream: Any, pinned: bool = pinned) -> RouterSession:
+                        return self._session(stream, client, ep, pinned)
+
+                    conn = RouterConnection(host, address, make)
                     self.connections.append(conn)
                     nursery.start_soon(conn.run)
                 log.info(
@@ -129,17 +143,36 @@ class AgentDaemon:
                 await self.tracer.flush()
                 nursery.cancel_scope.cancel()
 
-    def _session(self, stream: Any, client: BackendClients, ep: EngineEndpoints) -> RouterSession:
+    def _session(
+        self, stream: Any, client: BackendClients, ep: EngineEndpoints, pinned: bool
+    ) -> RouterSession:
         s = self.settings
+        challenge = new_challenge()
+        router_peer_id = str(stream.muxed_conn.peer_id)
+
+        def check_welcome(welcome: dict) -> str | None:
+            """A router dialed by address alone must prove the secret; a pinned one
+            may, and a wrong proof is refused either way."""
+            proof = welcome.get("proof")
+            if proof is None and pinned:
+                return None
+            if proof_valid(s.jwt_secret, router_peer_id, self.peer_id, challenge, proof):
+                return None
+            return (
+                f"router {router_peer_id} did not prove the shared secret"
+                " (a different HIVENET_ROUTER_JWT_SECRET, or not the operator's router)"
+            )
+
         return RouterSession(
             stream,
-            hello_for(s.jwt_secret, self.peer_id, self.metadata()),
+            hello_for(s.jwt_secret, self.peer_id, self.metadata(), challenge),
             self.status,
             client,
             ep.backend_url,
             s.heartbeat_interval,
             s.stream_write_timeout,
-            self.tracer,
+            check_welcome,
+            tracer=self.tracer,
         )
 
     async def _start_sim(self, nursery: trio.Nursery) -> str:

@@ -55,7 +55,9 @@ _REQUIRED: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
 # Fields a type may carry: when present and not null, of these types.
 _OPTIONAL: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
     HEARTBEAT: (("backend_healthy", bool), ("engine", dict), ("hardware", dict)),
-    WELCOME: (("liveness_interval", _NUM),),
+    WELCOME: (("liveness_interval", _NUM), ("proof", str)),
+    # protocol/router_proof.py: the agent's challenge and the router's answer.
+    HELLO: (("challenge", str),),
     ERROR: (("status", int),),
     REQUEST: (("report_usage", bool), ("traceparent", str)),
     RESPONSE_END: (("usage", dict),),
@@ -85,8 +87,11 @@ def validate(message: object) -> None:
                 raise ProtocolError(f"{kind}: headers must map strings to strings")
 
 
-def hello(token: str, metadata: dict) -> dict:
-    return {"type": HELLO, "token": token, "metadata": metadata}
+def hello(token: str, metadata: dict, challenge: str | None = None) -> dict:
+    msg = {"type": HELLO, "token": token, "metadata": metadata}
+    if challenge is not None:
+        msg["challenge"] = challenge
+    return msg
 
 
 def welcome(heartbeat_interval: float, router_peer_id: str, liveness_interval: float) -> dict:

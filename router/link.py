@@ -12,7 +12,7 @@ import math
 import re
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from protocol.frames import MAX_FRAME_BYTES
 from protocol.logs import quote
 from protocol.p2p import FramedStream, SessionClosed
+from protocol.router_proof import MAX_CHALLENGE, router_proof
 from protocol.tokens import TokenError, verify_token
 from protocol.tracing import Span
 from protocol.usage import COMPLETION, PROMPT, valid_usage
@@ -47,6 +48,7 @@ from router.peers import (
     AgentMetadata,
     Peer,
     PeerTable,
+    UniversalStats,
 )
 from router.registrations import RegistrationFeed, registration
 from router.remote_addr import format_endpoint, remote_endpoint
@@ -74,6 +76,8 @@ class LinkSettings:
     remove_after: float
     router_peer_id: str
     release_stream_slot_at_head: bool = True
+    # --health-check-interval: the longest pause between passes over the table.
+    health_check_interval: float = 1.0
     unjoined: UnjoinedLimits = field(default_factory=UnjoinedLimits)
 
     @property
@@ -390,6 +394,8 @@ class AgentLink:
         self.lifetime = lifetime
         self.sessions: dict[Peer, AgentSession] = {}
         self.unjoined = Unjoined(settings.unjoined)
+        # A joining agent's history from before a restart (--disk-db-path), if any.
+        self.history_of: Callable[[str], UniversalStats | None] = lambda peer_id: None
 
     def __repr__(self) -> str:
         return f"<AgentLink {len(self.sessions)} sessions, {self.unjoined!r}>"
@@ -460,6 +466,9 @@ class AgentLink:
         try:
             verify_token(self.settings.secret, msg["token"], session.remote_peer)
             meta = parse_metadata(msg["metadata"])
+            challenge = msg.get("challenge")
+            if challenge is not None and len(challenge) > MAX_CHALLENGE:
+                raise ValueError(f"challenge longer than {MAX_CHALLENGE} characters")
         except (TokenError, ValueError) as exc:
             reason = str(exc)
             log.warning("agent_refused peer=%s reason=%s", session.remote_peer, quote(reason))
@@ -480,6 +489,9 @@ class AgentLink:
         )
         old = self.table.get(peer.peer_id)
         restored = self.lifetime.restore(peer.peer_id) if self.lifetime else None
+        if restored is None and old is None:
+            # --disk-db-path (issue 19's JSON store), when the SQLite history has no row.
+            restored = self.history_of(peer.peer_id)
         if restored is not None:
             peer.stats = restored
         if old is not None:
@@ -491,13 +503,16 @@ class AgentLink:
         self.sessions[peer] = session
         self.table.add(peer)
         session.admitted()
-        session.fs.send_nowait(
-            m.welcome(
-                self.settings.heartbeat_interval,
-                self.settings.router_peer_id,
-                self.settings.liveness_interval,
-            )
+        welcome = m.welcome(
+            self.settings.heartbeat_interval,
+            self.settings.router_peer_id,
+            self.settings.liveness_interval,
         )
+        if challenge is not None:
+            welcome["proof"] = router_proof(
+                self.settings.secret, self.settings.router_peer_id, session.remote_peer, challenge
+            )
+        session.fs.send_nowait(welcome)
         session.hello_seen.set()
         self._count()
         self.registrations.publish(registration("registered", peer))
@@ -556,13 +571,14 @@ class AgentLink:
         """Keep sessions alive and mark silent agents unhealthy, then forget them."""
         s = self.settings
         # Heartbeats leave within a quarter period of falling due.
-        period = min(1.0, s.unhealthy_after / 3, s.heartbeat_interval / 4)
+        table_period = min(s.health_check_interval, s.unhealthy_after / 3)
+        period = min(table_period, s.heartbeat_interval / 4)
         last_table_sweep = trio.current_time()
         while True:
             await trio.sleep(period)
             now = trio.current_time()
             self._liveness(now)
-            if now - last_table_sweep >= min(1.0, s.unhealthy_after / 3):
+            if now - last_table_sweep >= table_period:
                 last_table_sweep = now
                 self._sweep_table(now)
 
@@ -778,4 +794,7 @@ def parse_metadata(raw: dict) -> AgentMetadata:
         version=text("version"),
         deployment_id=text("deployment_id"),
         replica_id=text("replica_id"),
+        hide_llm=raw.get("hide_llm") is True,
+        llm_pretty_name=text("llm_pretty_name"),
+        llm_info=text("llm_info"),
     )

@@ -280,3 +280,19 @@ def test_one_record_per_gpu_in_nvml_units_made_plain(monkeypatch: pytest.MonkeyP
             "power_watts": None,
         },
     ]
+
+
+def test_gpu_devices_restrict_the_gpus_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--gpu-devices-file` (issue 19): only the listed UUIDs count; none, no GPU."""
+    _fake_nvml(
+        monkeypatch,
+        [
+            _Gpu("H200", temperature=40, utilization=10, used=1 * GIB, total=80 * GIB),
+            _Gpu("H200", temperature=85, utilization=99, used=79 * GIB, total=80 * GIB),
+        ],
+    )
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda index: f"GPU-{index}".encode())
+    assert HardwareSampler(frozenset({"GPU-0"})).sample()["gpu_temperature_c"] == 40.0
+    assert HardwareSampler(None).sample()["gpu_temperature_c"] == 85.0
+    nothing = HardwareSampler(frozenset()).sample()
+    assert nothing["gpu_temperature_c"] is None and nothing["gpu_util_percent"] is None
