@@ -28,6 +28,7 @@ from protocol.messages import VERSION
 from protocol.p2p import load_or_create_identity, peer_id_of, tune_libp2p
 from protocol.router_proof import new_challenge, proof_valid
 from protocol.sdnotify import sd_notify
+from protocol.tracing import tracer_from_env
 
 log = logging.getLogger("agent")
 
@@ -64,6 +65,7 @@ class AgentDaemon:
         self.endpoints: EngineEndpoints | None = None
         self.model = settings.model
         self.sim_app: Any = None
+        self.tracer = tracer_from_env("hivenet-agent")
 
     def metadata(self) -> dict:
         s = self.settings
@@ -104,6 +106,8 @@ class AgentDaemon:
             nursery.start_soon(self._health_loop, probe, ep)
             nursery.start_soon(self._engine_loop, probe, ep)
             nursery.start_soon(self._hardware_loop)
+            if self.tracer.enabled:
+                nursery.start_soon(self.tracer.run)
             tune_libp2p()
             websocket = any("/ws" in r for r in s.routers)
             host = new_host(
@@ -136,6 +140,7 @@ class AgentDaemon:
                 task_status.started()
                 await self._until_terminated()
                 await self._drain()
+                await self.tracer.flush()
                 nursery.cancel_scope.cancel()
 
     def _session(
@@ -167,6 +172,7 @@ class AgentDaemon:
             s.heartbeat_interval,
             s.stream_write_timeout,
             check_welcome,
+            tracer=self.tracer,
         )
 
     async def _start_sim(self, nursery: trio.Nursery) -> str:

@@ -16,6 +16,7 @@ from agent.usage import UsageTap
 from protocol import messages as m
 from protocol.errors import ErrorCode
 from protocol.logs import quote
+from protocol.tracing import NULL_SPAN, Span
 
 log = logging.getLogger("agent")
 
@@ -62,7 +63,11 @@ class BackendClients:
 
 
 async def forward(
-    client: httpx.AsyncClient, backend_url: str, msg: dict, send: Callable[[dict], None]
+    client: httpx.AsyncClient,
+    backend_url: str,
+    msg: dict,
+    send: Callable[[dict], None],
+    span: Span = NULL_SPAN,
 ) -> None:
     """Run one request against the engine; every outcome is reported with `send`.
 
@@ -72,11 +77,17 @@ async def forward(
     req_id: int = msg["id"]
     url = backend_url.rstrip("/") + msg["path"]
     tap = UsageTap(msg) if msg.get("report_usage") else None
+    headers = msg["headers"]
+    # The engine joins the trace: this agent's span when tracing, else the router's.
+    traceparent = span.traceparent() or msg.get("traceparent")
+    if traceparent:
+        headers = {**headers, "traceparent": traceparent}
     try:
         request = client.build_request(
-            msg["method"], url, headers=msg["headers"], content=tap.body if tap else msg["body"]
+            msg["method"], url, headers=headers, content=tap.body if tap else msg["body"]
         )
         response = await client.send(request, stream=True)
+        span.set("http.response.status_code", response.status_code)
     except httpx.TimeoutException as exc:
         send(m.error(req_id, ErrorCode.BACKEND_UNAVAILABLE, f"engine timed out: {exc!r}"))
         return

@@ -4,12 +4,17 @@ GPU values come from NVML: the highest across GPUs, since one hot or full GPU is
 slows a sharded model. Utilization and memory are fractions 0-1; temperature is degrees
 Celsius. Without NVML (no driver, no GPU) the GPU fields are None, never zero, and the
 failed initialisation is not retried on every sample.
+
+Beside those policy fields the sample carries what the routing table and /metrics show
+and no gate reads: `gpus`, one record per GPU in upstream's shape (index, utilization in
+percent, VRAM bytes, temperature, power in watts), and the host memory in bytes. A GPU
+query that fails leaves that one value None.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, TypeVar
 
 import psutil
 import pynvml
@@ -41,13 +46,18 @@ class HardwareSampler:
         # so that `sample` never blocks for an interval.
         psutil.cpu_percent(interval=None)
 
-    def sample(self) -> dict[str, float | None]:
+    def sample(self) -> dict[str, Any]:
+        memory = psutil.virtual_memory()
         return {
             "gpu_temperature_c": _highest(self._handles, _temperature),
             "gpu_util_percent": _highest(self._handles, _utilization),
             "gpu_vram_used_percent": _highest(self._handles, _vram_used),
-            "memory_used_percent": psutil.virtual_memory().percent / 100.0,
+            "memory_used_percent": memory.percent / 100.0,
             "cpu_usage_percent": psutil.cpu_percent(interval=None) / 100.0,
+            "memory_used_bytes": memory.used,
+            "memory_available_bytes": memory.available,
+            "memory_total_bytes": memory.total,
+            "gpus": [_gpu(index, handle) for index, handle in enumerate(self._handles)],
         }
 
     def gpu_model(self) -> str | None:
@@ -58,6 +68,31 @@ class HardwareSampler:
         except pynvml.NVMLError:
             return None
         return name.decode() if isinstance(name, bytes) else name
+
+
+T = TypeVar("T")
+
+
+def _read(read: Callable[[], T]) -> T | None:
+    try:
+        return read()
+    except pynvml.NVMLError:
+        return None
+
+
+def _gpu(index: int, handle: Any) -> dict[str, float | None]:
+    memory = _read(lambda: pynvml.nvmlDeviceGetMemoryInfo(handle))
+    utilization = _read(lambda: _utilization(handle))
+    return {
+        "index": index,
+        "util_percent": None if utilization is None else utilization * 100.0,
+        "vram_used_bytes": None if memory is None else memory.used,
+        "vram_free_bytes": None if memory is None else memory.free,
+        "vram_total_bytes": None if memory is None else memory.total,
+        "temperature_c": _read(lambda: _temperature(handle)),
+        # NVML reports milliwatts.
+        "power_watts": _read(lambda: pynvml.nvmlDeviceGetPowerUsage(handle) / 1000.0),
+    }
 
 
 def _uuid(handle: Any) -> str:

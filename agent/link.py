@@ -32,6 +32,7 @@ from protocol.errors import ErrorCode
 from protocol.logs import quote
 from protocol.p2p import FramedStream, SessionClosed, limit_unacknowledged
 from protocol.tokens import issue_token
+from protocol.tracing import NO_TRACER, NULL_SPAN, Tracer
 
 log = logging.getLogger("agent")
 
@@ -111,10 +112,12 @@ class RouterSession:
         heartbeat_interval: float,
         write_timeout: float,
         check_welcome: Callable[[dict], str | None] | None = None,
+        tracer: Tracer = NO_TRACER,
     ) -> None:
         self.fs = FramedStream(stream, write_timeout=write_timeout)
         # Why a welcome is not the router's (its secret proof), or None when it is.
         self.check_welcome = check_welcome
+        self.tracer = tracer
         # The router speaks on an idle session only every few periods (its welcome
         # says how often); a dead router host or network is the kernel's to notice,
         # from this agent's own unacknowledged heartbeats.
@@ -221,9 +224,15 @@ class RouterSession:
             if state is not RequestState.CANCELLED:
                 self.send(answer)
 
-        with served.scope:
+        span = NULL_SPAN
+        if self.tracer.enabled:
+            rid = msg["headers"].get("x-request-id", "")
+            attributes = {"hivenet.request_id": rid, "url.path": msg["path"]}
+            span = self.tracer.root("agent.forward", msg.get("traceparent"), attributes)
+        with served.scope, span:
             try:
-                await forward(self.client.for_request(req_id), self.backend_url, msg, send)
+                client = self.client.for_request(req_id)
+                await forward(client, self.backend_url, msg, send, span)
             except m.ProtocolError as exc:
                 # This agent's own answer broke the rules: the request fails, the
                 # session and its other requests go on.

@@ -59,7 +59,7 @@ _OPTIONAL: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
     # protocol/router_proof.py: the agent's challenge and the router's answer.
     HELLO: (("challenge", str),),
     ERROR: (("status", int),),
-    REQUEST: (("report_usage", bool),),
+    REQUEST: (("report_usage", bool), ("traceparent", str)),
     RESPONSE_END: (("usage", dict),),
 }
 
@@ -132,6 +132,7 @@ def request(
     body: bytes,
     stream: bool,
     report_usage: bool = False,
+    traceparent: str | None = None,
 ) -> dict:
     msg = {
         "type": REQUEST,
@@ -146,6 +147,9 @@ def request(
         # The router counts tokens for quotas or its audit log: send them back on
         # response_end (`usage`: prompt_tokens, completion_tokens).
         msg["report_usage"] = True
+    if traceparent is not None:
+        # W3C trace context of the router's try, for the agent's span and the engine.
+        msg["traceparent"] = traceparent
     return msg
 
 

@@ -17,23 +17,61 @@ three sample periods) has no sample at all, never a zero. `..._engine_age_second
 `..._hardware_age_seconds` say how old the latest snapshots are, as the routing table
 does. Health is `hivenet_router_agent_healthy` (agent and link) and
 `hivenet_router_agent_backend_healthy` (its inference backend), 1 or 0.
+
+Lifetime counts (router/lifetime.py keeps them across restarts; POST /admin/metrics/reset
+zeroes them) are counters: `..._requests_success_total`, `..._requests_failed_total`,
+`..._input_tokens_total`, `..._output_tokens_total`, `..._rejected_requests_total`,
+`..._disconnections_total`. `..._info` is 1 with the agent's metadata as labels, and
+`..._last_seen_timestamp_seconds` the wall time of its latest heartbeat.
+
+From the same snapshots, while they are fresh, and read by no gate: per GPU (label
+`gpu_index`) `..._gpu_power_watts`, `..._gpu_vram_used_bytes` and
+`..._gpu_vram_total_bytes`; the host's `..._memory_used_bytes` and
+`..._memory_total_bytes`; and the engine's `..._preemptions_total` (vLLM's count of
+requests preempted for lack of KV cache).
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterable, Iterator
 
 import trio
 from prometheus_client import CollectorRegistry
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from router.peers import Peer, PeerTable
-from router.policy.gates import metric_value
+from router.policy.gates import STALE_AFTER_PERIODS, metric_value
 
 PREFIX = "hivenet_router_agent_"
 LABELS = ("peer_id", "model", "engine")
+INFO_LABELS = (
+    *LABELS,
+    "capability",
+    "region",
+    "gpu_model",
+    "version",
+    "deployment_id",
+    "replica_id",
+)
+GPU_LABELS = (*LABELS, "gpu_index")
+# (gauge name, per-GPU field, help text)
+_PER_GPU = (
+    ("gpu_power_watts", "power_watts", "GPU power draw, watts"),
+    ("gpu_vram_used_bytes", "vram_used_bytes", "GPU memory in use, bytes"),
+    ("gpu_vram_total_bytes", "vram_total_bytes", "GPU memory, bytes"),
+)
+# (counter name without _total, UniversalStats field, help text)
+_LIFETIME = (
+    ("requests_success", "successes", "Successful forwards (lifetime)"),
+    ("requests_failed", "failures", "Failed forwards counted against the agent (lifetime)"),
+    ("input_tokens", "input_tokens", "Prompt tokens the engine reported (lifetime)"),
+    ("output_tokens", "output_tokens", "Completion tokens the engine reported (lifetime)"),
+    ("rejected_requests", "rejections", "Requests the engine refused with a 4xx (lifetime)"),
+    ("disconnections", "disconnections", "Agent sessions that ended (lifetime)"),
+)
 
 # (metric name suffix, policy field, help text)
 _UNIVERSAL = (
@@ -84,12 +122,30 @@ class AgentCollector(Collector):
         yield from families.values()
 
     @staticmethod
-    def _families() -> dict[str, GaugeMetricFamily]:
+    def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:
         def gauge(name: str, text: str) -> tuple[str, GaugeMetricFamily]:
             return name, GaugeMetricFamily(PREFIX + name, text, labels=LABELS)
 
+        def counter(name: str, text: str) -> tuple[str, CounterMetricFamily]:
+            return name, CounterMetricFamily(PREFIX + name, text, labels=LABELS)
+
+        text = "1, with the agent's metadata as labels"
+        info = GaugeMetricFamily(PREFIX + "info", text, labels=INFO_LABELS)
         return dict(
             [
+                ("info", info),
+                gauge("last_seen_timestamp_seconds", "Wall time of the latest heartbeat"),
+                *(counter(name, text) for name, _, text in _LIFETIME),
+                gauge("rttvar_milliseconds", "RFC 6298 RTTVAR of the request time, ms"),
+                *(
+                    (name, GaugeMetricFamily(PREFIX + name, text, labels=GPU_LABELS))
+                    for name, _, text in _PER_GPU
+                ),
+                gauge("memory_used_bytes", "Host memory in use, bytes"),
+                gauge("memory_total_bytes", "Host memory, bytes"),
+                counter(
+                    "preemptions", "Requests the engine preempted (vLLM, lifetime of the engine)"
+                ),
                 gauge("healthy", "1 when the agent is connected and heartbeating, else 0"),
                 gauge("backend_healthy", "1 when the agent's inference backend is healthy"),
                 gauge("active_requests", "Requests the router has in flight on the agent"),
@@ -103,7 +159,11 @@ class AgentCollector(Collector):
         )
 
     @staticmethod
-    def _add(families: dict[str, GaugeMetricFamily], peer: Peer, now: float | None) -> None:
+    def _add(
+        families: dict[str, GaugeMetricFamily | CounterMetricFamily],
+        peer: Peer,
+        now: float | None,
+    ) -> None:
         md = peer.metadata
         labels = [peer.peer_id, md.model, md.engine]
 
@@ -119,12 +179,28 @@ class AgentCollector(Collector):
         stats = peer.stats
         put("success_rate", stats.success_rate)
         put("srtt_milliseconds", stats.srtt_ms)
+        put("rttvar_milliseconds", stats.rttvar_ms)
+        for name, attr, _ in _LIFETIME:
+            put(name, getattr(stats, attr))
+        meta = (md.capability, md.region, md.gpu_model, md.version, md.deployment_id, md.replica_id)
+        families["info"].add_metric([*labels, *meta], 1.0)
         if stats.successes + stats.failures:
             put("consecutive_failures", stats.consecutive_failures)
         if now is None:
             return
+        put("last_seen_timestamp_seconds", time.time() - (now - peer.last_seen))
         for field in (*ENGINE_FIELDS, *HARDWARE_FIELDS):
             put(field, metric_value(peer, field, now))
+        if now - peer.hardware_at <= STALE_AFTER_PERIODS * peer.hardware_interval:
+            for gpu in peer.gpus:
+                for name, attr, _ in _PER_GPU:
+                    value = gpu.values.get(attr)
+                    if value is not None:
+                        families[name].add_metric([*labels, str(gpu.index)], value)
+            put("memory_used_bytes", peer.memory.get("memory_used_bytes"))
+            put("memory_total_bytes", peer.memory.get("memory_total_bytes"))
+        if now - peer.engine_at <= STALE_AFTER_PERIODS * peer.engine_interval:
+            put("preemptions", peer.preemptions)
         if peer.engine_at:
             put("engine_age_seconds", now - peer.engine_at)
         if peer.hardware_at:

@@ -15,6 +15,7 @@ from protocol.logs import quote
 from protocol.messages import PROTOCOL_ID
 from protocol.p2p import load_or_create_identity, peer_id_of
 from protocol.sdnotify import sd_notify
+from protocol.tracing import tracer_from_env
 from router.agent_metrics import AgentCollector
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
@@ -24,6 +25,7 @@ from router.http.app import RouterApp, protocol_of, with_lifespan
 from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
 from router.http.server import HttpServer
+from router.lifetime import LifetimeStore, default_path
 from router.link import AgentLink, LinkSettings
 from router.metrics import RouterMetrics
 from router.p2p_host import close_listeners, router_host
@@ -33,6 +35,7 @@ from router.policy.rank import Ranking
 from router.policy.schema import Policy
 from router.policy.store import PolicyStore
 from router.providers import ProviderClient
+from router.registrations import RegistrationFeed
 from router.session import RoutingSession
 from router.settings import RouterSettings
 from router.tenants.gate import GateSettings, TenantGate
@@ -81,6 +84,12 @@ class RouterDaemon:
             if settings.p2p_wss_port and settings.tls_cert_file and settings.tls_key_file
             else None
         )
+        self.registrations = RegistrationFeed()
+        self.tracer = tracer_from_env("hivenet-router")
+        self.lifetime = LifetimeStore(
+            settings.history_path or default_path(settings.identity_path), self.table
+        )
+        self.lifetime.load()
         self.link = AgentLink(
             self.table,
             self.metrics,
@@ -94,6 +103,8 @@ class RouterDaemon:
                 health_check_interval=settings.health_check_interval,
                 unjoined=UnjoinedLimits(per_address=settings.max_unjoined_per_ip),
             ),
+            self.registrations,
+            self.lifetime,
         )
         self.history = (
             AgentHistory(
@@ -170,6 +181,9 @@ class RouterDaemon:
             AdminKeys(settings.admin_api_keys, settings.allow_insecure_admin),
             self.tenants.client_keys,
             self.tenants,
+            self.registrations,
+            self.lifetime,
+            self.tracer,
         )
         self._stop = trio.Event()
         self._http_stop = trio.Event()
@@ -210,6 +224,9 @@ class RouterDaemon:
                     if self.history is not None:
                         nursery.start_soon(self.history.run, self.table)
                     nursery.start_soon(self.tenants.run)
+                    nursery.start_soon(self.lifetime.run)
+                    if self.tracer.enabled:
+                        nursery.start_soon(self.tracer.run)
                     nursery.start_soon(self._signals, nursery.cancel_scope)
                     await nursery.start(self._serve_http, self.app, s.http_addr)
                     metrics_app = with_lifespan(make_asgi_app(self.metrics.registry))
@@ -234,7 +251,10 @@ class RouterDaemon:
                 with trio.CancelScope(shield=True):
                     await close_listeners(host)
                     await self.providers.aclose()
+                    await self.lifetime.write()
+                    await self.tracer.flush()
                 self.tenants.close()
+                self.lifetime.close()
         log.info("router_stopped")
 
     def announce_addrs(self, host: Any) -> list[str]:

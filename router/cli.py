@@ -128,6 +128,12 @@ def build_parser() -> argparse.ArgumentParser:
         or None,
         help="JSON-lines audit log, one line per request (no prompt text)",
     )
+    serve.add_argument(
+        "--history-path",
+        default=None,
+        help="SQLite file of per-agent lifetime stats (default: router_history.sqlite3 "
+        "beside --identity-path)",
+    )
     serve.add_argument("--audit-log-max-bytes", type=int, default=100 * 1024 * 1024)
     serve.add_argument("--audit-log-backups", type=int, default=5)
     serve.add_argument(
@@ -224,6 +230,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         audit_log=args.audit_log,
         audit_log_max_bytes=args.audit_log_max_bytes,
         audit_log_backups=args.audit_log_backups,
+        history_path=args.history_path,
     )
     s.apply_environment(env)
     if s.auth_file and s.client_api_keys.strip():

@@ -76,8 +76,20 @@ class Dispatcher:
     async def dispatch(self, req: RouteRequest) -> Served | ProviderServed:
         """Serve `req`, or raise RouterError (BackendRejected for request-level errors)."""
         policy = self.store.for_model(req.model)
-        async with self.limit.slot():
-            outcome = await self.session.route(policy, req)
+        root = req.span
+        with root.child("route", {"hivenet.model": req.model}) as span:
+            # The spans of the routing (its forwards) go under this one.
+            req.span = span
+            try:
+                async with self.limit.slot():
+                    outcome = await self.session.route(policy, req)
+            finally:
+                req.span = root
+            if isinstance(outcome, Served):
+                span.set("hivenet.step", outcome.step_name)
+                span.set("hivenet.peer_id", outcome.peer.peer_id)
+            else:
+                span.fail("load shed" if isinstance(outcome, LoadShed) else "chain exhausted")
         if isinstance(outcome, Served):
             self.metrics.routed.labels(req.model, req.tenant).inc()
             if outcome.step_index == 0:
@@ -113,7 +125,9 @@ class Dispatcher:
         provider = self.provider_for(req)
         if provider is not None and self.provider_call is not None:
             try:
-                served = await self.provider_call(provider, req)
+                attributes = {"hivenet.provider": provider.engine}
+                with req.span.child("provider_fallback", attributes):
+                    served = await self.provider_call(provider, req)
             except BaseException:
                 # Failed, or cut short by the deadline or the client: no result followed.
                 self.metrics.exhausted.labels(req.model, req.tenant).inc()

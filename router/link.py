@@ -38,7 +38,10 @@ from protocol.logs import quote
 from protocol.p2p import FramedStream, SessionClosed
 from protocol.router_proof import MAX_CHALLENGE, router_proof
 from protocol.tokens import TokenError, verify_token
-from protocol.usage import valid_usage
+from protocol.tracing import Span
+from protocol.usage import COMPLETION, PROMPT, valid_usage
+from router.agent_detail import gpus_of, memory_of, preemptions_of
+from router.lifetime import LifetimeStore
 from router.metrics import RouterMetrics
 from router.peers import (
     CAPABILITIES,
@@ -47,6 +50,7 @@ from router.peers import (
     PeerTable,
     UniversalStats,
 )
+from router.registrations import RegistrationFeed, registration
 from router.remote_addr import format_endpoint, remote_endpoint
 from router.session import ForwardFailure, RouteRequest, Slot
 from router.unjoined import Unjoined, UnjoinedLimits, source_of
@@ -341,7 +345,7 @@ class AgentResponse:
                     yield frame["data"]
                 elif state is _DONE:
                     self.done = True
-                    self.usage = valid_usage(frame.get("usage"))
+                    self._ended(frame)
                     return
                 else:
                     self.done = True
@@ -350,6 +354,12 @@ class AgentResponse:
                     raise StreamBroken(f"{failure.code}: {failure.message}")
         finally:
             self.close()
+
+    def _ended(self, frame: dict) -> None:
+        self.usage = usage = valid_usage(frame.get("usage"))
+        peer = self.session.peer
+        if usage is not None and peer is not None:
+            peer.stats.record_tokens(usage[PROMPT], usage[COMPLETION])
 
     async def read_all(self) -> bytes:
         return b"".join([chunk async for chunk in self.chunks()])
@@ -362,17 +372,26 @@ class AgentResponse:
             for state, frame in self.pending.frames:
                 if state is _DONE:
                     self.done = True
-                    self.usage = valid_usage(frame.get("usage"))
+                    self._ended(frame)
         self.slot.release()
         self.session.finish(self.req_id, cancel=not self.done)
         self.done = True
 
 
 class AgentLink:
-    def __init__(self, table: PeerTable, metrics: RouterMetrics, settings: LinkSettings) -> None:
+    def __init__(
+        self,
+        table: PeerTable,
+        metrics: RouterMetrics,
+        settings: LinkSettings,
+        registrations: RegistrationFeed | None = None,
+        lifetime: LifetimeStore | None = None,
+    ) -> None:
         self.table = table
         self.metrics = metrics
         self.settings = settings
+        self.registrations = registrations or RegistrationFeed()
+        self.lifetime = lifetime
         self.sessions: dict[Peer, AgentSession] = {}
         self.unjoined = Unjoined(settings.unjoined)
         # A joining agent's history from before a restart (--disk-db-path), if any.
@@ -469,7 +488,10 @@ class AgentLink:
             remote_addr=session.remote_addr,
         )
         old = self.table.get(peer.peer_id)
-        restored = self.history_of(peer.peer_id) if old is None else None
+        restored = self.lifetime.restore(peer.peer_id) if self.lifetime else None
+        if restored is None and old is None:
+            # --disk-db-path (issue 19's JSON store), when the SQLite history has no row.
+            restored = self.history_of(peer.peer_id)
         if restored is not None:
             peer.stats = restored
         if old is not None:
@@ -493,6 +515,7 @@ class AgentLink:
         session.fs.send_nowait(welcome)
         session.hello_seen.set()
         self._count()
+        self.registrations.publish(registration("registered", peer))
         log.info(
             "agent_joined peer=%s model=%s capability=%s engine=%s capacity=%d",
             peer.peer_id,
@@ -512,6 +535,9 @@ class AgentLink:
             return
         if self.sessions.get(peer) is session:
             del self.sessions[peer]
+            peer.stats.disconnections += 1
+            # A session replaced by the same agent's newer one is no unregistration.
+            self.registrations.publish(registration("unregistered", peer))
         peer.connected = False
         peer.healthy = False
         self.table.changed(peer.metadata.model)
@@ -529,11 +555,14 @@ class AgentLink:
             peer.engine = _floats(engine, ENGINE_FIELDS)
             peer.engine_at = now - _age(engine)
             peer.engine_interval = _interval(engine, peer.engine_interval)
+            peer.preemptions = preemptions_of(engine)
         hardware = msg.get("hardware") or {}
         if hardware:
             peer.hardware = _floats(hardware, HARDWARE_FIELDS)
             peer.hardware_at = now - _age(hardware)
             peer.hardware_interval = _interval(hardware, peer.hardware_interval)
+            peer.gpus = gpus_of(hardware)
+            peer.memory = memory_of(hardware)
         if peer.routable != was:
             self.table.changed(peer.metadata.model)
             self._count()
@@ -579,6 +608,7 @@ class AgentLink:
                 session = self.sessions.pop(peer, None)
                 if session is not None:
                     session.fs.close(f"no heartbeat for {silent:.0f}s")
+                    self.registrations.publish(registration("unregistered", peer))
                 log.info("agent_removed peer=%s silent_s=%.1f", peer.peer_id, silent)
             elif silent > s.unhealthy_after and peer.healthy:
                 peer.healthy = False
@@ -603,6 +633,17 @@ class AgentLink:
             return ForwardFailure(
                 ErrorCode.AGENT_DISCONNECTED, "agent session is gone", connection_level=True
             )
+        with req.span.child("forward", {"hivenet.peer_id": peer.peer_id}) as span:
+            result = await self._forward(session, peer, req, slot, span)
+            if isinstance(result, ForwardFailure):
+                span.fail(str(result.code))
+            else:
+                span.set("http.response.status_code", result.status)
+            return result
+
+    async def _forward(
+        self, session: AgentSession, peer: Peer, req: RouteRequest, slot: Slot, span: Span
+    ) -> AgentResponse | ForwardFailure:
         req_id, pending = session.open()
         started = trio.current_time()
         try:
@@ -615,6 +656,7 @@ class AgentLink:
                     req.body,
                     req.stream,
                     req.report_usage,
+                    span.traceparent() or req.traceparent,
                 )
             )
         except SessionClosed as exc:

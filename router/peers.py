@@ -12,6 +12,8 @@ import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
+from router.agent_detail import Gpu
+
 UNIVERSAL_FIELDS = ("capacity_utilization", "success_rate", "srtt", "consecutive_failures")
 CAPABILITIES = ("llm", "embedding", "reranker")
 
@@ -83,6 +85,12 @@ class UniversalStats:
     consecutive_failures: int = 0
     srtt_ms: float | None = None
     rttvar_ms: float | None = None
+    # Lifetime counts kept by router/lifetime.py across restarts: tokens as the engine
+    # reported them, answers the engine refused (4xx), sessions that ended.
+    input_tokens: int = 0
+    output_tokens: int = 0
+    rejections: int = 0
+    disconnections: int = 0
     probe_at: float = math.inf
 
     @property
@@ -131,6 +139,15 @@ class UniversalStats:
         if self.probe_at == math.inf:
             self.probe_at = held
 
+    def record_tokens(self, prompt: int, completion: int) -> None:
+        self.input_tokens += prompt
+        self.output_tokens += completion
+
+    def reset(self) -> None:
+        """POST /admin/metrics/reset: back to an agent never seen."""
+        for name, value in vars(UniversalStats()).items():
+            setattr(self, name, value)
+
 
 @dataclass(eq=False)
 class Peer:
@@ -155,6 +172,10 @@ class Peer:
     engine_interval: float = 0.5
     hardware_interval: float = 2.0
     stats: UniversalStats = field(default_factory=UniversalStats)
+    # Heartbeat values no gate reads (router/agent_detail.py), of the same snapshots.
+    gpus: tuple[Gpu, ...] = ()
+    memory: dict[str, float | None] = field(default_factory=dict)
+    preemptions: float | None = None
     # `host:port` the router saw the agent's connection come from (a NAT's, a proxy's).
     remote_addr: str = ""
 

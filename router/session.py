@@ -18,6 +18,7 @@ import trio
 
 from protocol.errors import REQUEST_LEVEL, ErrorCode, RouterError
 from protocol.logs import quote
+from protocol.tracing import NULL_SPAN, Span
 from router.capacity import Waiter, WaitQueue, try_acquire
 from router.metrics import RouterMetrics
 from router.peers import DEFAULT_FAILURE_COOLDOWN, Peer, PeerTable
@@ -54,6 +55,11 @@ class RouteRequest:
     # A hard constraint like the model: only agents running one of these engines
     # (empty: any engine). Token counting needs an engine with a tokenizer endpoint.
     engines: frozenset[str] = frozenset()
+    # The request's innermost open span, under which the next one goes (NULL_SPAN with
+    # tracing off), and the W3C traceparent the agent and its engine get with tracing
+    # off: the client's.
+    span: Span = NULL_SPAN
+    traceparent: str | None = None
 
 
 class Slot:
@@ -239,13 +245,24 @@ class RoutingSession:
             if hit is not None:
                 # Admission comes before the gates: a refused request neither queues nor
                 # tries the later steps, which read the same router-wide load.
+                with req.span.child("shed", {"hivenet.step": step.name}) as refused:
+                    refused.fail(hit.detail())
                 reasons.append(f"{step.name}: shed_if [{hit.detail()}]")
                 chain = [s.name for s in steps]
                 retry_after = step.shed_if.retry_after if step.shed_if else 0
                 return LoadShed(
                     step.name, hit, retry_after, " | ".join(reasons), chain, len(reasons)
                 )
-            outcome = await self._run_step(index, step, req, recovered, rank_request)
+            parent = req.span
+            with parent.child("step", {"hivenet.step": step.name}) as span:
+                # The step's queue wait and tries go under its span.
+                req.span = span
+                try:
+                    outcome = await self._run_step(index, step, req, recovered, rank_request)
+                finally:
+                    req.span = parent
+                if not isinstance(outcome, Served):
+                    span.fail(outcome.reason)
             if isinstance(outcome, Served):
                 return outcome
             reasons.append(f"{step.name}: {outcome.reason}")
@@ -293,8 +310,12 @@ class RoutingSession:
                     return action
                 if isinstance(action, _Queued):
                     # The request's own deadline bounds the wait (cancellation).
-                    await wait.wait()
-                    if wait.evicted():
+                    with req.span.child("queue_wait") as queued:
+                        await wait.wait()
+                        evicted = wait.evicted()
+                        if evicted:
+                            queued.fail("evicted by a request of higher priority")
+                    if evicted:
                         log.debug(
                             "req=%s queue_evicted step=%s priority=%d tenant=%s",
                             req.request_id,
@@ -305,11 +326,19 @@ class RoutingSession:
                         return run.drained(action.drained, capacity_full=True)
                     continue
                 started = trio.current_time()
-                try:
-                    result = await self.forward(action.slot.peer, req, action.slot)
-                except BaseException:
-                    action.abandon()
-                    raise
+                parent, peer = req.span, action.slot.peer
+                with parent.child("try", {"hivenet.peer_id": peer.peer_id}) as attempt:
+                    # The link's forward span goes under this try's.
+                    req.span = attempt
+                    try:
+                        result = await self.forward(peer, req, action.slot)
+                    except BaseException:
+                        action.abandon()
+                        raise
+                    finally:
+                        req.span = parent
+                    if isinstance(result, ForwardFailure):
+                        attempt.fail(str(result.code))
                 settled = self._settle(run, req, action, result, started)
                 if settled is not None:
                     return settled
@@ -396,6 +425,8 @@ class RoutingSession:
             stats.record_failure(now, self.failure_cooldown)
         elif sent.probe:
             stats.end_probe(sent.held)
+        if result.code in REQUEST_LEVEL:
+            stats.rejections += 1  # the engine refused the request: lifetime history
         req.waited += now - started
         self.metrics.forward_failures.labels(req.model, str(result.code), req.tenant).inc()
         log.info(

@@ -90,6 +90,8 @@ class RouterSettings:
     audit_log: str | None = None
     audit_log_max_bytes: int = 100 * 1024 * 1024
     audit_log_backups: int = 5
+    # Per-agent lifetime stats (router/lifetime.py); None: beside the identity key.
+    history_path: str | None = None
     # HIVENET_ROUTER_AUTH_MODE (read without an auth file): none or api-key.
     auth_mode: str = ""
     # HIVENET_ROUTER_RPM_BURST_SECONDS: a tenant bucket holds this many seconds of its

@@ -21,6 +21,7 @@ class _Gpu:
     used: int
     total: int
     broken: frozenset[str] = frozenset()
+    power_mw: int = 0
 
 
 @dataclass
@@ -64,6 +65,9 @@ def _fake_nvml(monkeypatch: pytest.MonkeyPatch, gpus: list[_Gpu]) -> list[str]:
     monkeypatch.setattr(pynvml, "nvmlDeviceGetUtilizationRates", utilization)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetMemoryInfo", memory)
     monkeypatch.setattr(pynvml, "nvmlDeviceGetName", lambda handle: query("name", handle).name)
+    monkeypatch.setattr(
+        pynvml, "nvmlDeviceGetPowerUsage", lambda handle: query("power", handle).power_mw
+    )
     return calls
 
 
@@ -147,11 +151,22 @@ def test_this_host_without_nvml() -> None:
     # The CI host has no NVIDIA driver; on a GPU host this checks real readings instead.
     sampler = HardwareSampler()
     values = sampler.sample()
-    assert set(values) == {*GPU_FIELDS, "memory_used_percent", "cpu_usage_percent"}
+    assert set(values) == {
+        *GPU_FIELDS,
+        "memory_used_percent",
+        "cpu_usage_percent",
+        "memory_used_bytes",
+        "memory_available_bytes",
+        "memory_total_bytes",
+        "gpus",
+    }
+    assert 0 < values["memory_used_bytes"] < values["memory_total_bytes"]
+    assert 0 < values["memory_available_bytes"] <= values["memory_total_bytes"]
     assert 0.0 <= values["memory_used_percent"] <= 1.0
     assert 0.0 <= values["cpu_usage_percent"] <= 1.0
     if sampler.gpu_model() is None:
         assert all(values[name] is None for name in GPU_FIELDS)
+        assert values["gpus"] == []
     else:
         assert 0.0 <= values["gpu_util_percent"] <= 1.0
         assert 0.0 <= values["gpu_vram_used_percent"] <= 1.0
@@ -211,6 +226,9 @@ def test_cpu_and_memory_from_psutil_as_fractions(monkeypatch: pytest.MonkeyPatch
     @dataclass
     class _VirtualMemory:
         percent: float
+        used: int = 6 * GIB
+        available: int = 2 * GIB
+        total: int = 8 * GIB
 
     calls: list[object] = []
 
@@ -223,8 +241,45 @@ def test_cpu_and_memory_from_psutil_as_fractions(monkeypatch: pytest.MonkeyPatch
     values = HardwareSampler().sample()
     assert values["memory_used_percent"] == pytest.approx(0.735)
     assert values["cpu_usage_percent"] == pytest.approx(0.375)
+    used, available, total = (values[f"memory_{k}_bytes"] for k in ("used", "available", "total"))
+    assert (used, available, total) == (6 * GIB, 2 * GIB, 8 * GIB)
     # Never blocking: CPU use since the previous call, primed when the sampler starts.
     assert calls == [None, None]
+
+
+def test_one_record_per_gpu_in_nvml_units_made_plain(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Upstream's per-GPU array: percent, bytes, watts (NVML's milliwatts); a failing
+    query leaves that value None, not 0, and the other values of that GPU stand."""
+    _fake_nvml(
+        monkeypatch,
+        [
+            _Gpu("H200", temperature=64, utilization=93, used=120 * GIB, total=141 * GIB,
+                 power_mw=612_345),
+            _Gpu("H200", temperature=31, utilization=0, used=GIB, total=141 * GIB,
+                 broken=frozenset({"power", "temperature"})),
+        ],
+    )  # fmt: skip
+    gpus = HardwareSampler().sample()["gpus"]
+    assert gpus == [
+        {
+            "index": 0,
+            "util_percent": 93.0,
+            "vram_used_bytes": 120 * GIB,
+            "vram_free_bytes": 21 * GIB,
+            "vram_total_bytes": 141 * GIB,
+            "temperature_c": 64.0,
+            "power_watts": pytest.approx(612.345),
+        },
+        {
+            "index": 1,
+            "util_percent": 0.0,
+            "vram_used_bytes": GIB,
+            "vram_free_bytes": 140 * GIB,
+            "vram_total_bytes": 141 * GIB,
+            "temperature_c": None,
+            "power_watts": None,
+        },
+    ]
 
 
 def test_gpu_devices_restrict_the_gpus_reported(monkeypatch: pytest.MonkeyPatch) -> None:

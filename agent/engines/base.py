@@ -21,7 +21,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from protocol.fields import ENGINE_FIELDS
 
-FIELDS = ENGINE_FIELDS
+# What the sampler reports: the policy's fields, and `preemptions_total` (the engine's
+# lifetime count of requests preempted for lack of KV cache), which the routing table
+# and /metrics show and no gate reads.
+FIELDS = (*ENGINE_FIELDS, "preemptions_total")
 
 # Series of the served model are picked by this label (vLLM and SGLang both use it).
 MODEL_LABEL = "model_name"
@@ -47,6 +50,7 @@ class MetricNames:
     waiting_requests: tuple[str, ...] = ()
     ttft_histogram: tuple[str, ...] = ()
     itl_histogram: tuple[str, ...] = ()
+    preemptions: tuple[str, ...] = ()
 
     def __or__(self, other: MetricNames) -> MetricNames:
         def join(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
@@ -58,10 +62,12 @@ class MetricNames:
             waiting_requests=join(self.waiting_requests, other.waiting_requests),
             ttft_histogram=join(self.ttft_histogram, other.ttft_histogram),
             itl_histogram=join(self.itl_histogram, other.itl_histogram),
+            preemptions=join(self.preemptions, other.preemptions),
         )
 
     def sample_names(self) -> frozenset[str]:
         gauges = self.kv_cache_utilization + self.running_requests + self.waiting_requests
+        gauges += self.preemptions
         histograms = self.ttft_histogram + self.itl_histogram
         suffixed = (h + s for h in histograms for s in ("_sum", "_count", "_bucket"))
         return frozenset((*gauges, *suffixed))
@@ -140,6 +146,7 @@ class MetricSampler:
             "p90_ttft_seconds": p90_ttft,
             "avg_itl_seconds": avg_itl,
             "p90_itl_seconds": p90_itl,
+            "preemptions_total": self._gauge(series, self._names.preemptions, sum),
         }
         # Finite samples can still add up past the largest float (1e308 + 1e308).
         return {k: v if v is None or math.isfinite(v) else None for k, v in values.items()}

@@ -10,6 +10,7 @@ VLLM_METRICS = MetricNames(
     waiting_requests=("vllm:num_requests_waiting",),
     ttft_histogram=("vllm:time_to_first_token_seconds",),
     itl_histogram=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
+    preemptions=("vllm:num_preemptions_total",),
 )
 
 

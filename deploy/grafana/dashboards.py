@@ -296,6 +296,45 @@ FLEET = Dashboard(
             ),
         ),
         Row(
+            "Agent history",
+            (
+                Panel(
+                    "Agents",
+                    "table",
+                    (
+                        Target(agent_gauge("info"), "info", instant=True),
+                        Target(
+                            f"time() - {agent_gauge('last_seen_timestamp_seconds')}",
+                            "seconds since last seen",
+                            instant=True,
+                        ),
+                    ),
+                    width=24,
+                    description="Metadata labels (deployment and replica ids) and "
+                    "time since the latest heartbeat",
+                ),
+                series(
+                    "Lifetime requests",
+                    t(agent_gauge("requests_success_total"), AGENT_LEGEND + " ok"),
+                    t(agent_gauge("requests_failed_total"), AGENT_LEGEND + " failed"),
+                    t(agent_gauge("rejected_requests_total"), AGENT_LEGEND + " rejected"),
+                    description="Kept across router restarts; POST /admin/metrics/reset "
+                    "zeroes them",
+                ),
+                series(
+                    "Lifetime tokens",
+                    t(agent_gauge("input_tokens_total"), AGENT_LEGEND + " input"),
+                    t(agent_gauge("output_tokens_total"), AGENT_LEGEND + " output"),
+                    description="As the engines reported them",
+                ),
+                series(
+                    "Disconnections and RTTVAR",
+                    t(agent_gauge("disconnections_total"), AGENT_LEGEND + " disconnections"),
+                    t(agent_gauge("rttvar_milliseconds"), AGENT_LEGEND + " rttvar ms"),
+                ),
+            ),
+        ),
+        Row(
             "Engines",
             (
                 series(
@@ -328,6 +367,15 @@ FLEET = Dashboard(
                     unit="s",
                     description="Older than three sample periods: the gates treat the "
                     "value as missing",
+                ),
+                series(
+                    "Preemptions",
+                    t(
+                        f"rate({agent_gauge('preemptions_total')}[$__rate_interval])",
+                        AGENT_LEGEND,
+                    ),
+                    unit="reqps",
+                    description="Requests the engine preempted for lack of KV cache (vLLM)",
                 ),
             ),
         ),
@@ -362,6 +410,26 @@ FLEET = Dashboard(
                     t(agent_gauge("memory_used_percent"), AGENT_LEGEND),
                     unit="percentunit",
                     max=1,
+                ),
+                series(
+                    "GPU power",
+                    t(agent_gauge("gpu_power_watts"), AGENT_LEGEND + " gpu {{gpu_index}}"),
+                    unit="watt",
+                ),
+                series(
+                    "GPU VRAM bytes",
+                    t(agent_gauge("gpu_vram_used_bytes"), AGENT_LEGEND + " gpu {{gpu_index}} used"),
+                    t(
+                        agent_gauge("gpu_vram_total_bytes"),
+                        AGENT_LEGEND + " gpu {{gpu_index}} total",
+                    ),
+                    unit="bytes",
+                ),
+                series(
+                    "Host memory bytes",
+                    t(agent_gauge("memory_used_bytes"), AGENT_LEGEND + " used"),
+                    t(agent_gauge("memory_total_bytes"), AGENT_LEGEND + " total"),
+                    unit="bytes",
                 ),
             ),
         ),

@@ -11,6 +11,7 @@ import trio
 
 from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
+from router.agent_detail import gpu_total
 from router.capacity import WaitQueue
 from router.documents import DocumentStore
 from router.http.asgi import BodyTooLarge, ClientGone, Receive, Scope, Send, read_body, send_json
@@ -31,10 +32,14 @@ def agent_view(peer: Peer, now: float) -> dict:
     stats = peer.stats
     engine: dict[str, float | str | None] = {f: metric_value(peer, f, now) for f in ENGINE_FIELDS}
     engine["age_seconds"] = _age(peer.engine_at, now)
-    hardware: dict[str, float | str | None] = {
-        f: metric_value(peer, f, now) for f in HARDWARE_FIELDS
-    }
+    engine["preemptions_total"] = peer.preemptions
+    hardware: dict[str, object] = {f: metric_value(peer, f, now) for f in HARDWARE_FIELDS}
     hardware["age_seconds"] = _age(peer.hardware_at, now)
+    # Upstream's per-GPU array and byte counts, beside the policy's fractions.
+    hardware["gpu"] = [g.to_json() for g in peer.gpus]
+    hardware["gpu_power_watts"] = gpu_total(peer.gpus, "power_watts")
+    hardware["gpu_vram_used_bytes"] = gpu_total(peer.gpus, "vram_used_bytes")
+    hardware.update(peer.memory)
     return {
         "peer_id": peer.peer_id,
         "metadata": peer.metadata.to_json(),
@@ -52,6 +57,17 @@ def agent_view(peer: Peer, now: float) -> dict:
             "success_rate": stats.success_rate,
             "srtt": stats.srtt_ms,
             "consecutive_failures": stats.consecutive_failures,
+            # Lifetime counts (kept across restarts by router/lifetime.py), named as
+            # upstream's routing table names them.
+            "successful_requests_total": stats.successes,
+            "failed_requests_total": stats.failures,
+            "input_tokens_total": stats.input_tokens,
+            "output_tokens_total": stats.output_tokens,
+            "rejected_requests_total": stats.rejections,
+            "disconnections_total": stats.disconnections,
+            "srtt_ms": stats.srtt_ms,
+            "rttvar_ms": stats.rttvar_ms,
+            "latency_state": "UNKNOWN" if stats.srtt_ms is None else "KNOWN",
         },
         "engine": engine,
         "hardware": hardware,

@@ -10,14 +10,17 @@ import trio
 
 from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
+from protocol.tracing import NO_TRACER, NULL_SPAN, Span, Tracer
 from router.capacity import WaitQueue
 from router.http import admin, cors, models
 from router.http.admin_auth import admin_auth
 from router.http.admin_policy import PREFIX, admin_policy_models
 from router.http.asgi import (
+    SPAN,
     Receive,
     Scope,
     Send,
+    header,
     request_id,
     send_bytes,
     send_json,
@@ -25,9 +28,12 @@ from router.http.asgi import (
 from router.http.auth import AdminKeys, presented_keys
 from router.http.client import ENDPOINTS, TICKET, ClientApi, send_error
 from router.http.quota_headers import with_quota_headers
+from router.http.registration_stream import registration_stream
+from router.lifetime import LifetimeStore
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.policy.store import PolicyStore
+from router.registrations import RegistrationFeed
 from router.tenants.gate import TenantGate, Ticket
 from router.tenants.keys import ClientKeys
 
@@ -45,6 +51,9 @@ class RouterApp:
         admin_keys: AdminKeys,
         client_keys: ClientKeys,
         tenants: TenantGate | None = None,
+        registrations: RegistrationFeed | None = None,
+        lifetime: LifetimeStore | None = None,
+        tracer: Tracer = NO_TRACER,
     ) -> None:
         self.client = client
         self.table = table
@@ -54,6 +63,9 @@ class RouterApp:
         self.admin_keys = admin_keys
         self.client_keys = client_keys
         self.tenants = tenants
+        self.registrations = registrations or RegistrationFeed()
+        self.lifetime = lifetime
+        self.tracer = tracer
         self.draining = False
         self.inflight = 0
         self.idle = trio.Event()
@@ -79,6 +91,14 @@ class RouterApp:
         method: str = scope["method"]
         tenant = "-"
         protocol = protocol_of(path)
+        span = NULL_SPAN
+        if self.tracer.enabled and path in ENDPOINTS:
+            span = scope[SPAN] = self.tracer.root(
+                f"{method} {path}",
+                header(scope, b"traceparent"),
+                {"http.request.method": method, "url.path": path, "hivenet.request_id": rid},
+            )
+            send = _with_traceparent(send, span)
         try:
             if path.startswith("/v1/"):
                 status, tenant = await self._client(
@@ -106,19 +126,29 @@ class RouterApp:
             with contextlib.suppress(Exception):
                 await send_error(send, protocol, err, [("x-request-id", rid)], scope.get(TICKET))
         elapsed = trio.current_time() - started
+        trace_id = span.trace_id
         if path in ENDPOINTS:
             self.metrics.requests.labels(path, str(status), tenant).inc()
             self.metrics.duration.labels(path, tenant).observe(elapsed)
             if self.tenants:
-                self.tenants.audit(scope.get(TICKET), path, rid, tenant, status, elapsed)
+                self.tenants.audit(
+                    scope.get(TICKET), path, rid, tenant, status, elapsed, trace_id or None
+                )
+            if trace_id:
+                span.set("http.response.status_code", status)
+                span.set("hivenet.tenant", tenant)
+                if status >= 500:
+                    span.fail(f"answered {status}")
+                span.__exit__(None, None, None)
         log.info(
-            "req=%s method=%s path=%s status=%d tenant=%s duration_ms=%.1f",
+            "req=%s method=%s path=%s status=%d tenant=%s duration_ms=%.1f%s",
             rid,
             quote(method),
             quote(path),
             status,
             quote(tenant),
             elapsed * 1000,
+            f" trace_id={trace_id}" if trace_id else "",
         )
 
     async def _client(
@@ -194,6 +224,14 @@ class RouterApp:
         path, method = scope["path"], scope["method"]
         if method == "GET" and path == "/admin/routing-table":
             await send_json(send, 200, admin.routing_table(self.table), extra)
+        elif method == "GET" and path == "/admin/registration-stream":
+            return await registration_stream(self.registrations, receive, send, extra)
+        elif path == "/admin/storage" and method == "GET" and self.lifetime:
+            await send_json(send, 200, self.lifetime.storage(), extra)
+        elif path == "/admin/metrics/reset" and method == "POST" and self.lifetime:
+            await self.lifetime.reset()
+            message = "per-agent lifetime counters cleared (disk, in-memory, and Prometheus series)"
+            await send_json(send, 200, {"status": "metrics reset", "message": message}, extra)
         elif method == "GET" and path == "/admin/health":
             await send_json(send, 200, admin.health(self.table, self.queue), extra)
         elif method == "GET" and path == "/admin/models":
@@ -237,10 +275,25 @@ class RouterApp:
         return cards
 
 
+def _with_traceparent(send: Send, span: Span) -> Send:
+    """The response names the request's trace (W3C `traceparent`), so a client can find it."""
+    value = (span.traceparent() or "").encode()
+
+    async def traced_send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (b"traceparent", value)]}
+        await send(message)
+
+    return traced_send
+
+
 _CHALLENGE = ("www-authenticate", "Bearer")
 _ADMIN_METHODS = {
     "/admin/routing-table": "GET",
     "/admin/health": "GET",
+    "/admin/registration-stream": "GET",
+    "/admin/storage": "GET",
+    "/admin/metrics/reset": "POST",
     "/admin/models": "GET",
     "/admin/policy": "GET, PUT",
     "/admin/auth": "GET, PUT",

@@ -12,6 +12,9 @@ Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
 
+# The request's root span in its ASGI scope (only with tracing on), for the handlers.
+SPAN = "hivenet.span"
+
 
 class BodyTooLarge(Exception):
     pass

@@ -11,9 +11,11 @@ import trio
 
 from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
+from protocol.tracing import NULL_SPAN, Span, valid_traceparent
 from router.dispatch import Dispatcher, ProviderServed
 from router.http import count_tokens, request_fields
 from router.http.asgi import (
+    SPAN,
     BodyTooLarge,
     ClientGone,
     Receive,
@@ -143,16 +145,23 @@ class ClientApi:
             return await fail(RouterError(ErrorCode.REQUEST_INVALID, wrong))
         model: str = payload["model"]
         ticket: Ticket | None = scope.get(TICKET)
+        span: Span = scope.get(SPAN, NULL_SPAN)
         if ticket is not None:
-            refused = await ticket.admit(model, len(body))
+            with span.child("admission", {"hivenet.tenant": tenant}) as admission:
+                refused = await ticket.admit(model, len(body))
+                if refused is not None:
+                    admission.fail(refused.code)
             if refused is not None:
                 return await fail(refused)
         stream = payload.get("stream") is True
         headers = {}
+        traceparent = None
         for key, value in scope["headers"]:
             name = key.decode("latin-1")
             if name in _FORWARDED_REQUEST_HEADERS:
                 headers[name] = value.decode("latin-1")
+            elif name == "traceparent":
+                traceparent = value.decode("latin-1")
         # The body is known to be JSON: say so to engines that check.
         headers.setdefault("content-type", "application/json")
         headers["x-request-id"] = rid
@@ -169,6 +178,9 @@ class ClientApi:
             payload=payload,
             received_at=received,
             priority=priority,
+            span=span,
+            # Tracing off, the client's trace context still reaches the engine.
+            traceparent=valid_traceparent(traceparent),
         )
         req.report_usage = ticket is not None and ticket.wants_usage
         if path == count_tokens.COUNT_TOKENS_PATH:

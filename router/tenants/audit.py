@@ -26,6 +26,7 @@ class AuditRecord:
     completion_tokens: int | None
     duration_s: float
     code: str | None = None  # the error code the client got; None on success
+    trace_id: str | None = None  # with tracing on (OTEL_EXPORTER_OTLP_ENDPOINT)
 
 
 class AuditLog:
@@ -60,6 +61,7 @@ class AuditLog:
                 else record.prompt_tokens + (record.completion_tokens or 0)
             ),
             "duration_ms": round(record.duration_s * 1000, 1),
+            "trace_id": record.trace_id,
         }
         self.logger.info("%s", json.dumps(line, separators=(",", ":")))
 

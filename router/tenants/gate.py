@@ -130,6 +130,7 @@ class TenantGate:
         tenant: str,
         status: int,
         duration: float,
+        trace_id: str | None = None,
     ) -> None:
         if self.audit_log is None:
             return
@@ -147,6 +148,7 @@ class TenantGate:
                 completion_tokens=usage[COMPLETION] if usage else None,
                 duration_s=duration,
                 code=ticket.code if ticket else None,
+                trace_id=trace_id,
             )
         )
 

@@ -1,0 +1,196 @@
+"""The OpenTelemetry tracer behind protocol/tracing.py, imported only when tracing is on.
+
+Spans come from the OpenTelemetry SDK (its sampler from `OTEL_TRACES_SAMPLER`, its
+resource from `OTEL_SERVICE_NAME` and `OTEL_RESOURCE_ATTRIBUTES`). They are exported by
+a trio task, not by the SDK's BatchSpanProcessor, whose worker thread and blocking
+`requests` export would be the only thread in either daemon: finished spans wait in a
+list (at most `OTEL_BSP_MAX_QUEUE_SIZE`, 2048, beyond which they are dropped and
+counted), and every `OTEL_BSP_SCHEDULE_DELAY` (5 s) the task encodes them as OTLP
+protobuf (the exporter's own encoder) and POSTs them with httpx to
+`OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, or `OTEL_EXPORTER_OTLP_ENDPOINT` + `/v1/traces`,
+with `OTEL_EXPORTER_OTLP_HEADERS` and `OTEL_EXPORTER_OTLP_TIMEOUT`. A collector that is
+down costs one warning per outage and the spans of that batch, never a request.
+"""
+
+from __future__ import annotations
+
+import logging
+import urllib.parse
+from collections.abc import Mapping
+from typing import Any
+
+import httpx
+import trio
+from opentelemetry.context import Context
+from opentelemetry.exporter.otlp.proto.common.trace_encoder import encode_spans
+from opentelemetry.sdk.resources import SERVICE_NAME, Resource
+from opentelemetry.sdk.trace import ReadableSpan, SpanProcessor, TracerProvider
+from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_context
+from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
+
+from protocol.logs import quote
+from protocol.tracing import Attribute, Span, valid_traceparent
+
+log = logging.getLogger("otel")
+
+_PROPAGATOR = TraceContextTextMapPropagator()
+
+
+def _number(env: Mapping[str, str], name: str, default: float) -> float:
+    try:
+        value = float(env.get(name, ""))
+    except ValueError:
+        return default
+    return value if value > 0 else default
+
+
+def _headers(text: str) -> dict[str, str]:
+    """`OTEL_EXPORTER_OTLP_HEADERS`: `k=v,k2=v2`, percent-encoded values."""
+    out = {}
+    for item in text.split(","):
+        key, sep, value = item.partition("=")
+        if sep and key.strip():
+            out[key.strip().lower()] = urllib.parse.unquote(value.strip())
+    return out
+
+
+def traces_endpoint(env: Mapping[str, str]) -> str:
+    explicit = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
+    if explicit:
+        return explicit
+    return env["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
+
+
+class _Finished(SpanProcessor):
+    """Holds ended spans for the export task."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.spans: list[ReadableSpan] = []
+        self.dropped = 0
+
+    def on_start(self, span: Any, parent_context: Context | None = None) -> None:
+        pass
+
+    def on_end(self, span: ReadableSpan) -> None:
+        if len(self.spans) < self.limit:
+            self.spans.append(span)
+        else:
+            self.dropped += 1
+
+    def shutdown(self) -> None:
+        pass
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return True
+
+
+class OtelSpan:
+    __slots__ = ("_span", "_tracer")
+
+    def __init__(self, tracer: Any, span: Any) -> None:
+        self._tracer = tracer
+        self._span = span
+
+    def __repr__(self) -> str:
+        return f"<OtelSpan {self._span.name} {self.traceparent()}>"
+
+    @property
+    def trace_id(self) -> str:
+        return format(self._span.get_span_context().trace_id, "032x")
+
+    def __enter__(self) -> OtelSpan:
+        return self
+
+    def __exit__(self, exc_type: type | None, exc: BaseException | None, tb: object) -> None:
+        if exc is not None:
+            self._span.set_status(Status(StatusCode.ERROR, type(exc).__name__))
+        self._span.end()
+
+    def set(self, key: str, value: Attribute) -> None:
+        self._span.set_attribute(key, value)
+
+    def fail(self, message: str) -> None:
+        self._span.set_status(Status(StatusCode.ERROR, message))
+
+    def child(self, name: str, attributes: Mapping[str, Attribute] | None = None) -> Span:
+        context = set_span_in_context(self._span)
+        span = self._tracer.start_span(name, context=context, attributes=attributes)
+        return OtelSpan(self._tracer, span)
+
+    def traceparent(self) -> str | None:
+        ctx = self._span.get_span_context()
+        return f"00-{ctx.trace_id:032x}-{ctx.span_id:016x}-{int(ctx.trace_flags):02x}"
+
+
+class OtelTracer:
+    enabled = True
+
+    def __init__(self, service: str, env: Mapping[str, str]) -> None:
+        attributes = {} if env.get("OTEL_SERVICE_NAME") else {SERVICE_NAME: service}
+        self.provider = TracerProvider(resource=Resource.create(attributes))
+        self.finished = _Finished(int(_number(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048)))
+        self.provider.add_span_processor(self.finished)
+        self.tracer = self.provider.get_tracer("hivenet")
+        self.endpoint = traces_endpoint(env)
+        self.headers = {
+            "content-type": "application/x-protobuf",
+            **_headers(env.get("OTEL_EXPORTER_OTLP_HEADERS", "")),
+            **_headers(env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "")),
+        }
+        self.interval = _number(env, "OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000
+        self.batch = int(_number(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
+        self.timeout = _number(env, "OTEL_EXPORTER_OTLP_TIMEOUT", 10000) / 1000
+        self._failing = False
+        log.info("tracing_enabled endpoint=%s service=%s", quote(self.endpoint), quote(service))
+
+    def __repr__(self) -> str:
+        return f"<OtelTracer {self.endpoint}, {len(self.finished.spans)} spans waiting>"
+
+    def root(
+        self,
+        name: str,
+        traceparent: str | None = None,
+        attributes: Mapping[str, Attribute] | None = None,
+    ) -> Span:
+        parent = valid_traceparent(traceparent)
+        context = _PROPAGATOR.extract({"traceparent": parent}) if parent else None
+        span = self.tracer.start_span(
+            name, context=context, kind=SpanKind.SERVER, attributes=attributes
+        )
+        return OtelSpan(self.tracer, span)
+
+    async def run(self) -> None:
+        async with httpx.AsyncClient(timeout=self.timeout, trust_env=False) as client:
+            while True:
+                await trio.sleep(self.interval)
+                await self._export(client)
+
+    async def flush(self) -> None:
+        with trio.move_on_after(self.timeout):
+            async with httpx.AsyncClient(timeout=self.timeout, trust_env=False) as client:
+                await self._export(client)
+
+    async def _export(self, client: httpx.AsyncClient) -> None:
+        while self.finished.spans:
+            spans = self.finished.spans[: self.batch]
+            del self.finished.spans[: self.batch]
+            body = encode_spans(spans).SerializeToString()
+            try:
+                r = await client.post(self.endpoint, content=body, headers=self.headers)
+                problem = None if r.status_code < 300 else f"collector answered {r.status_code}"
+            except httpx.HTTPError as exc:
+                problem = repr(exc)
+            if problem is not None:
+                if not self._failing:
+                    log.warning(
+                        "trace_export_failed endpoint=%s spans=%d reason=%s",
+                        quote(self.endpoint),
+                        len(spans),
+                        quote(problem),
+                    )
+                self._failing = True
+                return
+            if self._failing:
+                log.info("trace_export_recovered endpoint=%s", quote(self.endpoint))
+            self._failing = False

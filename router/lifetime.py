@@ -1,0 +1,197 @@
+"""Per-agent lifetime history in SQLite, so a router restart keeps what it learned.
+
+Each agent's UniversalStats (successes, failures, tokens, rejections, disconnections,
+SRTT and RTTVAR) is one row keyed by peer ID. The request path never touches the
+file: the link updates the in-memory stats as before, and `run` writes the rows that
+changed every WRITE_INTERVAL seconds, plus once more on shutdown. An agent that joins a
+restarted router starts from its row.
+
+sqlite3 only does blocking I/O, so the reads and writes run in a worker thread through
+`trio.to_thread.run_sync`, one at a time under a lock; that is the only thread here.
+A batch for 1,000 agents is one transaction of at most 1,000 upserts (a few
+milliseconds), so 5 s between writes loses at most 5 s of counts to a crash.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sqlite3
+import time
+from dataclasses import astuple, dataclass, fields
+
+import trio
+
+from protocol.logs import quote
+from router.peers import PeerTable, UniversalStats
+
+log = logging.getLogger("history")
+
+WRITE_INTERVAL = 5.0
+FILE_NAME = "router_history.sqlite3"
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS agent_history (
+    peer_id TEXT PRIMARY KEY,
+    successes INTEGER NOT NULL,
+    failures INTEGER NOT NULL,
+    input_tokens INTEGER NOT NULL,
+    output_tokens INTEGER NOT NULL,
+    rejections INTEGER NOT NULL,
+    disconnections INTEGER NOT NULL,
+    srtt_ms REAL,
+    rttvar_ms REAL,
+    updated_at REAL NOT NULL
+)
+"""
+
+
+@dataclass(frozen=True)
+class Lifetime:
+    """The persisted part of one agent's UniversalStats."""
+
+    successes: int
+    failures: int
+    input_tokens: int
+    output_tokens: int
+    rejections: int
+    disconnections: int
+    srtt_ms: float | None
+    rttvar_ms: float | None
+
+    @classmethod
+    def of(cls, stats: UniversalStats) -> Lifetime:
+        return cls(*(getattr(stats, f.name) for f in fields(cls)))
+
+    def stats(self) -> UniversalStats:
+        return UniversalStats(**{f.name: getattr(self, f.name) for f in fields(self)})
+
+
+_COLUMNS = [f.name for f in fields(Lifetime)]
+_UPSERT = (
+    f"INSERT INTO agent_history (peer_id, {', '.join(_COLUMNS)}, updated_at) "
+    f"VALUES ({', '.join('?' * (len(_COLUMNS) + 2))}) "
+    "ON CONFLICT(peer_id) DO UPDATE SET "
+    + ", ".join(f"{c}=excluded.{c}" for c in [*_COLUMNS, "updated_at"])
+)
+
+
+def default_path(identity_path: str) -> str:
+    """Beside the router's identity key: the two are the router's state."""
+    return os.path.join(os.path.dirname(os.path.abspath(identity_path)), FILE_NAME)
+
+
+class LifetimeStore:
+    def __init__(self, path: str, table: PeerTable, interval: float = WRITE_INTERVAL) -> None:
+        self.path = path
+        self.table = table
+        self.interval = interval
+        self.rows = 0
+        self.last_write: float | None = None  # wall clock
+        self.last_error: str | None = None
+        self._written: dict[str, Lifetime] = {}
+        self._saved: dict[str, Lifetime] = {}
+        self._lock = trio.Lock()
+        self._db: sqlite3.Connection | None = None
+
+    def __repr__(self) -> str:
+        return f"<LifetimeStore {self.path} {self.rows} rows, {len(self._saved)} not yet rejoined>"
+
+    def restore(self, peer_id: str) -> UniversalStats | None:
+        """The stats an agent had before the router restarted (once per agent)."""
+        saved = self._saved.pop(peer_id, None)
+        return saved.stats() if saved is not None else None
+
+    def load(self) -> None:
+        """Open the file and read it, at startup before the event loop runs (so a file
+        that is not a history is a startup error, exit 2, with its reason)."""
+        try:
+            db = sqlite3.connect(self.path, check_same_thread=False)
+            db.execute(_SCHEMA)
+            db.commit()
+            query = f"SELECT peer_id, {', '.join(_COLUMNS)} FROM agent_history"
+            rows = db.execute(query).fetchall()
+        except sqlite3.Error as exc:
+            raise ValueError(f"--history-path {self.path}: {exc}") from exc
+        self._saved = {row[0]: Lifetime(*row[1:]) for row in rows}
+        self._written = dict(self._saved)
+        self.rows = len(rows)
+        self._db = db
+        log.info("history_loaded path=%s agents=%d", quote(self.path), len(rows))
+
+    async def run(self) -> None:
+        while True:
+            await trio.sleep(self.interval)
+            await self.write()
+
+    async def write(self) -> None:
+        async with self._lock:
+            if self._db is None:
+                return
+            # Taken under the lock: a reset between this snapshot and its write would
+            # otherwise be undone by it.
+            changed = {}
+            for peer in self.table.all():
+                now = Lifetime.of(peer.stats)
+                if self._written.get(peer.peer_id) != now:
+                    changed[peer.peer_id] = now
+            if not changed:
+                return
+            try:
+                self.rows = await trio.to_thread.run_sync(self._write, changed, time.time())
+            except sqlite3.Error as exc:
+                self.last_error = str(exc)
+                log.warning(
+                    "history_write_failed path=%s reason=%s", quote(self.path), quote(str(exc))
+                )
+                return
+            self._written.update(changed)
+            self.last_write = time.time()
+            self.last_error = None
+
+    def _write(self, changed: dict[str, Lifetime], at: float) -> int:
+        assert self._db is not None
+        with self._db:
+            self._db.executemany(
+                _UPSERT, [(pid, *astuple(life), at) for pid, life in changed.items()]
+            )
+        return self._db.execute("SELECT count(*) FROM agent_history").fetchone()[0]
+
+    async def reset(self) -> None:
+        """Forget every agent's lifetime stats, in memory and on disk."""
+        async with self._lock:
+            for peer in self.table.all():
+                peer.stats.reset()
+            self._saved.clear()
+            self._written.clear()
+            if self._db is not None:
+                await trio.to_thread.run_sync(self._delete)
+                self.rows = 0
+                self.last_write = time.time()
+
+    def _delete(self) -> None:
+        assert self._db is not None
+        with self._db:
+            self._db.execute("DELETE FROM agent_history")
+
+    def close(self) -> None:
+        if self._db is not None:
+            self._db.close()
+            self._db = None
+
+    def storage(self) -> dict:
+        try:
+            size = os.stat(self.path).st_size
+        except OSError:
+            size = None
+        last = self.last_write
+        return {
+            "path": self.path,
+            "size_bytes": size,
+            "rows": self.rows,
+            "last_write": None
+            if last is None
+            else time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(last)),
+            "write_interval_seconds": self.interval,
+            "last_error": self.last_error,
+        }

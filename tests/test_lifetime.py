@@ -1,0 +1,156 @@
+"""Per-agent lifetime history (router/lifetime.py) through a real router restart, with
+/admin/storage, POST /admin/metrics/reset and the per-agent series on /metrics."""
+
+from __future__ import annotations
+
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.fleet import ADMIN_KEY, Agent, Fleet, Proc, Router, wait_until
+
+AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
+
+
+@pytest.fixture
+def fleet(tmp_path: Path) -> Iterator[Fleet]:
+    f = Fleet(tmp_path)
+    try:
+        yield f
+    finally:
+        f.close()
+
+
+def _chat(router: Router) -> dict:
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={"model": "m1", "messages": [{"role": "user", "content": "hello there"}]},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+    return r.json()["usage"]
+
+
+def _restart(router: Router) -> None:
+    router.stop()
+    ready = router.log().count("router_ready")
+    router.start()
+    wait_until(lambda: router.log().count("router_ready") > ready, what="router restarted")
+
+
+def _universal(router: Router, agent: Agent) -> dict:
+    return router.wait_agent(agent.peer_id)["universal"]
+
+
+def _setup(fleet: Fleet, tmp_path: Path) -> tuple[Router, Agent, Path]:
+    history = tmp_path / "history.sqlite3"
+    # An audit log makes the agents report each answer's token usage.
+    router = fleet.router(
+        "--history-path", str(history), "--audit-log", str(tmp_path / "audit.log")
+    )
+    agent = fleet.agent(router, "m1", "--heartbeat-interval", "1s", "--deployment-id", "d1")
+    return router, agent, history
+
+
+def test_lifetime_stats_survive_a_router_restart(fleet: Fleet, tmp_path: Path) -> None:
+    router, agent, history = _setup(fleet, tmp_path)
+    usages = [_chat(router), _chat(router)]
+    before = _universal(router, agent)
+    assert before["successful_requests_total"] == 2
+    assert before["failed_requests_total"] == 0
+    assert before["input_tokens_total"] == sum(u["prompt_tokens"] for u in usages) > 0
+    assert before["output_tokens_total"] == sum(u["completion_tokens"] for u in usages) > 0
+    assert before["latency_state"] == "KNOWN"
+    assert before["rttvar_ms"] is not None
+
+    # Written in the background within WRITE_INTERVAL (5 s), off the request path.
+    storage = wait_until(
+        lambda: (s := router.admin("/admin/storage"))["rows"] == 1 and s,
+        what="the history written",
+    )
+    assert storage["path"] == str(history)
+    assert storage["size_bytes"] > 0
+    assert storage["last_write"].endswith("Z")
+
+    _restart(router)
+    after = _universal(router, agent)
+    for key in (
+        "successful_requests_total",
+        "input_tokens_total",
+        "output_tokens_total",
+        "srtt_ms",
+        "rttvar_ms",
+        "success_rate",
+    ):
+        assert after[key] == before[key], key
+    _chat(router)
+    assert _universal(router, agent)["successful_requests_total"] == 3
+    assert router.metric("hivenet_router_agent_requests_success_total", peer_id=agent.peer_id) == 3
+    assert (
+        router.metric("hivenet_router_agent_info", peer_id=agent.peer_id, deployment_id="d1") == 1
+    )
+
+
+def test_metrics_reset_clears_memory_and_disk(fleet: Fleet, tmp_path: Path) -> None:
+    router, agent, history = _setup(fleet, tmp_path)
+    _chat(router)
+    wait_until(lambda: router.admin("/admin/storage")["rows"] == 1, what="the history written")
+
+    url = router.url + "/admin/metrics/reset"
+    assert httpx.post(url, timeout=10).status_code == 401
+    assert httpx.get(url, headers=AUTH, timeout=10).status_code == 405
+    r = httpx.post(url, headers=AUTH, timeout=10)
+    assert r.status_code == 200
+    assert r.json()["status"] == "metrics reset"
+
+    cleared = _universal(router, agent)
+    assert cleared["successful_requests_total"] == 0
+    assert cleared["input_tokens_total"] == 0
+    assert cleared["srtt_ms"] is None
+    assert cleared["latency_state"] == "UNKNOWN"
+    assert router.admin("/admin/storage")["rows"] == 0
+    with sqlite3.connect(history) as db:
+        assert db.execute("SELECT count(*) FROM agent_history").fetchone()[0] == 0
+
+    _restart(router)
+    assert _universal(router, agent)["successful_requests_total"] == 0
+
+
+def test_a_disconnection_is_counted(fleet: Fleet, tmp_path: Path) -> None:
+    router, agent, _ = _setup(fleet, tmp_path)
+    agent.stop()
+    seen = wait_until(
+        lambda: (a := router.agent(agent.peer_id)) and a["universal"]["disconnections_total"],
+        what="the disconnection counted",
+    )
+    assert seen == 1
+
+
+def test_a_history_file_that_is_not_sqlite_is_a_startup_error(fleet: Fleet, tmp_path: Path) -> None:
+    bad = tmp_path / "not-a-db"
+    bad.write_bytes(b"this is not an SQLite database, just some text " * 100)
+    router = fleet.router("--history-path", str(bad), start=False)
+    Proc.start(router)  # not Router.start: no router_ready to wait for
+    assert router.popen is not None
+    assert router.popen.wait(30) == 2
+    assert f"hivenet-router: --history-path {bad}: file is not a database" in router.log()
+
+
+def test_an_answer_the_engine_refused_is_a_rejection_not_a_failure(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    router, agent, _ = _setup(fleet, tmp_path)
+    agent.sim_state(fail_count=1, fail_status=400, fail_body={"error": {"message": "bad"}})
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={"model": "m1", "messages": [{"role": "user", "content": "hello"}]},
+        timeout=30,
+    )
+    assert r.status_code == 400
+    universal = _universal(router, agent)
+    assert universal["rejected_requests_total"] == 1
+    assert universal["failed_requests_total"] == 0
+    assert router.metric("hivenet_router_agent_rejected_requests_total") == 1
