@@ -11,6 +11,7 @@ import trio
 from libp2p import new_host
 from libp2p.network.config import ConnectionConfig
 
+from agent.capacity import SharedCapacity
 from agent.engines import EngineEndpoints, HealthTracker, get_adapter
 from agent.forward import BackendClients
 from agent.hardware import HardwareSampler
@@ -54,6 +55,7 @@ class AgentDaemon:
         self.hardware = HardwareSampler()
         self.health = HealthTracker()
         self.connections: list[RouterConnection] = []
+        self.capacity = SharedCapacity(settings.capacity)
         self.endpoints: EngineEndpoints | None = None
         self.model = settings.model
         self.sim_app: Any = None
@@ -132,6 +134,7 @@ class AgentDaemon:
             ep.backend_url,
             s.heartbeat_interval,
             s.stream_write_timeout,
+            self.capacity,
         )
 
     async def _start_sim(self, nursery: trio.Nursery) -> str:

@@ -38,6 +38,7 @@ from protocol.logs import quote
 from protocol.p2p import FramedStream, SessionClosed
 from protocol.tokens import TokenError, verify_token
 from protocol.usage import valid_usage
+from router.capacity import report_elsewhere
 from router.metrics import RouterMetrics
 from router.peers import (
     CAPABILITIES,
@@ -235,6 +236,8 @@ class AgentSession:
     def _on_heartbeat(self, msg: dict) -> None:
         if "backend_healthy" in msg and self.peer is not None:
             self.link.heartbeat(self.peer, msg)
+            # An agent that does not count across routers says nothing: none elsewhere.
+            self._elsewhere(msg.get("elsewhere"), False)
 
     def _on_drain(self, msg: dict) -> None:
         peer = self.peer
@@ -263,10 +266,20 @@ class AgentSession:
             return
         if state is _FAILED:
             code = _code(msg["code"])
+            full = code is ErrorCode.AGENT_FULL
+            if full or "elsewhere" in msg:
+                self._elsewhere(msg.get("elsewhere"), full)
             pending.fail(ForwardFailure(code, msg["message"], status=msg.get("status")))
         else:
             pending.state = state
+            if state is _DONE and "elsewhere" in msg:
+                self._elsewhere(msg["elsewhere"], False)
             pending.put((state, msg))
+
+    def _elsewhere(self, value: object, full: bool) -> None:
+        peer = self.peer
+        if peer is not None and report_elsewhere(peer, value, full):
+            self.link.table.changed(peer.metadata.model)
 
     def admitted(self) -> None:
         """The router sent its welcome: the agent may send frames of any size now."""
@@ -611,7 +624,7 @@ class AgentLink:
                 session.finish(req_id, cancel=False)
                 failure = pending.failure
                 assert failure is not None  # FAILED is queued by `fail` only
-                if not failure.connection_level:
+                if not failure.connection_level and failure.code is not ErrorCode.AGENT_FULL:
                     peer.stats.record_failure()
                 return failure
             peer.stats.record_rtt((trio.current_time() - started) * 1000.0)

@@ -276,6 +276,18 @@ class RoutingSession:
                     return Served(result, peer, index, step.name)
                 slot.release()
                 req.waited += trio.current_time() - forward_started
+                if result.code is ErrorCode.AGENT_FULL:
+                    # Other routers hold the agent's capacity. The refusal made the
+                    # agent full in this router's count too, so selecting again goes
+                    # to another agent or queues for its next report; no try is used.
+                    log.debug(
+                        "req=%s agent_full step=%s peer=%s tenant=%s",
+                        req.request_id,
+                        step.name,
+                        peer.peer_id,
+                        quote(req.tenant),
+                    )
+                    continue
                 self.metrics.forward_failures.labels(req.model, str(result.code), req.tenant).inc()
                 log.info(
                     "req=%s forward_error step=%s peer=%s code=%s message=%s tenant=%s",
