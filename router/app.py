@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import multiaddr
+import redis
 import trio
 from prometheus_client import make_asgi_app
 
@@ -18,6 +19,7 @@ from protocol.sdnotify import sd_notify
 from router.agent_metrics import AgentCollector
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
+from router.fleet.config_sync import CALL_TIMEOUT, ConfigSync
 from router.http.app import RouterApp, with_lifespan
 from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
@@ -145,6 +147,17 @@ class RouterDaemon:
         )
         self._stop = trio.Event()
         self._http_stop = trio.Event()
+        self.config_sync: ConfigSync | None = None
+        if settings.state_url:
+            fleet_redis = redis.Redis.from_url(
+                settings.state_url,
+                socket_timeout=CALL_TIMEOUT,
+                socket_connect_timeout=CALL_TIMEOUT,
+            )
+            self.config_sync = ConfigSync(fleet_redis, self.peer_id)
+            self.config_sync.add(self.store)
+            if settings.auth_file:
+                self.config_sync.add(self.tenants.store)
 
     def _warn_about_policy(self, policy: Policy) -> None:
         """A provider without its key is skipped, not fatal: say so at load."""
@@ -173,6 +186,8 @@ class RouterDaemon:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self.link.sweep)
                     nursery.start_soon(self.tenants.run)
+                    if self.config_sync is not None:
+                        nursery.start_soon(self.config_sync.run)
                     nursery.start_soon(self._signals, nursery.cancel_scope)
                     await nursery.start(self._serve_http, self.app, s.http_addr)
                     metrics_app = with_lifespan(make_asgi_app(self.metrics.registry))

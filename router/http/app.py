@@ -189,7 +189,8 @@ class RouterApp:
             await send_json(send, 200, cards[0], extra)
         elif path == "/admin/policy" and method == "GET":
             body = self.store.current.source.encode()
-            await send_bytes(send, 200, body, "application/yaml", extra)
+            etag = ("etag", f'"{self.store.version()}"')
+            await send_bytes(send, 200, body, "application/yaml", [*extra, etag])
         elif path == "/admin/policy" and method == "PUT":
             return await admin.put_document(
                 self.store,
@@ -197,7 +198,10 @@ class RouterApp:
                 receive,
                 send,
                 extra,
-                lambda: {"chain": self.store.current.chain_names()},
+                lambda: {
+                    "chain": self.store.current.chain_names(),
+                    "version": self.store.version(),
+                },
             )
         elif path == "/admin/auth" and self.tenants:
             return await admin_auth(self.tenants, scope, receive, send, extra)

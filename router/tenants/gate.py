@@ -49,6 +49,9 @@ class AuthStore(DocumentStore[AuthConfig]):
     def parse(self, text: str) -> AuthConfig:
         return load_auth(text)
 
+    def source(self) -> str:
+        return self.current.source if self.current is not None else ""
+
     def install(self, value: AuthConfig) -> str:
         self.current = value
         return f"tenants={len(value.tenants)}"
@@ -140,6 +143,7 @@ class TenantGate:
         return {
             "auth_file": self.store.path,
             "state_store": self.state.mode,
+            "version": self.store.version(),
             "tenants": [] if config is None else [t.public() for t in config.tenants.values()],
         }
 
