@@ -16,7 +16,13 @@ from agent.engines import EngineEndpoints, HealthTracker, get_adapter
 from agent.forward import BackendClients
 from agent.hardware import HardwareSampler
 from agent.http_proxy import dial_through_http_proxy
-from agent.link import RouterConnection, RouterSession, Status, hello_for
+from agent.link import (
+    RouterConnection,
+    RouterSession,
+    Status,
+    hello_for,
+    parse_router_address,
+)
 from agent.settings import AgentSettings
 from protocol.logs import quote
 from protocol.messages import VERSION
@@ -24,6 +30,9 @@ from protocol.p2p import load_or_create_identity, peer_id_of, tune_libp2p
 from protocol.sdnotify import sd_notify
 
 log = logging.getLogger("agent")
+
+# A router host's welcome names at most this many other workers (router --workers).
+MAX_WORKERS = 64
 
 
 async def _tick(next_at: float, interval: float) -> float:
@@ -59,6 +68,7 @@ class AgentDaemon:
         self.endpoints: EngineEndpoints | None = None
         self.model = settings.model
         self.sim_app: Any = None
+        self._dial: tuple[Any, trio.Nursery, Any] | None = None
 
     def metadata(self) -> dict:
         s = self.settings
@@ -104,10 +114,13 @@ class AgentDaemon:
             if websocket:
                 dial_through_http_proxy(host, s.proxy)
             async with host.run(listen_addrs=[]):
+
+                def make_session(address: str) -> Any:
+                    return lambda stream: self._session(stream, client, ep, address)
+
+                self._dial = (host, nursery, make_session)
                 for address in s.routers:
-                    conn = RouterConnection(
-                        host, address, lambda stream: self._session(stream, client, ep)
-                    )
+                    conn = RouterConnection(host, address, make_session(address))
                     self.connections.append(conn)
                     nursery.start_soon(conn.run)
                 log.info(
@@ -124,7 +137,9 @@ class AgentDaemon:
                 await self._drain()
                 nursery.cancel_scope.cancel()
 
-    def _session(self, stream: Any, client: BackendClients, ep: EngineEndpoints) -> RouterSession:
+    def _session(
+        self, stream: Any, client: BackendClients, ep: EngineEndpoints, address: str
+    ) -> RouterSession:
         s = self.settings
         return RouterSession(
             stream,
@@ -135,7 +150,38 @@ class AgentDaemon:
             s.heartbeat_interval,
             s.stream_write_timeout,
             self.capacity,
+            lambda workers: self._dial_workers(address, workers),
         )
+
+    def _dial_workers(self, via: str, workers: list) -> None:
+        """Keep a session with each of the router host's other workers too, dialled at
+        the host of `via` (the address that welcomed us) on each worker's TCP port."""
+        if self._dial is None:
+            return
+        host, nursery, make_session = self._dial
+        prefix = via.split("/tcp/")[0]
+        known = {c.address for c in self.connections}
+        known_peers = {str(c.info.peer_id) for c in self.connections}
+        for entry in workers[:MAX_WORKERS]:
+            port = entry.get("tcp_port") if isinstance(entry, dict) else None
+            peer = entry.get("peer_id") if isinstance(entry, dict) else None
+            if not (isinstance(port, int) and 0 < port < 65536 and isinstance(peer, str)):
+                log.warning("router_worker_ignored entry=%s", quote(repr(entry)[:200]))
+                continue
+            address = f"{prefix}/tcp/{port}/p2p/{peer}"
+            if address in known or peer in known_peers:
+                continue
+            try:
+                parse_router_address(address)
+            except ValueError as exc:
+                log.warning("router_worker_ignored entry=%s", quote(str(exc)[:200]))
+                continue
+            conn = RouterConnection(host, address, make_session(address))
+            self.connections.append(conn)
+            known.add(address)
+            known_peers.add(peer)
+            log.info("router_worker_added router=%s via=%s", address, via)
+            nursery.start_soon(conn.run)
 
     async def _start_sim(self, nursery: trio.Nursery) -> str:
         from sim.__main__ import serve_sim

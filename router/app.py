@@ -91,6 +91,7 @@ class RouterDaemon:
                 router_peer_id=self.peer_id,
                 release_stream_slot_at_head=settings.stream_slot_release == "head",
                 unjoined=UnjoinedLimits(per_address=settings.max_unjoined_per_ip),
+                workers=settings.workers,
             ),
         )
         self.session = RoutingSession(
@@ -228,8 +229,10 @@ class RouterDaemon:
         task_status: Any = trio.TASK_STATUS_IGNORED,
     ) -> None:
         server = HttpServer(app, KEEP_ALIVE_TIMEOUT, GRACEFUL_TIMEOUT)
-        # HTTP stays up while draining, so in-flight streams can finish.
-        await server.serve(addr, self._http_stop.wait, task_status=task_status)
+        # HTTP stays up while draining, so in-flight streams can finish. The workers of
+        # one host share the HTTP port (the metrics ports differ: port 0 never shares).
+        reuse = self.settings.worker_count > 1 and addr == self.settings.http_addr
+        await server.serve(addr, self._http_stop.wait, reuse_port=reuse, task_status=task_status)
 
     async def _signals(self, cancel_scope: trio.CancelScope) -> None:
         with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:

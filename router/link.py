@@ -72,6 +72,8 @@ class LinkSettings:
     router_peer_id: str
     release_stream_slot_at_head: bool = True
     unjoined: UnjoinedLimits = field(default_factory=UnjoinedLimits)
+    # `--workers`: the host's other router processes, named in the welcome.
+    workers: list[dict] = field(default_factory=list)
 
     @property
     def liveness_interval(self) -> float:
@@ -487,6 +489,7 @@ class AgentLink:
                 self.settings.heartbeat_interval,
                 self.settings.router_peer_id,
                 self.settings.liveness_interval,
+                self.settings.workers,
             )
         )
         session.hello_seen.set()

@@ -55,6 +55,11 @@ class RouterSettings:
     audit_log: str | None = None
     audit_log_max_bytes: int = 100 * 1024 * 1024
     audit_log_backups: int = 5
+    # `--workers`: this process's place among the host's router processes, and the
+    # others as worker 0's welcome names them ({"tcp_port", "peer_id"}).
+    worker_index: int = 0
+    worker_count: int = 1
+    workers: list[dict] = field(default_factory=list)
 
     def apply_environment(self, env: dict[str, str] | None = None) -> None:
         """Environment-only settings (keys, provider endpoints, limits)."""
