@@ -20,6 +20,7 @@ from router.agent_metrics import AgentCollector
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
 from router.fleet.config_sync import CALL_TIMEOUT, ConfigSync
+from router.fleet.view import FleetView
 from router.http.app import RouterApp, with_lifespan
 from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
@@ -136,19 +137,8 @@ class RouterDaemon:
             ClientKeys(settings.client_api_keys),
             self.metrics,
         )
-        self.app = RouterApp(
-            self.client,
-            self.table,
-            self.queue,
-            self.store,
-            self.metrics,
-            AdminKeys(settings.admin_api_keys, settings.allow_insecure_admin),
-            self.tenants.client_keys,
-            self.tenants,
-        )
-        self._stop = trio.Event()
-        self._http_stop = trio.Event()
         self.config_sync: ConfigSync | None = None
+        fleet_redis: redis.Redis | None = None
         if settings.state_url:
             fleet_redis = redis.Redis.from_url(
                 settings.state_url,
@@ -159,6 +149,21 @@ class RouterDaemon:
             self.config_sync.add(self.store)
             if settings.auth_file:
                 self.config_sync.add(self.tenants.store)
+        self.fleet_redis = fleet_redis
+        self.fleet = FleetView(self.table, self.peer_id, fleet_redis)
+        self.app = RouterApp(
+            self.client,
+            self.table,
+            self.queue,
+            self.store,
+            self.metrics,
+            AdminKeys(settings.admin_api_keys, settings.allow_insecure_admin),
+            self.tenants.client_keys,
+            self.tenants,
+            self.fleet,
+        )
+        self._stop = trio.Event()
+        self._http_stop = trio.Event()
 
     def _warn_about_policy(self, policy: Policy) -> None:
         """A provider without its key is skipped, not fatal: say so at load."""
@@ -189,6 +194,7 @@ class RouterDaemon:
                     nursery.start_soon(self.tenants.run)
                     if self.config_sync is not None:
                         nursery.start_soon(self.config_sync.run)
+                    nursery.start_soon(self.fleet.run)
                     nursery.start_soon(self._signals, nursery.cancel_scope)
                     await nursery.start(self._serve_http, self.app, s.http_addr)
                     metrics_app = with_lifespan(make_asgi_app(self.metrics.registry))
@@ -214,6 +220,8 @@ class RouterDaemon:
                     await close_listeners(host)
                     await self.providers.aclose()
                 self.tenants.close()
+                if self.fleet_redis is not None:
+                    self.fleet_redis.close()
         log.info("router_stopped")
 
     def announce_addrs(self, host: Any) -> list[str]:

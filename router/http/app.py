@@ -5,12 +5,14 @@ from __future__ import annotations
 import contextlib
 import logging
 from typing import Any
+from urllib.parse import parse_qs
 
 import trio
 
 from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
 from router.capacity import WaitQueue
+from router.fleet.view import FleetView
 from router.http import admin
 from router.http.admin_auth import admin_auth
 from router.http.asgi import (
@@ -43,8 +45,11 @@ class RouterApp:
         admin_keys: AdminKeys,
         client_keys: ClientKeys,
         tenants: TenantGate | None = None,
+        fleet: FleetView | None = None,
     ) -> None:
         self.client = client
+        # `?scope=fleet`: every router's agents (router/fleet/view.py).
+        self.fleet = fleet
         self.table = table
         self.queue = queue
         self.store = store
@@ -153,6 +158,12 @@ class RouterApp:
         if (path == "/v1/models" or path.startswith("/v1/models/")) and method != "GET":
             return await _not_allowed(send, rid, protocol, "GET"), tenant
         if path == "/v1/models":
+            if self.fleet is not None and _fleet_scope(scope):
+                cards = await self.fleet.models()
+                await send_json(
+                    send, 200, {"object": "list", "scope": "fleet", "data": cards}, extra
+                )
+                return 200, tenant
             await send_json(send, 200, {"object": "list", "data": self.client.models()}, extra)
             return 200, tenant
         if path.startswith("/v1/models/"):
@@ -176,7 +187,10 @@ class RouterApp:
             return 401
         path, method = scope["path"], scope["method"]
         if method == "GET" and path == "/admin/routing-table":
-            await send_json(send, 200, admin.routing_table(self.table), extra)
+            if self.fleet is not None and _fleet_scope(scope):
+                await send_json(send, 200, await self.fleet.routing_table(), extra)
+            else:
+                await send_json(send, 200, admin.routing_table(self.table), extra)
         elif method == "GET" and path == "/admin/health":
             await send_json(send, 200, admin.health(self.table, self.queue), extra)
         elif method == "GET" and path == "/admin/models":
@@ -220,6 +234,11 @@ class RouterApp:
             card["queue_length"] = self.queue.length(card["id"])
             cards.append(card)
         return cards
+
+
+def _fleet_scope(scope: Scope) -> bool:
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    return query.get("scope", [""])[-1] == "fleet"
 
 
 _CHALLENGE = ("www-authenticate", "Bearer")
