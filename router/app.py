@@ -21,7 +21,7 @@ from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
 from router.fleet.config_sync import CALL_TIMEOUT, ConfigSync
 from router.fleet.view import FleetView
-from router.http.app import RouterApp, with_lifespan
+from router.http.app import RouterApp, protocol_of, with_lifespan
 from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
 from router.http.server import HttpServer
@@ -236,7 +236,13 @@ class RouterDaemon:
         *,
         task_status: Any = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        server = HttpServer(app, KEEP_ALIVE_TIMEOUT, GRACEFUL_TIMEOUT)
+        server = HttpServer(
+            app,
+            KEEP_ALIVE_TIMEOUT,
+            GRACEFUL_TIMEOUT,
+            write_timeout=self.settings.http_write_timeout,
+            protocol_of=protocol_of,
+        )
         # HTTP stays up while draining, so in-flight streams can finish. The workers of
         # one host share the HTTP port (the metrics ports differ: port 0 never shares).
         reuse = self.settings.worker_count > 1 and addr == self.settings.http_addr

@@ -42,6 +42,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-tries-per-step", type=int, default=3)
     serve.add_argument("--queue-depth", type=int, default=30)
     serve.add_argument("--request-timeout", type=parse_duration, default="60s")
+    serve.add_argument(
+        "--http-write-timeout",
+        type=parse_duration,
+        default=_env("HIVENET_ROUTER_HTTP_WRITE_TIMEOUT", "30s"),
+        help="close a client connection whose write makes no progress this long",
+    )
     serve.add_argument("--heartbeat-interval", type=parse_duration, default="5s")
     serve.add_argument("--unhealthy-after", type=parse_duration, default="15s")
     serve.add_argument("--remove-after", type=parse_duration, default="30s")
@@ -122,6 +128,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         max_tries_per_step=args.max_tries_per_step,
         queue_depth=args.queue_depth,
         request_timeout=args.request_timeout,
+        http_write_timeout=args.http_write_timeout,
         heartbeat_interval=args.heartbeat_interval,
         unhealthy_after=args.unhealthy_after,
         remove_after=args.remove_after,
@@ -156,6 +163,8 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         raise ValueError("--p2p-ws-port and --p2p-wss-port cannot both be set: choose one")
     if s.max_unjoined_per_ip < 1:
         raise ValueError("--max-unjoined-per-ip must be at least 1")
+    if s.http_write_timeout <= 0:
+        raise ValueError("--http-write-timeout must be positive")
     if s.max_tries_per_step < 1:
         raise ValueError("--max-tries-per-step must be at least 1")
     if not s.admin_api_keys and not s.allow_insecure_admin:

@@ -34,6 +34,7 @@ class RouterSettings:
     max_tries_per_step: int = 3
     queue_depth: int = 30
     request_timeout: float = 60.0
+    http_write_timeout: float = 30.0
     heartbeat_interval: float = 5.0
     unhealthy_after: float = 15.0
     remove_after: float = 30.0

@@ -1,20 +1,36 @@
 """The router's HTTP/1.1 server (router/http/server.py) on its own, with small ASGI apps.
 
 Whole-router behaviour (errors, cancels, shutdown, closed connections) is covered by
-the API tests; these pin the server's own promises.
+the API tests; these pin the server's own promises, hostile input through real
+sockets among them, and its one router flag (`--http-write-timeout`) end to end.
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import json
+import logging
+import os
+import resource
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
 import pytest
 import trio
 import trio.testing
 
-from router.http.server import HttpServer, _Connection
+from router.cli import build_parser, settings_from
+from router.http.app import protocol_of
+from router.http.server import (
+    MAX_HEAD_BYTES,
+    WRITE_PIECE_BYTES,
+    HttpServer,
+    UnsendableHead,
+    _Connection,
+)
+from tests.fleet import Fleet, wait_until
 
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
@@ -207,3 +223,392 @@ async def test_a_fault_in_one_connection_leaves_the_server_serving(
                 assert r.text == "POST /f x"
         nursery.cancel_scope.cancel()
     assert faults == 2
+
+
+def _lowest_free_fd() -> int:
+    fd = os.open(os.devnull, os.O_RDONLY)
+    os.close(fd)
+    return fd
+
+
+class LogEvent(logging.Handler):
+    """Sets `event` when a record containing `text` is logged."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+        self.event = trio.Event()
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.event.set()
+
+
+async def test_accept_retries_when_out_of_descriptors() -> None:
+    """A real EMFILE: the soft descriptor limit is lowered to the lowest free number,
+    so the kernel refuses the accepted socket until it is raised again."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    failed = LogEvent("http_accept_failed error=EMFILE")
+    logging.getLogger("http").addHandler(failed)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(HttpServer(echo).serve, ("127.0.0.1", 0), trio.sleep_forever)
+        client = trio.socket.socket()
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (_lowest_free_fd(), hard))
+            await client.connect(("127.0.0.1", port))
+            with trio.fail_after(10):
+                await failed.event.wait()
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+            logging.getLogger("http").removeHandler(failed)
+        stream = trio.SocketStream(client)
+        await stream.send_all(b"POST /m HTTP/1.1\r\nHost: t\r\nContent-Length: 1\r\n\r\nx")
+        with trio.fail_after(10):
+            answer = await stream.receive_some(1000)
+        assert answer.endswith(b"POST /m x"), answer
+        await stream.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_an_accept_error_it_cannot_name_ends_the_server() -> None:
+    # accept() on a listening socket shut down for reading fails with EINVAL on Linux:
+    # retrying it would spin forever, so the error reaches the caller.
+    sock = trio.socket.socket()
+    await sock.bind(("127.0.0.1", 0))
+    sock.listen()
+    listener = trio.SocketListener(sock)
+    sock.shutdown(socket.SHUT_RD)
+    async with trio.open_nursery() as nursery:
+        with pytest.raises(OSError) as raised, trio.fail_after(10):
+            await HttpServer(echo)._accept(listener, nursery)
+    assert raised.value.errno == errno.EINVAL
+    await listener.aclose()
+
+
+async def test_a_connection_shows_its_state_in_its_repr() -> None:
+    seen: list[str] = []
+    server = HttpServer(echo)
+
+    async def shows(scope: dict, receive: Receive, send: Send) -> None:
+        seen.append(repr(next(iter(server.connections))))
+        await echo(scope, receive, send)
+
+    server.app = shows
+    client, server_side = trio.testing.memory_stream_pair()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(server.run_connection, server_side)
+        for _ in range(2):
+            await client.send_all(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+            await client.receive_some(65536)
+        await trio.testing.wait_all_tasks_blocked()
+        seen.append(repr(next(iter(server.connections))))
+        await client.aclose()
+    assert seen == [
+        "<_Connection HTTP/1.1, ACTIVE, request READING, Request Count: 1, peer ->",
+        "<_Connection HTTP/1.1, ACTIVE, request READING, Request Count: 2, peer ->",
+        "<_Connection HTTP/1.1, IDLE, request DONE, Request Count: 2, peer ->",
+    ]
+
+
+# --- hostile input through real sockets -----------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def serving(app: Callable, **options: float) -> AsyncIterator[tuple[HttpServer, int]]:
+    """A running server on a loopback port, with the router's error protocols."""
+    server = HttpServer(app, protocol_of=protocol_of, **options)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(server.serve, ("127.0.0.1", 0), trio.sleep_forever)
+        yield server, port
+        nursery.cancel_scope.cancel()
+
+
+async def exchange(port: int, data: bytes, piece: int = 0) -> bytes:
+    """Send `data` (in pieces of `piece` bytes, one read each, when given), never
+    half-close, and read until the server closes: what it answered."""
+    stream = await trio.open_tcp_stream("127.0.0.1", port)
+    received = b""
+    with trio.fail_after(20):
+        if piece:
+            for i in range(0, len(data), piece):
+                await stream.send_all(data[i : i + piece])
+                await trio.sleep(0.005)  # pacing, so the server reads each piece alone
+        else:
+            await stream.send_all(data)
+        try:
+            while chunk := await stream.receive_some(65536):
+                received += chunk
+        except trio.BrokenResourceError:  # a reset after the answer
+            pass
+    await stream.aclose()
+    return received
+
+
+def refusal(answer: bytes, status: int, code: str, protocol: str = "openai") -> dict:
+    """The only answer on the connection: `status`, a close, and the error body."""
+    assert answer.startswith(b"HTTP/1.1 %d " % status), answer[:300]
+    assert answer.count(b"HTTP/1.1 ") == 1, answer
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"\r\nconnection: close" in head.lower(), head
+    assert b"\r\ncontent-length: %d" % len(body) in head.lower(), answer
+    payload = json.loads(body)
+    if protocol == "anthropic":
+        assert payload["type"] == "error", payload
+    else:
+        assert "type" not in payload, payload
+    assert payload["error"]["code"] == code, payload
+    return payload
+
+
+BOTH = [(b"/v1/chat/completions", "openai"), (b"/v1/messages", "anthropic")]
+SECOND = b"GET /second HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+CHUNKED = b"5\r\nhello\r\n0\r\n\r\n"
+
+
+async def test_content_length_with_chunked_is_refused_and_the_connection_closes(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """Request smuggling (RFC 9112 §6.1): a proxy that frames by Content-Length sees
+    one request; the server must never run the bytes after the chunks as a second."""
+    caplog.set_level(logging.INFO, "http")
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nContent-Length: %d\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n" % (len(CHUNKED) + len(SECOND))
+    )
+    async with serving(echo) as (_, port):
+        answer = await exchange(port, head + CHUNKED + SECOND)
+    message = refusal(answer, 400, "request_invalid")["error"]["message"]
+    assert "Content-Length" in message and "Transfer-Encoding" in message, message
+    assert "http_refused status=400 code=request_invalid" in caplog.text, caplog.text
+    assert "path=/v1/chat/completions" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("coding", "path", "protocol"),
+    [
+        (b"Transfer-Encoding: gzip", b"/v1/chat/completions", "openai"),
+        (b"Transfer-Encoding: gzip, chunked", b"/v1/messages", "anthropic"),
+        (b"Transfer-Encoding: chunked, chunked", b"/v1/embeddings", "openai"),
+        (b"Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked", b"/v1/messages", "anthropic"),
+        (b"Transfer-Encoding: identity", b"/health", "openai"),
+    ],
+)
+async def test_a_transfer_encoding_other_than_chunked_is_refused_and_closes(
+    coding: bytes, path: bytes, protocol: str
+) -> None:
+    request = b"POST %s HTTP/1.1\r\nHost: t\r\n%s\r\n\r\n%s" % (path, coding, CHUNKED + SECOND)
+    async with serving(echo) as (_, port):
+        answer = await exchange(port, request)
+    refusal(answer, 400, "request_invalid", protocol)
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        b"zz\r\nhello\r\n0\r\n\r\n",  # not a hex size
+        b"-1\r\nhello\r\n0\r\n\r\n",  # a negative size
+        b"1" * 21 + b"\r\nhello\r\n0\r\n\r\n",  # 21 hex digits
+        b"5\r\nhel\r\n0\r\n\r\n",  # a chunk shorter than its size
+        b"5\r\nhello0\r\n\r\n",  # no CRLF after the chunk
+    ],
+    ids=["zz", "negative", "21-digits", "short-chunk", "missing-crlf"],
+)
+@pytest.mark.parametrize(
+    ("path", "protocol"), [(b"/v1/chat/completions", "openai"), (b"/v1/messages", "anthropic")]
+)
+async def test_a_malformed_chunked_body_gets_400_and_a_close(
+    body: bytes, path: bytes, protocol: str
+) -> None:
+    seen: list[str] = []
+
+    async def reads(scope: dict, receive: Receive, send: Send) -> None:
+        while (message := await receive()).get("more_body"):
+            pass
+        seen.append(message["type"])
+        # An app that answers anyway: the server has answered for it, this goes nowhere.
+        await echo(scope, receive, send)
+
+    request = b"POST %s HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n" % path
+    async with serving(reads) as (_, port):
+        answer = await exchange(port, request + body + SECOND)
+    refusal(answer, 400, "request_invalid", protocol)
+    assert seen == ["http.disconnect"]
+
+
+def head_of(size: int) -> bytes:
+    """A request head of exactly `size` bytes (request line to the blank line)."""
+    start = b"GET /v1/models HTTP/1.1\r\nHost: t\r\nX-Pad: "
+    pad = size - len(start) - len(b"\r\n\r\n")
+    return start + b"p" * pad + b"\r\n\r\n"
+
+
+@pytest.mark.parametrize("piece", [0, 1000], ids=["one-write", "dribbled"])
+async def test_the_head_limit_holds_however_the_head_arrives(piece: int) -> None:
+    async with serving(echo) as (_, port):
+        under = await exchange(port, head_of(MAX_HEAD_BYTES - 100) + SECOND, piece)
+        over = await exchange(port, head_of(MAX_HEAD_BYTES + 100) + SECOND, piece)
+        far_over = await exchange(port, head_of(39 * 1024), piece)
+    assert under.count(b"HTTP/1.1 200 ") == 2, under[:300]
+    refusal(over, 431, "request_invalid")
+    refusal(far_over, 431, "request_invalid")
+
+
+@pytest.mark.parametrize(
+    ("status", "headers"),
+    [
+        (200, [(b"x-evil", b"a\r\nset-cookie: b")]),
+        (200, [(b"x-evil", b"a\nb")]),
+        (200, [(b"x-evil", b"a\x00b")]),
+        (200, [(b"bad name", b"v")]),
+        (200, [(b"", b"v")]),
+        (200, [(b"x-evil", b"a\r\nb"), (b"content-length", b"2")]),
+        (101, []),
+        (100, []),
+        (199, []),
+        (600, []),
+        (999, []),
+    ],
+)
+@pytest.mark.parametrize(
+    ("path", "protocol"), [(b"/v1/chat/completions", "openai"), (b"/v1/messages", "anthropic")]
+)
+async def test_a_response_head_that_cannot_be_sent_is_a_502_and_send_raises(
+    status: int, headers: list, path: bytes, protocol: str
+) -> None:
+    raised: list[BaseException] = []
+
+    async def bad_head(scope: dict, receive: Receive, send: Send) -> None:
+        await receive()
+        try:
+            await send({"type": "http.response.start", "status": status, "headers": headers})
+        except Exception as exc:
+            raised.append(exc)
+            return
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    async with serving(bad_head) as (_, port):
+        answer = await exchange(port, b"GET %s HTTP/1.1\r\nHost: t\r\n\r\n%s" % (path, SECOND))
+    refusal(answer, 502, "backend_error", protocol)
+    assert len(raised) == 1 and isinstance(raised[0], UnsendableHead), raised
+
+
+# --- clients that stop reading ---------------------------------------------------------------
+
+
+async def test_a_client_that_never_reads_is_closed_after_the_write_timeout() -> None:
+    """The keep-alive deadline does not apply while the server writes; the write
+    timeout does. The app, which streams without end, learns it as the client leaving
+    (so the router's client API frees the agent's slot as for any client that left)."""
+    seen: list[str] = []
+    ended = trio.Event()
+
+    async def streams_forever(scope: dict, receive: Receive, send: Send) -> None:
+        try:
+            await receive()
+            async with trio.open_nursery() as nursery:
+
+                async def watch() -> None:  # as router/http/client.py `_watch` does
+                    seen.append((await receive())["type"])
+                    nursery.cancel_scope.cancel()
+
+                nursery.start_soon(watch)
+                await send({"type": "http.response.start", "status": 200, "headers": []})
+                while True:
+                    await send(
+                        {"type": "http.response.body", "body": b"x" * 65536, "more_body": True}
+                    )
+        finally:
+            ended.set()
+
+    async with serving(streams_forever, write_timeout=0.5) as (server, port):
+        stuck = trio.socket.socket()
+        stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await stuck.connect(("127.0.0.1", port))
+        await stuck.send(b"GET /v1/chat/completions HTTP/1.1\r\nHost: t\r\n\r\n")
+        with trio.fail_after(30):
+            await ended.wait()
+        assert seen == ["http.disconnect"]
+        await trio.testing.wait_all_tasks_blocked()
+        assert not server.connections
+        # The socket was closed under the blocked write: the client reads to its end.
+        with trio.fail_after(30):
+            try:
+                while await stuck.recv(1 << 20):
+                    pass
+            except ConnectionResetError:
+                pass
+        stuck.close()
+
+
+async def test_a_large_answer_leaves_in_pieces_the_write_timeout_counts_on() -> None:
+    body = b"y" * (WRITE_PIECE_BYTES * 2 + 1000)
+
+    async def large(scope: dict, receive: Receive, send: Send) -> None:
+        headers = [(b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    writes, received = await writes_of(
+        large, b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+    )
+    assert [len(w) for w in writes[:2]] == [WRITE_PIECE_BYTES] * 2
+    assert len(writes) == 3 and received.endswith(body)
+
+
+def test_the_write_timeout_is_a_router_flag_and_an_environment_variable(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HIVENET_ROUTER_ADMIN_API_KEYS", "k")
+    monkeypatch.setenv("HIVENET_ROUTER_JWT_SECRET", "s" * 32)
+    assert settings_from(build_parser().parse_args(["serve"])).http_write_timeout == 30
+    monkeypatch.setenv("HIVENET_ROUTER_HTTP_WRITE_TIMEOUT", "1500ms")
+    assert settings_from(build_parser().parse_args(["serve"])).http_write_timeout == 1.5
+    args = build_parser().parse_args(["serve", "--http-write-timeout", "2m"])
+    assert settings_from(args).http_write_timeout == 120
+    with pytest.raises(ValueError, match="--http-write-timeout must be positive"):
+        settings_from(build_parser().parse_args(["serve", "--http-write-timeout", "0s"]))
+
+
+async def test_the_router_frees_the_slot_of_a_client_that_never_reads(fleet: Fleet) -> None:
+    """End to end: with a request deadline far away, only the write timeout can end a
+    stream whose client reads nothing; the agent's slot (held until the stream ends)
+    comes back and the engine call is cancelled."""
+    router = fleet.router(
+        "--http-write-timeout", "1s", "--request-timeout", "600s", "--stream-slot-release", "end"
+    )
+    agent = fleet.agent(router, "m1", "--sim-token-latency", "2ms")
+    # About 12 MB of answer, far more than the socket buffers hold.
+    words = " ".join(f"{i}{'x' * 4000}" for i in range(10))
+    payload = {
+        "model": "m1",
+        "messages": [{"role": "user", "content": words}],
+        "stream": True,
+        "max_tokens": 3000,
+        "ignore_eos": True,
+    }
+    body = json.dumps(payload).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
+        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+
+    def active() -> int:
+        row = router.agent(agent.peer_id)
+        return -1 if row is None else row["status"]["active_requests"]
+
+    stuck = trio.socket.socket()
+    stuck.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    try:
+        await stuck.connect(("127.0.0.1", router.http_port))
+        view = memoryview(request)
+        while view:
+            view = view[await stuck.send(view) :]
+        await trio.to_thread.run_sync(lambda: wait_until(lambda: active() == 1, 15, "slot held"))
+        await trio.to_thread.run_sync(lambda: wait_until(lambda: active() == 0, 30, "slot freed"))
+        await trio.to_thread.run_sync(
+            lambda: wait_until(lambda: agent.sim_state()["in_flight"] == 0, 15, "engine idle")
+        )
+    finally:
+        stuck.close()
+    log = router.log()
+    assert "http_write_timeout" in log and "client_disconnected" in log, log[-3000:]
