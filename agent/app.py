@@ -31,7 +31,8 @@ from protocol.sdnotify import sd_notify
 
 log = logging.getLogger("agent")
 
-# A router host's welcome names at most this many other workers (router --workers).
+# Workers added from welcomes, over the agent's life, at most (router --workers allows 64
+# per host): a router that names new ones on every welcome cannot grow this list.
 MAX_WORKERS = 64
 
 
@@ -162,7 +163,10 @@ class AgentDaemon:
         prefix = via.split("/tcp/")[0]
         known = {c.address for c in self.connections}
         known_peers = {str(c.info.peer_id) for c in self.connections}
-        for entry in workers[:MAX_WORKERS]:
+        for entry in workers:
+            if len(self.connections) >= len(self.settings.routers) + MAX_WORKERS:
+                log.warning("router_workers_ignored reason=%s", quote("too many workers"))
+                return
             port = entry.get("tcp_port") if isinstance(entry, dict) else None
             peer = entry.get("peer_id") if isinstance(entry, dict) else None
             if not (isinstance(port, int) and 0 < port < 65536 and isinstance(peer, str)):

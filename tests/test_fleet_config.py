@@ -95,6 +95,14 @@ def test_a_policy_change_on_one_router_reaches_every_router(fleet: Fleet, tmp_pa
         r.wait_log(r"policy_reload_failed origin=fleet errors=")
         r.wait_log(r"config_rejected kind=policy version=0badc0de")
         assert policy_of(r)[0] == running
+    # So is one over the PUT limit, before any parsing.
+    store = redis.Redis(port=server.port, socket_timeout=2)
+    huge = POLICY.format(name="huge") + "#" * (1024 * 1024)
+    store.hset("hivenet:config:policy", mapping={"version": "0b16", "text": huge, "router": "x"})
+    store.close()
+    for r in routers:
+        r.wait_log(r"policy_reload_failed origin=fleet errors=\"policy text in Redis is \d+ bytes")
+        assert policy_of(r)[0] == running
 
 
 def test_an_auth_change_on_one_router_admits_the_new_key_on_every_router(

@@ -5,10 +5,19 @@ from __future__ import annotations
 import os
 import re
 import signal
+from pathlib import Path
 
 import httpx
+from libp2p.crypto.ed25519 import create_new_key_pair
 
+from agent.app import MAX_WORKERS, AgentDaemon
+from agent.link import RouterConnection
+from agent.settings import AgentSettings
+from protocol.p2p import peer_id_of
 from tests.fleet import Fleet, Proc, Router, wait_until
+
+PEER_A = str(peer_id_of(create_new_key_pair()))
+PEER_B = str(peer_id_of(create_new_key_pair()))
 
 
 def metric(router: Router, worker: int, name: str) -> float:
@@ -72,3 +81,44 @@ def test_workers_out_of_range_exit_with_the_reason(fleet: Fleet) -> None:
     Proc.start(router)  # it never gets to router_ready
     assert router.popen is not None and router.popen.wait(20) == 2
     assert "--workers must be 1 to 64, got 0" in router.log()
+
+
+class _Nursery:
+    def __init__(self) -> None:
+        self.started: list[object] = []
+
+    def start_soon(self, fn: object, *args: object) -> None:
+        self.started.append(fn)
+
+
+def test_a_hostile_workers_list_adds_only_well_formed_new_routers(tmp_path: Path) -> None:
+    first = "/ip4/10.0.0.5/tcp/9000/p2p/" + PEER_A
+    daemon = AgentDaemon(AgentSettings([first], identity_path=str(tmp_path / "a.key")))
+    daemon.connections.append(RouterConnection(None, first, lambda stream: None))
+    nursery = _Nursery()
+    daemon._dial = (None, nursery, lambda address: lambda stream: None)
+    hostile: list = [
+        "not a map",
+        {"tcp_port": "9001", "peer_id": PEER_B},
+        {"tcp_port": 0, "peer_id": PEER_B},
+        {"tcp_port": 70000, "peer_id": PEER_B},
+        {"tcp_port": True, "peer_id": PEER_B},
+        {"tcp_port": 9001, "peer_id": "not-a-peer-id"},
+        {"tcp_port": 9002, "peer_id": PEER_A},  # the router we have, on another port
+        {"tcp_port": 9001, "peer_id": PEER_B},
+        {"tcp_port": 9001, "peer_id": PEER_B},  # named twice
+    ]
+    daemon._dial_workers(first, hostile)
+    assert [c.address for c in daemon.connections] == [
+        first,
+        "/ip4/10.0.0.5/tcp/9001/p2p/" + PEER_B,
+    ]
+    assert len(nursery.started) == 1
+    # Welcomes naming ever more workers add MAX_WORKERS in all, at most.
+    flood = [
+        {"tcp_port": 10000 + i, "peer_id": str(peer_id_of(create_new_key_pair()))}
+        for i in range(MAX_WORKERS + 10)
+    ]
+    daemon._dial_workers(first, flood[:40])
+    daemon._dial_workers(first, flood[40:])
+    assert len(daemon.connections) == 1 + MAX_WORKERS

@@ -36,6 +36,8 @@ POLL_INTERVAL = 0.2
 CALL_TIMEOUT = 0.5
 KEY = "hivenet:config:"
 FLEET_ORIGIN = "fleet"
+# The same bound as a PUT body (router/http/admin.py): Redis is no way around it.
+MAX_DOCUMENT_BYTES = 1024 * 1024
 
 
 class ConfigSync:
@@ -104,8 +106,13 @@ class ConfigSync:
             fetched = await self._call(lambda k=kind: self.client.hmget(KEY + k, "text", "router"))
             if fetched is None or fetched[0] is None:
                 continue
-            text, source = fetched[0].decode(), (fetched[1] or b"?").decode()
-            errors = store.replace(text, FLEET_ORIGIN)
+            raw, source = fetched[0], (fetched[1] or b"?").decode("utf-8", "replace")
+            if len(raw) > MAX_DOCUMENT_BYTES:
+                errors = store.reject(
+                    [f"{kind} text in Redis is {len(raw)} bytes, over 1 MiB"], FLEET_ORIGIN
+                )
+            else:
+                errors = store.replace(raw.decode("utf-8", "replace"), FLEET_ORIGIN)
             if errors:
                 self.rejected[kind] = version
                 log.warning(
