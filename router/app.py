@@ -102,6 +102,7 @@ class RouterDaemon:
             self.link.forward,
             settings.max_tries_per_step,
             self._released,
+            settings.failure_cooldown,
         )
         self.providers = ProviderClient(
             settings.openai_api_key,

@@ -53,6 +53,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--remove-after", type=parse_duration, default="30s")
     serve.add_argument("--max-unjoined-per-ip", type=int, default=64)
     serve.add_argument("--drain-timeout", type=parse_duration, default="30s")
+    serve.add_argument("--failure-cooldown", type=parse_duration, default="30s")
     serve.add_argument("--stream-slot-release", choices=("head", "end"), default="head")
     serve.add_argument("--jwt-secret-file", default=None)
     serve.add_argument(
@@ -134,6 +135,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         remove_after=args.remove_after,
         max_unjoined_per_ip=args.max_unjoined_per_ip,
         drain_timeout=args.drain_timeout,
+        failure_cooldown=args.failure_cooldown,
         stream_slot_release=args.stream_slot_release,
         jwt_secret=load_secret(args.jwt_secret_file),
         auth_file=args.auth_file,

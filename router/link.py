@@ -627,8 +627,6 @@ class AgentLink:
                 session.finish(req_id, cancel=False)
                 failure = pending.failure
                 assert failure is not None  # FAILED is queued by `fail` only
-                if not failure.connection_level and failure.code is not ErrorCode.AGENT_FULL:
-                    peer.stats.record_failure()
                 return failure
             peer.stats.record_rtt((trio.current_time() - started) * 1000.0)
             status, headers = head["status"], head["headers"]
@@ -637,7 +635,6 @@ class AgentLink:
                 # Sent on, the client would get no answer at all and the try would
                 # count as a success: this agent's try fails instead.
                 session.finish(req_id, cancel=True)
-                peer.stats.record_failure()
                 log.warning(
                     "agent_bad_head peer=%s id=%d reason=%s", peer.peer_id, req_id, quote(problem)
                 )
@@ -646,11 +643,10 @@ class AgentLink:
                     f"agent sent a response head the router cannot send: {problem}",
                 )
             if status >= 400:
-                return await self._failed_answer(session, req_id, pending, peer, status, headers)
+                return await self._failed_answer(session, req_id, pending, status, headers)
         except BaseException:
             session.finish(req_id, cancel=True)
             raise
-        peer.stats.record_success()
         response = AgentResponse(session, req_id, pending, status, headers, slot)
         if req.stream and self.settings.release_stream_slot_at_head:
             slot.release()
@@ -661,7 +657,6 @@ class AgentLink:
         session: AgentSession,
         req_id: int,
         pending: _Pending,
-        peer: Peer,
         status: int,
         headers: dict[str, str],
     ) -> ForwardFailure:
@@ -673,8 +668,6 @@ class AgentLink:
             body += frame["data"]
         session.finish(req_id, cancel=len(body) > MAX_ERROR_BODY)
         code = classify_backend_status(status, bytes(body)) or ErrorCode.BACKEND_ERROR
-        if code in (ErrorCode.BACKEND_ERROR, ErrorCode.BACKEND_UNAVAILABLE):
-            peer.stats.record_failure()
         text = bytes(body[:2000]).decode("utf-8", "replace")
         return ForwardFailure(
             code,

@@ -8,6 +8,7 @@ least-loaded ranking fall to the lowest peer ID, as the seeds specify.
 from __future__ import annotations
 
 import bisect
+import math
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -43,15 +44,35 @@ class AgentMetadata:
         }
 
 
+# How long the history gates (`success_rate`, `consecutive_failures`) keep excluding an
+# agent after its latest failure before one request may probe it (--failure-cooldown).
+# 30 s is Envoy's outlier-detection base ejection time, and about how long a crashed
+# engine takes to come back under systemd (RestartSec=5 plus loading an 8B model):
+# a shorter cool-down spends probes, which are real requests, on an engine still loading.
+DEFAULT_FAILURE_COOLDOWN = 30.0
+HISTORY_FIELDS = ("success_rate", "consecutive_failures")
+
+
 @dataclass
 class UniversalStats:
-    """Router-side history of one agent (RFC 6298 SRTT in milliseconds)."""
+    """Router-side history of one agent (RFC 6298 SRTT in milliseconds).
+
+    The history gates exclude an agent while the router clock is before `probe_at`, a
+    circuit breaker: a failure that is charged to the agent opens it for the cool-down
+    (`probe_at = now + cooldown`); after that the breaker is half-open and one request,
+    the probe, may reach the agent whatever its history says (`probe_at` is +inf while
+    it runs, so no second one follows); the probe's success closes the breaker
+    (`probe_at = -inf`: the history gates wait for the next failure) and its failure
+    re-opens it. +inf is also the start: history recorded by other means than a failure
+    (a record built by hand) is judged as it stands.
+    """
 
     successes: int = 0
     failures: int = 0
     consecutive_failures: int = 0
     srtt_ms: float | None = None
     rttvar_ms: float | None = None
+    probe_at: float = math.inf
 
     @property
     def success_rate(self) -> float | None:
@@ -66,13 +87,38 @@ class UniversalStats:
             self.rttvar_ms = 0.75 * self.rttvar_ms + 0.25 * abs(self.srtt_ms - sample_ms)
             self.srtt_ms = 0.875 * self.srtt_ms + 0.125 * sample_ms
 
-    def record_success(self) -> None:
+    def record_success(self, probe: bool) -> None:
         self.successes += 1
         self.consecutive_failures = 0
+        if probe:
+            self.probe_at = -math.inf
 
-    def record_failure(self) -> None:
+    def record_failure(self, now: float, cooldown: float) -> None:
+        """A failure the agent is to blame for; client-caused ones are never recorded."""
         self.failures += 1
         self.consecutive_failures += 1
+        self.probe_at = now + cooldown
+
+    def history_gated(self, now: float) -> bool:
+        """Whether the history gates judge this agent now (the breaker is not letting a
+        probe through, or is not closed)."""
+        return now < self.probe_at
+
+    def half_open(self, now: float) -> bool:
+        """The cool-down after a failure has passed and no probe is running."""
+        return -math.inf < self.probe_at <= now
+
+    def start_probe(self) -> float:
+        """Hold the breaker while a probe runs; returns what `end_probe` restores."""
+        held = self.probe_at
+        self.probe_at = math.inf
+        return held
+
+    def end_probe(self, held: float) -> None:
+        """A probe that ended with no verdict on the agent (the client's error, a broken
+        link, a cancelled request): half-open again, unless a failure re-opened it."""
+        if self.probe_at == math.inf:
+            self.probe_at = held
 
 
 @dataclass(eq=False)

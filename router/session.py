@@ -2,7 +2,10 @@
 
 The session knows nothing of libp2p or HTTP. It is handed a `forward` function that
 sends the request to one agent and reports how that went, and a clock; so the whole
-of the seeds' routing behaviour is testable with plain objects.
+of the seeds' routing behaviour is testable with plain objects. It is also where each
+forward's outcome is charged to its agent (`charged`: the history the `success_rate`
+and `consecutive_failures` gates read, and the circuit breaker over them), because only
+here is it known whether the client or the agent was at fault.
 """
 
 from __future__ import annotations
@@ -17,15 +20,12 @@ from protocol.errors import REQUEST_LEVEL, ErrorCode, RouterError
 from protocol.logs import quote
 from router.capacity import Waiter, WaitQueue, try_acquire
 from router.metrics import RouterMetrics
-from router.peers import Peer, PeerTable
+from router.peers import DEFAULT_FAILURE_COOLDOWN, Peer, PeerTable
 from router.policy.admission import ShedHit, shed
-from router.policy.gates import evaluate
+from router.policy.gates import MODEL_FILTER, Evaluation, evaluate, is_probe
 from router.policy.schema import Policy, Step
 
 log = logging.getLogger("policy")
-
-# Gate 1's drain: no agent at all is registered for the requested model.
-NO_AGENTS_FOR_MODEL = "gate[1] "
 
 
 @dataclass
@@ -86,6 +86,21 @@ class ForwardFailure:
     headers: dict[str, str] = field(default_factory=dict)
 
 
+def charged(failure: ForwardFailure) -> bool:
+    """Whether `failure` counts against the agent (`success_rate`, `consecutive_failures`).
+
+    Not when the client caused it (a request-level code: the engine judged the request,
+    and another agent would answer the same), nor when the link broke (the agent's
+    session, not its backend; that has its own recovery), nor when the agent was full
+    with other routers' requests (`agent_full`: refused before any work).
+    """
+    return (
+        not failure.connection_level
+        and failure.code not in REQUEST_LEVEL
+        and failure.code is not ErrorCode.AGENT_FULL
+    )
+
+
 # A successful forward hands back whatever the link returned as the response.
 Forward = Callable[[Peer, RouteRequest, Slot], Awaitable["object | ForwardFailure"]]
 
@@ -120,6 +135,57 @@ class LoadShed:
     steps_tried: int
 
 
+@dataclass(frozen=True, slots=True)
+class StepOutcome:
+    """A step that did not serve: its part of the reason, and how the chain goes on."""
+
+    reason: str  # e.g. 'gate[5] prev_failures [prev_failed=2]' or 'max_tries exhausted'
+    failure: ForwardFailure | None  # the step's last failed forward, if one failed
+    # Drained at gate 6 with no place in the queue (disabled, full, or pushed out).
+    capacity_full: bool
+    drained_gate: int | None  # the gate that emptied the pool; None: max_tries ran out
+
+
+@dataclass(eq=False, slots=True)
+class _SendTo:
+    """Forward to `slot.peer`: the slot is taken, and the breaker held for a probe."""
+
+    slot: Slot
+    probe: bool
+    held: float  # the breaker before the probe, restored if the probe says nothing
+
+    def abandon(self) -> None:
+        """The forward raised (cancelled): no verdict on the agent."""
+        self.slot.release()
+        if self.probe:
+            self.slot.peer.stats.end_probe(self.held)
+
+
+@dataclass(frozen=True, slots=True)
+class _Queued:
+    """Wait in the model's queue; `drained` is what the step reports if the wait fails."""
+
+    drained: Evaluation
+
+
+@dataclass(eq=False, slots=True)
+class _StepRun:
+    """One step's running state within one request."""
+
+    index: int
+    step: Step
+    budget: int
+    recovered: set[str]  # agents whose free connection recovery is used (whole request)
+    wait: _QueuePlace
+    failed: set[str] = field(default_factory=set)  # gate 5's input
+    tries: int = 0
+    last_failure: ForwardFailure | None = None
+
+    def drained(self, ev: Evaluation, capacity_full: bool) -> StepOutcome:
+        reason = ev.drain or "no eligible agents"
+        return StepOutcome(reason, self.last_failure, capacity_full, ev.gate)
+
+
 class BackendRejected(Exception):
     """A request-level error from a backend, passed to the client as it answered."""
 
@@ -137,6 +203,7 @@ class RoutingSession:
         forward: Forward,
         default_max_tries: int,
         on_release: Callable[[Peer], None],
+        failure_cooldown: float = DEFAULT_FAILURE_COOLDOWN,
     ) -> None:
         self.table = table
         self.queue = queue
@@ -144,6 +211,7 @@ class RoutingSession:
         self.forward = forward
         self.default_max_tries = default_max_tries
         self.on_release = on_release
+        self.failure_cooldown = failure_cooldown
 
     async def route(self, policy: Policy, req: RouteRequest) -> Served | Exhausted | LoadShed:
         """Serve `req` through the policy's local steps, or report why none could.
@@ -169,11 +237,10 @@ class RoutingSession:
             outcome = await self._run_step(index, step, req, recovered)
             if isinstance(outcome, Served):
                 return outcome
-            reason, failure, full = outcome
-            reasons.append(f"{step.name}: {reason}")
-            last_failure = failure or last_failure
-            capacity_drained = capacity_drained or full
-            if reason.startswith(NO_AGENTS_FOR_MODEL):
+            reasons.append(f"{step.name}: {outcome.reason}")
+            last_failure = outcome.failure or last_failure
+            capacity_drained = capacity_drained or outcome.capacity_full
+            if outcome.drained_gate == MODEL_FILTER.number:
                 # Gate 1: the model is fixed for the whole chain, so no later local
                 # step can recover; `tried=` then shows how far the chain went.
                 break
@@ -193,52 +260,21 @@ class RoutingSession:
 
     async def _run_step(
         self, index: int, step: Step, req: RouteRequest, recovered: set[str]
-    ) -> Served | tuple[str, ForwardFailure | None, bool]:
-        budget = step.budget(self.default_max_tries)
-        failed: set[str] = set()
-        tries = 0
-        last_failure: ForwardFailure | None = None
+    ) -> Served | StepOutcome:
+        """One policy step: decide (`_next`, `_settle`), then do what was decided.
+
+        Only the two awaits below, the queue wait and the forward, are checkpoints, so
+        a decision and the state it changes (a slot, a queue place, a probe) cannot be
+        interleaved with another request's.
+        """
         wait = _QueuePlace(self.queue, self.metrics, req)
+        run = _StepRun(index, step, step.budget(self.default_max_tries), recovered, wait)
         try:
             while True:
-                ev = evaluate(
-                    self._pool(req),
-                    step,
-                    req.capability,
-                    failed,
-                    trio.current_time(),
-                )
-                peer = ev.best
-                if peer is None:
-                    log.debug(
-                        "req=%s step_drained step=%s drain=%s waitable=%s tenant=%s",
-                        req.request_id,
-                        step.name,
-                        quote(ev.drain or ""),
-                        ev.waitable,
-                        quote(req.tenant),
-                    )
-                    if not ev.waitable:
-                        return ev.drain or "no eligible agents", last_failure, False
-                    if not wait.enter():
-                        # Disabled (--queue-depth 0) or full: advance at once. The step's
-                        # reason keeps the seeds' shape, `gate[6] capacity [at_capacity=N]`.
-                        log.debug(
-                            "req=%s queue_full step=%s model=%s depth=%d tenant=%s",
-                            req.request_id,
-                            step.name,
-                            quote(req.model),
-                            self.queue.depth,
-                            quote(req.tenant),
-                        )
-                        return ev.drain or "no eligible agents", last_failure, True
-                    log.debug(
-                        "req=%s queued step=%s priority=%d tenant=%s",
-                        req.request_id,
-                        step.name,
-                        req.priority,
-                        quote(req.tenant),
-                    )
+                action = self._next(run, req)
+                if isinstance(action, StepOutcome):
+                    return action
+                if isinstance(action, _Queued):
                     # The request's own deadline bounds the wait (cancellation).
                     await wait.wait()
                     if wait.evicted():
@@ -249,69 +285,131 @@ class RoutingSession:
                             req.priority,
                             quote(req.tenant),
                         )
-                        return ev.drain or "no eligible agents", last_failure, True
+                        return run.drained(action.drained, capacity_full=True)
                     continue
-                wait.leave()
-                if not try_acquire(peer):
-                    continue  # lost the race for the last slot: select again, no try used
-                log.debug(
-                    "req=%s step_selected step=%s peer=%s active=%d capacity=%d"
-                    " survivors=%d tenant=%s",
-                    req.request_id,
-                    step.name,
-                    peer.peer_id,
-                    peer.active,
-                    peer.metadata.capacity,
-                    ev.survivors,
-                    quote(req.tenant),
-                )
-                slot = Slot(peer, self.on_release)
-                forward_started = trio.current_time()
+                started = trio.current_time()
                 try:
-                    result = await self.forward(peer, req, slot)
+                    result = await self.forward(action.slot.peer, req, action.slot)
                 except BaseException:
-                    slot.release()
+                    action.abandon()
                     raise
-                if not isinstance(result, ForwardFailure):
-                    return Served(result, peer, index, step.name)
-                slot.release()
-                req.waited += trio.current_time() - forward_started
-                if result.code is ErrorCode.AGENT_FULL:
-                    # Other routers hold the agent's capacity. The refusal made the
-                    # agent full in this router's count too, so selecting again goes
-                    # to another agent or queues for its next report; no try is used.
-                    log.debug(
-                        "req=%s agent_full step=%s peer=%s tenant=%s",
-                        req.request_id,
-                        step.name,
-                        peer.peer_id,
-                        quote(req.tenant),
-                    )
-                    continue
-                self.metrics.forward_failures.labels(req.model, str(result.code), req.tenant).inc()
-                log.info(
-                    "req=%s forward_error step=%s peer=%s code=%s message=%s tenant=%s",
-                    req.request_id,
-                    step.name,
-                    peer.peer_id,
-                    result.code,
-                    quote(result.message),
-                    quote(req.tenant),
-                )
-                if result.code in REQUEST_LEVEL:
-                    raise BackendRejected(result)
-                if result.connection_level and peer.peer_id not in recovered:
-                    # The first connection failure per agent and request is free.
-                    recovered.add(peer.peer_id)
-                    self.metrics.resets.labels(req.model, req.tenant).inc()
-                    continue
-                last_failure = result
-                failed.add(peer.peer_id)
-                tries += 1
-                if tries >= budget:
-                    return "max_tries exhausted", last_failure, False
+                settled = self._settle(run, req, action, result, started)
+                if settled is not None:
+                    return settled
         finally:
             wait.leave()
+
+    def _next(self, run: _StepRun, req: RouteRequest) -> _SendTo | _Queued | StepOutcome:
+        """What the step does next, decided without awaiting: forward to an agent (its
+        slot taken), wait in the queue (the place taken), or end the step."""
+        step, wait = run.step, run.wait
+        while True:
+            ev = evaluate(self._pool(req), step, req.capability, run.failed, trio.current_time())
+            peer = ev.best
+            if peer is None:
+                log.debug(
+                    "req=%s step_drained step=%s drain=%s waitable=%s tenant=%s",
+                    req.request_id,
+                    step.name,
+                    quote(ev.drain or ""),
+                    ev.waitable,
+                    quote(req.tenant),
+                )
+                if not ev.waitable:
+                    return run.drained(ev, capacity_full=False)
+                if not wait.enter():
+                    # Disabled (--queue-depth 0) or full: advance at once. The step's
+                    # reason keeps the seeds' shape, `gate[6] capacity [at_capacity=N]`.
+                    log.debug(
+                        "req=%s queue_full step=%s model=%s depth=%d tenant=%s",
+                        req.request_id,
+                        step.name,
+                        quote(req.model),
+                        self.queue.depth,
+                        quote(req.tenant),
+                    )
+                    return run.drained(ev, capacity_full=True)
+                log.debug(
+                    "req=%s queued step=%s priority=%d tenant=%s",
+                    req.request_id,
+                    step.name,
+                    req.priority,
+                    quote(req.tenant),
+                )
+                return _Queued(ev)
+            wait.leave()
+            if not try_acquire(peer):
+                continue  # lost the race for the last slot: select again, no try used
+            log.debug(
+                "req=%s step_selected step=%s peer=%s active=%d capacity=%d survivors=%d tenant=%s",
+                req.request_id,
+                step.name,
+                peer.peer_id,
+                peer.active,
+                peer.metadata.capacity,
+                ev.survivors,
+                quote(req.tenant),
+            )
+            probe = is_probe(peer, step, trio.current_time())
+            held = peer.stats.start_probe() if probe else 0.0
+            return _SendTo(Slot(peer, self.on_release), probe, held)
+
+    def _settle(
+        self,
+        run: _StepRun,
+        req: RouteRequest,
+        sent: _SendTo,
+        result: object | ForwardFailure,
+        started: float,
+    ) -> Served | StepOutcome | None:
+        """Charge a forward's outcome to its agent and decide the step's course: served,
+        ended, or None to select again. Raises BackendRejected for the client's error."""
+        peer, stats = sent.slot.peer, sent.slot.peer.stats
+        if not isinstance(result, ForwardFailure):
+            stats.record_success(sent.probe)
+            return Served(result, peer, run.index, run.step.name)
+        sent.slot.release()
+        now = trio.current_time()
+        if charged(result):
+            stats.record_failure(now, self.failure_cooldown)
+        elif sent.probe:
+            stats.end_probe(sent.held)
+        req.waited += now - started
+        if result.code is ErrorCode.AGENT_FULL:
+            # Other routers hold the agent's capacity. The refusal made the agent full
+            # in this router's count too, so selecting again goes to another agent or
+            # queues for its next report; no try is used.
+            log.debug(
+                "req=%s agent_full step=%s peer=%s tenant=%s",
+                req.request_id,
+                run.step.name,
+                peer.peer_id,
+                quote(req.tenant),
+            )
+            return None
+        self.metrics.forward_failures.labels(req.model, str(result.code), req.tenant).inc()
+        log.info(
+            "req=%s forward_error step=%s peer=%s code=%s message=%s tenant=%s",
+            req.request_id,
+            run.step.name,
+            peer.peer_id,
+            result.code,
+            quote(result.message),
+            quote(req.tenant),
+        )
+        if result.code in REQUEST_LEVEL:
+            raise BackendRejected(result)
+        if result.connection_level and peer.peer_id not in run.recovered:
+            # The first connection failure per agent and request is free.
+            run.recovered.add(peer.peer_id)
+            self.metrics.resets.labels(req.model, req.tenant).inc()
+            return None
+        run.last_failure = result
+        run.failed.add(peer.peer_id)
+        run.tries += 1
+        if run.tries >= run.budget:
+            return StepOutcome("max_tries exhausted", result, False, None)
+        return None
 
     def _exhausted(
         self,

@@ -5,6 +5,8 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 
+from router.peers import DEFAULT_FAILURE_COOLDOWN
+
 DEFAULT_MAX_REQUEST_BYTES = 10 * 1024 * 1024
 
 
@@ -41,6 +43,7 @@ class RouterSettings:
     # Agent sessions from one address (IPv6: one /64) not yet past their hello.
     max_unjoined_per_ip: int = 64
     drain_timeout: float = 30.0
+    failure_cooldown: float = DEFAULT_FAILURE_COOLDOWN
     stream_slot_release: str = "head"
     jwt_secret: bytes = b""
     admin_api_keys: list[str] = field(default_factory=list)

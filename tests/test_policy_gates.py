@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 from typing import Any
 
@@ -9,7 +10,8 @@ import pytest
 
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from router.peers import AgentMetadata, Peer, UniversalStats
-from router.policy.gates import evaluate, first_violation, metric_value
+from router.policy import gates
+from router.policy.gates import GATE_NAMES, evaluate, first_violation, metric_value
 from router.policy.rank import NOT_IMPLEMENTED, STRATEGIES, least_loaded
 from router.policy.schema import GATE_FIELDS, Match, Rule, Step, load_policy
 
@@ -579,6 +581,11 @@ def _reference(pool: list[Peer], s: Step, capability: str, failed: frozenset[str
         if p.peer_id in failed or p.active >= md.capacity:
             continue
         values = {f: metric_value(p, f, NOW) for f in GATE_FIELDS}
+        stats, total = p.stats, p.stats.successes + p.stats.failures
+        # The history gates judge an agent only while its breaker is open (peers.py).
+        judged = total and stats.probe_at > NOW
+        values["success_rate"] = stats.successes / total if judged else None
+        values["consecutive_failures"] = stats.consecutive_failures if judged else None
         if any(values[r.field] is not None and r.violated(values[r.field]) for r in s.exclude_if):
             continue
         out.append(p)
@@ -611,6 +618,8 @@ def _random_peer(rng: random.Random, i: int) -> Peer:
             failures=failures,
             consecutive_failures=rng.randrange(0, failures + 1),
             srtt_ms=maybe(rng.uniform(50, 900)),
+            # Open, half-open (cool-down over), closed by a probe, or never tripped.
+            probe_at=rng.choice((NOW + 1, NOW, NOW - 1, -math.inf, math.inf)),
         ),
     )
 
@@ -643,5 +652,34 @@ def test_compiled_pass_matches_the_reference() -> None:
         assert result.survivors == len(expected)
         assert result.best is least_loaded(expected)
         assert (result.drain is None) == bool(expected)
+        # The drained gate is reported as a number too, and it is the one in the text.
+        number = result.gate
+        assert (number is None) == bool(expected)
+        if result.drain is not None:
+            assert result.drain.startswith(f"gate[{number}] {GATE_NAMES[number - 1]} [")
         drained += not expected
     assert 50 < drained < 350  # both outcomes were exercised
+
+
+def test_the_gate_table_is_the_seeds_order() -> None:
+    seeds = ("model_filter", "health", "capability", "match", "prev_failures", "capacity")
+    assert (*seeds, "exclude_if") == GATE_NAMES
+
+
+def test_each_removal_is_the_first_gate_whose_reference_check_fails() -> None:
+    rng = random.Random(20261204)
+    for _ in range(300):
+        pool = [_random_peer(rng, i) for i in range(rng.randrange(1, 10))]
+        s = _random_step(rng)
+        failed = frozenset(p.peer_id for p in pool if rng.random() < 0.15)
+        ctx = gates.context(s, "llm", failed, NOW)
+        removed = gates._compiled(s).removals(pool, "llm", failed, NOW)
+        survivors = gates._compiled(s).survivors(pool, "llm", failed, NOW)
+        assert len(removed) + len(survivors) == len(pool)
+        for number, p in removed:
+            assert [bool(g.check(p, ctx)) for g in gates.GATES[:number]] == [
+                *([False] * (number - 1)),
+                True,
+            ], (number, p.peer_id)
+        for p in survivors:
+            assert not any(g.check(p, ctx) for g in gates.GATES)

@@ -896,3 +896,184 @@ async def test_a_provider_without_its_key_is_skipped(autojump_clock: Any) -> Non
     with pytest.raises(RouterError) as caught:
         await d.dispatch(request())
     assert caught.value.code == ErrorCode.NO_AGENTS_AVAILABLE
+
+
+# --- what counts against an agent, and the breaker over its history gates ----------------
+
+# The seeds' "protect response quality" step (configs/policies/protect-response-quality.yaml).
+PROTECT = """
+match: {}
+exclude_if:
+  success_rate: {lt: 0.95}
+  consecutive_failures: {gte: 3}
+strategy: least-loaded
+max_tries: 1
+"""
+COOLDOWN = session_module.DEFAULT_FAILURE_COOLDOWN
+
+
+def history(peer: Peer) -> tuple[int, int, int]:
+    s = peer.stats
+    return s.successes, s.failures, s.consecutive_failures
+
+
+@pytest.mark.parametrize(
+    "code",
+    [ErrorCode.INVALID_PARAMETER, ErrorCode.CONTEXT_LENGTH_EXCEEDED, ErrorCode.REQUEST_INVALID],
+)
+async def test_client_errors_never_count_against_the_agent(
+    autojump_clock: Any, code: ErrorCode
+) -> None:
+    a = make_peer("A")
+    rejection = ForwardFailure(code, "the engine refused the request", status=400)
+    h = Harness(policy(PROTECT), [a], script={"A": [rejection] * 5})
+    for _ in range(5):
+        with pytest.raises(BackendRejected):
+            await h.route()
+    assert history(a) == (0, 0, 0)
+    assert isinstance(await h.route(), Served)
+    assert history(a) == (1, 0, 0)
+
+
+async def test_agent_failures_are_counted_once_and_a_broken_link_not_at_all(
+    autojump_clock: Any,
+) -> None:
+    a = make_peer("A")
+    h = Harness(
+        policy("max_tries: 3\n" + ANY),
+        [a],
+        script={"A": [fail(ErrorCode.BACKEND_ERROR), disconnect(), disconnect()]},
+    )
+    assert isinstance(await h.route(), Exhausted)  # backend_error: the one agent is spent
+    assert history(a) == (0, 1, 1)
+    # A free recovery, then a second disconnect: a try, but not the agent's failure.
+    assert isinstance(await h.route(), Exhausted)
+    assert history(a) == (0, 1, 1)
+    assert isinstance(await h.route(), Served)
+    assert history(a) == (1, 1, 0)
+
+
+async def trip(h: Harness, peer: Peer) -> None:
+    """Three charged failures in a row after 97 successes: success_rate 0.97 passes, and
+    consecutive_failures 3 excludes the agent (the seeds' sudden-instability case)."""
+    peer.stats.successes = 97
+    h.script[peer.peer_id] = [fail(ErrorCode.BACKEND_ERROR)] * 3
+    for _ in range(3):
+        assert isinstance(await h.route(), Exhausted)
+    assert history(peer) == (97, 3, 3)
+
+
+async def test_an_agent_locked_out_by_failures_is_probed_after_the_cool_down(
+    autojump_clock: Any,
+) -> None:
+    a = make_peer("A")
+    h = Harness(policy(PROTECT), [a])
+    await trip(h, a)
+    await trio.sleep(COOLDOWN - 1)
+    locked = await h.route()
+    assert isinstance(locked, Exhausted)
+    assert "gate[7] exclude_if [consecutive_failures=1]" in locked.reason
+    assert len(h.calls) == 3  # excluded: not asked
+    await trio.sleep(1)
+    # Half-open: one request may go despite three failures in a row; it closes the breaker.
+    assert isinstance(await h.route(), Served)
+    assert history(a) == (98, 3, 0)
+    for _ in range(3):
+        assert isinstance(await h.route(), Served)
+    assert len(h.calls) == 7
+
+
+async def test_a_low_success_rate_is_probed_too_and_closed_until_the_next_failure(
+    autojump_clock: Any,
+) -> None:
+    a = make_peer("A")
+    h = Harness(policy(PROTECT), [a], script={"A": [fail(ErrorCode.BACKEND_ERROR)]})
+    assert isinstance(await h.route(), Exhausted)
+    locked = await h.route()  # success_rate 0 < 0.95
+    assert isinstance(locked, Exhausted)
+    assert "gate[7] exclude_if [success_rate=1]" in locked.reason
+    await trio.sleep(COOLDOWN)
+    assert isinstance(await h.route(), Served)  # the probe
+    # Closed: the lifetime rate is 0.5, but the history gates wait for the next failure.
+    for _ in range(3):
+        assert isinstance(await h.route(), Served)
+    assert history(a) == (4, 1, 0)
+    h.script["A"] = [fail(ErrorCode.BACKEND_ERROR)]
+    assert isinstance(await h.route(), Exhausted)
+    # success_rate 4/6 < 0.95 again: open for a new cool-down, then probed.
+    assert isinstance(await h.route(), Exhausted)
+    await trio.sleep(COOLDOWN - 1)
+    assert isinstance(await h.route(), Exhausted)
+    await trio.sleep(1)
+    assert isinstance(await h.route(), Served)
+    assert len(h.calls) == 7
+
+
+async def test_a_failed_probe_reopens_the_breaker_for_another_cool_down(
+    autojump_clock: Any,
+) -> None:
+    a = make_peer("A")
+    h = Harness(policy(PROTECT), [a])
+    await trip(h, a)
+    await trio.sleep(COOLDOWN)
+    h.script["A"] = [fail(ErrorCode.BACKEND_UNAVAILABLE)]
+    assert isinstance(await h.route(), Exhausted)  # the probe, failed
+    assert history(a) == (97, 4, 4)
+    await trio.sleep(COOLDOWN - 1)
+    assert isinstance(await h.route(), Exhausted)
+    assert len(h.calls) == 4
+    await trio.sleep(1)
+    assert isinstance(await h.route(), Served)
+    assert history(a) == (98, 4, 0)
+
+
+async def test_one_probe_at_a_time_and_the_others_go_elsewhere(autojump_clock: Any) -> None:
+    a, b = make_peer("A"), make_peer("B")
+    h = Harness(policy(PROTECT), [a])
+    await trip(h, a)
+    h.table.add(b)
+    await trio.sleep(COOLDOWN)
+    probe_started = trio.Event()
+    release = trio.Event()
+
+    async def slow_answer() -> None:
+        probe_started.set()
+        await release.wait()
+
+    h.script["A"] = [slow_answer]
+    served: list[Served] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hold, h, served)
+        await probe_started.wait()
+        # A is least loaded and first by peer ID, but only its probe may run.
+        for _ in range(3):
+            await hold(h, served)
+        assert [s.peer.peer_id for s in served] == ["B", "B", "B"]
+        release.set()
+    assert [s.peer.peer_id for s in served] == ["B", "B", "B", "A"]
+    assert history(a) == (98, 3, 0)
+
+
+@pytest.mark.parametrize("ending", ["client_error", "cancelled", "disconnect"])
+async def test_a_probe_that_says_nothing_of_the_agent_leaves_it_half_open(
+    autojump_clock: Any, ending: str
+) -> None:
+    a = make_peer("A")
+    h = Harness(policy(PROTECT), [a])
+    await trip(h, a)
+    await trio.sleep(COOLDOWN)
+    if ending == "client_error":
+        h.script["A"] = [ForwardFailure(ErrorCode.INVALID_PARAMETER, "bad", status=400)]
+        with pytest.raises(BackendRejected):
+            await h.route()
+    elif ending == "cancelled":
+        h.script["A"] = [trio.sleep_forever]
+        with trio.move_on_after(5):
+            await h.route()
+    else:
+        # The free recovery re-selects A as the probe again, then the try fails uncharged.
+        h.script["A"] = [disconnect(), disconnect()]
+        assert isinstance(await h.route(), Exhausted)
+    assert history(a) == (97, 3, 3)
+    assert isinstance(await h.route(), Served)  # probed again at once: no new cool-down
+    assert history(a) == (98, 3, 0)

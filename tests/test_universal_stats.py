@@ -7,6 +7,7 @@ autojump clock, so the time a response head takes is exactly what the test says.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import pytest
@@ -16,12 +17,23 @@ from prometheus_client import CollectorRegistry, generate_latest
 from protocol import messages as m
 from protocol.conversation import SessionState
 from router.agent_metrics import AgentCollector
+from router.capacity import WaitQueue
 from router.http.admin import agent_view
 from router.link import AgentLink, AgentResponse, AgentSession, LinkSettings
 from router.metrics import RouterMetrics
 from router.peers import AgentMetadata, Peer, PeerTable, UniversalStats
 from router.policy.gates import metric_value
-from router.session import ForwardFailure, RouteRequest, Slot
+from router.policy.schema import DEFAULT_POLICY_YAML, load_policy
+from router.session import (
+    BackendRejected,
+    ForwardFailure,
+    RouteRequest,
+    RoutingSession,
+    Served,
+    Slot,
+)
+
+DEFAULT = load_policy(DEFAULT_POLICY_YAML)
 
 # --- UniversalStats ------------------------------------------------------------------
 
@@ -62,9 +74,9 @@ def test_success_rate_and_consecutive_failures_by_hand() -> None:
     streaks = [0, 0, 1, 0, 1, 2, 3, 0]
     for outcome, rate, streak in zip(outcomes, rates, streaks, strict=True):
         if outcome == "S":
-            stats.record_success()
+            stats.record_success(probe=False)
         else:
-            stats.record_failure()
+            stats.record_failure(now=0.0, cooldown=30.0)
         assert stats.success_rate == pytest.approx(rate)
         assert stats.consecutive_failures == streak
     assert (stats.successes, stats.failures) == (4, 4)
@@ -75,7 +87,7 @@ def test_gate_values_without_history_are_missing() -> None:
     for name in ("success_rate", "srtt", "consecutive_failures"):
         assert metric_value(peer, name, 0.0) is None
     assert metric_value(peer, "capacity_utilization", 0.0) == 0.0
-    peer.stats.record_failure()
+    peer.stats.record_failure(now=0.0, cooldown=30.0)
     assert metric_value(peer, "consecutive_failures", 0.0) == 1
     assert metric_value(peer, "success_rate", 0.0) == 0.0
 
@@ -153,11 +165,6 @@ def _request(stream: bool) -> RouteRequest:
     )
 
 
-def _slot(peer: Peer) -> Slot:
-    peer.active += 1
-    return Slot(peer, lambda p: None)
-
-
 async def _agent(session: AgentSession, fs: _FakeStream, script: list[tuple[float, Any]]) -> None:
     """Answer the next request: each step sleeps, then delivers a frame built from its id."""
     while not any(msg["type"] == m.REQUEST for msg in fs.sent):
@@ -171,17 +178,24 @@ async def _agent(session: AgentSession, fs: _FakeStream, script: list[tuple[floa
 async def _forward(
     link: AgentLink, session: AgentSession, fs: _FakeStream, peer: Peer, stream: bool, script: list
 ) -> tuple[AgentResponse | ForwardFailure, bytes]:
+    """One request routed to `peer` over the link, as the router sends it: the routing
+    session counts the outcome against the agent, the link times it."""
     fs.sent.clear()
     body = b""
-    slot = _slot(peer)
+    outcomes: list[AgentResponse | ForwardFailure] = []
+
+    async def forward(peer: Peer, req: RouteRequest, slot: Slot) -> AgentResponse | ForwardFailure:
+        outcomes.append(await link.forward(peer, req, slot))
+        return outcomes[-1]
+
+    routing = RoutingSession(link.table, WaitQueue(0), link.metrics, forward, 1, lambda p: None)
     async with trio.open_nursery() as nursery:
         nursery.start_soon(_agent, session, fs, script)
-        result = await link.forward(peer, _request(stream), slot)
-        if isinstance(result, AgentResponse):
-            body = await result.read_all()
-        else:
-            slot.release()  # the routing session's part on a failed forward
-    return result, body
+        with contextlib.suppress(BackendRejected):
+            served = await routing.route(DEFAULT, _request(stream))
+            if isinstance(served, Served):
+                body = await served.response.read_all()  # type: ignore[attr-defined]
+    return outcomes[-1], body
 
 
 def _streamed(head_after: float, tokens: int, gap: float) -> list[tuple[float, Any]]:
@@ -252,6 +266,17 @@ async def test_link_outcomes_feed_success_rate_and_failure_streak(autojump_clock
     result, _ = await _forward(link, session, fs, peer, False, too_long)
     assert isinstance(result, ForwardFailure)
     assert result.code == "context_length_exceeded"
+    assert (peer.stats.successes, peer.stats.failures, peer.stats.consecutive_failures) == (
+        1,
+        2,
+        2,
+    )
+
+    # Nor when the agent itself reports a request-level code in an error frame.
+    refused = [(0.01, lambda i: m.error(i, "invalid_parameter", "n must be at least 1"))]
+    result, _ = await _forward(link, session, fs, peer, False, refused)
+    assert isinstance(result, ForwardFailure)
+    assert result.code == "invalid_parameter"
     assert (peer.stats.successes, peer.stats.failures, peer.stats.consecutive_failures) == (
         1,
         2,
@@ -347,8 +372,8 @@ async def test_per_agent_gauges(autojump_clock: Any) -> None:
     link.heartbeat(ollama, m.heartbeat(0.0, False, {}, {**HARDWARE, "age": 0.0}))
     peer.active = 1
     peer.stats.record_rtt(250.0)
-    peer.stats.record_success()
-    peer.stats.record_failure()
+    peer.stats.record_success(probe=False)
+    peer.stats.record_failure(now=trio.current_time(), cooldown=30.0)
 
     p = "hivenet_router_agent_"
     got = _samples(registry)

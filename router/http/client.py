@@ -12,7 +12,7 @@ import trio
 from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
 from router.dispatch import Dispatcher, ProviderServed
-from router.http import count_tokens
+from router.http import count_tokens, request_fields
 from router.http.asgi import (
     BodyTooLarge,
     ClientGone,
@@ -43,8 +43,6 @@ ENDPOINTS: dict[str, tuple[str, str]] = {
     "/v1/rerank": ("reranker", "openai"),
     count_tokens.COUNT_TOKENS_PATH: ("llm", "anthropic"),
 }
-# Model names are short; a longer one is an error, not a multi-megabyte log line.
-MAX_MODEL_NAME = 1024
 _FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "anthropic-version", "anthropic-beta")
 _DROPPED_RESPONSE_HEADERS = frozenset(
     {"content-length", "transfer-encoding", "connection", "date", "server", "keep-alive"}
@@ -138,17 +136,10 @@ class ClientApi:
         payload, problem = parse_json_object(body)
         if payload is None:
             return await fail(RouterError(ErrorCode.REQUEST_INVALID, problem))
-        model = payload.get("model")
-        if not isinstance(model, str) or not model:
-            return await fail(
-                RouterError(ErrorCode.REQUEST_INVALID, "field 'model' is required (a string)")
-            )
-        if len(model) > MAX_MODEL_NAME:
-            return await fail(
-                RouterError(
-                    ErrorCode.REQUEST_INVALID, f"field 'model' is longer than {MAX_MODEL_NAME}"
-                )
-            )
+        wrong = request_fields.problem(path, payload)
+        if wrong is not None:
+            return await fail(RouterError(ErrorCode.REQUEST_INVALID, wrong))
+        model: str = payload["model"]
         ticket: Ticket | None = scope.get(TICKET)
         if ticket is not None:
             refused = await ticket.admit(model, len(body))

@@ -9,8 +9,15 @@ The pass is compiled once per policy step into straight-line Python with the ste
 values bound as constants (as `dataclasses` does for `__init__`). A generic loop over
 match fields and rules measured about 0.65 µs per agent, 65 µs per decision at 100
 agents and 8.6 ms at 10,000; the compiled pass is about 0.3 µs per agent
-(`python -m bench.decision`). The drain explanation uses the plain, generic checks
-below, which are also the reference the tests hold the compiled pass to.
+(`python -m bench.decision`).
+
+Each gate is written down once, in `GATES`: its number and name, its reference check
+(plain Python, which the tests hold the compiled pass to), its fragment of the compiled
+pass and its drain detail. `GATE_NAMES`, the compiled passes and `_drained` are all
+built from that table, so the seeds' order lives in one place. A drain is explained by
+a second compiled pass that notes which gate removed each agent, then the draining
+gate's reference check on its agents alone: as fast as the hand-written explanation it
+replaced (`bench.decision`'s drain columns).
 """
 
 from __future__ import annotations
@@ -19,21 +26,12 @@ import json
 from collections.abc import Callable, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
+from operator import itemgetter
 
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
-from router.peers import AgentMetadata, Peer
+from router.peers import HISTORY_FIELDS, AgentMetadata, Peer, UniversalStats
 from router.policy.rank import STRATEGIES
 from router.policy.schema import GATE_FIELDS, MATCH_FIELDS, Rule, Step
-
-GATE_NAMES: tuple[str, ...] = (
-    "model_filter",
-    "health",
-    "capability",
-    "match",
-    "prev_failures",
-    "capacity",
-    "exclude_if",
-)
 
 # A snapshot older than three sampling periods means the agent stopped reporting it;
 # acting on the old value would keep excluding (or admitting) on stale data.
@@ -51,6 +49,7 @@ class Evaluation:
     # Drained, but an agent stopped only by its full capacity would otherwise be
     # eligible: waiting in the capacity queue for a free slot can help.
     waitable: bool
+    gate: int | None = None  # the gate that drained the pool (1-7); None when not drained
 
 
 def metric_value(peer: Peer, field: str, now: float) -> float | None:
@@ -58,12 +57,11 @@ def metric_value(peer: Peer, field: str, now: float) -> float | None:
     if field == "capacity_utilization":
         return peer.active / peer.metadata.capacity
     stats = peer.stats
-    if field == "success_rate":
-        return stats.success_rate
+    if field in HISTORY_FIELDS:
+        # A half-open or closed breaker lets the agent past its history (peers.py).
+        return _history_value(stats, field) if stats.history_gated(now) else None
     if field == "srtt":
         return stats.srtt_ms
-    if field == "consecutive_failures":
-        return stats.consecutive_failures if stats.successes + stats.failures else None
     if field in ENGINE_FIELDS:
         if now - peer.engine_at > STALE_AFTER_PERIODS * peer.engine_interval:
             return None
@@ -75,6 +73,26 @@ def metric_value(peer: Peer, field: str, now: float) -> float | None:
     raise ValueError(f"unknown gate field {field!r}")
 
 
+def _history_value(stats: UniversalStats, field: str) -> float | None:
+    if field == "success_rate":
+        return stats.success_rate
+    return stats.consecutive_failures if stats.successes + stats.failures else None
+
+
+def is_probe(peer: Peer, step: Step, now: float) -> bool:
+    """Whether `peer` passes `step` only as its breaker's probe: half-open, and one of
+    the step's history rules would exclude it."""
+    stats = peer.stats
+    if not stats.half_open(now):
+        return False
+    for rule in step.exclude_if:
+        if rule.field in HISTORY_FIELDS:
+            value = _history_value(stats, rule.field)
+            if value is not None and rule.violated(value):
+                return True
+    return False
+
+
 def evaluate(
     pool: Sequence[Peer],
     step: Step,
@@ -84,38 +102,201 @@ def evaluate(
 ) -> Evaluation:
     """Run gates 1-7 of `step` over `pool` (the model's agents, in peer-ID order)."""
     if not pool:
-        return Evaluation(None, 0, _drain(1, "no_agents"), False)
-    survivors = _compiled(step)(pool, capability, failed, now)
+        return Evaluation(None, 0, _drain(MODEL_FILTER, {}), False, MODEL_FILTER.number)
+    survivors = _compiled(step).survivors(pool, capability, failed, now)
     if survivors:
         return Evaluation(STRATEGIES[step.strategy](survivors), len(survivors), None, False)
     return _drained(pool, step, capability, failed, now)
 
 
+# --- the gate table ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class Context:
+    """What a reference check reads besides the agent: one request's step and state."""
+
+    step: Step
+    capability: str
+    failed: AbstractSet[str]
+    now: float
+    wants: tuple[tuple[str, str], ...]  # the step's non-empty match fields, in order
+
+
+def context(step: Step, capability: str, failed: AbstractSet[str], now: float) -> Context:
+    return Context(step, capability, failed, now, _compiled(step).wants)
+
+
+# A fragment's helpers: `const` binds a policy value as a constant and returns its
+# name; `reject(condition, indent)` is the lines that remove an agent for which the
+# condition holds (skip it in the survivors pass, note it in the removals pass).
+Const = Callable[[object], str]
+Reject = Callable[[str, str], list[str]]
+_IN_LOOP = " " * 8
+
+
+@dataclass(frozen=True, slots=True)
+class Gate:
+    """One of the seven gates.
+
+    `check` is the reference: the detail keys under which `peer` is removed (several
+    for gate 4, which lists every mismatching field), or none when it passes. `source`
+    is the gate's part of the compiled passes: lines in the pool loop that `reject` a
+    failing agent; a fragment may use the locals an earlier gate bound (`md`, `active`,
+    `capacity`). `detail` turns the removal counts into the drain's bracket.
+    """
+
+    number: int
+    name: str
+    check: Callable[[Peer, Context], list[str]]
+    source: Callable[[Step, Const, Reject], list[str]]
+    detail: Callable[[dict[str, int]], str]
+
+
+def _counts(groups: dict[str, int]) -> str:
+    return ",".join(f"{key}={count}" for key, count in groups.items() if count)
+
+
+# Gate 1: the pool is the model's agents (PeerTable.for_model), so every agent in it
+# passes; an empty pool is the drain, and `evaluate` reports it before any pass.
+def _model_check(peer: Peer, ctx: Context) -> list[str]:
+    return []
+
+
+def _model_source(step: Step, const: Const, reject: Reject) -> list[str]:
+    return []
+
+
+def _health_check(peer: Peer, ctx: Context) -> list[str]:
+    reason = _health_reason(peer)
+    return [reason] if reason else []
+
+
+def _health_source(step: Step, const: Const, reject: Reject) -> list[str]:
+    return reject("not peer.routable", _IN_LOOP)
+
+
+def _health_detail(counts: dict[str, int]) -> str:
+    return _counts({reason: counts.get(reason, 0) for reason in _HEALTH_REASONS})
+
+
+def _capability_check(peer: Peer, ctx: Context) -> list[str]:
+    got = peer.metadata.capability
+    if got == ctx.capability:
+        return []
+    return [f"capability(got={_quote(got)},want={_quote(ctx.capability)})"]
+
+
+def _capability_source(step: Step, const: Const, reject: Reject) -> list[str]:
+    return [f"{_IN_LOOP}md = peer.metadata", *reject("md.capability != capability", _IN_LOOP)]
+
+
+def _match_check(peer: Peer, ctx: Context) -> list[str]:
+    return _mismatches(peer.metadata, ctx.wants, ctx.step.match.tags)
+
+
+def _match_source(step: Step, const: Const, reject: Reject) -> list[str]:
+    lines: list[str] = []
+    for name in MATCH_FIELDS:
+        want = getattr(step.match, name)
+        if want:
+            lines += reject(f"md.{name} != {const(want)}", _IN_LOOP)
+    for tag in step.match.tags:
+        lines += reject(f"{const(tag)} not in md.tags", _IN_LOOP)
+    return lines
+
+
+def _prev_failures_check(peer: Peer, ctx: Context) -> list[str]:
+    return ["prev_failed"] if peer.peer_id in ctx.failed else []
+
+
+def _prev_failures_source(step: Step, const: Const, reject: Reject) -> list[str]:
+    return reject("peer.peer_id in failed", _IN_LOOP)
+
+
+def _capacity_check(peer: Peer, ctx: Context) -> list[str]:
+    return ["at_capacity"] if peer.active >= peer.metadata.capacity else []
+
+
+def _capacity_source(step: Step, const: Const, reject: Reject) -> list[str]:
+    return [
+        f"{_IN_LOOP}active = peer.active",
+        f"{_IN_LOOP}capacity = md.capacity",
+        *reject("active >= capacity", _IN_LOOP),
+    ]
+
+
+def _exclude_if_check(peer: Peer, ctx: Context) -> list[str]:
+    rule = first_violation(peer, ctx.step.exclude_if, ctx.now)
+    return [rule.field] if rule is not None else []
+
+
+def _exclude_if_source(step: Step, const: Const, reject: Reject) -> list[str]:
+    return _compile_rules(step.exclude_if, const, reject)
+
+
+MODEL_FILTER = Gate(1, "model_filter", _model_check, _model_source, lambda _: "no_agents")
+CAPACITY = Gate(6, "capacity", _capacity_check, _capacity_source, _counts)
+GATES: tuple[Gate, ...] = (
+    MODEL_FILTER,
+    Gate(2, "health", _health_check, _health_source, _health_detail),
+    Gate(3, "capability", _capability_check, _capability_source, _counts),
+    Gate(4, "match", _match_check, _match_source, _counts),
+    Gate(5, "prev_failures", _prev_failures_check, _prev_failures_source, _counts),
+    CAPACITY,
+    Gate(7, "exclude_if", _exclude_if_check, _exclude_if_source, _counts),
+)
+GATE_NAMES: tuple[str, ...] = tuple(gate.name for gate in GATES)
+
+
 # --- the compiled pass ---------------------------------------------------------------
 
-_Survivors = Callable[[Sequence[Peer], str, AbstractSet[str], float], list[Peer]]
+_Pass = Callable[[Sequence[Peer], str, AbstractSet[str], float], list]
 _SYMBOL = {"gt": ">", "gte": ">=", "lt": "<", "lte": "<="}
+
+
+@dataclass(frozen=True, slots=True)
+class _Compiled:
+    step: Step  # kept alive, so its id() is not reused while the entry exists
+    survivors: _Pass  # pool in, the agents that pass every gate out
+    removals: _Pass  # pool in, (gate number, agent) for each removed agent out
+    # What the drain explanation reads of the step, worked out once.
+    wants: tuple[tuple[str, str], ...]
+    # Its load is what waiting changes, so a full agent's capacity_utilization is moot.
+    rules_when_free: tuple[Rule, ...]
+
 
 # Policies change only on reload, so a few compiled steps serve every live request.
 # Keyed by id() with the step kept alive in the value, which stops the id being reused;
 # hashing the nested frozen dataclasses on every request would cost more than the gates.
-_compiled_steps: dict[int, tuple[Step, _Survivors]] = {}
+_compiled_steps: dict[int, _Compiled] = {}
 _CACHE_SIZE = 64
 
 
-def _compiled(step: Step) -> _Survivors:
+def _compiled(step: Step) -> _Compiled:
     entry = _compiled_steps.get(id(step))
-    if entry is not None and entry[0] is step:
-        return entry[1]
-    survivors = _compile(step)
+    if entry is not None and entry.step is step:
+        return entry
+    wants = tuple((name, getattr(step.match, name)) for name in MATCH_FIELDS)
+    entry = _Compiled(
+        step,
+        _compile(step, removals=False),
+        _compile(step, removals=True),
+        tuple((name, want) for name, want in wants if want),
+        tuple(r for r in step.exclude_if if r.field != "capacity_utilization"),
+    )
     if len(_compiled_steps) >= _CACHE_SIZE:
         _compiled_steps.clear()
-    _compiled_steps[id(step)] = (step, survivors)
-    return survivors
+    _compiled_steps[id(step)] = entry
+    return entry
 
 
-def _compile(step: Step) -> _Survivors:
-    """Gates 2-7 of `step` as one generated function: pool in, survivors out.
+def _compile(step: Step, removals: bool) -> _Pass:
+    """Gates 2-7 of `step` as one generated function, from the table's fragments.
+
+    The survivors pass returns the agents that pass; the removals pass, run only when
+    none does, returns `(gate number, agent)` for each agent at the gate that removed
+    it, which is all the drain explanation needs to find the draining gate.
 
     Only names from this module's own tables reach the source text; every value that
     comes from the policy (match values, tags, thresholds) is bound as a constant in
@@ -128,43 +309,33 @@ def _compile(step: Step) -> _Survivors:
         constants[name] = value
         return name
 
-    def reject(condition: str) -> list[str]:
-        return [f"        if {condition}:", "            continue"]
+    body: list[str] = []
+    for gate in GATES:
 
-    body: list[str] = [
-        *reject("not peer.routable"),
-        "        md = peer.metadata",
-        *reject("md.capability != capability"),
-    ]
-    for name in MATCH_FIELDS:
-        want = getattr(step.match, name)
-        if want:
-            body += reject(f"md.{name} != {const(want)}")
-    for tag in step.match.tags:
-        body += reject(f"{const(tag)} not in md.tags")
-    body += [
-        *reject("peer.peer_id in failed"),
-        "        active = peer.active",
-        "        capacity = md.capacity",
-        *reject("active >= capacity"),
-    ]
-    body += _compile_rules(step.exclude_if, const)
+        def reject(condition: str, indent: str, number: int = gate.number) -> list[str]:
+            lines = [f"{indent}if {condition}:"]
+            if removals:
+                lines.append(f"{indent}    out.append(({number}, peer))")
+            return [*lines, f"{indent}    continue"]
+
+        body += gate.source(step, const, reject)
+    kind = "removals" if removals else "survivors"
     source = "\n".join(
         [
-            "def survivors(pool, capability, failed, now):",
+            f"def {kind}(pool, capability, failed, now):",
             "    out = []",
             "    for peer in pool:",
             *body,
-            "        out.append(peer)",
+            *([] if removals else ["        out.append(peer)"]),
             "    return out",
         ]
     )
     namespace = dict(constants)
     exec(compile(source, f"<gates of policy step {step.name!r}>", "exec"), namespace)
-    return namespace["survivors"]  # type: ignore[return-value]
+    return namespace[kind]  # type: ignore[return-value]
 
 
-def _compile_rules(rules: tuple[Rule, ...], const: Callable[[object], str]) -> list[str]:
+def _compile_rules(rules: tuple[Rule, ...], const: Const, reject: Reject) -> list[str]:
     """Gate 7, grouped by where each value comes from; any violation excludes.
 
     Grouping changes the order rules are checked in, which only the drain detail's
@@ -176,9 +347,8 @@ def _compile_rules(rules: tuple[Rule, ...], const: Callable[[object], str]) -> l
         if rule.field not in GATE_FIELDS or rule.op not in _SYMBOL:
             raise ValueError(f"invalid rule {rule!r}")
 
-    def compare(value: str, rule: Rule, indent: str) -> list[str]:
-        test = f"{value} {_SYMBOL[rule.op]} {const(rule.threshold)}"
-        return [f"{indent}if {test}:", f"{indent}    continue"]
+    def compare(value: str, rule: Rule, indent: str, unless: str = "") -> list[str]:
+        return reject(f"{value} {_SYMBOL[rule.op]} {const(rule.threshold)}{unless}", indent)
 
     def of(*fields: str) -> list[Rule]:
         return [rule for rule in rules if rule.field in fields]
@@ -213,7 +383,9 @@ def _compile_rules(rules: tuple[Rule, ...], const: Callable[[object], str]) -> l
                 if rule.field == "success_rate"
                 else "stats.consecutive_failures"
             )
-            lines += compare(value, rule, "            ")
+            # A half-open or closed breaker lets the agent past its history (peers.py);
+            # read only for a violation, so an agent within the rule pays nothing.
+            lines += compare(value, rule, "            ", " and now < stats.probe_at")
     return lines
 
 
@@ -230,60 +402,30 @@ def _drained(
     """Explain an empty result: which gate removed the last agents, and why.
 
     Every agent stops at its first failing gate, so the gate that drained the pool is
-    the last one that removed anyone, and its removals are the detail.
+    the last one that removed anyone, and its removals are the detail. The compiled
+    removals pass says which gate removed each agent; the reference checks then say
+    why, for the draining gate's agents only.
     """
-    health = dict.fromkeys(_HEALTH_REASONS, 0)
-    capabilities: dict[str, int] = {}
-    mismatches: dict[str, int] = {}
-    prev_failed = 0
-    at_capacity = 0
-    excluded: dict[str, int] = {}
-    waitable = False
-    # Its load is what waiting changes, so a full agent's capacity_utilization is moot.
-    rules_when_free = tuple(r for r in step.exclude_if if r.field != "capacity_utilization")
-    wants = [(name, getattr(step.match, name)) for name in MATCH_FIELDS]
-    wants = [(name, want) for name, want in wants if want]
-    tags = step.match.tags
-    for peer in pool:
-        reason = _health_reason(peer)
-        if reason:
-            health[reason] += 1
-            continue
-        md = peer.metadata
-        if md.capability != capability:
-            key = f"capability(got={_quote(md.capability)},want={_quote(capability)})"
-            capabilities[key] = capabilities.get(key, 0) + 1
-            continue
-        groups = _mismatches(md, wants, tags)
-        if groups:
-            for key in groups:
-                mismatches[key] = mismatches.get(key, 0) + 1
-            continue
-        if peer.peer_id in failed:
-            prev_failed += 1
-            continue
-        if peer.active >= md.capacity:
-            at_capacity += 1
-            if not waitable and first_violation(peer, rules_when_free, now) is None:
-                waitable = True
-            continue
-        rule = first_violation(peer, step.exclude_if, now)
-        if rule is None:
+    compiled = _compiled(step)
+    removed: list[tuple[int, Peer]] = compiled.removals(pool, capability, failed, now)
+    number = max(removed, key=_NUMBER)[0]
+    gate = GATES[number - 1]
+    check = gate.check
+    ctx = Context(step, capability, failed, now, compiled.wants)
+    counts: dict[str, int] = {}  # in the order first seen, as the detail lists them
+    for peer in [peer for n, peer in removed if n == number]:
+        why = check(peer, ctx)
+        if not why:
             raise RuntimeError(f"gates disagree on {peer.peer_id} in step {step.name}")
-        excluded[rule.field] = excluded.get(rule.field, 0) + 1
-    if excluded:
-        drain = _drain(7, _counts(excluded))
-    elif at_capacity:
-        drain = _drain(6, f"at_capacity={at_capacity}")
-    elif prev_failed:
-        drain = _drain(5, f"prev_failed={prev_failed}")
-    elif mismatches:
-        drain = _drain(4, _counts(mismatches))
-    elif capabilities:
-        drain = _drain(3, _counts(capabilities))
-    else:
-        drain = _drain(2, _counts(health))
-    return Evaluation(None, 0, drain, waitable)
+        for key in why:
+            counts[key] = counts.get(key, 0) + 1
+    rules = compiled.rules_when_free
+    full = [peer for n, peer in removed if n == CAPACITY.number]
+    waitable = bool(full) and any(first_violation(peer, rules, now) is None for peer in full)
+    return Evaluation(None, 0, _drain(gate, counts), waitable, number)
+
+
+_NUMBER = itemgetter(0)
 
 
 def first_violation(peer: Peer, rules: Sequence[Rule], now: float) -> Rule | None:
@@ -296,7 +438,7 @@ def first_violation(peer: Peer, rules: Sequence[Rule], now: float) -> Rule | Non
 
 
 def _mismatches(
-    md: AgentMetadata, wants: list[tuple[str, str]], tags: tuple[str, ...]
+    md: AgentMetadata, wants: tuple[tuple[str, str], ...], tags: tuple[str, ...]
 ) -> list[str]:
     """Gate 4's detail groups for one agent; empty when it matches.
 
@@ -333,10 +475,6 @@ def _quote(value: str) -> str:
     return json.dumps(value, ensure_ascii=False)
 
 
-def _counts(groups: dict[str, int]) -> str:
-    return ",".join(f"{key}={count}" for key, count in groups.items() if count)
-
-
-def _drain(gate: int, detail: str) -> str:
+def _drain(gate: Gate, counts: dict[str, int]) -> str:
     """The seeds' `gate[<number>] <gate-name> [<detail>]`."""
-    return f"gate[{gate}] {GATE_NAMES[gate - 1]} [{detail}]"
+    return f"gate[{gate.number}] {gate.name} [{gate.detail(counts)}]"
