@@ -27,6 +27,7 @@ from agent.settings import AgentSettings
 from protocol.logs import quote
 from protocol.messages import VERSION
 from protocol.p2p import load_or_create_identity, peer_id_of, tune_libp2p
+from protocol.router_proof import new_challenge, proof_valid
 from protocol.sdnotify import sd_notify
 
 log = logging.getLogger("agent")
@@ -62,7 +63,7 @@ class AgentDaemon:
             hardware_interval=settings.hardware_sample_interval,
             changed=trio.Event(),
         )
-        self.hardware = HardwareSampler()
+        self.hardware = HardwareSampler(settings.gpu_devices)
         self.health = HealthTracker()
         self.connections: list[RouterConnection] = []
         self.capacity = SharedCapacity(settings.capacity)
@@ -83,7 +84,13 @@ class AgentDaemon:
             "machine": s.machine,
             "gpu_model": s.gpu_model or self.hardware.gpu_model() or "",
             "tags": list(s.tags),
-            "version": VERSION,
+            "version": s.version or VERSION,
+            # The Go router's registration fields (its --deployment-id and friends).
+            "deployment_id": s.deployment_id,
+            "replica_id": s.replica_id,
+            "hide_llm": s.hide_llm,
+            "llm_pretty_name": s.llm_pretty_name,
+            "llm_info": s.llm_info,
         }
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
@@ -142,14 +149,32 @@ class AgentDaemon:
         self, stream: Any, client: BackendClients, ep: EngineEndpoints, address: str
     ) -> RouterSession:
         s = self.settings
+        pinned = parse_router_address(address).pinned
+        challenge = new_challenge()
+        router_peer_id = str(stream.muxed_conn.peer_id)
+
+        def check_welcome(welcome: dict) -> str | None:
+            """A router dialed by address alone must prove the secret; a pinned one
+            may, and a wrong proof is refused either way."""
+            proof = welcome.get("proof")
+            if proof is None and pinned:
+                return None
+            if proof_valid(s.jwt_secret, router_peer_id, self.peer_id, challenge, proof):
+                return None
+            return (
+                f"router {router_peer_id} did not prove the shared secret"
+                " (a different HIVENET_ROUTER_JWT_SECRET, or not the operator's router)"
+            )
+
         return RouterSession(
             stream,
-            hello_for(s.jwt_secret, self.peer_id, self.metadata()),
+            hello_for(s.jwt_secret, self.peer_id, self.metadata(), challenge),
             self.status,
             client,
             ep.backend_url,
             s.heartbeat_interval,
             s.stream_write_timeout,
+            check_welcome,
             self.capacity,
             lambda workers: self._dial_workers(address, workers),
         )
@@ -162,7 +187,7 @@ class AgentDaemon:
         host, nursery, make_session = self._dial
         prefix = via.split("/tcp/")[0]
         known = {c.address for c in self.connections}
-        known_peers = {str(c.info.peer_id) for c in self.connections}
+        known_peers = {str(c.router.peer_id) for c in self.connections if c.router.pinned}
         for entry in workers:
             if len(self.connections) >= len(self.settings.routers) + MAX_WORKERS:
                 log.warning("router_workers_ignored reason=%s", quote("too many workers"))

@@ -3,15 +3,39 @@
 from __future__ import annotations
 
 import argparse
+import os
 import socket
 import sys
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from protocol.durations import parse_duration
 from protocol.logs import FORMATS, setup_logging
 from protocol.secrets import load_secret
+from protocol.upstream_flags import Refused, add_refused
 
 CAPABILITIES = ("llm", "embedding", "reranker")
+_ROUTER = "use --router /ip4/<router-ip>/tcp/9000 (the router's --p2p-port)"
+# The Go agent's flags with no meaning on a libp2p-only link.
+REFUSED: tuple[Refused, ...] = (
+    Refused(
+        "--router-grpc",
+        None,
+        f"there is no gRPC step, the agent authenticates in its libp2p hello: {_ROUTER};"
+        " `hivenet-router identity` prints the full address with /p2p/<router-peer-id>",
+    ),
+    Refused("--router-p2p", None, _ROUTER),
+    Refused(
+        "--p2p-listen-port",
+        None,
+        "the agent only dials out and listens on no port (NAT-friendly); drop it",
+    ),
+)
+# The Go agent reads these variables directly; flags win over them.
+ENV_FLAGS: dict[str, str] = {
+    "gpu_model": "HIVENET_ROUTER_GPU_MODEL",
+    "deployment_id": "HIVENET_ROUTER_DEPLOYMENT_ID",
+    "replica_id": "HIVENET_ROUTER_REPLICA_ID",
+}
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,10 +55,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--region", default="")
     p.add_argument("--organization", default="")
     p.add_argument("--machine", default=socket.gethostname())
-    p.add_argument("--gpu-model", default="")
-    p.add_argument("--tags", default="")
+    p.add_argument("--gpu-model", default=None, help="default: $HIVENET_ROUTER_GPU_MODEL or NVML")
+    # `production`, as the Go agent: its policies match `tags: [production]`.
+    p.add_argument("--tags", default="production")
+    p.add_argument("--version", default="", help="version reported to the router")
+    p.add_argument("--deployment-id", default=None)
+    p.add_argument("--replica-id", default=None)
+    p.add_argument(
+        "--hide-llm", action="store_true", help="leave the model out of /v1/models (still served)"
+    )
+    p.add_argument("--llm-pretty-name", default="", help="display name in /v1/models")
+    p.add_argument("--llm-info", default="", help="short description in /v1/models")
+    p.add_argument("--gpu-devices-file", default=None, help="GPU UUIDs to report, or none")
     p.add_argument("--identity-path", default="./agent_identity.key")
-    p.add_argument("--heartbeat-interval", type=parse_duration, default="5s")
+    p.add_argument("--heartbeat-interval", type=parse_duration, default=None, help="default 5s")
+    p.add_argument(
+        "--routing-signal-interval",
+        type=parse_duration,
+        default=None,
+        help="the Go agent's name for --heartbeat-interval (heartbeats carry the signals)",
+    )
     p.add_argument("--engine-sample-interval", type=parse_duration, default="500ms")
     p.add_argument("--hardware-sample-interval", type=parse_duration, default="2s")
     p.add_argument("--http-timeout", type=parse_duration, default="120s")
@@ -49,10 +89,39 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-token-latency", type=parse_duration, default="0s")
     p.add_argument("--sim-ttft", type=parse_duration, default="0s")
     p.add_argument("--sim-port", type=int, default=0)
+    add_refused(p, REFUSED)
     p.add_argument(
         "--log-format", choices=FORMATS, default=None, help="text (key=value) or json lines"
     )
     return p
+
+
+def upstream_values(args: argparse.Namespace, env: Mapping[str, str]) -> dict[str, object]:
+    """The settings that the Go agent's flags and variables set; ValueError when they
+    contradict each other or are invalid."""
+    values: dict[str, object] = {
+        name: getattr(args, name) if getattr(args, name) is not None else env.get(var, "")
+        for name, var in ENV_FLAGS.items()
+    }
+    heartbeat, signal = args.heartbeat_interval, args.routing_signal_interval
+    if heartbeat is not None and signal is not None and heartbeat != signal:
+        raise ValueError("--heartbeat-interval and --routing-signal-interval differ: keep one")
+    values["heartbeat_interval"] = next((v for v in (heartbeat, signal) if v is not None), 5.0)
+    if values["heartbeat_interval"] <= 0:  # type: ignore[operator]
+        raise ValueError("--heartbeat-interval must be positive")
+    tags = args.tags.split(",") if args.tags else []
+    if any(not t.strip() for t in tags):
+        raise ValueError(f"--tags {args.tags!r} has an empty tag")
+    # Trimmed: the Go agent keeps `, realtime` as " realtime", which no policy matches.
+    values["tags"] = [t.strip() for t in tags]
+    if args.gpu_devices_file is not None:
+        from agent.hardware import read_devices_file
+
+        try:
+            values["gpu_devices"] = read_devices_file(args.gpu_devices_file)
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ValueError(f"--gpu-devices-file: {exc}") from None
+    return values
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -92,10 +161,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             region=args.region,
             organization=args.organization,
             machine=args.machine,
-            gpu_model=args.gpu_model,
-            tags=[t.strip() for t in args.tags.split(",") if t.strip()],
+            version=args.version,
+            hide_llm=args.hide_llm,
+            llm_pretty_name=args.llm_pretty_name,
+            llm_info=args.llm_info,
             identity_path=args.identity_path,
-            heartbeat_interval=args.heartbeat_interval,
             engine_sample_interval=args.engine_sample_interval,
             hardware_sample_interval=args.hardware_sample_interval,
             http_timeout=args.http_timeout,
@@ -105,6 +175,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             sim_token_latency=args.sim_token_latency,
             sim_ttft=args.sim_ttft,
             sim_port=args.sim_port,
+            **upstream_values(args, os.environ),  # type: ignore[arg-type]
             proxy=args.proxy,
         )
         import trio

@@ -15,14 +15,26 @@ import psutil
 import pynvml
 
 
+def read_devices_file(path: str) -> frozenset[str]:
+    """`--gpu-devices-file`: GPU UUIDs separated by commas or lines; empty or `none`
+    reports no GPU. A file that cannot be read is a startup error (OSError)."""
+    with open(path, encoding="utf-8") as f:
+        text = f.read()
+    uuids = frozenset(u for u in (p.strip() for p in text.replace(",", "\n").splitlines()) if u)
+    return frozenset() if uuids <= {"none"} else uuids
+
+
 class HardwareSampler:
-    def __init__(self) -> None:
+    def __init__(self, devices: frozenset[str] | None = None) -> None:
+        """`devices`: the GPU UUIDs this agent owns (None: every visible GPU)."""
         self._handles: list[Any] = []
         try:
             pynvml.nvmlInit()
             self._handles = [
                 pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())
             ]
+            if devices is not None:
+                self._handles = [h for h in self._handles if _uuid(h) in devices]
         except pynvml.NVMLError:
             self._handles = []
         # psutil measures CPU use since the previous call: the first call only primes it,
@@ -46,6 +58,11 @@ class HardwareSampler:
         except pynvml.NVMLError:
             return None
         return name.decode() if isinstance(name, bytes) else name
+
+
+def _uuid(handle: Any) -> str:
+    uuid = pynvml.nvmlDeviceGetUUID(handle)
+    return uuid.decode() if isinstance(uuid, bytes) else uuid
 
 
 def _temperature(handle: Any) -> float:

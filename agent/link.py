@@ -11,13 +11,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import multiaddr
 import trio
-from libp2p.peer.peerinfo import info_from_p2p_addr
+from libp2p.peer.peerinfo import PeerInfo
 
 from agent.capacity import SharedCapacity
 from agent.dial_errors import describe
 from agent.forward import BackendClients, forward
+from agent.router_identity import RouterAddress, learn_peer_id, parse_router
 from protocol import messages as m
 from protocol.conversation import (
     REQUEST_TRANSITIONS,
@@ -112,10 +112,13 @@ class RouterSession:
         backend_url: str,
         heartbeat_interval: float,
         write_timeout: float,
+        check_welcome: Callable[[dict], str | None] | None = None,
         capacity: SharedCapacity | None = None,
         on_workers: Callable[[list[dict]], None] | None = None,
     ) -> None:
         self.fs = FramedStream(stream, write_timeout=write_timeout)
+        # Why a welcome is not the router's (its secret proof), or None when it is.
+        self.check_welcome = check_welcome
         # The router speaks on an idle session only every few periods (its welcome
         # says how often); a dead router host or network is the kernel's to notice,
         # from this agent's own unacknowledged heartbeats.
@@ -209,6 +212,11 @@ class RouterSession:
             served.scope.cancel()
 
     def _on_welcome(self, msg: dict) -> None:
+        why = self.check_welcome(msg) if self.check_welcome is not None else None
+        if why is not None:
+            self.refusal = why
+            self.fs.close(f"refused: {why}")
+            return
         interval = _positive(msg.get("liveness_interval")) or _positive(msg["heartbeat_interval"])
         self.router_interval = interval or self.heartbeat_interval
         workers = msg.get("workers")
@@ -311,7 +319,7 @@ class RouterConnection:
     ) -> None:
         self.host = host
         self.address = address
-        self.info = parse_router_address(address)
+        self.router = parse_router_address(address)
         self.make_session = make_session
         self.session: RouterSession | None = None
         self.stopping = False
@@ -328,11 +336,14 @@ class RouterConnection:
         while not self.stopping:
             joined = False
             try:
-                # py-libp2p refuses to redial a peer for 60 s after a failed dial.
-                self.host.get_network().unblock_peer(self.info.peer_id)
                 with trio.fail_after(CONNECT_TIMEOUT):
-                    await self.host.connect(self.info)
-                    stream = await self.host.new_stream(self.info.peer_id, [m.PROTOCOL_ID])
+                    peer_id = self.router.peer_id or await learn_peer_id(
+                        self.host, self.router.addr
+                    )
+                    # py-libp2p refuses to redial a peer for 60 s after a failed dial.
+                    self.host.get_network().unblock_peer(peer_id)
+                    await self.host.connect(PeerInfo(peer_id, [self.router.addr]))
+                    stream = await self.host.new_stream(peer_id, [m.PROTOCOL_ID])
                 session = self.session = self.make_session(stream)
                 self.sessions_started += 1
                 reason = await session.run()
@@ -364,16 +375,11 @@ def _positive(value: object) -> float | None:
     return None
 
 
-def parse_router_address(address: str) -> Any:
-    """The router's PeerInfo from `--router`; ValueError says what is wrong with it."""
-    try:
-        return info_from_p2p_addr(multiaddr.Multiaddr(address))
-    except Exception as exc:  # multiaddr and libp2p raise several unrelated types
-        raise ValueError(
-            f"--router {address!r} is not a router multiaddr with /p2p/<peer-id> "
-            f"(e.g. /ip4/203.0.113.7/tcp/9000/p2p/12D3Koo...): {exc}"
-        ) from None
+def parse_router_address(address: str) -> RouterAddress:
+    """The router's address and, when pinned, its peer ID, from `--router`; ValueError
+    says what is wrong with it."""
+    return parse_router(address)
 
 
-def hello_for(secret: bytes, peer_id: str, metadata: dict) -> dict:
-    return m.hello(issue_token(secret, peer_id, TOKEN_TTL), metadata)
+def hello_for(secret: bytes, peer_id: str, metadata: dict, challenge: str | None = None) -> dict:
+    return m.hello(issue_token(secret, peer_id, TOKEN_TTL), metadata, challenge)

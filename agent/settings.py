@@ -28,6 +28,16 @@ class AgentSettings:
     stream_write_timeout: float = 60.0
     drain_timeout: float = 30.0
     jwt_secret: bytes = b""
+    # Metadata the Go router's agents register: the version reported (empty: this
+    # build's), deployment and replica ids, and the model's display fields.
+    version: str = ""
+    deployment_id: str = ""
+    replica_id: str = ""
+    hide_llm: bool = False
+    llm_pretty_name: str = ""
+    llm_info: str = ""
+    # --gpu-devices-file: the GPU UUIDs to report (None: every visible GPU).
+    gpu_devices: frozenset[str] | None = None
     # HTTP proxy for WebSocket routers; None: HTTPS_PROXY/HTTP_PROXY from the environment.
     proxy: str | None = None
     # Simulated engine (--engine sim) knobs.

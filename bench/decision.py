@@ -8,6 +8,11 @@ exclude_if rules that read the universal, engine and hardware metric sources. Ab
 agent in ten is excluded by a rule. The last two columns time pools that drain, which
 adds the pass that explains why: every agent over a gate 7 threshold, and every agent
 full (gate 6, what a request waiting in the capacity queue re-evaluates).
+
+The prefix-aware rows rank the same pool with `strategy: prefix-aware` for an 8k-token
+prompt (32,768 characters, 4 per token) that continues a conversation one agent was
+sent, against a tree holding 2,000 other prompts spread over the pool. Each decision
+reads a fresh request, so the time includes cutting and hashing its prompt once.
 """
 
 from __future__ import annotations
@@ -17,6 +22,7 @@ import timeit
 
 from router.peers import AgentMetadata, Peer, UniversalStats
 from router.policy.gates import evaluate
+from router.policy.rank import Ranking, RankRequest
 from router.policy.schema import Step, load_policy
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -33,6 +39,9 @@ routing_policy:
   strategy: least-loaded
 """
 SIZES = (10, 100, 1_000, 10_000)
+PREFIX_SIZES = (100, 10_000)
+PROMPT_CHARS = 32_768  # 8k tokens
+TREE_PROMPTS = 2_000
 NOW = 1_000.0
 
 
@@ -79,6 +88,37 @@ def time_decision(pool: list[Peer], step: Step) -> float:
     return min(timer.repeat(repeat=5, number=number)) / number * 1e6
 
 
+def prefix_setup(pool: list[Peer], step: Step, rng: random.Random) -> tuple[Ranking, dict]:
+    """A ranking whose tree knows 2,000 prompts, and the payload of a returning one."""
+    ranking = Ranking()
+    system = "".join(rng.choice("abcdefgh ") for _ in range(2_000))
+
+    def payload(history: str) -> dict:
+        messages = [{"role": "system", "content": system}, {"role": "user", "content": history}]
+        return {"model": MODEL, "messages": messages}
+
+    for i in range(TREE_PROMPTS):
+        other = payload(f"{i} " * 200)
+        ranking.chosen(
+            step.strategy, step.strategy_params, pool[i % len(pool)], RankRequest(MODEL, other)
+        )
+    history = "".join(rng.choice("abcdefgh ") for _ in range(PROMPT_CHARS - len(system)))
+    earlier = payload(history[: len(history) * 3 // 4])
+    ranking.chosen(
+        step.strategy, step.strategy_params, pool[len(pool) // 2], RankRequest(MODEL, earlier)
+    )
+    return ranking, payload(history)
+
+
+def time_prefix_decision(pool: list[Peer], step: Step, ranking: Ranking, payload: dict) -> float:
+    failed: frozenset[str] = frozenset()
+    timer = timeit.Timer(
+        lambda: evaluate(pool, step, "llm", failed, NOW, ranking, RankRequest(MODEL, payload))
+    )
+    number, _ = timer.autorange()
+    return min(timer.repeat(repeat=5, number=number)) / number * 1e6
+
+
 def main() -> None:
     step = load_policy(POLICY).routing_policy
     rng = random.Random(7)
@@ -95,6 +135,20 @@ def main() -> None:
         print(
             f"{size:>6}  {us:>11.1f}  {us / size:>8.3f}  {result.survivors:>9}"
             f"  {time_decision(excluded, step):>15.1f}  {time_decision(full, step):>15.1f}"
+        )
+    prefix = load_policy(POLICY.replace("least-loaded", "prefix-aware")).routing_policy
+    print()
+    print("prefix-aware, 8k-token prompt")
+    print("agents  µs/decision  tree nodes")
+    for size in PREFIX_SIZES:
+        pool = make_pool(size, rng)
+        ranking, payload = prefix_setup(pool, prefix, rng)
+        best = evaluate(pool, prefix, "llm", frozenset(), NOW, ranking, RankRequest(MODEL, payload))
+        assert best.best is not None
+        unit = ranking.unit("prefix-aware")
+        nodes = len(unit.tree(MODEL, prefix.strategy_params.block_chars))  # type: ignore[attr-defined]
+        print(
+            f"{size:>6}  {time_prefix_decision(pool, prefix, ranking, payload):>11.1f}  {nodes:>10}"
         )
 
 

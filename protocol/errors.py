@@ -38,10 +38,16 @@ class ErrorCode(StrEnum):
     METHOD_NOT_ALLOWED = "method_not_allowed"
     INTERNAL_ERROR = "internal_error"
     # A tenant's limits from the auth file (the router's own refusals, never retried).
-    RATE_LIMITED = "rate_limited"
-    QUOTA_EXCEEDED = "quota_exceeded"
-    MODEL_NOT_ALLOWED = "model_not_allowed"
-    TOO_MANY_CONCURRENT = "too_many_concurrent"
+    # The Go router's codes for the same conditions, so its clients' handlers still
+    # match: RPM is INTERFACE.md's `rate_limit_exceeded`, the daily budget its
+    # `token_limit_exceeded` (the same values as the backend codes above).
+    RATE_LIMITED = "rate_limit_exceeded"
+    QUOTA_EXCEEDED = "token_limit_exceeded"
+    MODEL_NOT_ALLOWED = "model_forbidden"
+    TOO_MANY_CONCURRENT = "concurrency_limit_exceeded"
+    # Upstream's router-wide refusals: a top-level `shed_if` answers
+    # concurrency_limit_exceeded; a full router-wide wait (--queue-size) `queue_full`.
+    QUEUE_FULL = "queue_full"
     # The agent refused a request before starting it: its capacity is held by requests
     # from this and other routers. Agent to router only; a client never sees it.
     AGENT_FULL = "agent_full"
@@ -61,6 +67,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.TOKEN_LIMIT_EXCEEDED: 429,
     ErrorCode.NO_AGENTS_AVAILABLE: 503,
     ErrorCode.NO_CAPACITY: 503,
+    ErrorCode.QUEUE_FULL: 503,
     ErrorCode.LOAD_SHED: 503,
     ErrorCode.AGENT_DISCONNECTED: 503,
     ErrorCode.BACKEND_UNAVAILABLE: 503,

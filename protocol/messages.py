@@ -60,7 +60,9 @@ _OPTIONAL: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
         ("hardware", dict),
         ("elsewhere", int),
     ),
-    WELCOME: (("liveness_interval", _NUM), ("workers", list)),
+    WELCOME: (("liveness_interval", _NUM), ("proof", str), ("workers", list)),
+    # protocol/router_proof.py: the agent's challenge and the router's answer.
+    HELLO: (("challenge", str),),
     ERROR: (("status", int), ("elsewhere", int)),
     REQUEST: (("report_usage", bool),),
     RESPONSE_END: (("usage", dict), ("elsewhere", int)),
@@ -95,8 +97,11 @@ def validate(message: object) -> None:
                 raise ProtocolError(f"{kind}: headers must map strings to strings")
 
 
-def hello(token: str, metadata: dict) -> dict:
-    return {"type": HELLO, "token": token, "metadata": metadata}
+def hello(token: str, metadata: dict, challenge: str | None = None) -> dict:
+    msg = {"type": HELLO, "token": token, "metadata": metadata}
+    if challenge is not None:
+        msg["challenge"] = challenge
+    return msg
 
 
 def welcome(

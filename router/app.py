@@ -21,6 +21,8 @@ from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
 from router.fleet.config_sync import CALL_TIMEOUT, ConfigSync
 from router.fleet.view import FleetView
+from router.forward_limit import ForwardLimit
+from router.history import AgentHistory
 from router.http.app import RouterApp, protocol_of, with_lifespan
 from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
@@ -30,6 +32,7 @@ from router.metrics import RouterMetrics
 from router.p2p_host import close_listeners, router_host
 from router.peers import Peer, PeerTable
 from router.policy.describe import policy_warnings
+from router.policy.rank import Ranking
 from router.policy.schema import Policy
 from router.policy.store import PolicyStore
 from router.providers import ProviderClient
@@ -73,7 +76,7 @@ class RouterDaemon:
         AgentCollector(self.table, self.metrics.registry)
         self.queue = WaitQueue(settings.queue_depth)
         self.table.on_change(self.queue.notify)
-        self.store = PolicyStore(self.metrics, settings.policy_file)
+        self.store = PolicyStore(self.metrics, settings.policy_file, settings.policy_model_dir)
         self.key_pair = load_or_create_identity(settings.identity_path)
         self.peer_id = str(peer_id_of(self.key_pair))
         self.tls_context = (
@@ -91,10 +94,25 @@ class RouterDaemon:
                 remove_after=settings.remove_after,
                 router_peer_id=self.peer_id,
                 release_stream_slot_at_head=settings.stream_slot_release == "head",
+                health_check_interval=settings.health_check_interval,
                 unjoined=UnjoinedLimits(per_address=settings.max_unjoined_per_ip),
                 workers=settings.workers,
             ),
         )
+        self.history = (
+            AgentHistory(
+                settings.disk_db_path,
+                settings.disk_db_ttl,
+                settings.universal_flush_interval,
+                settings.reset_disk_db,
+            )
+            if settings.disk_db_path
+            else None
+        )
+        if self.history is not None:
+            self.link.history_of = self.history.restore
+        self.ranking = Ranking()
+        self.table.on_remove(self.ranking.forget)
         self.session = RoutingSession(
             self.table,
             self.queue,
@@ -103,6 +121,7 @@ class RouterDaemon:
             settings.max_tries_per_step,
             self._released,
             settings.failure_cooldown,
+            self.ranking,
         )
         self.providers = ProviderClient(
             settings.openai_api_key,
@@ -117,6 +136,7 @@ class RouterDaemon:
             self.metrics,
             provider_call=self.providers,
             provider_available=self.providers.available,
+            limit=ForwardLimit(settings.max_concurrent, settings.queue_size),
         )
         self._warn_about_policy(self.store.current)
         self.store.listeners.append(self._warn_about_policy)
@@ -134,10 +154,17 @@ class RouterDaemon:
                 audit_log_max_bytes=settings.audit_log_max_bytes,
                 audit_log_backups=settings.audit_log_backups,
                 lease=settings.request_timeout + 60.0,
+                rpm_burst_seconds=settings.rpm_burst_seconds,
             ),
             ClientKeys(settings.client_api_keys),
             self.metrics,
         )
+        self.tenants.replicas = self._healthy_replicas
+        auth = self.tenants.store.current
+        if auth is not None and auth.admin_mode == "api-key" and not settings.admin_api_keys:
+            raise ValueError(
+                "the auth file sets admin.mode api-key but HIVENET_ROUTER_ADMIN_API_KEYS is empty"
+            )
         self.config_sync: ConfigSync | None = None
         fleet_redis: redis.Redis | None = None
         if settings.state_url:
@@ -166,6 +193,9 @@ class RouterDaemon:
         self._stop = trio.Event()
         self._http_stop = trio.Event()
 
+    def _healthy_replicas(self, model: str) -> int:
+        return sum(1 for peer in self.table.for_model(model) if peer.routable)
+
     def _warn_about_policy(self, policy: Policy) -> None:
         """A provider without its key is skipped, not fatal: say so at load."""
         for warning in policy_warnings(policy):
@@ -185,13 +215,19 @@ class RouterDaemon:
         s = self.settings
         addrs = listen_multiaddrs(s)
         host = router_host(
-            self.key_pair, addrs, websocket=bool(s.p2p_ws_port), tls=self.tls_context
+            self.key_pair,
+            addrs,
+            websocket=bool(s.p2p_ws_port),
+            tls=self.tls_context,
+            max_conns_per_ip=s.p2p_max_conns_per_ip,
         )
         async with host.run(listen_addrs=addrs):
             host.set_stream_handler(PROTOCOL_ID, self.link.handle_stream)
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self.link.sweep)
+                    if self.history is not None:
+                        nursery.start_soon(self.history.run, self.table)
                     nursery.start_soon(self.tenants.run)
                     if self.config_sync is not None:
                         nursery.start_soon(self.config_sync.run)

@@ -1,16 +1,35 @@
-"""`hivenet-router`: serve, check-policy, check-auth, hash-key, identity, token."""
+"""`hivenet-router`: serve, check-policy, check-auth, hash-key, keygen, identity, token."""
 
 from __future__ import annotations
 
 import argparse
 import os
 import sys
-from collections.abc import Sequence
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from protocol.durations import parse_duration
 from protocol.logs import FORMATS, setup_logging
 from protocol.secrets import load_secret
-from router.settings import RouterSettings, split_hostport
+from protocol.upstream_flags import Refused, add_refused, refused_environment
+from router.settings import RouterSettings, env_value, split_hostport
+
+# The Go router's serve flags with no meaning on a libp2p-only router.
+REFUSED: tuple[Refused, ...] = (
+    Refused(
+        "--grpc-port",
+        "HIVENET_ROUTER_GRPC_PORT",
+        "agents reach the router over libp2p only; drop it and open --p2p-port"
+        " (and --p2p-ws-port) to agents",
+    ),
+    Refused(
+        "--session-ttl",
+        "HIVENET_ROUTER_SESSION_TTL",
+        "there is no gRPC session token: each agent proves itself with its JWT in the hello"
+        " of every libp2p session; set the JWT's lifetime with `hivenet-router token --ttl`",
+    ),
+)
 
 
 def _env(name: str, default: str) -> str:
@@ -24,7 +43,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the router daemon")
     serve.add_argument("--http-port", default=_env("HIVENET_ROUTER_HTTP_PORT", ":8080"))
     serve.add_argument("--metrics-port", default=_env("HIVENET_ROUTER_METRICS_PORT", ":2112"))
-    serve.add_argument("--p2p-port", type=int, default=int(_env("HIVENET_ROUTER_P2P_PORT", "9000")))
+    serve.add_argument("--p2p-port", type=int, default=None, help="default 9000")
     serve.add_argument(
         "--p2p-ws-port", type=int, default=0, help="libp2p WebSocket port (0: no WebSocket)"
     )
@@ -39,9 +58,40 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--policy-file", default=os.environ.get("HIVENET_ROUTER_POLICY_FILE") or None
     )
-    serve.add_argument("--max-tries-per-step", type=int, default=3)
-    serve.add_argument("--queue-depth", type=int, default=30)
-    serve.add_argument("--request-timeout", type=parse_duration, default="60s")
+    serve.add_argument(
+        "--policy-model-dir",
+        default=os.environ.get("HIVENET_ROUTER_POLICY_MODEL_DIR") or None,
+        help="_default.yaml and per-model policy files; reloaded on SIGHUP",
+    )
+    # Defaults of flags that also read a variable are resolved in settings_from, so a
+    # bad value names the variable it came from.
+    serve.add_argument("--max-tries-per-step", type=int, default=None, help="default 3")
+    serve.add_argument("--queue-depth", type=int, default=None, help="default 30")
+    serve.add_argument(
+        "--queue-size",
+        type=int,
+        default=None,
+        help="requests that may wait for a --max-concurrent slot; default 100",
+    )
+    serve.add_argument(
+        "--max-concurrent",
+        type=int,
+        default=0,
+        help="router-wide forwards in flight (0: only the agents' capacity bounds them)",
+    )
+    serve.add_argument("--request-timeout", type=parse_duration, default=None, help="default 60s")
+    serve.add_argument(
+        "--health-check-interval",
+        type=parse_duration,
+        default="1s",
+        help="longest pause between passes over the agent table",
+    )
+    serve.add_argument(
+        "--p2p-max-conns-per-ip",
+        type=int,
+        default=None,
+        help="libp2p connections per source IPv4 /32 or IPv6 /56; default 32",
+    )
     serve.add_argument(
         "--http-write-timeout",
         type=parse_duration,
@@ -62,17 +112,33 @@ def build_parser() -> argparse.ArgumentParser:
         help="tenants, hashed keys and limits (YAML); reloaded on SIGHUP",
     )
     serve.add_argument(
+        "--auth-config-file",
+        default=os.environ.get("HIVENET_ROUTER_AUTH_CONFIG") or None,
+        help="the Go router's name for --auth-file (either file shape)",
+    )
+    serve.add_argument(
         "--state-url",
         default=os.environ.get("HIVENET_ROUTER_STATE_URL") or None,
         help="redis://host:port/db: tenant counts shared by several routers",
     )
     serve.add_argument(
         "--audit-log",
-        default=os.environ.get("HIVENET_ROUTER_AUDIT_LOG") or None,
+        default=os.environ.get("HIVENET_ROUTER_AUDIT_LOG")
+        or os.environ.get("HIVENET_ROUTER_AUDIT_LOG_PATH")
+        or None,
         help="JSON-lines audit log, one line per request (no prompt text)",
     )
     serve.add_argument("--audit-log-max-bytes", type=int, default=100 * 1024 * 1024)
     serve.add_argument("--audit-log-backups", type=int, default=5)
+    serve.add_argument(
+        "--disk-db-path",
+        default=os.environ.get("HIVENET_ROUTER_DISK_DB_PATH") or None,
+        help="directory keeping each agent's history across restarts (default: none)",
+    )
+    serve.add_argument("--disk-db-ttl", type=int, default=30, help="days; 0 keeps entries")
+    serve.add_argument("--universal-flush-interval", type=parse_duration, default="30s")
+    serve.add_argument("--reset-disk-db", action="store_true", help="delete the directory first")
+    add_refused(serve, REFUSED)
     serve.add_argument(
         "--log-format", choices=FORMATS, default=None, help="text (key=value) or json lines"
     )
@@ -100,10 +166,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--stdin", action="store_true", help="hash a key read from standard input instead"
     )
 
+    keygen = sub.add_parser(
+        "keygen", help="print a new client key, its hash and a ready auth.yaml entry"
+    )
+    keygen.add_argument("--tenant", default="my-tenant", help="the entry's owner (tenant)")
+
     ident = sub.add_parser("identity", help="create the key if missing; print the peer ID")
     ident.add_argument("--identity-path", default="./router_identity.key")
     ident.add_argument("--p2p-listen-addr", default="127.0.0.1")
-    ident.add_argument("--p2p-port", type=int, default=int(_env("HIVENET_ROUTER_P2P_PORT", "9000")))
+    ident.add_argument("--p2p-port", type=int, default=None, help="default 9000")
     ident.add_argument("--p2p-announce-addr", default=None)
 
     token = sub.add_parser("token", help="print an agent JWT signed with the shared secret")
@@ -114,10 +185,20 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def settings_from(args: argparse.Namespace) -> RouterSettings:
+    env = os.environ
+    refused = refused_environment(env, REFUSED)
+    if refused:
+        raise ValueError("; ".join(refused))
+    if args.auth_file and args.auth_config_file and args.auth_file != args.auth_config_file:
+        raise ValueError("--auth-file and --auth-config-file name different files: keep one")
+
+    def pick(value: Any, name: str, convert: Callable[[str], Any], default: str) -> Any:
+        return value if value is not None else env_value(env, name, convert, default)
+
     s = RouterSettings(
         http_addr=split_hostport(args.http_port),
         metrics_addr=split_hostport(args.metrics_port),
-        p2p_port=args.p2p_port,
+        p2p_port=pick(args.p2p_port, "P2P_PORT", int, "9000"),
         p2p_ws_port=args.p2p_ws_port,
         p2p_wss_port=args.p2p_wss_port,
         tls_cert_file=args.tls_cert_file,
@@ -126,9 +207,14 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         p2p_announce_addr=args.p2p_announce_addr,
         identity_path=args.identity_path,
         policy_file=args.policy_file,
-        max_tries_per_step=args.max_tries_per_step,
-        queue_depth=args.queue_depth,
-        request_timeout=args.request_timeout,
+        policy_model_dir=args.policy_model_dir,
+        max_tries_per_step=pick(args.max_tries_per_step, "MAX_TRIES_PER_STEP", int, "3"),
+        queue_depth=pick(args.queue_depth, "QUEUE_DEPTH", int, "30"),
+        queue_size=pick(args.queue_size, "QUEUE_SIZE", int, "100"),
+        max_concurrent=args.max_concurrent,
+        request_timeout=pick(args.request_timeout, "REQUEST_TIMEOUT", parse_duration, "60s"),
+        health_check_interval=args.health_check_interval,
+        p2p_max_conns_per_ip=pick(args.p2p_max_conns_per_ip, "P2P_MAX_CONNS_PER_IP", int, "32"),
         http_write_timeout=args.http_write_timeout,
         heartbeat_interval=args.heartbeat_interval,
         unhealthy_after=args.unhealthy_after,
@@ -138,7 +224,11 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         failure_cooldown=args.failure_cooldown,
         stream_slot_release=args.stream_slot_release,
         jwt_secret=load_secret(args.jwt_secret_file),
-        auth_file=args.auth_file,
+        auth_file=args.auth_file or args.auth_config_file,
+        disk_db_path=args.disk_db_path,
+        disk_db_ttl=args.disk_db_ttl,
+        universal_flush_interval=args.universal_flush_interval,
+        reset_disk_db=args.reset_disk_db,
         state_url=args.state_url,
         audit_log=args.audit_log,
         audit_log_max_bytes=args.audit_log_max_bytes,
@@ -148,7 +238,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
     )
     if s.worker_count > 1:
         _as_worker(s)
-    s.apply_environment()
+    s.apply_environment(env)
     if s.auth_file and s.client_api_keys.strip():
         raise ValueError(
             "both --auth-file and HIVENET_ROUTER_API_KEYS are set: keep one (the auth file"
@@ -169,6 +259,33 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         raise ValueError("--http-write-timeout must be positive")
     if s.max_tries_per_step < 1:
         raise ValueError("--max-tries-per-step must be at least 1")
+    for flag, value, low in (
+        ("--queue-depth", s.queue_depth, 0),
+        ("--queue-size", s.queue_size, 1),
+        ("--max-concurrent", s.max_concurrent, 0),
+        ("--p2p-max-conns-per-ip", s.p2p_max_conns_per_ip, 1),
+        ("--disk-db-ttl", s.disk_db_ttl, 0),
+    ):
+        if value < low:
+            raise ValueError(f"{flag} must be at least {low}, got {value}")
+    if not 0 < s.heartbeat_interval < s.unhealthy_after < s.remove_after:
+        # Upstream leaves a mis-ordered set running (its docs say so); here it is an error.
+        raise ValueError(
+            "need --heartbeat-interval < --unhealthy-after < --remove-after, got"
+            f" {s.heartbeat_interval:g}s, {s.unhealthy_after:g}s, {s.remove_after:g}s"
+        )
+    if s.health_check_interval <= 0 or s.request_timeout <= 0 or s.universal_flush_interval <= 0:
+        raise ValueError(
+            "--health-check-interval, --request-timeout and --universal-flush-interval"
+            " must be positive"
+        )
+    if s.reset_disk_db and not s.disk_db_path:
+        raise ValueError("--reset-disk-db needs --disk-db-path")
+    if s.auth_mode == "api-key" and not s.auth_file and not s.client_api_keys.strip():
+        raise ValueError(
+            "HIVENET_ROUTER_AUTH_MODE=api-key needs keys: an auth file (--auth-config-file)"
+            " or HIVENET_ROUTER_API_KEYS"
+        )
     if not s.admin_api_keys and not s.allow_insecure_admin:
         raise ValueError(
             "HIVENET_ROUTER_ADMIN_API_KEYS is empty: set admin keys, or "
@@ -251,11 +368,22 @@ def cmd_check_auth(args: argparse.Namespace) -> int:
         config = load_auth_file(args.file)
     except AuthError as exc:
         return _invalid(args.file, "auth file", exc.errors)
+    if config.admin_mode or config.api_open:
+        api = "none (open to every caller)" if config.api_open else "api-key"
+        admin = config.admin_mode or "unset"
+        print(f"upstream auth.yaml: api.mode={api} admin.mode={admin}")
     for tenant in config.tenants.values():
         view = tenant.public()
         limits = " ".join(f"{k}={v}" for k, v in view.items() if k not in ("name", "models") and v)
         models = ",".join(tenant.models) or "*"
         print(f"tenant {tenant.name}: models={models} {limits}".rstrip())
+        for model, rpm, tokens in tenant.per_model:
+            print(f"  model {model}: requests_per_minute_per_replica={rpm} tokens_per_day={tokens}")
+    for digest, until in sorted(config.expires.items()):
+        day = time.strftime("%d-%m-%Y", time.gmtime(until - 86400))
+        print(f"key {digest[:19]}… of {config.by_hash[digest].name}: valid through {day} (UTC)")
+    for warning in config.warnings:
+        print(f"warning: {warning}")
     return 0
 
 
@@ -275,14 +403,30 @@ def cmd_hash_key(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_keygen(args: argparse.Namespace) -> int:
+    from router.tenants.upstream_auth import keygen_entry
+
+    try:
+        print(keygen_entry(args.tenant), end="")
+    except ValueError as exc:
+        print(f"hivenet-router: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
 def cmd_identity(args: argparse.Namespace) -> int:
     from protocol.p2p import load_or_create_identity, peer_id_of
 
+    try:
+        port = args.p2p_port or env_value(os.environ, "P2P_PORT", int, "9000")
+    except ValueError as exc:
+        print(f"hivenet-router: {exc}", file=sys.stderr)
+        return 2
     peer_id = peer_id_of(load_or_create_identity(args.identity_path))
     print(f"peer_id: {peer_id}")
     if args.p2p_announce_addr:
         print(f"{args.p2p_announce_addr}/p2p/{peer_id}")
-    print(f"/ip4/{args.p2p_listen_addr}/tcp/{args.p2p_port}/p2p/{peer_id}")
+    print(f"/ip4/{args.p2p_listen_addr}/tcp/{port}/p2p/{peer_id}")
     return 0
 
 
@@ -303,6 +447,7 @@ COMMANDS = {
     "check-policy": cmd_check_policy,
     "check-auth": cmd_check_auth,
     "hash-key": cmd_hash_key,
+    "keygen": cmd_keygen,
     "identity": cmd_identity,
     "token": cmd_token,
 }

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn
 
 from protocol.errors import ErrorCode, RouterError
+from router.forward_limit import ForwardLimit
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.policy.schema import ProviderFallback
@@ -50,6 +51,7 @@ class Dispatcher:
         metrics: RouterMetrics,
         provider_call: ProviderCall | None = None,
         provider_available: Callable[[str], bool] = lambda engine: False,
+        limit: ForwardLimit | None = None,
     ) -> None:
         self.table = table
         self.session = session
@@ -57,9 +59,10 @@ class Dispatcher:
         self.metrics = metrics
         self.provider_call = provider_call
         self.provider_available = provider_available
+        self.limit = limit or ForwardLimit(0, 0)
 
     def provider_for(self, req: RouteRequest) -> ProviderFallback | None:
-        provider = self.store.current.fallback_provider
+        provider = self.store.for_model(req.model).fallback_provider
         if (
             provider is None
             or self.provider_call is None
@@ -72,8 +75,9 @@ class Dispatcher:
 
     async def dispatch(self, req: RouteRequest) -> Served | ProviderServed:
         """Serve `req`, or raise RouterError (BackendRejected for request-level errors)."""
-        policy = self.store.current
-        outcome = await self.session.route(policy, req)
+        policy = self.store.for_model(req.model)
+        async with self.limit.slot():
+            outcome = await self.session.route(policy, req)
         if isinstance(outcome, Served):
             self.metrics.routed.labels(req.model, req.tenant).inc()
             if outcome.step_index == 0:
@@ -89,6 +93,14 @@ class Dispatcher:
         """Refused under load: no provider (shedding is meant to cut work), no exhaustion."""
         log.info("%s", shed_line(req, shed))
         self.metrics.shed.labels(req.model, req.tenant, shed.step_name).inc()
+        if shed.front_door:
+            # Upstream's answer for its top-level shed_if, so its clients back off alike.
+            raise RouterError(
+                ErrorCode.TOO_MANY_CONCURRENT,
+                f"model {req.model!r} is saturated: {shed.hit.detail()} over its healthy"
+                " agents (policy shed_if); retry later",
+                retry_after=shed.retry_after,
+            )
         raise RouterError(
             ErrorCode.LOAD_SHED,
             f"load shed at policy step {shed.step_name!r}: {shed.hit.detail()}"

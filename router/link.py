@@ -12,7 +12,7 @@ import math
 import re
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,6 +36,7 @@ from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from protocol.frames import MAX_FRAME_BYTES
 from protocol.logs import quote
 from protocol.p2p import FramedStream, SessionClosed
+from protocol.router_proof import MAX_CHALLENGE, router_proof
 from protocol.tokens import TokenError, verify_token
 from protocol.usage import valid_usage
 from router.capacity import report_elsewhere
@@ -45,6 +46,7 @@ from router.peers import (
     AgentMetadata,
     Peer,
     PeerTable,
+    UniversalStats,
 )
 from router.remote_addr import format_endpoint, remote_endpoint
 from router.session import ForwardFailure, RouteRequest, Slot
@@ -71,6 +73,8 @@ class LinkSettings:
     remove_after: float
     router_peer_id: str
     release_stream_slot_at_head: bool = True
+    # --health-check-interval: the longest pause between passes over the table.
+    health_check_interval: float = 1.0
     unjoined: UnjoinedLimits = field(default_factory=UnjoinedLimits)
     # `--workers`: the host's other router processes, named in the welcome.
     workers: list[dict] = field(default_factory=list)
@@ -386,6 +390,8 @@ class AgentLink:
         self.settings = settings
         self.sessions: dict[Peer, AgentSession] = {}
         self.unjoined = Unjoined(settings.unjoined)
+        # A joining agent's history from before a restart (--disk-db-path), if any.
+        self.history_of: Callable[[str], UniversalStats | None] = lambda peer_id: None
 
     def __repr__(self) -> str:
         return f"<AgentLink {len(self.sessions)} sessions, {self.unjoined!r}>"
@@ -456,6 +462,9 @@ class AgentLink:
         try:
             verify_token(self.settings.secret, msg["token"], session.remote_peer)
             meta = parse_metadata(msg["metadata"])
+            challenge = msg.get("challenge")
+            if challenge is not None and len(challenge) > MAX_CHALLENGE:
+                raise ValueError(f"challenge longer than {MAX_CHALLENGE} characters")
         except (TokenError, ValueError) as exc:
             reason = str(exc)
             log.warning("agent_refused peer=%s reason=%s", session.remote_peer, quote(reason))
@@ -475,6 +484,9 @@ class AgentLink:
             remote_addr=session.remote_addr,
         )
         old = self.table.get(peer.peer_id)
+        restored = self.history_of(peer.peer_id) if old is None else None
+        if restored is not None:
+            peer.stats = restored
         if old is not None:
             peer.stats = old.stats
             stale = self.sessions.pop(old, None)
@@ -484,14 +496,17 @@ class AgentLink:
         self.sessions[peer] = session
         self.table.add(peer)
         session.admitted()
-        session.fs.send_nowait(
-            m.welcome(
-                self.settings.heartbeat_interval,
-                self.settings.router_peer_id,
-                self.settings.liveness_interval,
-                self.settings.workers,
-            )
+        welcome = m.welcome(
+            self.settings.heartbeat_interval,
+            self.settings.router_peer_id,
+            self.settings.liveness_interval,
+            self.settings.workers,
         )
+        if challenge is not None:
+            welcome["proof"] = router_proof(
+                self.settings.secret, self.settings.router_peer_id, session.remote_peer, challenge
+            )
+        session.fs.send_nowait(welcome)
         session.hello_seen.set()
         self._count()
         log.info(
@@ -543,13 +558,14 @@ class AgentLink:
         """Keep sessions alive and mark silent agents unhealthy, then forget them."""
         s = self.settings
         # Heartbeats leave within a quarter period of falling due.
-        period = min(1.0, s.unhealthy_after / 3, s.heartbeat_interval / 4)
+        table_period = min(s.health_check_interval, s.unhealthy_after / 3)
+        period = min(table_period, s.heartbeat_interval / 4)
         last_table_sweep = trio.current_time()
         while True:
             await trio.sleep(period)
             now = trio.current_time()
             self._liveness(now)
-            if now - last_table_sweep >= min(1.0, s.unhealthy_after / 3):
+            if now - last_table_sweep >= table_period:
                 last_table_sweep = now
                 self._sweep_table(now)
 
@@ -750,4 +766,9 @@ def parse_metadata(raw: dict) -> AgentMetadata:
         gpu_model=text("gpu_model"),
         tags=tuple(tags),
         version=text("version"),
+        deployment_id=text("deployment_id"),
+        replica_id=text("replica_id"),
+        hide_llm=raw.get("hide_llm") is True,
+        llm_pretty_name=text("llm_pretty_name"),
+        llm_info=text("llm_info"),
     )

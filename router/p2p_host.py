@@ -9,6 +9,7 @@ connection instead, and raise the connection limits above the fleet size we supp
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import logging
 import ssl
 from collections.abc import Sequence
@@ -36,6 +37,44 @@ MAX_AGENT_CONNECTIONS = 4096
 _PATCHED_VERSION = "0.8.1"
 
 
+class PerSourceLimit:
+    """`--p2p-max-conns-per-ip`: live inbound connections per source IPv4 /32 or IPv6
+    /56 (one site's prefix), so one address cannot take the router's 4,096 slots.
+    Agents behind one NAT share a source: size it above twice their number, as
+    upstream advises (reconnects overlap during a rollout)."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.live: dict[str, int] = {}
+
+    @staticmethod
+    def source(remote: multiaddr.Multiaddr | None) -> str | None:
+        if remote is None:
+            return None
+        for proto, prefix in (("ip4", 32), ("ip6", 56)):
+            try:
+                ip = remote.value_for_protocol(proto)
+            except Exception:  # py-multiaddr raises its own error for a missing part
+                continue
+            if ip:
+                return str(ipaddress.ip_network(f"{ip}/{prefix}", strict=False))
+        return None
+
+    def take(self, source: str) -> bool:
+        count = self.live.get(source, 0)
+        if count >= self.limit:
+            return False
+        self.live[source] = count + 1
+        return True
+
+    def give(self, source: str) -> None:
+        count = self.live.get(source, 0) - 1
+        if count > 0:
+            self.live[source] = count
+        else:
+            self.live.pop(source, None)
+
+
 async def _handle_inbound_until_closed(
     self: Swarm, read_write_closer: Any, maddr: multiaddr.Multiaddr, failure_event: Any
 ) -> None:
@@ -47,6 +86,25 @@ async def _handle_inbound_until_closed(
         with contextlib.suppress(Exception):
             await read_write_closer.close()
         return
+    per_source: PerSourceLimit | None = getattr(self, "hivenet_per_source", None)
+    source = PerSourceLimit.source(remote) if per_source is not None else None
+    if per_source is not None and source is not None:
+        if not per_source.take(source):
+            log.warning("p2p_connection_refused source=%s limit=%d", source, per_source.limit)
+            with contextlib.suppress(Exception):
+                await read_write_closer.close()
+            return
+        try:
+            await _upgrade_and_wait(self, read_write_closer, maddr)
+        finally:
+            per_source.give(source)
+        return
+    await _upgrade_and_wait(self, read_write_closer, maddr)
+
+
+async def _upgrade_and_wait(
+    self: Swarm, read_write_closer: Any, maddr: multiaddr.Multiaddr
+) -> None:
     raw_conn = None
     try:
         raw_conn = RawConnection(read_write_closer, False)
@@ -61,19 +119,21 @@ async def _handle_inbound_until_closed(
 _ORIGINAL_HANDLER = Swarm._do_handle_inbound_connection
 
 
-def _fix_inbound_handler(swarm: Swarm) -> None:
+def _fix_inbound_handler(swarm: Swarm, max_conns_per_ip: int) -> None:
     if libp2p.__version__ != _PATCHED_VERSION:
         raise RuntimeError(
             f"router/p2p_host.py patches py-libp2p {_PATCHED_VERSION} internals; "
             f"found {libp2p.__version__}: re-check the inbound handler fix"
         )
     swarm._do_handle_inbound_connection = _handle_inbound_until_closed.__get__(swarm)  # type: ignore[method-assign]
+    swarm.hivenet_per_source = PerSourceLimit(max_conns_per_ip)  # type: ignore[attr-defined]
 
 
 def router_host(
     key_pair: KeyPair,
     listen_addrs: Sequence[multiaddr.Multiaddr],
     websocket: bool,
+    max_conns_per_ip: int = 32,
     tls: ssl.SSLContext | None = None,
 ) -> Any:
     tune_libp2p()
@@ -107,7 +167,7 @@ def router_host(
             connection_limits=limits,
         ),
     )
-    _fix_inbound_handler(host.get_network())
+    _fix_inbound_handler(host.get_network(), max_conns_per_ip)
     return host
 
 

@@ -28,6 +28,12 @@ class AgentMetadata:
     gpu_model: str = ""
     tags: tuple[str, ...] = ()
     version: str = ""
+    # The Go agent's registration extras (--deployment-id, --llm-pretty-name, …).
+    deployment_id: str = ""
+    replica_id: str = ""
+    hide_llm: bool = False
+    llm_pretty_name: str = ""
+    llm_info: str = ""
 
     def to_json(self) -> dict:
         return {
@@ -41,6 +47,11 @@ class AgentMetadata:
             "tags": list(self.tags),
             "capacity": self.capacity,
             "version": self.version,
+            "deployment_id": self.deployment_id,
+            "replica_id": self.replica_id,
+            "hide_llm": self.hide_llm,
+            "llm_pretty_name": self.llm_pretty_name,
+            "llm_info": self.llm_info,
         }
 
 
@@ -169,6 +180,7 @@ class PeerTable:
         self._by_id: dict[str, Peer] = {}
         self._by_model: dict[str, list[Peer]] = {}
         self._listeners: list[Callable[[str], None]] = []
+        self._removed: list[Callable[[str], None]] = []
 
     def __len__(self) -> int:
         return len(self._by_id)
@@ -210,11 +222,17 @@ class PeerTable:
         if not peers:
             self._by_model.pop(peer.metadata.model, None)
         self.changed(peer.metadata.model)
+        for listener in self._removed:
+            listener(peer.peer_id)
         return True
 
     def on_change(self, listener: Callable[[str], None]) -> None:
         """Call `listener(model)` whenever that model's pool may have gained room."""
         self._listeners.append(listener)
+
+    def on_remove(self, listener: Callable[[str], None]) -> None:
+        """Call `listener(peer_id)` when an agent's session leaves the table."""
+        self._removed.append(listener)
 
     def changed(self, model: str) -> None:
         for listener in self._listeners:

@@ -23,6 +23,7 @@ from router.metrics import RouterMetrics
 from router.peers import DEFAULT_FAILURE_COOLDOWN, Peer, PeerTable
 from router.policy.admission import ShedHit, shed
 from router.policy.gates import MODEL_FILTER, Evaluation, evaluate, is_probe
+from router.policy.rank import Ranking, RankRequest
 from router.policy.schema import Policy, Step
 
 log = logging.getLogger("policy")
@@ -133,6 +134,8 @@ class LoadShed:
     reason: str  # every step's reason up to and including the shedding one
     chain: list[str]
     steps_tried: int
+    # The policy's top-level `shed_if` (upstream's front door), before any step.
+    front_door: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +180,7 @@ class _StepRun:
     budget: int
     recovered: set[str]  # agents whose free connection recovery is used (whole request)
     wait: _QueuePlace
+    rank_request: RankRequest  # the whole request's: its prompt is read once
     failed: set[str] = field(default_factory=set)  # gate 5's input
     tries: int = 0
     last_failure: ForwardFailure | None = None
@@ -204,6 +208,7 @@ class RoutingSession:
         default_max_tries: int,
         on_release: Callable[[Peer], None],
         failure_cooldown: float = DEFAULT_FAILURE_COOLDOWN,
+        ranking: Ranking | None = None,
     ) -> None:
         self.table = table
         self.queue = queue
@@ -212,6 +217,8 @@ class RoutingSession:
         self.default_max_tries = default_max_tries
         self.on_release = on_release
         self.failure_cooldown = failure_cooldown
+        # The router's strategies and what they remember (round-robin, prefix-aware).
+        self.ranking = ranking or Ranking()
 
     async def route(self, policy: Policy, req: RouteRequest) -> Served | Exhausted | LoadShed:
         """Serve `req` through the policy's local steps, or report why none could.
@@ -223,6 +230,15 @@ class RoutingSession:
         recovered: set[str] = set()
         last_failure: ForwardFailure | None = None
         capacity_drained = False
+        if policy.shed_if is not None:
+            pool = self.table.for_model(req.model)
+            hit = shed(policy.shed_if, req.tenant, req.priority, req.model, pool, self.queue)
+            if hit is not None:
+                chain = [s.name for s in steps]
+                reason = f"shed_if: shed_if [{hit.detail()}]"
+                retry = policy.shed_if.retry_after
+                return LoadShed("shed_if", hit, retry, reason, chain, 0, front_door=True)
+        rank_request = RankRequest(req.model, req.payload)
         for index, step in enumerate(steps):
             hit = self._shed(step, req)
             if hit is not None:
@@ -234,7 +250,7 @@ class RoutingSession:
                 return LoadShed(
                     step.name, hit, retry_after, " | ".join(reasons), chain, len(reasons)
                 )
-            outcome = await self._run_step(index, step, req, recovered)
+            outcome = await self._run_step(index, step, req, recovered, rank_request)
             if isinstance(outcome, Served):
                 return outcome
             reasons.append(f"{step.name}: {outcome.reason}")
@@ -259,7 +275,12 @@ class RoutingSession:
         return shed(step.shed_if, req.tenant, req.priority, req.model, pool, self.queue)
 
     async def _run_step(
-        self, index: int, step: Step, req: RouteRequest, recovered: set[str]
+        self,
+        index: int,
+        step: Step,
+        req: RouteRequest,
+        recovered: set[str],
+        rank_request: RankRequest,
     ) -> Served | StepOutcome:
         """One policy step: decide (`_next`, `_settle`), then do what was decided.
 
@@ -268,7 +289,8 @@ class RoutingSession:
         interleaved with another request's.
         """
         wait = _QueuePlace(self.queue, self.metrics, req)
-        run = _StepRun(index, step, step.budget(self.default_max_tries), recovered, wait)
+        budget = step.budget(self.default_max_tries)
+        run = _StepRun(index, step, budget, recovered, wait, rank_request)
         try:
             while True:
                 action = self._next(run, req)
@@ -304,7 +326,11 @@ class RoutingSession:
         slot taken), wait in the queue (the place taken), or end the step."""
         step, wait = run.step, run.wait
         while True:
-            ev = evaluate(self._pool(req), step, req.capability, run.failed, trio.current_time())
+            now = trio.current_time()
+            pool = self._pool(req)
+            ev = evaluate(
+                pool, step, req.capability, run.failed, now, self.ranking, run.rank_request
+            )
             peer = ev.best
             if peer is None:
                 log.debug(
@@ -340,6 +366,7 @@ class RoutingSession:
             wait.leave()
             if not try_acquire(peer):
                 continue  # lost the race for the last slot: select again, no try used
+            self.ranking.chosen(step.strategy, step.strategy_params, peer, run.rank_request)
             log.debug(
                 "req=%s step_selected step=%s peer=%s active=%d capacity=%d survivors=%d tenant=%s",
                 req.request_id,

@@ -3,11 +3,31 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from router.peers import DEFAULT_FAILURE_COOLDOWN
 
 DEFAULT_MAX_REQUEST_BYTES = 10 * 1024 * 1024
+# HIVENET_ROUTER_MAX_REQUEST_BYTES=0 is the Go router's "no limit". A daemon reading
+# bodies into memory still needs a bound: 1 GiB, above any prompt an engine accepts.
+UNLIMITED_REQUEST_BYTES = 1024 * 1024 * 1024
+AUTH_MODES: tuple[str, ...] = ("none", "api-key")
+ENV_PREFIX = "HIVENET_ROUTER_"
+
+
+def env_value(
+    env: Mapping[str, str], name: str, convert: Callable[[str], Any], default: str
+) -> Any:
+    """`HIVENET_ROUTER_<name>` converted, or `default`; a bad value is a startup error
+    naming the variable (the Go router keeps its default, and says nothing)."""
+    key = ENV_PREFIX + name
+    raw = env.get(key) or default
+    try:
+        return convert(raw)
+    except ValueError as exc:
+        raise ValueError(f"{key}={raw!r}: {exc}") from None
 
 
 def split_hostport(value: str) -> tuple[str, int]:
@@ -33,9 +53,20 @@ class RouterSettings:
     p2p_announce_addr: str | None = None
     identity_path: str = "./router_identity.key"
     policy_file: str | None = None
+    policy_model_dir: str | None = None
     max_tries_per_step: int = 3
     queue_depth: int = 30
+    # Router-wide forwards in flight (0: unbounded) and how many may wait for one.
+    max_concurrent: int = 0
+    queue_size: int = 100
     request_timeout: float = 60.0
+    health_check_interval: float = 1.0
+    # --disk-db-path: agents' history across restarts (router/history.py); None: off.
+    disk_db_path: str | None = None
+    disk_db_ttl: int = 30
+    universal_flush_interval: float = 30.0
+    reset_disk_db: bool = False
+    p2p_max_conns_per_ip: int = 32
     http_write_timeout: float = 30.0
     heartbeat_interval: float = 5.0
     unhealthy_after: float = 15.0
@@ -59,13 +90,18 @@ class RouterSettings:
     audit_log: str | None = None
     audit_log_max_bytes: int = 100 * 1024 * 1024
     audit_log_backups: int = 5
+    # HIVENET_ROUTER_AUTH_MODE (read without an auth file): none or api-key.
+    auth_mode: str = ""
+    # HIVENET_ROUTER_RPM_BURST_SECONDS: a tenant bucket holds this many seconds of its
+    # rate (0: a full minute, upstream's default) unless its `burst` says otherwise.
+    rpm_burst_seconds: int = 0
     # `--workers`: this process's place among the host's router processes, and the
     # others as worker 0's welcome names them ({"tcp_port", "peer_id"}).
     worker_index: int = 0
     worker_count: int = 1
     workers: list[dict] = field(default_factory=list)
 
-    def apply_environment(self, env: dict[str, str] | None = None) -> None:
+    def apply_environment(self, env: Mapping[str, str] | None = None) -> None:
         """Environment-only settings (keys, provider endpoints, limits)."""
         e = os.environ if env is None else env
         self.admin_api_keys = [
@@ -83,5 +119,53 @@ class RouterSettings:
         self.anthropic_base_url = (
             e.get("HIVENET_ROUTER_ANTHROPIC_BASE_URL") or self.anthropic_base_url
         )
-        if e.get("HIVENET_ROUTER_MAX_REQUEST_BYTES"):
-            self.max_request_bytes = int(e["HIVENET_ROUTER_MAX_REQUEST_BYTES"])
+        limit = env_value(e, "MAX_REQUEST_BYTES", _non_negative, str(DEFAULT_MAX_REQUEST_BYTES))
+        self.max_request_bytes = limit or UNLIMITED_REQUEST_BYTES
+        self.auth_mode = env_value(e, "AUTH_MODE", _auth_mode, "none")
+        if self.auth_mode == "none" and e.get("HIVENET_ROUTER_AUTH_MODE") and self.client_api_keys:
+            raise ValueError("HIVENET_ROUTER_AUTH_MODE=none but HIVENET_ROUTER_API_KEYS is set")
+        env_value(e, "QUOTA_BACKEND", _quota_backend, "memory")
+        self.rpm_burst_seconds = env_value(e, "RPM_BURST_SECONDS", _burst_seconds, "0")
+        for name in ("ADMIT_FRACTION", "ADMIT_PARK_TIMEOUT"):
+            if e.get(ENV_PREFIX + name):
+                raise ValueError(
+                    f"{ENV_PREFIX}{name}: token-weighted occupancy admission"
+                    " (admit_budget_tokens) does not exist here; agents' --capacity, the"
+                    " capacity queue (--queue-depth) and a policy's shed_if bound the load"
+                )
+
+
+def _non_negative(raw: str) -> int:
+    value = int(raw)
+    if value < 0:
+        raise ValueError("must be 0 or more")
+    return value
+
+
+def _auth_mode(raw: str) -> str:
+    if raw == "dynamic":
+        raise ValueError(
+            "the dynamic key registry (/admin/api-keys) does not exist here; keep keys in"
+            " an auth file and replace it with PUT /admin/auth or SIGHUP"
+        )
+    if raw not in AUTH_MODES:
+        raise ValueError(f"must be one of {', '.join(AUTH_MODES)}")
+    return raw
+
+
+def _quota_backend(raw: str) -> str:
+    if raw == "badger":
+        raise ValueError(
+            "there is no BadgerDB; tenant counts that outlive a restart and are shared by"
+            " several routers live in Redis: --state-url redis://host:port/db"
+        )
+    if raw != "memory":
+        raise ValueError("must be memory (or use --state-url for Redis)")
+    return raw
+
+
+def _burst_seconds(raw: str) -> int:
+    value = int(raw)
+    if not 0 <= value < 60:
+        raise ValueError("must be from 0 to 59")
+    return value

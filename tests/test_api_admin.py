@@ -387,7 +387,11 @@ def test_v1_models_lists_agent_counts_capacity_engines_and_regions(af: AdminFlee
     }
     one = httpx.get(af.router.url + "/v1/models/" + MODEL, timeout=10)
     assert one.status_code == 200
-    assert one.json() == card | {"created": one.json()["created"]}
+    detail = one.json()
+    # The detail adds one entry per agent (the Go router's `agents.list[]`).
+    listed = detail["agents"].pop("list")
+    assert detail == card | {"created": detail["created"]}
+    assert len(listed) == 2 and {a["region"] for a in listed} == {"EU-France", "UAE"}
     encoded = httpx.get(af.router.url + "/v1/models/meta-llama%2FLlama-3.1-8B-Instruct", timeout=10)
     assert encoded.status_code == 200 and encoded.json()["id"] == MODEL
 

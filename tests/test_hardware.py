@@ -225,3 +225,19 @@ def test_cpu_and_memory_from_psutil_as_fractions(monkeypatch: pytest.MonkeyPatch
     assert values["cpu_usage_percent"] == pytest.approx(0.375)
     # Never blocking: CPU use since the previous call, primed when the sampler starts.
     assert calls == [None, None]
+
+
+def test_gpu_devices_restrict_the_gpus_reported(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--gpu-devices-file` (issue 19): only the listed UUIDs count; none, no GPU."""
+    _fake_nvml(
+        monkeypatch,
+        [
+            _Gpu("H200", temperature=40, utilization=10, used=1 * GIB, total=80 * GIB),
+            _Gpu("H200", temperature=85, utilization=99, used=79 * GIB, total=80 * GIB),
+        ],
+    )
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda index: f"GPU-{index}".encode())
+    assert HardwareSampler(frozenset({"GPU-0"})).sample()["gpu_temperature_c"] == 40.0
+    assert HardwareSampler(None).sample()["gpu_temperature_c"] == 85.0
+    nothing = HardwareSampler(frozenset()).sample()
+    assert nothing["gpu_temperature_c"] is None and nothing["gpu_util_percent"] is None

@@ -34,7 +34,7 @@ def header(path: Path, key: str) -> list[str]:
 def check_policy(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> object:
     """`hivenet-router check-policy` in-process (one process per file would take a minute):
     the same `main`, without the daemon's logging set-up."""
-    monkeypatch.setattr(cli, "setup_logging", lambda: None)
+    monkeypatch.setattr(cli, "setup_logging", lambda **options: None)
 
     def run(path: Path) -> tuple[int, str, str]:
         code = cli.main(["check-policy", str(path)])
@@ -64,7 +64,8 @@ def test_check_policy_accepts_every_example_and_prints_its_chain(
     assert lines[0] == "chain: " + " → ".join(chain)
     for i, name in enumerate(names, 1):
         assert f"step {i}: {name}" in lines
-    assert sum(line.startswith("  strategy:   least-loaded") for line in lines) == len(names)
+    strategies = [step.strategy for step in policy.steps]
+    assert [line[14:] for line in lines if line.startswith("  strategy:   ")] == strategies
     assert sum(line.startswith("  max_tries:  ") for line in lines) == len(names)
     assert any(line.startswith("fallback_provider: ") for line in lines)
     warnings = [line.removeprefix("warning: ") for line in lines if line.startswith("warning: ")]
@@ -135,7 +136,7 @@ fallback_chain:
 UNKNOWN_STRATEGY = """\
 routing_policy:
   match: {}
-  strategy: round-robin
+  strategy: cache_aware
 """
 
 SEVERAL_PROBLEMS = """\

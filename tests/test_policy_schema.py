@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 
 from router.policy.describe import describe, policy_warnings
+from router.policy.rank import STRATEGIES
+from router.policy.rank_prefix import PrefixParams
 from router.policy.schema import (
     DEFAULT_POLICY_YAML,
     GATE_FIELDS,
@@ -236,14 +238,16 @@ def test_load_policy_file(tmp_path: Path) -> None:
         ),
         ("routing_policy:\n  match: {}\n", "routing_policy.strategy: missing (required)"),
         (
-            primary("match: {}") + "fallback_chain:\n  - strategy: round-robin\n",
-            "fallback_chain[0].strategy: unknown strategy 'round-robin'"
-            " (not implemented; only least-loaded)",
+            primary("match: {}") + "fallback_chain:\n  - strategy: round_robin\n",
+            "fallback_chain[0].strategy: unknown strategy 'round_robin' (one of "
+            + ", ".join(STRATEGIES)
+            + "); did you mean 'round-robin'?",
         ),
         (
             "routing_policy:\n  strategy: least_loaded\n",
-            "routing_policy.strategy: unknown strategy 'least_loaded' (only least-loaded);"
-            " did you mean 'least-loaded'?",
+            "routing_policy.strategy: unknown strategy 'least_loaded' (one of "
+            + ", ".join(STRATEGIES)
+            + "); did you mean 'least-loaded'?",
         ),
         (
             "routing_policy:\n  strategy: 1\n",
@@ -289,13 +293,13 @@ def test_load_policy_file(tmp_path: Path) -> None:
         (
             primary("region: EU"),
             "routing_policy.region: unknown step key"
-            " (known: name, match, exclude_if, shed_if, strategy, max_tries);"
+            " (known: name, match, exclude_if, shed_if, strategy, strategy_params, max_tries);"
             " it belongs under match",
         ),
         (
             primary("srtt: {gt: 500}"),
             "routing_policy.srtt: unknown step key"
-            " (known: name, match, exclude_if, shed_if, strategy, max_tries);"
+            " (known: name, match, exclude_if, shed_if, strategy, strategy_params, max_tries);"
             " it belongs under exclude_if",
         ),
         (
@@ -332,7 +336,7 @@ def test_load_policy_file(tmp_path: Path) -> None:
             + "fallback_chain:\n  - strategy: least-loaded\n"
             + "    fallback_provider: {engine: openai, model: gpt-4o-mini}\n",
             "fallback_chain[0].fallback_provider: unknown step key"
-            " (known: name, match, exclude_if, shed_if, strategy, max_tries);"
+            " (known: name, match, exclude_if, shed_if, strategy, strategy_params, max_tries);"
             " fallback_provider is a top-level field, not part of a step",
         ),
         (
@@ -420,8 +424,8 @@ routing_policy:
   max_tries: 1.5
 fallback_chain:
   - name: relaxed
-    strategy: round-robin
-  - strategy: best-ttft
+    strategy: round_robin
+  - strategy: best_ttft
     exclude_if:
       srtt: {gt: fast}
 fallback_provider:
@@ -529,3 +533,93 @@ def test_warnings_for_the_seeds_common_mistakes() -> None:
         "\nwarnings:\n" + "".join(f"  {warning}\n" for warning in warnings)
     )
     assert policy_warnings(load_policy(PRODUCTION)) == []
+
+
+# --- strategies and strategy_params ------------------------------------------------------
+
+
+def prefix_step(params: str = "") -> str:
+    text = "routing_policy:\n  match: {}\n  strategy: prefix-aware\n"
+    return text + (f"  strategy_params:\n{params}" if params else "")
+
+
+@pytest.mark.parametrize("name", list(STRATEGIES))
+def test_every_strategy_name_loads(name: str) -> None:
+    step = load_policy(f"routing_policy:\n  strategy: {name}\n").routing_policy
+    assert step.strategy == name
+    assert (step.strategy_params is not None) == (name == "prefix-aware")
+
+
+def test_prefix_aware_parameters_have_documented_defaults() -> None:
+    params = load_policy(prefix_step()).routing_policy.strategy_params
+    assert params == PrefixParams(block_chars=1024, max_blocks=65_536, balance_threshold=0.125)
+    written = prefix_step("    block_chars: 64\n    max_blocks: 1000\n    balance_threshold: 1\n")
+    policy = load_policy(written)
+    assert policy.routing_policy.strategy_params == PrefixParams(64, 1000, 1.0)
+    assert "block_chars 64, max_blocks 1000, balance_threshold 1" in describe(policy, 3)
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        (
+            "routing_policy:\n  strategy: prefix_aware\n",
+            "routing_policy.strategy: unknown strategy 'prefix_aware' (one of "
+            + ", ".join(STRATEGIES)
+            + "); did you mean 'prefix-aware'?",
+        ),
+        (
+            prefix_step("    balance_treshold: 0.5\n"),
+            "routing_policy.strategy_params.balance_treshold: unknown prefix-aware parameter"
+            " (known: block_chars, max_blocks, balance_threshold);"
+            " did you mean 'balance_threshold'?",
+        ),
+        (
+            prefix_step("    block_chars: 8\n"),
+            "routing_policy.strategy_params.block_chars: must be between 16 and 65536, got 8",
+        ),
+        (
+            prefix_step("    block_chars: 100000\n"),
+            "routing_policy.strategy_params.block_chars: must be between 16 and 65536, got 100000",
+        ),
+        (
+            prefix_step("    max_blocks: 0\n"),
+            "routing_policy.strategy_params.max_blocks: must be between 1 and 10000000, got 0",
+        ),
+        (
+            prefix_step("    max_blocks: lots\n"),
+            "routing_policy.strategy_params.max_blocks: must be an integer, got string 'lots'",
+        ),
+        (
+            prefix_step("    balance_threshold: -0.5\n"),
+            "routing_policy.strategy_params.balance_threshold: must be a finite number of at"
+            " least 0 (a capacity fraction), got -0.5",
+        ),
+        (
+            prefix_step("    balance_threshold: .inf\n"),
+            "routing_policy.strategy_params.balance_threshold: must be a finite number of at"
+            " least 0 (a capacity fraction), got inf",
+        ),
+        (
+            prefix_step("    balance_threshold: yes\n"),
+            "routing_policy.strategy_params.balance_threshold: must be a finite number of at"
+            " least 0 (a capacity fraction), got True",
+        ),
+        (
+            "routing_policy:\n  strategy: prefix-aware\n  strategy_params: [1]\n",
+            "routing_policy.strategy_params: must be a mapping, got a list",
+        ),
+        (
+            "routing_policy:\n  strategy: round-robin\n  strategy_params: {max_blocks: 5}\n",
+            "routing_policy.strategy_params: strategy 'round-robin' takes no parameters"
+            " (only prefix-aware does)",
+        ),
+        (
+            "routing_policy:\n  strategy: prefix-aware\n  balance_threshold: 0.5\n",
+            "routing_policy.balance_threshold: unknown step key (known: name, match, exclude_if,"
+            " shed_if, strategy, strategy_params, max_tries); it belongs under strategy_params",
+        ),
+    ],
+)
+def test_strategy_errors(text: str, expected: str) -> None:
+    assert expected in errors_of(text)

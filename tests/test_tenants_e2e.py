@@ -95,13 +95,13 @@ def test_tenants_keys_models_and_every_limit(fleet: Fleet, tmp_path: Path) -> No
     alpha = oai(router, ALPHA)
     with pytest.raises(openai.PermissionDeniedError) as denied:
         chat(alpha, "m2")
-    assert error_of(denied.value)["code"] == "model_not_allowed"
+    assert error_of(denied.value)["code"] == "model_forbidden"
     assert "retry-after" not in denied.value.response.headers
     assert chat(alpha, text="one") == "Echo: one"
     assert chat(alpha, text="two") == "Echo: two"
     with pytest.raises(openai.RateLimitError) as limited:
         chat(alpha)
-    assert error_of(limited.value)["code"] == "rate_limited"
+    assert error_of(limited.value)["code"] == "rate_limit_exceeded"
     assert error_of(limited.value)["type"] == "rate_limit_error"
     # One request a minute refills in at most 60 s.
     assert 1 <= int(limited.value.response.headers["retry-after"]) <= 60
@@ -125,7 +125,7 @@ def test_tenants_keys_models_and_every_limit(fleet: Fleet, tmp_path: Path) -> No
     body = beta_limited.value.response.json()
     assert body["type"] == "error"
     assert body["error"]["type"] == "rate_limit_error"
-    assert body["error"]["code"] == "rate_limited"
+    assert body["error"]["code"] == "rate_limit_exceeded"
     assert int(beta_limited.value.response.headers["retry-after"]) >= 1
 
     # gamma: one request at a time. A slow stream holds the slot; a second is refused.
@@ -150,7 +150,7 @@ def test_tenants_keys_models_and_every_limit(fleet: Fleet, tmp_path: Path) -> No
     assert started.wait(20)
     with pytest.raises(openai.RateLimitError) as busy:
         chat(gamma, "slow", "second")
-    assert error_of(busy.value)["code"] == "too_many_concurrent"
+    assert error_of(busy.value)["code"] == "concurrency_limit_exceeded"
     assert busy.value.response.headers["retry-after"] == "1"
     worker.join(30)
     assert finished == ["Echo: a b c d e f g h"]
@@ -199,7 +199,7 @@ def test_tenants_keys_models_and_every_limit(fleet: Fleet, tmp_path: Path) -> No
         try:
             chat(delta, text="more words to spend the quota")
         except openai.RateLimitError as exc:
-            assert error_of(exc)["code"] == "quota_exceeded"
+            assert error_of(exc)["code"] == "token_limit_exceeded"
             # Until midnight UTC.
             assert 1 <= int(exc.response.headers["retry-after"]) <= 86400
             break
@@ -208,12 +208,12 @@ def test_tenants_keys_models_and_every_limit(fleet: Fleet, tmp_path: Path) -> No
 
     # Per tenant and code in Prometheus, and a log line for each refusal.
     for tenant, code in (
-        ("alpha", "model_not_allowed"),
-        ("alpha", "rate_limited"),
+        ("alpha", "model_forbidden"),
+        ("alpha", "rate_limit_exceeded"),
         ("beta", "payload_too_large"),
-        ("beta", "rate_limited"),
-        ("gamma", "too_many_concurrent"),
-        ("delta", "quota_exceeded"),
+        ("beta", "rate_limit_exceeded"),
+        ("gamma", "concurrency_limit_exceeded"),
+        ("delta", "token_limit_exceeded"),
     ):
         assert (
             router.metric("hivenet_router_tenant_rejections_total", tenant=tenant, code=code) == 1
@@ -242,7 +242,7 @@ def test_tenants_keys_models_and_every_limit(fleet: Fleet, tmp_path: Path) -> No
         }
         by_tenant.setdefault(line["tenant"], []).append(line)
     refused = [x for x in by_tenant["alpha"] if x["status"] == 429]
-    assert refused[0]["code"] == "rate_limited" and refused[0]["agent"] is None
+    assert refused[0]["code"] == "rate_limit_exceeded" and refused[0]["agent"] is None
     served = [x for x in by_tenant["delta"] if x["status"] == 200]
     assert all(x["step"] == "routing_policy" and x["agent"] for x in served)
     assert sum(x["prompt_tokens"] + x["completion_tokens"] for x in served) == tokens_charged()
@@ -379,7 +379,7 @@ def test_every_audit_line_carries_the_code_the_client_got(fleet: Fleet, tmp_path
         (401, "unauthorized"),
         (405, "method_not_allowed"),
         (400, "request_invalid"),
-        (403, "model_not_allowed"),
+        (403, "model_forbidden"),
         (200, None),
         (400, "invalid_parameter"),
         (502, "backend_error"),

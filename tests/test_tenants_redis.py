@@ -60,8 +60,8 @@ def test_two_routers_share_one_quota_and_survive_redis_loss(fleet: Fleet, tmp_pa
     assert ask(r1) == "Echo: hi"
     assert ask(r2) == "Echo: hi"
     assert ask(r1) == "Echo: hi"
-    assert refused_code(r2) == "rate_limited"
-    assert refused_code(r1) == "rate_limited"
+    assert refused_code(r2) == "rate_limit_exceeded"
+    assert refused_code(r1) == "rate_limit_exceeded"
     # Tokens charged on either router land in one counter.
     used = [r.metric("hivenet_router_tenant_tokens_total", tenant="shared") for r in (r1, r2)]
     assert used[0] > 0 and used[1] > 0
@@ -88,4 +88,4 @@ def test_two_routers_share_one_quota_and_survive_redis_loss(fleet: Fleet, tmp_pa
         wait_until(lambda r=r: health(r)["state_store"] == "redis", 10, "Redis back")
         r.wait_log(r"state_store_available url=\S+ counts=shared")
     assert [ask(r1), ask(r2), ask(r1)] == ["Echo: hi"] * 3
-    assert refused_code(r2) == "rate_limited"
+    assert refused_code(r2) == "rate_limit_exceeded"

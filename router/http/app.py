@@ -13,8 +13,9 @@ from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
 from router.capacity import WaitQueue
 from router.fleet.view import FleetView
-from router.http import admin
+from router.http import admin, cors, models
 from router.http.admin_auth import admin_auth
+from router.http.admin_policy import PREFIX, admin_policy_models
 from router.http.asgi import (
     Receive,
     Scope,
@@ -25,6 +26,7 @@ from router.http.asgi import (
 )
 from router.http.auth import AdminKeys, presented_keys
 from router.http.client import ENDPOINTS, TICKET, ClientApi, send_error
+from router.http.quota_headers import with_quota_headers
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.policy.store import PolicyStore
@@ -73,6 +75,10 @@ class RouterApp:
         if scope["type"] != "http":
             return
         rid = request_id(scope)
+        if cors.is_preflight(scope):
+            await cors.preflight(scope, send, rid)
+            return
+        send = cors.with_cors(scope, send)
         started = trio.current_time()
         path: str = scope["path"]
         method: str = scope["method"]
@@ -80,7 +86,9 @@ class RouterApp:
         protocol = protocol_of(path)
         try:
             if path.startswith("/v1/"):
-                status, tenant = await self._client(scope, receive, send, rid)
+                status, tenant = await self._client(
+                    scope, receive, with_quota_headers(scope, send), rid
+                )
             elif path.startswith("/admin/"):
                 status = await self._admin(scope, receive, send, rid)
             elif path == "/health" and method == "GET":
@@ -131,10 +139,10 @@ class RouterApp:
             # Refused requests have a ticket too: it holds the code their audit line shows.
             ticket = scope[TICKET] = self.tenants.open(rid, tenant or "-")
         if tenant is None:
-            err = RouterError(
-                ErrorCode.UNAUTHORIZED,
-                "missing or invalid API key (send Authorization: Bearer <key> or x-api-key)",
-            )
+            why = "missing or invalid API key (send Authorization: Bearer <key> or x-api-key)"
+            if self.tenants and self.tenants.expired(keys):
+                why = "API key expired (its expires_at in the auth file has passed)"
+            err = RouterError(ErrorCode.UNAUTHORIZED, why)
             return await send_error(send, protocol, err, [*extra, _CHALLENGE], ticket), "-"
         if path in ENDPOINTS and method != "POST":
             return await _not_allowed(send, rid, protocol, "POST", ticket), tenant
@@ -157,6 +165,7 @@ class RouterApp:
                     self.idle.set()
         if (path == "/v1/models" or path.startswith("/v1/models/")) and method != "GET":
             return await _not_allowed(send, rid, protocol, "GET"), tenant
+        record = self.tenants.tenant(tenant) if self.tenants else None
         if path == "/v1/models":
             if self.fleet is not None and _fleet_scope(scope):
                 cards = await self.fleet.models()
@@ -164,11 +173,19 @@ class RouterApp:
                     send, 200, {"object": "list", "scope": "fleet", "data": cards}, extra
                 )
                 return 200, tenant
-            await send_json(send, 200, {"object": "list", "data": self.client.models()}, extra)
+            peers = {m: self.table.for_model(m) for m in self.table.models()}
+            cards = models.listed(self.client.models(), peers, record)
+            await send_json(send, 200, {"object": "list", "data": cards}, extra)
             return 200, tenant
         if path.startswith("/v1/models/"):
             # ASGI paths arrive percent-decoded: `org/model` names need no unquoting.
-            card = self.client.model_card(path[len("/v1/models/") :])
+            model = path[len("/v1/models/") :]
+            card = self.client.model_card(model)
+            if card is not None and models.allowed(card, record):
+                card = models.detail(card, self.table.for_model(model))
+            else:
+                # A model the key may not use is not there, as upstream: 404, not 403.
+                card = None
             if card is None:
                 err = RouterError(ErrorCode.MODEL_NOT_FOUND, "no agent serves this model")
                 await send_json(send, 404, error_payload(protocol, err), extra)
@@ -217,6 +234,8 @@ class RouterApp:
                     "version": self.store.version(),
                 },
             )
+        elif path == PREFIX or path.startswith(PREFIX + "/"):
+            return await admin_policy_models(self.store, scope, receive, send, extra)
         elif path == "/admin/auth" and self.tenants:
             return await admin_auth(self.tenants, scope, receive, send, extra)
         elif path in _ADMIN_METHODS:

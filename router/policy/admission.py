@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from router.capacity import WaitQueue
 from router.peers import Peer
-from router.policy.schema import Rule, Shed
+from router.policy.schema import POOL_SHED_FIELDS, Rule, Shed
 
 
 @dataclass(frozen=True)
@@ -42,6 +42,11 @@ def load_value(field: str, model: str, pool: Sequence[Peer], queue: WaitQueue) -
                 active += peer.active
         # No healthy agent: nothing to measure, and a missing value passes, as in gate 7.
         return active / capacity if capacity else None
+    if field in POOL_SHED_FIELDS:
+        # Upstream's front door: the mean over the healthy agents that report it; an
+        # agent that has not reported yet is left out, and none reporting passes.
+        values = [v for p in pool if p.routable and (v := p.engine.get(field)) is not None]
+        return sum(values) / len(values) if values else None
     raise ValueError(f"unknown shed_if field {field!r}")
 
 

@@ -44,6 +44,11 @@ def describe(policy: Policy, default_max_tries: int) -> str:
     if provider is not None:
         chain += f" → provider {provider.engine} ({provider.model})"
     lines = [f"chain: {chain}"]
+    if policy.models:
+        lines.append(f"models: {', '.join(policy.models)} (a per-model file)")
+    if policy.shed_if is not None:
+        lines += ["", "front door (every request, before step 1):"]
+        lines += _shed(policy.shed_if, "429 concurrency_limit_exceeded")
     for number, step in enumerate(policy.steps, start=1):
         lines += ["", f"step {number}: {step.name}", *_step(step, default_max_tries)]
     lines.append("")
@@ -64,12 +69,16 @@ def policy_warnings(policy: Policy) -> list[str]:
     """Valid settings that are probably mistakes, each naming the field's path."""
     warnings: list[str] = []
     paths = ["routing_policy"] + [f"fallback_chain[{i}]" for i in range(len(policy.fallback_chain))]
-    for path, step in zip(paths, policy.steps, strict=True):
-        shed_rules = step.shed_if.rules if step.shed_if else ()
-        located = [("exclude_if", rule) for rule in step.exclude_if]
-        located += [("shed_if", rule) for rule in shed_rules]
+    front = [("shed_if", rule) for rule in policy.shed_if.rules] if policy.shed_if else []
+    for path, step in [("", None), *zip(paths, policy.steps, strict=True)]:
+        if step is None:
+            located = front
+        else:
+            shed_rules = step.shed_if.rules if step.shed_if else ()
+            located = [("exclude_if", rule) for rule in step.exclude_if]
+            located += [("shed_if", rule) for rule in shed_rules]
         for key, rule in located:
-            where = f"{path}.{key}.{rule.field}.{rule.op}"
+            where = f"{path}.{key}.{rule.field}.{rule.op}".lstrip(".")
             value = _number(rule.threshold)
             if rule.field in _FRACTIONS and rule.threshold > 1:
                 warnings.append(
@@ -111,11 +120,18 @@ def _step(step: Step, default_max_tries: int) -> list[str]:
     lines += [f"              {rule}" for rule in rules[1:]]
     if step.shed_if is not None:
         lines += _shed(step.shed_if)
-    lines += [f"  strategy:   {step.strategy}", f"  max_tries:  {budget}"]
+    lines.append(f"  strategy:   {step.strategy}")
+    if step.strategy_params is not None:
+        params = step.strategy_params
+        lines.append(
+            f"              block_chars {params.block_chars}, max_blocks {params.max_blocks},"
+            f" balance_threshold {_number(params.balance_threshold)}"
+        )
+    lines.append(f"  max_tries:  {budget}")
     return lines
 
 
-def _shed(shed: Shed) -> list[str]:
+def _shed(shed: Shed, answer: str = "503 load_shed") -> list[str]:
     """Shown only for steps that have it, so older policies print as they always did."""
     who = []
     if shed.tenants:
@@ -126,7 +142,7 @@ def _shed(shed: Shed) -> list[str]:
     lines = [f"  shed_if:    {rules[0]}"]
     lines += [f"              {rule}" for rule in rules[1:]]
     lines.append(f"              applies to {' and '.join(who) if who else 'every request'}")
-    lines.append(f"              503 load_shed, Retry-After: {shed.retry_after}")
+    lines.append(f"              {answer}, Retry-After: {shed.retry_after}")
     return lines
 
 

@@ -29,13 +29,10 @@ from dataclasses import dataclass
 from operator import itemgetter
 
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
-from router.peers import HISTORY_FIELDS, AgentMetadata, Peer, UniversalStats
-from router.policy.rank import STRATEGIES
+from router.peers import HISTORY_FIELDS, AgentMetadata, Peer
+from router.policy.rank import Ranking, RankRequest
 from router.policy.schema import GATE_FIELDS, MATCH_FIELDS, Rule, Step
-
-# A snapshot older than three sampling periods means the agent stopped reporting it;
-# acting on the old value would keep excluding (or admitting) on stale data.
-STALE_AFTER_PERIODS = 3
+from router.policy.signals import STALE_AFTER_PERIODS, history_value, metric_value
 
 # Gate 2's detail counts each removed agent under its first reason, in this order.
 _HEALTH_REASONS = ("disconnected", "unhealthy", "backend_unhealthy", "draining")
@@ -52,33 +49,6 @@ class Evaluation:
     gate: int | None = None  # the gate that drained the pool (1-7); None when not drained
 
 
-def metric_value(peer: Peer, field: str, now: float) -> float | None:
-    """The value gate 7 compares for `field`; None when it is unknown or stale."""
-    if field == "capacity_utilization":
-        return peer.active / peer.metadata.capacity
-    stats = peer.stats
-    if field in HISTORY_FIELDS:
-        # A half-open or closed breaker lets the agent past its history (peers.py).
-        return _history_value(stats, field) if stats.history_gated(now) else None
-    if field == "srtt":
-        return stats.srtt_ms
-    if field in ENGINE_FIELDS:
-        if now - peer.engine_at > STALE_AFTER_PERIODS * peer.engine_interval:
-            return None
-        return peer.engine.get(field)
-    if field in HARDWARE_FIELDS:
-        if now - peer.hardware_at > STALE_AFTER_PERIODS * peer.hardware_interval:
-            return None
-        return peer.hardware.get(field)
-    raise ValueError(f"unknown gate field {field!r}")
-
-
-def _history_value(stats: UniversalStats, field: str) -> float | None:
-    if field == "success_rate":
-        return stats.success_rate
-    return stats.consecutive_failures if stats.successes + stats.failures else None
-
-
 def is_probe(peer: Peer, step: Step, now: float) -> bool:
     """Whether `peer` passes `step` only as its breaker's probe: half-open, and one of
     the step's history rules would exclude it."""
@@ -87,7 +57,7 @@ def is_probe(peer: Peer, step: Step, now: float) -> bool:
         return False
     for rule in step.exclude_if:
         if rule.field in HISTORY_FIELDS:
-            value = _history_value(stats, rule.field)
+            value = history_value(stats, rule.field)
             if value is not None and rule.violated(value):
                 return True
     return False
@@ -99,13 +69,24 @@ def evaluate(
     capability: str,
     failed: AbstractSet[str],
     now: float,
+    ranking: Ranking | None = None,
+    request: RankRequest | None = None,
 ) -> Evaluation:
-    """Run gates 1-7 of `step` over `pool` (the model's agents, in peer-ID order)."""
+    """Run gates 1-7 of `step` over `pool` (the model's agents, in peer-ID order).
+
+    `ranking` is the router's (a fresh one when absent: what round-robin and
+    prefix-aware remember then lasts one call); `request` the request being routed.
+    """
     if not pool:
         return Evaluation(None, 0, _drain(MODEL_FILTER, {}), False, MODEL_FILTER.number)
     survivors = _compiled(step).survivors(pool, capability, failed, now)
     if survivors:
-        return Evaluation(STRATEGIES[step.strategy](survivors), len(survivors), None, False)
+        if ranking is None:
+            ranking = Ranking()
+        if request is None:
+            request = RankRequest(pool[0].metadata.model, {})
+        best = ranking.pick(step.strategy, step.strategy_params, survivors, request, now)
+        return Evaluation(best, len(survivors), None, False)
     return _drained(pool, step, capability, failed, now)
 
 

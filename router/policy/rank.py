@@ -1,41 +1,67 @@
-"""Ranking: choose one agent among those that survived every gate."""
+"""Ranking: choose one agent among those that survived every gate.
+
+`STRATEGIES` names every unit `strategy:` accepts; `Ranking` holds one instance of
+each per router, so what round-robin and prefix-aware remember outlives a policy
+reload and is dropped with the router.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Any
 
 from router.peers import Peer
+from router.policy import rank_metrics
+from router.policy.rank_prefix import PrefixAware, PrefixParams
+from router.policy.rank_round_robin import RoundRobin
+from router.policy.strategy import LeastLoaded, RankRequest, Strategy, least_loaded
+
+__all__ = ["PARAMS", "STRATEGIES", "RankRequest", "Ranking", "Strategy", "least_loaded"]
+
+STRATEGIES: dict[str, Callable[[], Strategy]] = {
+    "least-loaded": LeastLoaded,
+    "lowest-srtt": rank_metrics.lowest_srtt,
+    "round-robin": RoundRobin,
+    "prefix-aware": PrefixAware,
+    "lowest-kv-cache": rank_metrics.lowest_kv_cache,
+    "lowest-queue": rank_metrics.lowest_queue,
+    "best-ttft": rank_metrics.best_ttft,
+    "best-itl": rank_metrics.best_itl,
+}
+
+# The strategies that take a `strategy_params` block, and its record.
+PARAMS: dict[str, type[PrefixParams]] = {"prefix-aware": PrefixParams}
 
 
-def least_loaded(candidates: Sequence[Peer]) -> Peer | None:
-    """The agent with the lowest active/capacity ratio; ties go to the lowest peer ID.
+class Ranking:
+    """The router's ranking units, each made on first use and kept for the router's life."""
 
-    Candidates arrive in peer-ID order, so keeping the first minimum is the tie-break.
-    Ratios are compared by cross-multiplying the integers: floats would make 1/3 and
-    2/6 differ by rounding and break ties by accident.
-    """
-    best: Peer | None = None
-    best_active = 0
-    best_capacity = 1
-    for peer in candidates:
-        active = peer.active
-        capacity = peer.metadata.capacity
-        if best is None or active * best_capacity < best_active * capacity:
-            best, best_active, best_capacity = peer, active, capacity
-    return best
+    def __init__(self) -> None:
+        self._units: dict[str, Strategy] = {}
 
+    def __repr__(self) -> str:
+        return f"<Ranking {', '.join(self._units) or 'unused'}>"
 
-Strategy = Callable[[Sequence[Peer]], Peer | None]
+    def unit(self, name: str) -> Strategy:
+        strategy = self._units.get(name)
+        if strategy is None:
+            strategy = self._units[name] = STRATEGIES[name]()
+        return strategy
 
-STRATEGIES: dict[str, Strategy] = {"least-loaded": least_loaded}
+    def pick(
+        self,
+        name: str,
+        params: Any,
+        candidates: Sequence[Peer],
+        request: RankRequest,
+        now: float,
+    ) -> Peer | None:
+        return self.unit(name).pick(candidates, request, params, now)
 
-# Named by the seeds as not implemented; a policy using one is rejected at load time.
-NOT_IMPLEMENTED: tuple[str, ...] = (
-    "lowest-srtt",
-    "round-robin",
-    "prefix-aware",
-    "lowest-kv-cache",
-    "lowest-queue",
-    "best-ttft",
-    "best-itl",
-)
+    def chosen(self, name: str, params: Any, peer: Peer, request: RankRequest) -> None:
+        self.unit(name).chosen(peer, request, params)
+
+    def forget(self, peer_id: str) -> None:
+        """An agent left the peer table: no unit may keep ranking by what it held."""
+        for strategy in self._units.values():
+            strategy.forget(peer_id)

@@ -23,7 +23,8 @@ from router.documents import (
     read_document,
 )
 from router.peers import UNIVERSAL_FIELDS
-from router.policy.rank import NOT_IMPLEMENTED, STRATEGIES
+from router.policy.rank import PARAMS, STRATEGIES
+from router.policy.rank_prefix import PrefixParams
 
 GATE_FIELDS: tuple[str, ...] = UNIVERSAL_FIELDS + ENGINE_FIELDS + HARDWARE_FIELDS
 OPERATORS: tuple[str, ...] = ("gt", "gte", "lt", "lte")
@@ -34,6 +35,7 @@ STEP_KEYS: tuple[str, ...] = (
     "exclude_if",
     "shed_if",
     "strategy",
+    "strategy_params",
     "max_tries",
 )
 # `shed_if`: router-wide load conditions, and the selectors of the requests it refuses.
@@ -44,9 +46,18 @@ SHED_FIELDS: tuple[str, ...] = (
 )
 SHED_SELECTORS: tuple[str, ...] = ("tenants", "priority")
 SHED_KEYS: tuple[str, ...] = (*SHED_FIELDS, *SHED_SELECTORS, "retry_after")
+# The Go router's front-door `shed_if` (top level): engine signals averaged over the
+# healthy agents of the model. The same mechanism as a step's, one level up, so the
+# top level takes the router-wide fields too.
+POOL_SHED_FIELDS: tuple[str, ...] = ("kv_cache_utilization", "waiting_requests")
+POLICY_SHED_FIELDS: tuple[str, ...] = (*POOL_SHED_FIELDS, *SHED_FIELDS)
 DEFAULT_RETRY_AFTER = 1
 MAX_RETRY_AFTER = 3600
 TOP_LEVEL_KEYS: tuple[str, ...] = ("routing_policy", "fallback_chain", "fallback_provider")
+# Upstream's top-level fields: `models` names the models of a per-model file
+# (--policy-model-dir), `shed_if` is the front-door check. Not in the `known:` list of
+# the message above, which tests and operators' notes pin.
+UPSTREAM_TOP_LEVEL_KEYS: tuple[str, ...] = ("models", "shed_if")
 PROVIDER_ENGINES: tuple[str, ...] = ("openai", "anthropic")
 PROVIDER_KEYS: tuple[str, ...] = ("engine", "model")
 PRIMARY = "routing_policy"
@@ -113,6 +124,8 @@ class Step:
     strategy: str
     max_tries: int  # as written; zero or negative means "use the router-wide value"
     shed_if: Shed | None = None
+    # The strategy's parameters with their defaults filled in; None for one without.
+    strategy_params: PrefixParams | None = None
 
     def budget(self, default: int) -> int:
         """Forward tries allowed in this step, given `--max-tries-per-step`."""
@@ -131,6 +144,10 @@ class Policy:
     fallback_chain: tuple[Step, ...]
     fallback_provider: ProviderFallback | None
     source: str  # the YAML text it was loaded from, served back by GET /admin/policy
+    # The models of a per-model file; ignored for the global policy, as upstream.
+    models: tuple[str, ...] = ()
+    # Front door: checked once, before the first step (429 concurrency_limit_exceeded).
+    shed_if: Shed | None = None
 
     @property
     def steps(self) -> tuple[Step, ...]:
@@ -175,15 +192,34 @@ class _Validator(Validator):
                 f" got {kind(document)}",
             )
             return None
-        self.unknown_keys("", document, TOP_LEVEL_KEYS, "unknown top-level key", _MISPLACED_TOP)
+        others = {k: v for k, v in document.items() if k not in UPSTREAM_TOP_LEVEL_KEYS}
+        self.unknown_keys("", others, TOP_LEVEL_KEYS, "unknown top-level key", _MISPLACED_TOP)
 
+        models = self.models(document.get("models"))
+        front = self.shed_if("shed_if", document.get("shed_if"), POLICY_SHED_FIELDS)
         primary = self.primary(document)
         chain = self.chain(document.get("fallback_chain"))
         provider = self.provider(document)
         if primary is None or chain is None:
             return None
         self.unique_names((primary, *chain))
-        return Policy(primary, chain, provider, source)
+        return Policy(primary, chain, provider, source, models, front)
+
+    def models(self, raw: object) -> tuple[str, ...]:
+        if raw is None:
+            return ()
+        if not isinstance(raw, list) or not raw:
+            self.error("models", f"must be a non-empty list of model names, got {kind(raw)}")
+            return ()
+        out: list[str] = []
+        for i, model in enumerate(raw):
+            if not isinstance(model, str) or not model.strip():
+                self.error(f"models[{i}]", f"must be a non-empty string, got {kind(model)}")
+            elif model in out:
+                self.error(f"models[{i}]", f"{model!r} listed twice")
+            else:
+                out.append(model)
+        return tuple(out)
 
     def primary(self, document: dict[Any, Any]) -> Step | None:
         if PRIMARY not in document:
@@ -226,10 +262,11 @@ class _Validator(Validator):
         rules = self.exclude_if(f"{path}.exclude_if", raw.get("exclude_if"))
         shed = self.shed_if(f"{path}.shed_if", raw.get("shed_if"))
         strategy = self.strategy(f"{path}.strategy", raw)
+        params = self.strategy_params(f"{path}.strategy_params", strategy, raw)
         max_tries = self.max_tries(f"{path}.max_tries", raw.get("max_tries"))
         if len(self.errors) > before:
             return None
-        return Step(name, match, rules, strategy, max_tries, shed)
+        return Step(name, match, rules, strategy, max_tries, shed, params)
 
     def step_name(self, path: str, raw: object, default: str) -> str:
         if raw is None:
@@ -289,19 +326,21 @@ class _Validator(Validator):
                 rules.append(rule)
         return tuple(rules)
 
-    def shed_if(self, path: str, raw: object) -> Shed | None:
+    def shed_if(self, path: str, raw: object, fields: tuple[str, ...] = SHED_FIELDS) -> Shed | None:
         if raw is None:
             return None
         if not isinstance(raw, dict):
             self.error(path, f"must be a mapping of load fields and selectors, got {kind(raw)}")
             return None
-        self.unknown_keys(f"{path}.", raw, SHED_KEYS, "unknown shed_if key", _MISPLACED_IN_SHED)
-        rules = [self.rule(f"{path}.{key}", key, raw[key]) for key in raw if key in SHED_FIELDS]
-        if not any(field in raw for field in SHED_FIELDS):
+        keys = (*fields, *SHED_SELECTORS, "retry_after")
+        misplaced = {k: v for k, v in _MISPLACED_IN_SHED.items() if k not in fields}
+        self.unknown_keys(f"{path}.", raw, keys, "unknown shed_if key", misplaced)
+        rules = [self.rule(f"{path}.{key}", key, raw[key]) for key in raw if key in fields]
+        if not any(field in raw for field in fields):
             self.error(
                 path,
                 "needs at least one load condition"
-                f" ({', '.join(SHED_FIELDS)}), e.g. model_queue_depth: {{gte: 10}}",
+                f" ({', '.join(fields)}), e.g. model_queue_depth: {{gte: 10}}",
             )
         priority = None
         if "priority" in raw:
@@ -377,11 +416,37 @@ class _Validator(Validator):
         if value in STRATEGIES:
             return value
         only = ", ".join(STRATEGIES)
-        if value in NOT_IMPLEMENTED:
-            self.error(path, f"unknown strategy {value!r} (not implemented; only {only})")
-        else:
-            self.error(path, f"unknown strategy {value!r} (only {only}){hint(value, _KNOWN)}")
+        self.error(path, f"unknown strategy {value!r} (one of {only}){hint(value, _KNOWN)}")
         return ""
+
+    def strategy_params(self, path: str, strategy: str, raw: dict[Any, Any]) -> PrefixParams | None:
+        """The `prefix-aware` parameters, defaults filled in; other strategies take none."""
+        body = raw.get("strategy_params")
+        if strategy not in PARAMS:
+            if body is not None and strategy:
+                takes = ", ".join(PARAMS)
+                self.error(path, f"strategy {strategy!r} takes no parameters (only {takes} does)")
+            return None
+        if body is None:
+            return PrefixParams()
+        if not isinstance(body, dict):
+            self.error(path, f"must be a mapping, got {kind(body)}")
+            return None
+        self.unknown_keys(f"{path}.", body, PREFIX_PARAM_KEYS, f"unknown {strategy} parameter")
+        defaults = PrefixParams()
+        block = self.integer(f"{path}.block_chars", body.get("block_chars"), *_BLOCK_CHARS)
+        blocks = self.integer(f"{path}.max_blocks", body.get("max_blocks"), *_MAX_BLOCKS)
+        threshold = defaults.balance_threshold
+        if "balance_threshold" in body:
+            value = body["balance_threshold"]
+            if not is_number(value) or not math.isfinite(value) or value < 0:
+                self.error(
+                    f"{path}.balance_threshold",
+                    f"must be a finite number of at least 0 (a capacity fraction), got {value!r}",
+                )
+            else:
+                threshold = float(value)
+        return PrefixParams(block or defaults.block_chars, blocks or defaults.max_blocks, threshold)
 
     def max_tries(self, path: str, raw: object) -> int:
         if raw is None:
@@ -428,7 +493,13 @@ class _Validator(Validator):
                 first[step.name] = i
 
 
-_KNOWN: tuple[str, ...] = (*STRATEGIES, *NOT_IMPLEMENTED)
+_KNOWN: tuple[str, ...] = tuple(STRATEGIES)
+PREFIX_PARAM_KEYS: tuple[str, ...] = ("block_chars", "max_blocks", "balance_threshold")
+# A block under 16 characters (4 tokens) costs a dict lookup per word; over 64 KiB a
+# long prompt would share no block with its own next turn.
+_BLOCK_CHARS = (16, 65_536)
+# 10 M nodes is about 3 GB of router memory: past that a typo, not a tree size.
+_MAX_BLOCKS = (1, 10_000_000)
 
 # Keys that are valid one level up or down: usually lost or extra indentation.
 _MISPLACED_TOP: dict[str, str] = dict.fromkeys(
@@ -438,6 +509,7 @@ _MISPLACED_IN_STEP: dict[str, str] = {
     **dict.fromkeys((*MATCH_FIELDS, "tags"), "; it belongs under match"),
     **dict.fromkeys(GATE_FIELDS, "; it belongs under exclude_if"),
     **dict.fromkeys((*SHED_FIELDS, *SHED_SELECTORS, "retry_after"), "; it belongs under shed_if"),
+    **dict.fromkeys(PREFIX_PARAM_KEYS, "; it belongs under strategy_params"),
     "fallback_provider": "; fallback_provider is a top-level field, not part of a step",
     "fallback_chain": "; fallback_chain is a top-level field, not part of a step",
 }

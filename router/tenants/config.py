@@ -11,7 +11,8 @@ import fnmatch
 import hashlib
 import re
 import secrets
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -67,8 +68,32 @@ class Tenant:
     tokens_per_day: int = 0  # prompt + completion per UTC day; 0: unlimited
     max_concurrent: int = 0  # 0: unlimited
     max_input_bytes: int = 0  # request body size; 0: the router-wide limit only
+    # Upstream's `quota.per_model`: model → (requests per minute per healthy replica,
+    # tokens per day); its models are then the allowlist, each with its own counts.
+    per_model: tuple[tuple[str, int, int], ...] = ()
+
+    def for_model(self, model: str, replicas: int) -> Tenant:
+        """The record whose limits and counts apply to a request for `model`."""
+        for name, rpm_per_replica, tokens in self.per_model:
+            if name == model:
+                rpm = rpm_per_replica * max(1, replicas)
+                return Tenant(
+                    name=f"{self.name}/{model}",
+                    priority=self.priority,
+                    requests_per_minute=rpm,
+                    burst=burst_of(rpm, self.burst_seconds),
+                    tokens_per_day=tokens,
+                    max_concurrent=self.max_concurrent,
+                    max_input_bytes=self.max_input_bytes,
+                )
+        return self
+
+    # HIVENET_ROUTER_RPM_BURST_SECONDS for per-model buckets (their rate moves).
+    burst_seconds: int = 0
 
     def allows_model(self, model: str) -> bool:
+        if self.per_model:
+            return any(model == name for name, _, _ in self.per_model)
         if not self.models:
             return True
         return any(model == p or fnmatch.fnmatchcase(model, p) for p in self.models)
@@ -93,14 +118,35 @@ class Tenant:
         }
 
 
+def burst_of(rpm: int, seconds: int) -> int:
+    """A bucket holding `seconds` of `rpm` (at least 1); 0 seconds: a full minute."""
+    return max(1, rpm * seconds // 60) if seconds and rpm else rpm
+
+
 @dataclass(frozen=True)
 class AuthConfig:
     tenants: dict[str, Tenant]
     by_hash: dict[str, Tenant]
     source: str = ""
+    # Upstream's auth.yaml: key hash → the first second it is no longer valid.
+    expires: dict[str, float] = field(default_factory=dict)
+    # Upstream's `api.mode: none`: /v1/* open to every caller (tenant `default`).
+    api_open: bool = False
+    # Upstream's `admin.mode` ("none", "api-key"); empty for a `tenants:` file.
+    admin_mode: str = ""
+    # Valid but probably wrong (a placeholder key hash); check-auth prints them.
+    warnings: tuple[str, ...] = ()
 
-    def tenant_for_key(self, key: str) -> Tenant | None:
-        return self.by_hash.get(hash_key(key))
+    def tenant_for_key(self, key: str, now: float | None = None) -> Tenant | None:
+        digest = hash_key(key)
+        until = self.expires.get(digest)
+        if until is not None and (time.time() if now is None else now) >= until:
+            return None
+        return self.by_hash.get(digest)
+
+    def expired(self, key: str, now: float | None = None) -> bool:
+        until = self.expires.get(hash_key(key))
+        return until is not None and (time.time() if now is None else now) >= until
 
 
 class AuthError(DocumentError):
@@ -109,19 +155,30 @@ class AuthError(DocumentError):
     label = "auth file"
 
 
-def load_auth(text: str) -> AuthConfig:
+def load_auth(text: str, burst_seconds: int = 0) -> AuthConfig:
+    """Either shape: this router's `tenants:` or the Go router's `api:`/`admin:`."""
+    # Imported here: upstream_auth builds this module's records, so it imports it.
+    from router.tenants.upstream_auth import is_upstream, upstream_config
+
     document, errors = parse_document(text, AuthError)
-    config = _Validator(errors).config(document, text)
+    if is_upstream(document):
+        config = upstream_config(document, text, errors, burst_seconds)
+    else:
+        validator = _Validator(errors)
+        validator.burst_seconds = burst_seconds
+        config = validator.config(document, text)
     if errors or config is None:
         raise AuthError(errors)
     return config
 
 
-def load_auth_file(path: str | Path) -> AuthConfig:
-    return load_auth(read_document(path, AuthError, "auth file"))
+def load_auth_file(path: str | Path, burst_seconds: int = 0) -> AuthConfig:
+    return load_auth(read_document(path, AuthError, "auth file"), burst_seconds)
 
 
 class _Validator(Validator):
+    burst_seconds = 0
+
     def config(self, document: object, source: str) -> AuthConfig | None:
         if not isinstance(document, dict):
             self.error("auth", f"must be a mapping with `tenants`, got {kind(document)}")
@@ -182,7 +239,7 @@ class _Validator(Validator):
             key_hashes=keys,
             models=models,
             requests_per_minute=ints["requests_per_minute"],
-            burst=ints["burst"] or ints["requests_per_minute"],
+            burst=ints["burst"] or burst_of(ints["requests_per_minute"], self.burst_seconds),
             tokens_per_day=ints["tokens_per_day"],
             max_concurrent=ints["max_concurrent"],
             max_input_bytes=ints["max_input_bytes"],

@@ -23,6 +23,9 @@ MIN_RETRY_AFTER = 1.0
 class Verdict:
     code: ErrorCode | None  # None: admitted
     retry_after: float = 0.0
+    # What an admitted request leaves (X-RateLimit-Remaining-*); None: no such limit.
+    requests_left: int | None = None
+    tokens_left: int | None = None
 
 
 ADMITTED = Verdict(None)
@@ -80,6 +83,7 @@ class LocalCounters:
                 return Verdict(ErrorCode.QUOTA_EXCEEDED, until_midnight(wall))
         if tenant.max_concurrent and len(counts.inflight) >= tenant.max_concurrent:
             return Verdict(ErrorCode.TOO_MANY_CONCURRENT, MIN_RETRY_AFTER)
+        requests_left = None
         if tenant.requests_per_minute:
             now = self.monotonic()
             rate = tenant.requests_per_minute / 60.0
@@ -91,9 +95,15 @@ class LocalCounters:
             if tokens < 1.0:
                 return Verdict(ErrorCode.RATE_LIMITED, (1.0 - tokens) / rate)
             bucket.tokens = tokens - 1.0
+            requests_left = int(bucket.tokens)
         if tenant.max_concurrent:
             counts.inflight.add(ticket_id)
-        return ADMITTED
+        tokens_left = (
+            max(0, tenant.tokens_per_day - counts.tokens) if tenant.tokens_per_day else None
+        )
+        if requests_left is None and tokens_left is None:
+            return ADMITTED
+        return Verdict(None, 0.0, requests_left, tokens_left)
 
     def release(self, tenant: str, ticket_id: str, tokens: int) -> None:
         counts = self._of(tenant)

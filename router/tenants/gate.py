@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,7 +24,7 @@ from router.documents import DocumentStore
 from router.metrics import RouterMetrics
 from router.tenants.audit import AuditLog, AuditRecord
 from router.tenants.config import AuthConfig, Tenant, load_auth, load_auth_file
-from router.tenants.keys import ClientKeys
+from router.tenants.keys import DEFAULT_TENANT, ClientKeys
 from router.tenants.shared import TenantState
 
 log = logging.getLogger("tenant")
@@ -41,19 +42,27 @@ class AuthStore(DocumentStore[AuthConfig]):
     noun = "auth file"
     title = "auth file"
 
-    def __init__(self, metrics: RouterMetrics, path: str | None) -> None:
+    def __init__(self, metrics: RouterMetrics, path: str | None, burst_seconds: int = 0) -> None:
         super().__init__(metrics.auth_reloads, log, path)
+        self.burst_seconds = burst_seconds
         # At start-up a bad file is fatal (AuthError names every problem).
-        self.current: AuthConfig | None = load_auth_file(path) if path else None
+        self.current: AuthConfig | None = load_auth_file(path, burst_seconds) if path else None
+        if self.current is not None:
+            self._warn(self.current)
 
     def parse(self, text: str) -> AuthConfig:
-        return load_auth(text)
+        return load_auth(text, self.burst_seconds)
+
+    def _warn(self, config: AuthConfig) -> None:
+        for warning in config.warnings:
+            log.warning("auth_warning %s", quote(warning))
 
     def source(self) -> str:
         return self.current.source if self.current is not None else ""
 
     def install(self, value: AuthConfig) -> str:
         self.current = value
+        self._warn(value)
         return f"tenants={len(value.tenants)}"
 
 
@@ -66,6 +75,8 @@ class GateSettings:
     audit_log_backups: int = 5
     # How long a router's in-flight entry may outlive a crash of that router.
     lease: float = 120.0
+    # HIVENET_ROUTER_RPM_BURST_SECONDS (0: a bucket holds a full minute).
+    rpm_burst_seconds: int = 0
 
 
 class TenantGate:
@@ -74,7 +85,10 @@ class TenantGate:
     ) -> None:
         self.client_keys = client_keys
         self.metrics = metrics
-        self.store = AuthStore(metrics, settings.auth_file)
+        self.store = AuthStore(metrics, settings.auth_file, settings.rpm_burst_seconds)
+        # Healthy agents of a model: upstream's per-model RPM is per replica. The daemon
+        # points it at its table; alone, a gate counts one replica.
+        self.replicas: Callable[[str], int] = lambda model: 1
         self.state = TenantState(settings.state_url, metrics, settings.lease)
         self.audit_log = (
             AuditLog(settings.audit_log, settings.audit_log_max_bytes, settings.audit_log_backups)
@@ -88,11 +102,18 @@ class TenantGate:
         config = self.store.current
         if config is None:
             return self.client_keys.tenant(keys)
+        if config.api_open:
+            return DEFAULT_TENANT
         for key in keys:
             tenant = config.tenant_for_key(key)
             if tenant is not None:
                 return tenant.name
         return None
+
+    def expired(self, keys: list[str]) -> bool:
+        """Whether a presented key is one of the file's, past its `expires_at`."""
+        config = self.store.current
+        return config is not None and any(config.expired(key) for key in keys)
 
     def tenant(self, name: str) -> Tenant | None:
         config = self.store.current
@@ -165,6 +186,7 @@ class Ticket:
         "id",
         "model",
         "record",
+        "remaining",
         "request_id",
         "shared",
         "slot_taken",
@@ -189,6 +211,8 @@ class Ticket:
         self.agent: str | None = None
         self.usage: dict[str, int] | None = None
         self.code: str | None = None
+        # (requests, tokens) an admitted request leaves: X-RateLimit-Remaining-*.
+        self.remaining: tuple[int | None, int | None] = (None, None)
         self.slot_taken = False
         self.shared = False
         self.closed = False
@@ -216,7 +240,8 @@ class Ticket:
                 f"request body of {body_bytes} bytes exceeds tenant {tenant.name!r}'s"
                 f" max_input_bytes ({tenant.max_input_bytes})",
             )
-        elif tenant.limited:
+        elif (tenant := tenant.for_model(model, self.gate.replicas(model))).limited:
+            self.record = tenant
             verdict, self.shared = await self.gate.state.admit(tenant, self.id)
             if verdict.code is not None:
                 refusal = TenantRefused(
@@ -224,6 +249,7 @@ class Ticket:
                 )
             else:
                 self.slot_taken = bool(tenant.max_concurrent)
+                self.remaining = (verdict.requests_left, verdict.tokens_left)
         if refusal is not None:
             self.code = str(refusal.code)
             self.gate.metrics.tenant_rejections.labels(tenant.name, self.code).inc()

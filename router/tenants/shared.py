@@ -24,7 +24,6 @@ from protocol.logs import quote
 from router.metrics import RouterMetrics
 from router.tenants.config import Tenant
 from router.tenants.counters import (
-    ADMITTED,
     LocalCounters,
     Verdict,
     until_midnight,
@@ -48,13 +47,15 @@ local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
 local maxc, quota = tonumber(ARGV[3]), tonumber(ARGV[4])
 local lease = tonumber(ARGV[6])
+local left_requests, left_tokens = -1, -1
 if quota > 0 then
   local used = tonumber(redis.call('GET', KEYS[3]) or '0')
-  if used >= quota then return {'quota_exceeded', ARGV[7]} end
+  if used >= quota then return {'token_limit_exceeded', ARGV[7]} end
+  left_tokens = quota - used
 end
 if maxc > 0 then
   redis.call('ZREMRANGEBYSCORE', KEYS[2], '-inf', now)
-  if redis.call('ZCARD', KEYS[2]) >= maxc then return {'too_many_concurrent', '1'} end
+  if redis.call('ZCARD', KEYS[2]) >= maxc then return {'concurrency_limit_exceeded', '1'} end
 end
 if rate > 0 then
   local b = redis.call('HMGET', KEYS[1], 'tokens', 'ts')
@@ -63,16 +64,17 @@ if rate > 0 then
   tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
   if tokens < 1 then
     redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
-    return {'rate_limited', tostring((1 - tokens) / rate)}
+    return {'rate_limit_exceeded', tostring((1 - tokens) / rate)}
   end
   redis.call('HSET', KEYS[1], 'tokens', tostring(tokens - 1), 'ts', tostring(now))
+  left_requests = math.floor(tokens - 1)
   redis.call('EXPIRE', KEYS[1], math.ceil(burst / rate) + 60)
 end
 if maxc > 0 then
   redis.call('ZADD', KEYS[2], now + lease, ARGV[5])
   redis.call('EXPIRE', KEYS[2], math.ceil(lease) + 60)
 end
-return {'', '0'}
+return {'', '0', left_requests, left_tokens}
 """
 
 # KEYS: in-flight sorted set, tokens-of-the-day counter. ARGV: ticket id, tokens.
@@ -180,7 +182,7 @@ class TenantState:
 
     def _admit_shared(self, tenant: Tenant, ticket_id: str) -> Verdict:
         now = time.time()
-        code, retry = self._admit(
+        code, retry, *left = self._admit(
             keys=_keys(tenant.name, utc_day(now)),
             args=[
                 tenant.requests_per_minute / 60.0,
@@ -193,7 +195,10 @@ class TenantState:
             ],
         )
         if not code:
-            return ADMITTED
+            requests, tokens = (int(v) for v in left)
+            return Verdict(
+                None, 0.0, None if requests < 0 else requests, None if tokens < 0 else tokens
+            )
         return Verdict(ErrorCode(code.decode()), float(retry))
 
     def _release_shared(self, tenant: str, ticket_id: str, tokens: int) -> None:

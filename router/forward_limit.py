@@ -1,0 +1,62 @@
+"""`--max-concurrent` and `--queue-size`: the Go router's router-wide bound on forwards
+in flight, and on the requests that may wait for one.
+
+Each agent's `--capacity` already bounds what it is sent, so the bound is off unless
+set (upstream's default, 50, would cap a fleet of 32-slot agents at two agents' worth).
+A request holds its slot while it is routed, up to the response head: the stream that
+follows runs on the agent's slot. Past `queue_size` waiters a request is refused at
+once with 503 `queue_full`, upstream's code for its full pending channel.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+
+from protocol.errors import ErrorCode, RouterError
+
+QUEUE_FULL_RETRY_AFTER = 1.0
+
+
+class ForwardLimit:
+    def __init__(self, max_concurrent: int, queue_size: int) -> None:
+        self.limiter = trio.CapacityLimiter(max_concurrent) if max_concurrent > 0 else None
+        self.queue_size = queue_size
+        self.waiting = 0
+
+    def __repr__(self) -> str:
+        if self.limiter is None:
+            return "<ForwardLimit off>"
+        stats = self.limiter.statistics()
+        return (
+            f"<ForwardLimit {stats.borrowed_tokens}/{stats.total_tokens} in flight,"
+            f" {self.waiting}/{self.queue_size} waiting>"
+        )
+
+    @asynccontextmanager
+    async def slot(self) -> AsyncIterator[None]:
+        limiter = self.limiter
+        if limiter is None:
+            yield
+            return
+        try:
+            limiter.acquire_nowait()
+        except trio.WouldBlock:
+            if self.waiting >= self.queue_size:
+                raise RouterError(
+                    ErrorCode.QUEUE_FULL,
+                    f"router is at --max-concurrent {int(limiter.total_tokens)} forwards with"
+                    f" {self.waiting} requests waiting (--queue-size {self.queue_size})",
+                    retry_after=QUEUE_FULL_RETRY_AFTER,
+                ) from None
+            self.waiting += 1
+            try:
+                await limiter.acquire()
+            finally:
+                self.waiting -= 1
+        try:
+            yield
+        finally:
+            limiter.release()

@@ -1,0 +1,68 @@
+"""`/admin/policy/models[/{name}]`: the named per-model policies, as the Go router
+serves them (GET the list or one, PUT to create or replace, DELETE idempotently).
+
+Like `PUT /admin/policy`, a change lasts until the next restart or directory reload;
+files under `--policy-model-dir` are what persists.
+"""
+
+from __future__ import annotations
+
+from protocol.errors import ErrorCode, RouterError, error_payload
+from router.http.admin import MAX_DOCUMENT_BYTES, send_rejected
+from router.http.asgi import BodyTooLarge, ClientGone, Receive, Scope, Send, read_body, send_json
+from router.policy.models import ModelConflict, check_name
+from router.policy.store import PolicyStore
+
+PREFIX = "/admin/policy/models"
+
+
+async def admin_policy_models(
+    store: PolicyStore, scope: Scope, receive: Receive, send: Send, extra: list[tuple[str, str]]
+) -> int:
+    path, method = scope["path"], scope["method"]
+    if path in (PREFIX, PREFIX + "/"):
+        if method != "GET":
+            return await _error(send, extra, ErrorCode.METHOD_NOT_ALLOWED, "use GET", 405)
+        await send_json(send, 200, store.models.view(), extra)
+        return 200
+    name = path[len(PREFIX) + 1 :]
+    why = check_name(name)
+    if why is not None:
+        return await _error(send, extra, ErrorCode.REQUEST_INVALID, why, 400)
+    if method == "GET":
+        if name not in store.models.named:
+            return await _error(send, extra, ErrorCode.NOT_FOUND, f"no policy {name!r}", 404)
+        await send_json(send, 200, {"name": name, **store.models.describe(name)}, extra)
+        return 200
+    if method == "DELETE":
+        if store.models.delete(name):
+            store.log.info("policy_removed origin=admin_api name=%s", name)
+        await send_json(send, 200, {"status": "policy deleted", "name": name}, extra)
+        return 200
+    if method != "PUT":
+        return await _error(send, extra, ErrorCode.METHOD_NOT_ALLOWED, "use GET, PUT, DELETE", 405)
+    try:
+        text = (await read_body(scope, receive, MAX_DOCUMENT_BYTES)).decode("utf-8")
+    except (BodyTooLarge, UnicodeDecodeError):
+        errors = store.reject(["policy body must be UTF-8 YAML under 1 MiB"], "admin_api")
+        return await send_rejected(send, extra, "policy", errors)
+    except ClientGone:
+        return 499
+    try:
+        errors = store.put_named(name, text, "admin_api")
+    except ModelConflict as exc:
+        store.reject([str(exc)], "admin_api")
+        return await _error(send, extra, ErrorCode.REQUEST_INVALID, str(exc), 409)
+    if errors:
+        return await send_rejected(send, extra, "policy", errors)
+    models = list(store.models.named[name].policy.models)
+    await send_json(send, 200, {"status": "policy updated", "name": name, "models": models}, extra)
+    return 200
+
+
+async def _error(
+    send: Send, extra: list[tuple[str, str]], code: ErrorCode, message: str, status: int
+) -> int:
+    err = RouterError(code, message, status=status)
+    await send_json(send, status, error_payload("openai", err), extra)
+    return status

@@ -1,0 +1,145 @@
+"""Per-model policies (`--policy-model-dir`, `/admin/policy/models/{name}`): named
+documents that each claim some models and replace the global policy for them.
+
+The Go router's layout and names: `_default.yaml` (or `.yml`) is the global policy,
+every other `.yaml`/`.yml` file a named document whose name is the file's stem, and a
+model belongs to at most one document. Two things differ, both on purpose: at start-up
+an invalid or conflicting file is fatal (upstream skips it, so its models silently fall
+back to the global policy), and a reload that finds `_default.yaml` gone keeps the
+running global policy (upstream reverts to the built-in one).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+from router.documents import DocumentError
+from router.policy.schema import Policy, PolicyError, load_policy
+
+DEFAULT_NAMES: tuple[str, ...] = ("_default.yaml", "_default.yml")
+SUFFIXES: tuple[str, ...] = (".yaml", ".yml")
+NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._-")
+
+
+@dataclass(frozen=True)
+class Named:
+    """One named per-model document and where it came from (`file` or `admin_api`)."""
+
+    name: str
+    policy: Policy
+    origin: str
+
+
+class ModelConflict(ValueError):
+    """A document claims a model another document already has (HTTP 409)."""
+
+
+def check_name(name: str) -> str | None:
+    """Why `name` cannot name a document, or None."""
+    if not name or len(name) > 128 or not set(name) <= NAME_CHARS or name.startswith("_"):
+        return "policy names are 1-128 letters, digits, `.`, `_` or `-`, not starting with `_`"
+    return None
+
+
+def parse_named(text: str) -> Policy:
+    """A named document: a valid policy with at least one model."""
+    policy = load_policy(text)
+    if not policy.models:
+        raise PolicyError(["models: missing (required: the models a per-model policy serves)"])
+    return policy
+
+
+class ModelPolicies:
+    """The named documents, and which one owns each model."""
+
+    def __init__(self) -> None:
+        self.named: dict[str, Named] = {}
+        self.owner: dict[str, str] = {}
+
+    def for_model(self, model: str) -> Policy | None:
+        name = self.owner.get(model)
+        return None if name is None else self.named[name].policy
+
+    def put(self, name: str, policy: Policy, origin: str) -> None:
+        """Install or replace `name`; ModelConflict when another document has a model."""
+        for model in policy.models:
+            other = self.owner.get(model)
+            if other is not None and other != name:
+                raise ModelConflict(f"model {model!r} already belongs to policy {other!r}")
+        self.delete(name)
+        self.named[name] = Named(name, policy, origin)
+        self.owner.update(dict.fromkeys(policy.models, name))
+
+    def delete(self, name: str) -> bool:
+        old = self.named.pop(name, None)
+        if old is None:
+            return False
+        for model in old.policy.models:
+            self.owner.pop(model, None)
+        return True
+
+    def view(self) -> dict[str, dict[str, object]]:
+        """`GET /admin/policy/models`: an object keyed by document name."""
+        return {name: self.describe(name) for name in sorted(self.named)}
+
+    def describe(self, name: str) -> dict[str, object]:
+        named = self.named[name]
+        return {
+            "models": list(named.policy.models),
+            "chain": named.policy.chain_names(),
+            "origin": named.origin,
+            "source": named.policy.source,
+        }
+
+
+def read_directory(directory: str) -> tuple[str | None, dict[str, str], list[str]]:
+    """`_default.yaml`'s text (None when absent), each named file's text by name, and
+    the errors of files that cannot be read. Names are sorted: a deterministic order,
+    where upstream's depends on modification times."""
+    root = Path(directory)
+    errors: list[str] = []
+    if not root.is_dir():
+        raise PolicyError([f"{directory}: not a directory (--policy-model-dir)"])
+    default: str | None = None
+    named: dict[str, str] = {}
+    for path in sorted(root.iterdir()):
+        if path.suffix not in SUFFIXES or not path.is_file():
+            continue
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            errors.append(f"{path}: cannot read policy file ({exc})")
+            continue
+        if path.name in DEFAULT_NAMES:
+            default = text
+        else:
+            why = check_name(path.stem)
+            if why is not None:
+                errors.append(f"{path}: {why}")
+            else:
+                named[path.stem] = text
+    return default, named, errors
+
+
+def load_directory(directory: str) -> tuple[Policy | None, ModelPolicies]:
+    """Start-up: every file valid and no model claimed twice, or PolicyError naming each
+    file's problems."""
+    default_text, texts, errors = read_directory(directory)
+    default: Policy | None = None
+    if default_text is not None:
+        try:
+            default = load_policy(default_text)
+        except DocumentError as exc:
+            errors += [f"{directory}/_default.yaml: {e}" for e in exc.errors]
+    policies = ModelPolicies()
+    for name, text in texts.items():
+        try:
+            policies.put(name, parse_named(text), "file")
+        except DocumentError as exc:
+            errors += [f"{directory}/{name}: {e}" for e in exc.errors]
+        except ModelConflict as exc:
+            errors.append(f"{directory}/{name}: {exc}")
+    if errors:
+        raise PolicyError(errors)
+    return default, policies
