@@ -424,7 +424,7 @@ async def test_a_malformed_chunked_body_gets_400_and_a_close(
     async def reads(scope: dict, receive: Receive, send: Send) -> None:
         while (message := await receive()).get("more_body"):
             pass
-        seen.append(message["type"])
+        seen.append(message)
         # An app that answers anyway: the server has answered for it, this goes nowhere.
         await echo(scope, receive, send)
 
@@ -432,7 +432,23 @@ async def test_a_malformed_chunked_body_gets_400_and_a_close(
     async with serving(reads) as (_, port):
         answer = await exchange(port, request + body + SECOND)
     refusal(answer, 400, "request_invalid", protocol)
-    assert seen == ["http.disconnect"]
+    # Not a client that left: the app is told what the client got.
+    assert seen == [{"type": "http.disconnect", "status": 400}]
+
+
+async def test_the_router_logs_and_audits_a_refused_body_as_400(fleet: Fleet) -> None:
+    audit = fleet.dir / "audit.jsonl"
+    router = fleet.router("--audit-log", str(audit))
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n"
+        b"x-request-id: 0b5e4c4e-7a43-4d5b-9d7e-2f8a9f1c1a11\r\n\r\nzz\r\n"
+    )
+    answer = await exchange(router.http_port, request)
+    refusal(answer, 400, "request_invalid")
+    line = router.wait_log(r"req=0b5e4c4e-7a43-4d5b-9d7e-2f8a9f1c1a11 method=POST [^\n]*")
+    assert " status=400 " in line.group(0), line.group(0)
+    record = wait_until(lambda: audit.exists() and json.loads(audit.read_text().splitlines()[-1]))
+    assert (record["status"], record["code"]) == (400, "request_invalid")
 
 
 def head_of(size: int) -> bytes:

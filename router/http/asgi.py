@@ -18,7 +18,12 @@ class BodyTooLarge(Exception):
 
 
 class ClientGone(Exception):
-    pass
+    """The request ended before its body did: the client left, or the server refused the
+    body and has answered for the app (`status` then says what the client got)."""
+
+    def __init__(self, status: int = 499) -> None:
+        super().__init__(status)
+        self.status = status
 
 
 def header(scope: Scope, name: bytes) -> str | None:
@@ -62,7 +67,7 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            raise ClientGone
+            raise ClientGone(message.get("status", 499))
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:

@@ -124,8 +124,10 @@ class ClientApi:
             return await fail(
                 RouterError(ErrorCode.PAYLOAD_TOO_LARGE, f"request body exceeds {limit} bytes")
             )
-        except ClientGone:
-            return 499
+        except ClientGone as gone:
+            if gone.status != 499 and (ticket := scope.get(TICKET)) is not None:
+                ticket.answered_with(ErrorCode.REQUEST_INVALID)  # the server's refusal
+            return gone.status
         except trio.TooSlowError:
             return await fail(
                 RouterError(

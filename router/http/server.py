@@ -75,6 +75,9 @@ ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, er
 ACCEPT_RETRY_DELAY = 0.1
 
 _DISCONNECT = {"type": "http.disconnect"}
+# What the app hears after the server refused the body (malformed chunking) and answered
+# for it: not a client that left, so its log and audit line can say 400, not 499.
+_BODY_REFUSED = {"type": "http.disconnect", "status": 400}
 _GONE = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
@@ -359,7 +362,7 @@ class _Connection:
     async def receive(self) -> dict:
         if self.state is CLOSED or self.h11.their_state is not h11.SEND_BODY:
             if self.answer is REFUSED:
-                return _DISCONNECT
+                return _BODY_REFUSED
             return await self._wait_for_disconnect()
         if self.h11.they_are_waiting_for_100_continue:
             await self._write(self.h11.send(h11.InformationalResponse(status_code=100, headers=[])))
@@ -372,7 +375,8 @@ class _Connection:
                 if self.answer is READING and self.state is not CLOSED:
                     message = f"malformed request body: {exc}"
                     await self._refuse(400, ErrorCode.REQUEST_INVALID, message, self._path())
-                elif self.answer is not REFUSED:
+                    return _BODY_REFUSED
+                if self.answer is not REFUSED:
                     self.answer = BROKEN
                 return _DISCONNECT
             if isinstance(event, h11.Data):
