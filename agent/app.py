@@ -11,6 +11,7 @@ import trio
 from libp2p import new_host
 from libp2p.network.config import ConnectionConfig
 
+from agent.capacity import SharedCapacity
 from agent.engines import EngineEndpoints, HealthTracker, get_adapter
 from agent.forward import BackendClients
 from agent.hardware import HardwareSampler
@@ -31,6 +32,10 @@ from protocol.sdnotify import sd_notify
 from protocol.tracing import tracer_from_env
 
 log = logging.getLogger("agent")
+
+# Workers added from welcomes, over the agent's life, at most (router --workers allows 64
+# per host): a router that names new ones on every welcome cannot grow this list.
+MAX_WORKERS = 64
 
 
 async def _tick(next_at: float, interval: float) -> float:
@@ -62,10 +67,12 @@ class AgentDaemon:
         self.hardware = HardwareSampler(settings.gpu_devices)
         self.health = HealthTracker()
         self.connections: list[RouterConnection] = []
+        self.capacity = SharedCapacity(settings.capacity)
         self.endpoints: EngineEndpoints | None = None
         self.model = settings.model
         self.sim_app: Any = None
         self.tracer = tracer_from_env("hivenet-agent")
+        self._dial: tuple[Any, trio.Nursery, Any] | None = None
 
     def metadata(self) -> dict:
         s = self.settings
@@ -119,13 +126,13 @@ class AgentDaemon:
             if websocket:
                 dial_through_http_proxy(host, s.proxy)
             async with host.run(listen_addrs=[]):
+
+                def make_session(address: str) -> Any:
+                    return lambda stream: self._session(stream, client, ep, address)
+
+                self._dial = (host, nursery, make_session)
                 for address in s.routers:
-                    pinned = parse_router_address(address).pinned
-
-                    def make(stream: Any, pinned: bool = pinned) -> RouterSession:
-                        return self._session(stream, client, ep, pinned)
-
-                    conn = RouterConnection(host, address, make)
+                    conn = RouterConnection(host, address, make_session(address))
                     self.connections.append(conn)
                     nursery.start_soon(conn.run)
                 log.info(
@@ -144,9 +151,10 @@ class AgentDaemon:
                 nursery.cancel_scope.cancel()
 
     def _session(
-        self, stream: Any, client: BackendClients, ep: EngineEndpoints, pinned: bool
+        self, stream: Any, client: BackendClients, ep: EngineEndpoints, address: str
     ) -> RouterSession:
         s = self.settings
+        pinned = parse_router_address(address).pinned
         challenge = new_challenge()
         router_peer_id = str(stream.muxed_conn.peer_id)
 
@@ -173,7 +181,42 @@ class AgentDaemon:
             s.stream_write_timeout,
             check_welcome,
             tracer=self.tracer,
+            capacity=self.capacity,
+            on_workers=lambda workers: self._dial_workers(address, workers),
         )
+
+    def _dial_workers(self, via: str, workers: list) -> None:
+        """Keep a session with each of the router host's other workers too, dialled at
+        the host of `via` (the address that welcomed us) on each worker's TCP port."""
+        if self._dial is None:
+            return
+        host, nursery, make_session = self._dial
+        prefix = via.split("/tcp/")[0]
+        known = {c.address for c in self.connections}
+        known_peers = {str(c.router.peer_id) for c in self.connections if c.router.pinned}
+        for entry in workers:
+            if len(self.connections) >= len(self.settings.routers) + MAX_WORKERS:
+                log.warning("router_workers_ignored reason=%s", quote("too many workers"))
+                return
+            port = entry.get("tcp_port") if isinstance(entry, dict) else None
+            peer = entry.get("peer_id") if isinstance(entry, dict) else None
+            if not (isinstance(port, int) and 0 < port < 65536 and isinstance(peer, str)):
+                log.warning("router_worker_ignored entry=%s", quote(repr(entry)[:200]))
+                continue
+            address = f"{prefix}/tcp/{port}/p2p/{peer}"
+            if address in known or peer in known_peers:
+                continue
+            try:
+                parse_router_address(address)
+            except ValueError as exc:
+                log.warning("router_worker_ignored entry=%s", quote(str(exc)[:200]))
+                continue
+            conn = RouterConnection(host, address, make_session(address))
+            self.connections.append(conn)
+            known.add(address)
+            known_peers.add(peer)
+            log.info("router_worker_added router=%s via=%s", address, via)
+            nursery.start_soon(conn.run)
 
     async def _start_sim(self, nursery: trio.Nursery) -> str:
         from sim.__main__ import serve_sim

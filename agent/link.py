@@ -14,6 +14,7 @@ from typing import Any
 import trio
 from libp2p.peer.peerinfo import PeerInfo
 
+from agent.capacity import SharedCapacity
 from agent.dial_errors import describe
 from agent.forward import BackendClients, forward
 from agent.router_identity import RouterAddress, learn_peer_id, parse_router
@@ -43,6 +44,7 @@ SILENT_PERIODS = 3
 BACKOFF_START = 0.2
 BACKOFF_CAP = 5.0
 TOKEN_TTL = 3600.0
+UNBOUNDED = 1 << 31
 
 
 class Refused(Exception):
@@ -113,6 +115,8 @@ class RouterSession:
         write_timeout: float,
         check_welcome: Callable[[dict], str | None] | None = None,
         tracer: Tracer = NO_TRACER,
+        capacity: SharedCapacity | None = None,
+        on_workers: Callable[[list[dict]], None] | None = None,
     ) -> None:
         self.fs = FramedStream(stream, write_timeout=write_timeout)
         # Why a welcome is not the router's (its secret proof), or None when it is.
@@ -133,6 +137,10 @@ class RouterSession:
         self.router_interval = heartbeat_interval
         self.state = SessionState.AWAITING_HELLO
         self.requests: dict[int, _Served] = {}
+        # A session on its own (tests, benches) counts only its own requests.
+        self.capacity = capacity or SharedCapacity(UNBOUNDED)
+        self.share = self.capacity.join(self._room)
+        self.on_workers = on_workers
         self._nursery: trio.Nursery | None = None
         self._idle = trio.Event()
         self._handlers = {
@@ -157,11 +165,14 @@ class RouterSession:
     async def run(self) -> str:
         self.state = next_session_state(Role.AGENT, self.state, m.HELLO)
         self.send(self.hello)
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._keepalive)
-            reason = await self.fs.run(self._on_message)
-            nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._keepalive)
+                reason = await self.fs.run(self._on_message)
+                nursery.cancel_scope.cancel()
+        finally:
+            self.capacity.leave(self.share)
         if self.refusal is not None:
             raise Refused(self.refusal)
         return reason
@@ -181,6 +192,18 @@ class RouterSession:
             log.warning("router_out_of_step id=%d reason=%s", req_id, quote(str(exc)))
             self.send(m.error(req_id, ErrorCode.BACKEND_ERROR, f"agent refused: {exc}"))
             return
+        if not self.capacity.try_take(self.share):
+            # Before any work and with the id left free: the router selects again.
+            self.send(
+                m.error(
+                    req_id,
+                    ErrorCode.AGENT_FULL,
+                    f"agent at capacity ({self.capacity.capacity} requests in flight)",
+                    status=503,
+                    elsewhere=self.capacity.elsewhere(self.share),
+                )
+            )
+            return
         self.requests[req_id] = served
         if self._nursery is not None:
             self._nursery.start_soon(self._serve, msg, served)
@@ -199,6 +222,9 @@ class RouterSession:
             return
         interval = _positive(msg.get("liveness_interval")) or _positive(msg["heartbeat_interval"])
         self.router_interval = interval or self.heartbeat_interval
+        workers = msg.get("workers")
+        if workers and self.on_workers is not None:
+            self.on_workers(workers)
         self.welcomed.set()
         log.info("router_joined router=%s", quote(str(msg.get("router_peer_id", ""))))
 
@@ -222,6 +248,8 @@ class RouterSession:
                 raise request_error(served.state, kind)
             served.state = state
             if state is not RequestState.CANCELLED:
+                if state is RequestState.DONE or state is RequestState.FAILED:
+                    answer["elsewhere"] = self.capacity.elsewhere(self.share)
                 self.send(answer)
 
         span = NULL_SPAN
@@ -241,6 +269,7 @@ class RouterSession:
                     served.state = RequestState.FAILED
                     self.send(m.error(req_id, ErrorCode.BACKEND_ERROR, f"agent error: {exc}"))
             finally:
+                self.capacity.give_back(self.share)
                 if self.requests.get(req_id) is served:
                     del self.requests[req_id]
                 if not self.requests:
@@ -255,7 +284,7 @@ class RouterSession:
         # Every frame costs both daemons real CPU in py-libp2p, so the heartbeat is the
         # only liveness traffic: one per period, or sooner when the values change.
         silent_limit = SILENT_PERIODS * max(self.heartbeat_interval, self.router_interval)
-        self.send(self.status.heartbeat(self.heartbeat_interval))
+        self._room()
         last_full = trio.current_time()
         changed = self.status.changed
         while True:
@@ -270,8 +299,14 @@ class RouterSession:
                 return
             if self.status.changed is not changed or now - last_full >= self.heartbeat_interval:
                 changed = self.status.changed
-                self.send(self.status.heartbeat(self.heartbeat_interval))
+                self._room()
                 last_full = now
+
+    def _room(self) -> None:
+        """A heartbeat: the engine's values and the other routers' share of capacity."""
+        msg = self.status.heartbeat(self.heartbeat_interval)
+        msg["elsewhere"] = self.capacity.elsewhere(self.share)
+        self.send(msg)
 
     def drain(self) -> None:
         self.send(m.drain())

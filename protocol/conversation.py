@@ -8,7 +8,8 @@ the role of the sender.
 A session: the agent says `hello`, the router answers `welcome` or `refusal`; only a
 joined session carries heartbeats, requests and their answers. A request, from the
 router's `request` on: `response_head`, `response_chunk`*, then `response_end` or
-`error` from the agent; an `error` may also come before the head. The router may
+`error` from the agent; an `error` may also come before the head (`agent_full`: the
+agent's capacity is taken by other routers' requests, so it refuses before starting). The router may
 `cancel` an unfinished request, and the session ending fails every unfinished one.
 A message with no transition from the current state raises ProtocolError.
 """

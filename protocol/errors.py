@@ -1,8 +1,10 @@
 """Error codes shared by the router, the agent and the HTTP API.
 
 A code carries its HTTP status and how routing treats it: request-level codes stop
-the routing session at once, retryable codes consume a forward try, and
-`agent_disconnected` is the connection-level failure that earns one free recovery.
+the routing session at once, retryable codes consume a forward try,
+`agent_disconnected` is the connection-level failure that earns one free recovery, and
+`agent_full` (the agent's own `--capacity`, counted over every router it serves, is
+taken) costs nothing: the router selects again.
 """
 
 from __future__ import annotations
@@ -46,6 +48,9 @@ class ErrorCode(StrEnum):
     # Upstream's router-wide refusals: a top-level `shed_if` answers
     # concurrency_limit_exceeded; a full router-wide wait (--queue-size) `queue_full`.
     QUEUE_FULL = "queue_full"
+    # The agent refused a request before starting it: its capacity is held by requests
+    # from this and other routers. Agent to router only; a client never sees it.
+    AGENT_FULL = "agent_full"
 
 
 STATUS: dict[ErrorCode, int] = {
@@ -73,6 +78,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.QUOTA_EXCEEDED: 429,
     ErrorCode.TOO_MANY_CONCURRENT: 429,
     ErrorCode.MODEL_NOT_ALLOWED: 403,
+    ErrorCode.AGENT_FULL: 503,
 }
 
 # The client's request is at fault: another agent would answer the same.

@@ -54,14 +54,24 @@ _REQUIRED: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
 
 # Fields a type may carry: when present and not null, of these types.
 _OPTIONAL: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
-    HEARTBEAT: (("backend_healthy", bool), ("engine", dict), ("hardware", dict)),
-    WELCOME: (("liveness_interval", _NUM), ("proof", str)),
+    HEARTBEAT: (
+        ("backend_healthy", bool),
+        ("engine", dict),
+        ("hardware", dict),
+        ("elsewhere", int),
+    ),
+    WELCOME: (("liveness_interval", _NUM), ("proof", str), ("workers", list)),
     # protocol/router_proof.py: the agent's challenge and the router's answer.
     HELLO: (("challenge", str),),
-    ERROR: (("status", int),),
+    ERROR: (("status", int), ("elsewhere", int)),
     REQUEST: (("report_usage", bool), ("traceparent", str)),
-    RESPONSE_END: (("usage", dict),),
+    RESPONSE_END: (("usage", dict), ("elsewhere", int)),
 }
+
+# `elsewhere` (heartbeat, response_end, error): how many requests from other routers
+# the agent holds right now, so each router counts the agent's whole load against its
+# `--capacity`. `workers` (welcome): the other router processes of the same host
+# (`--workers`), as {"tcp_port": int, "peer_id": str}, which the agent dials too.
 
 
 def validate(message: object) -> None:
@@ -94,16 +104,25 @@ def hello(token: str, metadata: dict, challenge: str | None = None) -> dict:
     return msg
 
 
-def welcome(heartbeat_interval: float, router_peer_id: str, liveness_interval: float) -> dict:
+def welcome(
+    heartbeat_interval: float,
+    router_peer_id: str,
+    liveness_interval: float,
+    workers: list[dict] | None = None,
+) -> dict:
     """`heartbeat_interval` is the period the router expects of the agent;
-    `liveness_interval` the longest the router stays silent on an idle session."""
-    return {
+    `liveness_interval` the longest the router stays silent on an idle session;
+    `workers` the host's other router processes."""
+    msg: dict = {
         "type": WELCOME,
         "heartbeat_interval": heartbeat_interval,
         "liveness_interval": liveness_interval,
         "router_peer_id": router_peer_id,
         "version": VERSION,
     }
+    if workers:
+        msg["workers"] = workers
+    return msg
 
 
 def refusal(reason: str) -> dict:
@@ -167,10 +186,18 @@ def response_end(req_id: int, usage: dict | None = None) -> dict:
     return {"type": RESPONSE_END, "id": req_id, "usage": usage}
 
 
-def error(req_id: int, code: str, message: str, status: int | None = None) -> dict:
+def error(
+    req_id: int,
+    code: str,
+    message: str,
+    status: int | None = None,
+    elsewhere: int | None = None,
+) -> dict:
     msg: dict = {"type": ERROR, "id": req_id, "code": code, "message": message}
     if status is not None:
         msg["status"] = status
+    if elsewhere is not None:
+        msg["elsewhere"] = elsewhere
     return msg
 
 

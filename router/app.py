@@ -8,6 +8,7 @@ import time
 from typing import Any
 
 import multiaddr
+import redis
 import trio
 from prometheus_client import make_asgi_app
 
@@ -19,6 +20,8 @@ from protocol.tracing import tracer_from_env
 from router.agent_metrics import AgentCollector
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
+from router.fleet.config_sync import CALL_TIMEOUT, ConfigSync
+from router.fleet.view import FleetView
 from router.forward_limit import ForwardLimit
 from router.history import AgentHistory
 from router.http.app import RouterApp, protocol_of, with_lifespan
@@ -102,6 +105,7 @@ class RouterDaemon:
                 release_stream_slot_at_head=settings.stream_slot_release == "head",
                 health_check_interval=settings.health_check_interval,
                 unjoined=UnjoinedLimits(per_address=settings.max_unjoined_per_ip),
+                workers=settings.workers,
             ),
             self.registrations,
             self.lifetime,
@@ -172,6 +176,20 @@ class RouterDaemon:
             raise ValueError(
                 "the auth file sets admin.mode api-key but HIVENET_ROUTER_ADMIN_API_KEYS is empty"
             )
+        self.config_sync: ConfigSync | None = None
+        fleet_redis: redis.Redis | None = None
+        if settings.state_url:
+            fleet_redis = redis.Redis.from_url(
+                settings.state_url,
+                socket_timeout=CALL_TIMEOUT,
+                socket_connect_timeout=CALL_TIMEOUT,
+            )
+            self.config_sync = ConfigSync(fleet_redis, self.peer_id)
+            self.config_sync.add(self.store)
+            if settings.auth_file:
+                self.config_sync.add(self.tenants.store)
+        self.fleet_redis = fleet_redis
+        self.fleet = FleetView(self.table, self.peer_id, fleet_redis)
         self.app = RouterApp(
             self.client,
             self.table,
@@ -184,6 +202,7 @@ class RouterDaemon:
             self.registrations,
             self.lifetime,
             self.tracer,
+            self.fleet,
         )
         self._stop = trio.Event()
         self._http_stop = trio.Event()
@@ -227,6 +246,9 @@ class RouterDaemon:
                     nursery.start_soon(self.lifetime.run)
                     if self.tracer.enabled:
                         nursery.start_soon(self.tracer.run)
+                    if self.config_sync is not None:
+                        nursery.start_soon(self.config_sync.run)
+                    nursery.start_soon(self.fleet.run)
                     nursery.start_soon(self._signals, nursery.cancel_scope)
                     await nursery.start(self._serve_http, self.app, s.http_addr)
                     metrics_app = with_lifespan(make_asgi_app(self.metrics.registry))
@@ -255,6 +277,8 @@ class RouterDaemon:
                     await self.tracer.flush()
                 self.tenants.close()
                 self.lifetime.close()
+                if self.fleet_redis is not None:
+                    self.fleet_redis.close()
         log.info("router_stopped")
 
     def announce_addrs(self, host: Any) -> list[str]:
@@ -276,8 +300,10 @@ class RouterDaemon:
             write_timeout=self.settings.http_write_timeout,
             protocol_of=protocol_of,
         )
-        # HTTP stays up while draining, so in-flight streams can finish.
-        await server.serve(addr, self._http_stop.wait, task_status=task_status)
+        # HTTP stays up while draining, so in-flight streams can finish. The workers of
+        # one host share the HTTP port (the metrics ports differ: port 0 never shares).
+        reuse = self.settings.worker_count > 1 and addr == self.settings.http_addr
+        await server.serve(addr, self._http_stop.wait, reuse_port=reuse, task_status=task_status)
 
     async def _signals(self, cancel_scope: trio.CancelScope) -> None:
         with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:

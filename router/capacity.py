@@ -23,6 +23,28 @@ import trio
 from router.peers import Peer
 
 
+def report_elsewhere(peer: Peer, value: object, full: bool = False) -> bool:
+    """The agent's count of the other routers' requests (`elsewhere`); True when the
+    agent may have gained room, so the model's waiters should look again.
+
+    Bounded to [0, capacity]: a hostile number cannot make the count overflow or stay
+    wrong past the next report. `full`: the agent refused a request for want of room,
+    so it is full now whatever this router's count says, until its next report.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        reported = min(max(value, 0), peer.metadata.capacity)
+    else:
+        reported = 0
+    own = peer.active - peer.elsewhere
+    if full:
+        # `own` still counts the refused request, whose slot is about to be released.
+        reported = min(max(reported, peer.metadata.capacity - own + 1), peer.metadata.capacity)
+    change = reported - peer.elsewhere
+    peer.elsewhere = reported
+    peer.active = own + reported
+    return change < 0
+
+
 def try_acquire(peer: Peer) -> bool:
     """Take one slot on `peer` if it has one free; synchronous, so atomic under trio."""
     if peer.active >= peer.metadata.capacity:

@@ -148,6 +148,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--log-format", choices=FORMATS, default=None, help="text (key=value) or json lines"
     )
+    serve.add_argument(
+        "--workers",
+        type=int,
+        default=int(_env("HIVENET_ROUTER_WORKERS", "1")),
+        help="router processes on this host, sharing the HTTP port (one per core)",
+    )
+    # Set by the --workers supervisor on each worker it starts.
+    serve.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
+    serve.add_argument("--worker-count", type=int, default=1, help=argparse.SUPPRESS)
 
     check = sub.add_parser("check-policy", help="validate a policy file and print its chain")
     check.add_argument("file")
@@ -231,7 +240,11 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         audit_log_max_bytes=args.audit_log_max_bytes,
         audit_log_backups=args.audit_log_backups,
         history_path=args.history_path,
+        worker_index=args.worker_index,
+        worker_count=args.worker_count,
     )
+    if s.worker_count > 1:
+        _as_worker(s)
     s.apply_environment(env)
     if s.auth_file and s.client_api_keys.strip():
         raise ValueError(
@@ -288,12 +301,39 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
     return s
 
 
+def _as_worker(s: RouterSettings) -> None:
+    """Worker i of a `--workers` host: ports moved up by i, its own identity; worker 0
+    names the others in its welcome (router/fleet/workers.py)."""
+    from router.fleet.workers import worker_identity_path, worker_peers
+
+    i = s.worker_index
+    if not 0 <= i < s.worker_count:
+        raise ValueError(f"--worker-index {i} is outside 0..{s.worker_count - 1}")
+    if i == 0:
+        s.workers = worker_peers(s.identity_path, s.p2p_port, s.worker_count)
+    s.identity_path = worker_identity_path(s.identity_path, i)
+    s.p2p_port += i
+    s.p2p_ws_port += i if s.p2p_ws_port else 0
+    s.p2p_wss_port += i if s.p2p_wss_port else 0
+    host, port = s.metrics_addr
+    s.metrics_addr = (host, port + i if port else 0)
+
+
 def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
     from router.app import RouterDaemon
+    from router.fleet.workers import MAX_WORKERS, Supervisor
 
     try:
+        if args.workers < 1 or args.workers > MAX_WORKERS:
+            raise ValueError(f"--workers must be 1 to {MAX_WORKERS}, got {args.workers}")
+        if args.workers > 1:
+            # Checked once here, so a bad flag exits 2 before any worker starts; the
+            # identities are made here too, never by two workers at once.
+            args.worker_count = args.workers
+            settings_from(args)
+            return trio.run(Supervisor(args.serve_argv, args.workers).run)
         settings = settings_from(args)
         daemon = RouterDaemon(settings)
     except Exception as exc:  # every startup problem ends here with its reason
@@ -421,7 +461,10 @@ COMMANDS = {
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.command == "serve":
+        args.serve_argv = argv[argv.index("serve") + 1 :]
     setup_logging(log_format=getattr(args, "log_format", None))
     return COMMANDS[args.command](args)
 

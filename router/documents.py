@@ -9,7 +9,9 @@ operator fixing a rejected file should not have to reload it once per mistake.
 from __future__ import annotations
 
 import difflib
+import hashlib
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Generic, TypeVar
 
@@ -208,6 +210,11 @@ def read_document(path: str | Path, error: type[DocumentError], noun: str) -> st
         raise error([f"{path}: cannot read {noun} ({exc})"]) from None
 
 
+def version_of(text: str) -> str:
+    """A document's version: the first 16 hex digits of its SHA-256."""
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
 class DocumentStore(Generic[T]):
     """`kind` names the log events (`<kind>_reloaded`, `<kind>_reload_failed`) and the
     messages; a subclass parses (raising an error with `.errors`) and installs."""
@@ -221,10 +228,26 @@ class DocumentStore(Generic[T]):
         self.reloads = reloads
         self.log = log
         self.path = path
+        # Called with the origin after each change made here (not from the fleet):
+        # router/fleet/config_sync.py publishes it to the other routers.
+        self.on_replaced: list[Callable[[str], None]] = []
+        self._versioned: tuple[str, str] | None = None
 
     def parse(self, text: str) -> T:
         """The document in `text`, or DocumentError naming every problem."""
         raise NotImplementedError
+
+    def source(self) -> str:
+        """The running document's text; empty when there is none."""
+        raise NotImplementedError
+
+    def version(self) -> str:
+        """The running document's version: the same text is the same version on every
+        router, with no coordination. Hashed once per change, not per call."""
+        text = self.source()
+        if self._versioned is None or self._versioned[0] is not text:
+            self._versioned = (text, version_of(text))
+        return self._versioned[1]
 
     def install(self, value: T) -> str:
         """Make `value` the running document; what the reload line says about it."""
@@ -238,7 +261,11 @@ class DocumentStore(Generic[T]):
             return self.reject(exc.errors, origin)
         summary = self.install(value)
         self.reloads.labels("success").inc()
-        self.log.info("%s_reloaded origin=%s %s", self.kind, origin, summary)
+        self.log.info(
+            "%s_reloaded origin=%s %s version=%s", self.kind, origin, summary, self.version()
+        )
+        for listener in self.on_replaced:
+            listener(origin)
         return []
 
     def reject(self, errors: list[str], origin: str) -> list[str]:

@@ -41,6 +41,7 @@ from protocol.tokens import TokenError, verify_token
 from protocol.tracing import Span
 from protocol.usage import COMPLETION, PROMPT, valid_usage
 from router.agent_detail import gpus_of, memory_of, preemptions_of
+from router.capacity import report_elsewhere
 from router.lifetime import LifetimeStore
 from router.metrics import RouterMetrics
 from router.peers import (
@@ -79,6 +80,8 @@ class LinkSettings:
     # --health-check-interval: the longest pause between passes over the table.
     health_check_interval: float = 1.0
     unjoined: UnjoinedLimits = field(default_factory=UnjoinedLimits)
+    # `--workers`: the host's other router processes, named in the welcome.
+    workers: list[dict] = field(default_factory=list)
 
     @property
     def liveness_interval(self) -> float:
@@ -243,6 +246,8 @@ class AgentSession:
     def _on_heartbeat(self, msg: dict) -> None:
         if "backend_healthy" in msg and self.peer is not None:
             self.link.heartbeat(self.peer, msg)
+            # An agent that does not count across routers says nothing: none elsewhere.
+            self._elsewhere(msg.get("elsewhere"), False)
 
     def _on_drain(self, msg: dict) -> None:
         peer = self.peer
@@ -271,10 +276,20 @@ class AgentSession:
             return
         if state is _FAILED:
             code = _code(msg["code"])
+            full = code is ErrorCode.AGENT_FULL
+            if full or "elsewhere" in msg:
+                self._elsewhere(msg.get("elsewhere"), full)
             pending.fail(ForwardFailure(code, msg["message"], status=msg.get("status")))
         else:
             pending.state = state
+            if state is _DONE and "elsewhere" in msg:
+                self._elsewhere(msg["elsewhere"], False)
             pending.put((state, msg))
+
+    def _elsewhere(self, value: object, full: bool) -> None:
+        peer = self.peer
+        if peer is not None and report_elsewhere(peer, value, full):
+            self.link.table.changed(peer.metadata.model)
 
     def admitted(self) -> None:
         """The router sent its welcome: the agent may send frames of any size now."""
@@ -507,6 +522,7 @@ class AgentLink:
             self.settings.heartbeat_interval,
             self.settings.router_peer_id,
             self.settings.liveness_interval,
+            self.settings.workers,
         )
         if challenge is not None:
             welcome["proof"] = router_proof(

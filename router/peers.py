@@ -162,7 +162,10 @@ class Peer:
     backend_healthy: bool = True
     draining: bool = False
     connected: bool = True
+    # The agent's whole load as this router sees it: its own requests on the agent plus
+    # `elsewhere`, what the agent last said the other routers hold (router/capacity.py).
     active: int = 0
+    elsewhere: int = 0
     # Latest engine and hardware values in policy units; None = not reported.
     engine: dict[str, float | None] = field(default_factory=dict)
     hardware: dict[str, float | None] = field(default_factory=dict)

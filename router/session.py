@@ -98,9 +98,14 @@ def charged(failure: ForwardFailure) -> bool:
 
     Not when the client caused it (a request-level code: the engine judged the request,
     and another agent would answer the same), nor when the link broke (the agent's
-    session, not its backend; that has its own recovery).
+    session, not its backend; that has its own recovery), nor when the agent was full
+    with other routers' requests (`agent_full`: refused before any work).
     """
-    return not failure.connection_level and failure.code not in REQUEST_LEVEL
+    return (
+        not failure.connection_level
+        and failure.code not in REQUEST_LEVEL
+        and failure.code is not ErrorCode.AGENT_FULL
+    )
 
 
 # A successful forward hands back whatever the link returned as the response.
@@ -428,6 +433,18 @@ class RoutingSession:
         if result.code in REQUEST_LEVEL:
             stats.rejections += 1  # the engine refused the request: lifetime history
         req.waited += now - started
+        if result.code is ErrorCode.AGENT_FULL:
+            # Other routers hold the agent's capacity. The refusal made the agent full
+            # in this router's count too, so selecting again goes to another agent or
+            # queues for its next report; no try is used.
+            log.debug(
+                "req=%s agent_full step=%s peer=%s tenant=%s",
+                req.request_id,
+                run.step.name,
+                peer.peer_id,
+                quote(req.tenant),
+            )
+            return None
         self.metrics.forward_failures.labels(req.model, str(result.code), req.tenant).inc()
         log.info(
             "req=%s forward_error step=%s peer=%s code=%s message=%s tenant=%s",

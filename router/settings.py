@@ -97,6 +97,11 @@ class RouterSettings:
     # HIVENET_ROUTER_RPM_BURST_SECONDS: a tenant bucket holds this many seconds of its
     # rate (0: a full minute, upstream's default) unless its `burst` says otherwise.
     rpm_burst_seconds: int = 0
+    # `--workers`: this process's place among the host's router processes, and the
+    # others as worker 0's welcome names them ({"tcp_port", "peer_id"}).
+    worker_index: int = 0
+    worker_count: int = 1
+    workers: list[dict] = field(default_factory=list)
 
     def apply_environment(self, env: Mapping[str, str] | None = None) -> None:
         """Environment-only settings (keys, provider endpoints, limits)."""

@@ -200,6 +200,7 @@ class SimEngine:
             await exchange.reply(exc.status, error_body(exc))
             return
         state.in_flight += 1
+        state.max_in_flight = max(state.max_in_flight, state.in_flight)
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._watch_disconnect, receive, exchange, nursery.cancel_scope)

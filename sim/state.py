@@ -45,6 +45,8 @@ class SimState:
     requests_total: int = 0
     cancelled_total: int = 0
     in_flight: int = 0
+    # The most requests the engine has held at once since it started.
+    max_in_flight: int = 0
 
     def update(self, changes: Any) -> None:
         """Apply `/sim/state` changes all or nothing; ValueError names the bad key."""

@@ -11,6 +11,7 @@ import httpx
 import pytest
 
 from router import cli
+from router.documents import version_of
 from router.policy.schema import load_policy_file
 from tests.fleet import ADMIN_KEY, VENV_BIN, Fleet, Router, wait_until
 
@@ -212,7 +213,11 @@ def test_put_admin_policy_replaces_a_good_policy_and_never_with_a_bad_one(
 
     r = admin("PUT", router, ONLY_FALLBACK.encode())
     assert r.status_code == 200, r.text
-    assert r.json() == {"status": "ok", "chain": ["routing_policy", "anywhere"]}
+    assert r.json() == {
+        "status": "ok",
+        "chain": ["routing_policy", "anywhere"],
+        "version": version_of(ONLY_FALLBACK),
+    }
     assert running_policy(router) == ONLY_FALLBACK
     assert served_by_step(router) == (1, 1)
     assert reloads(router) == (1, 0)

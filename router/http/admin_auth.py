@@ -27,6 +27,7 @@ async def admin_auth(
         return await send_rejected(send, extra, gate.store.noun, errors)
 
     def accepted() -> dict:
-        return {"tenants": sorted(gate.store.current.tenants) if gate.store.current else []}
+        tenants = sorted(gate.store.current.tenants) if gate.store.current else []
+        return {"tenants": tenants, "version": gate.store.version()}
 
     return await put_document(gate.store, scope, receive, send, extra, accepted)

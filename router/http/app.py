@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from typing import Any
+from urllib.parse import parse_qs
 
 import trio
 
@@ -12,6 +13,7 @@ from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
 from protocol.tracing import NO_TRACER, NULL_SPAN, Span, Tracer
 from router.capacity import WaitQueue
+from router.fleet.view import FleetView
 from router.http import admin, cors, models
 from router.http.admin_auth import admin_auth
 from router.http.admin_policy import PREFIX, admin_policy_models
@@ -54,8 +56,11 @@ class RouterApp:
         registrations: RegistrationFeed | None = None,
         lifetime: LifetimeStore | None = None,
         tracer: Tracer = NO_TRACER,
+        fleet: FleetView | None = None,
     ) -> None:
         self.client = client
+        # `?scope=fleet`: every router's agents (router/fleet/view.py).
+        self.fleet = fleet
         self.table = table
         self.queue = queue
         self.store = store
@@ -192,6 +197,12 @@ class RouterApp:
             return await _not_allowed(send, rid, protocol, "GET"), tenant
         record = self.tenants.tenant(tenant) if self.tenants else None
         if path == "/v1/models":
+            if self.fleet is not None and _fleet_scope(scope):
+                cards = await self.fleet.models()
+                await send_json(
+                    send, 200, {"object": "list", "scope": "fleet", "data": cards}, extra
+                )
+                return 200, tenant
             peers = {m: self.table.for_model(m) for m in self.table.models()}
             cards = models.listed(self.client.models(), peers, record)
             await send_json(send, 200, {"object": "list", "data": cards}, extra)
@@ -223,7 +234,10 @@ class RouterApp:
             return 401
         path, method = scope["path"], scope["method"]
         if method == "GET" and path == "/admin/routing-table":
-            await send_json(send, 200, admin.routing_table(self.table), extra)
+            if self.fleet is not None and _fleet_scope(scope):
+                await send_json(send, 200, await self.fleet.routing_table(), extra)
+            else:
+                await send_json(send, 200, admin.routing_table(self.table), extra)
         elif method == "GET" and path == "/admin/registration-stream":
             return await registration_stream(self.registrations, receive, send, extra)
         elif path == "/admin/storage" and method == "GET" and self.lifetime:
@@ -244,7 +258,8 @@ class RouterApp:
             await send_json(send, 200, cards[0], extra)
         elif path == "/admin/policy" and method == "GET":
             body = self.store.current.source.encode()
-            await send_bytes(send, 200, body, "application/yaml", extra)
+            etag = ("etag", f'"{self.store.version()}"')
+            await send_bytes(send, 200, body, "application/yaml", [*extra, etag])
         elif path == "/admin/policy" and method == "PUT":
             return await admin.put_document(
                 self.store,
@@ -252,7 +267,10 @@ class RouterApp:
                 receive,
                 send,
                 extra,
-                lambda: {"chain": self.store.current.chain_names()},
+                lambda: {
+                    "chain": self.store.current.chain_names(),
+                    "version": self.store.version(),
+                },
             )
         elif path == PREFIX or path.startswith(PREFIX + "/"):
             return await admin_policy_models(self.store, scope, receive, send, extra)
@@ -285,6 +303,11 @@ def _with_traceparent(send: Send, span: Span) -> Send:
         await send(message)
 
     return traced_send
+
+
+def _fleet_scope(scope: Scope) -> bool:
+    query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+    return query.get("scope", [""])[-1] == "fleet"
 
 
 _CHALLENGE = ("www-authenticate", "Bearer")

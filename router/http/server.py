@@ -149,12 +149,17 @@ class HttpServer:
         addr: tuple[str, int],
         shutdown_trigger: Callable[[], Awaitable[Any]],
         *,
+        reuse_port: bool = False,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve until `shutdown_trigger` returns; then stop accepting, let requests in
         progress finish for up to graceful_timeout, and cancel what is left. Started
-        with the port it listens on (for port 0)."""
-        listeners = await trio.open_tcp_listeners(addr[1], host=addr[0])
+        with the port it listens on (for port 0). `reuse_port`: share the port with the
+        host's other router workers (SO_REUSEPORT; the kernel spreads connections)."""
+        if reuse_port:
+            listeners = [await _reuse_port_listener(addr)]
+        else:
+            listeners = await trio.open_tcp_listeners(addr[1], host=addr[0])
         async with trio.open_nursery() as nursery:
             accepting = trio.CancelScope()
 
@@ -620,3 +625,17 @@ def _addr(value: Any) -> tuple[str, int] | None:
     if isinstance(value, tuple) and len(value) >= 2:
         return (str(value[0]), int(value[1]))
     return None
+
+
+async def _reuse_port_listener(addr: tuple[str, int]) -> trio.SocketListener:
+    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
+        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEPORT, 1)
+        await sock.bind(addr)
+        # trio's own default backlog (open_tcp_listeners), the kernel's somaxconn.
+        sock.listen(0xFFFF)
+    except BaseException:
+        sock.close()
+        raise
+    return trio.SocketListener(sock)

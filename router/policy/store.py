@@ -99,6 +99,9 @@ class PolicyStore(DocumentStore[Policy]):
     def parse(self, text: str) -> Policy:
         return load_policy(text)
 
+    def source(self) -> str:
+        return self.current.source
+
     def install(self, value: Policy) -> str:
         self.current = value
         for listener in self.listeners:

@@ -57,6 +57,9 @@ class AuthStore(DocumentStore[AuthConfig]):
         for warning in config.warnings:
             log.warning("auth_warning %s", quote(warning))
 
+    def source(self) -> str:
+        return self.current.source if self.current is not None else ""
+
     def install(self, value: AuthConfig) -> str:
         self.current = value
         self._warn(value)
@@ -163,6 +166,7 @@ class TenantGate:
         return {
             "auth_file": self.store.path,
             "state_store": self.state.mode,
+            "version": self.store.version(),
             "tenants": [] if config is None else [t.public() for t in config.tenants.values()],
         }
 

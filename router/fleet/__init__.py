@@ -1,0 +1,1 @@
+"""Several routers acting as one: configuration and the fleet's view, through Redis."""

@@ -1,0 +1,80 @@
+"""Any router shows the whole fleet with `?scope=fleet` (issue 21, item 4)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from tests.fleet import Fleet, Router, wait_until
+from tests.redis_server import RedisServer
+
+
+def ask(router: Router, model: str) -> None:
+    r = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={"model": model, "messages": [{"role": "user", "content": "hi"}]},
+        timeout=30,
+    )
+    assert r.status_code == 200, r.text
+
+
+def fleet_agents(router: Router) -> dict[str, dict]:
+    table = router.admin("/admin/routing-table?scope=fleet")
+    assert table["scope"] == "fleet"
+    return {a["peer_id"]: a for a in table["agents"]}
+
+
+def test_every_router_shows_every_agent_with_its_routers_and_merged_statistics(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    server = RedisServer(tmp_path, fleet.env).start()
+    fleet.procs.append(server)
+    r1, r2 = (fleet.router("--state-url", server.url) for _ in range(2))
+    only_r1 = fleet.agent(r1, "m1")
+    only_r2 = fleet.agent(r2, "m2")
+    both = fleet.agent([r1, r2], "m3")
+    for _ in range(3):
+        ask(r1, "m3")
+    for _ in range(2):
+        ask(r2, "m3")
+
+    # Without the scope each router shows its own agents, as before.
+    assert {a["peer_id"] for a in r1.agents()} == {only_r1.peer_id, both.peer_id}
+
+    def settled(router: Router) -> dict[str, dict] | None:
+        agents = fleet_agents(router)
+        merged = agents.get(both.peer_id)
+        ok = len(agents) == 3 and merged is not None and merged["universal"]["requests"] == 5
+        return agents if ok else None
+
+    for router in (r1, r2):
+        agents = wait_until(lambda r=router: settled(r), 20, "every router's entry in Redis")
+        assert agents[only_r1.peer_id]["routers"] == [r1.peer_id]
+        assert agents[only_r2.peer_id]["routers"] == [r2.peer_id]
+        merged = agents[both.peer_id]
+        assert merged["routers"] == sorted([r1.peer_id, r2.peer_id])
+        assert merged["universal"]["success_rate"] == 1.0
+        assert merged["universal"]["consecutive_failures"] == 0
+
+        models = httpx.get(router.url + "/v1/models?scope=fleet", timeout=5).json()
+        cards = {c["id"]: c for c in models["data"]}
+        assert sorted(cards) == ["m1", "m2", "m3"]
+        assert cards["m2"]["routers"] == [r2.peer_id]
+        assert cards["m3"]["agents"]["total"] == 1
+
+    # A router that stops leaves the view once its entry expires; its agents' other
+    # sessions keep them listed.
+    r2.stop()
+    wait_until(
+        lambda: only_r2.peer_id not in fleet_agents(r1), 30, "the stopped router's entry gone"
+    )
+    assert fleet_agents(r1)[both.peer_id]["routers"] == [r1.peer_id]
+
+
+def test_without_a_state_url_the_fleet_is_this_router(fleet: Fleet) -> None:
+    router = fleet.router()
+    agent = fleet.agent(router, "m1")
+    agents = fleet_agents(router)
+    assert list(agents) == [agent.peer_id]
+    assert agents[agent.peer_id]["routers"] == [router.peer_id]

@@ -1,0 +1,124 @@
+"""`hivenet-router serve --workers N`: one host, N router processes (issue 21, item 3)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+from pathlib import Path
+
+import httpx
+from libp2p.crypto.ed25519 import create_new_key_pair
+
+from agent.app import MAX_WORKERS, AgentDaemon
+from agent.link import RouterConnection
+from agent.settings import AgentSettings
+from protocol.p2p import peer_id_of
+from tests.fleet import Fleet, Proc, Router, wait_until
+
+PEER_A = str(peer_id_of(create_new_key_pair()))
+PEER_B = str(peer_id_of(create_new_key_pair()))
+
+
+def metric(router: Router, worker: int, name: str) -> float:
+    text = httpx.get(f"http://127.0.0.1:{router.metrics_port + worker}/metrics", timeout=5).text
+    return sum(
+        float(line.rpartition(" ")[2])
+        for line in text.splitlines()
+        if line.startswith(name) and not line.startswith("#")
+    )
+
+
+def ask(router: Router, text: str) -> httpx.Response:
+    return httpx.post(
+        router.url + "/v1/chat/completions",
+        json={"model": "m1", "messages": [{"role": "user", "content": text}]},
+        timeout=30,
+    )
+
+
+def test_two_workers_share_the_http_port_and_agents_learn_the_second_from_the_first(
+    fleet: Fleet,
+) -> None:
+    router = fleet.router("--workers", "2")
+    wait_until(lambda: router.log().count("router_ready") == 2, 20, "both workers ready")
+    agent = fleet.agent(router, "m1", wait=False)
+    agent.wait_log(r"router_worker_added router=/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+ via=")
+    wait_until(lambda: agent.log().count("router_joined") == 2, 20, "a session per worker")
+    for worker in (0, 1):
+        wait_until(
+            lambda w=worker: metric(router, w, "hivenet_router_agents_healthy") == 1,
+            20,
+            f"worker {worker} has the agent",
+        )
+
+    # New connections are spread by the kernel: each worker serves some of them.
+    for i in range(24):
+        r = ask(router, f"request {i}")
+        assert r.status_code == 200, r.text
+        assert r.json()["choices"][0]["message"]["content"] == f"Echo: request {i}"
+    served = [metric(router, w, "hivenet_router_routing_requests_routed_total") for w in (0, 1)]
+    assert sum(served) == 24 and min(served) >= 1, served
+
+    # A worker that dies is started again, and the agent rejoins it.
+    pid = int(re.findall(r"worker_started index=1 pid=(\d+)", router.log())[-1])
+    os.kill(pid, signal.SIGKILL)
+    router.wait_log(r"worker_exited index=1 code=-9")
+    router.wait_log(r"worker_started index=1 pid=\d+ starts=2")
+    wait_until(
+        lambda: metric(router, 1, "hivenet_router_agents_healthy") == 1, 30, "agent rejoined"
+    )
+
+    # SIGTERM stops every worker; each drains as a single router does.
+    assert router.stop(signal.SIGTERM, timeout=30) == 0
+    log = router.log()
+    assert log.count("router_stopped") == 2
+    assert "worker_stopped index=0 code=0" in log and "worker_stopped index=1 code=0" in log
+
+
+def test_workers_out_of_range_exit_with_the_reason(fleet: Fleet) -> None:
+    router = fleet.router("--workers", "0", start=False)
+    Proc.start(router)  # it never gets to router_ready
+    assert router.popen is not None and router.popen.wait(20) == 2
+    assert "--workers must be 1 to 64, got 0" in router.log()
+
+
+class _Nursery:
+    def __init__(self) -> None:
+        self.started: list[object] = []
+
+    def start_soon(self, fn: object, *args: object) -> None:
+        self.started.append(fn)
+
+
+def test_a_hostile_workers_list_adds_only_well_formed_new_routers(tmp_path: Path) -> None:
+    first = "/ip4/10.0.0.5/tcp/9000/p2p/" + PEER_A
+    daemon = AgentDaemon(AgentSettings([first], identity_path=str(tmp_path / "a.key")))
+    daemon.connections.append(RouterConnection(None, first, lambda stream: None))
+    nursery = _Nursery()
+    daemon._dial = (None, nursery, lambda address: lambda stream: None)
+    hostile: list = [
+        "not a map",
+        {"tcp_port": "9001", "peer_id": PEER_B},
+        {"tcp_port": 0, "peer_id": PEER_B},
+        {"tcp_port": 70000, "peer_id": PEER_B},
+        {"tcp_port": True, "peer_id": PEER_B},
+        {"tcp_port": 9001, "peer_id": "not-a-peer-id"},
+        {"tcp_port": 9002, "peer_id": PEER_A},  # the router we have, on another port
+        {"tcp_port": 9001, "peer_id": PEER_B},
+        {"tcp_port": 9001, "peer_id": PEER_B},  # named twice
+    ]
+    daemon._dial_workers(first, hostile)
+    assert [c.address for c in daemon.connections] == [
+        first,
+        "/ip4/10.0.0.5/tcp/9001/p2p/" + PEER_B,
+    ]
+    assert len(nursery.started) == 1
+    # Welcomes naming ever more workers add MAX_WORKERS in all, at most.
+    flood = [
+        {"tcp_port": 10000 + i, "peer_id": str(peer_id_of(create_new_key_pair()))}
+        for i in range(MAX_WORKERS + 10)
+    ]
+    daemon._dial_workers(first, flood[:40])
+    daemon._dial_workers(first, flood[40:])
+    assert len(daemon.connections) == 1 + MAX_WORKERS
