@@ -23,12 +23,11 @@ from router.dispatch import Dispatcher
 from router.fleet.config_sync import CALL_TIMEOUT, ConfigSync
 from router.fleet.view import FleetView
 from router.forward_limit import ForwardLimit
-from router.history import AgentHistory
 from router.http.app import RouterApp, protocol_of, with_lifespan
 from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
 from router.http.server import HttpServer
-from router.lifetime import LifetimeStore, default_path
+from router.lifetime import LifetimeStore, history_path
 from router.link import AgentLink, LinkSettings
 from router.metrics import RouterMetrics
 from router.p2p_host import close_listeners, router_host
@@ -90,7 +89,11 @@ class RouterDaemon:
         self.registrations = RegistrationFeed()
         self.tracer = tracer_from_env("hivenet-router")
         self.lifetime = LifetimeStore(
-            settings.history_path or default_path(settings.identity_path), self.table
+            history_path(settings),
+            self.table,
+            interval=settings.universal_flush_interval,
+            ttl_days=settings.disk_db_ttl,
+            reset=settings.reset_disk_db,
         )
         self.lifetime.load()
         self.link = AgentLink(
@@ -110,18 +113,6 @@ class RouterDaemon:
             self.registrations,
             self.lifetime,
         )
-        self.history = (
-            AgentHistory(
-                settings.disk_db_path,
-                settings.disk_db_ttl,
-                settings.universal_flush_interval,
-                settings.reset_disk_db,
-            )
-            if settings.disk_db_path
-            else None
-        )
-        if self.history is not None:
-            self.link.history_of = self.history.restore
         self.ranking = Ranking()
         self.table.on_remove(self.ranking.forget)
         self.session = RoutingSession(
@@ -240,8 +231,6 @@ class RouterDaemon:
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self.link.sweep)
-                    if self.history is not None:
-                        nursery.start_soon(self.history.run, self.table)
                     nursery.start_soon(self.tenants.run)
                     nursery.start_soon(self.lifetime.run)
                     if self.tracer.enabled:

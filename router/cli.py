@@ -139,11 +139,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--disk-db-path",
         default=os.environ.get("HIVENET_ROUTER_DISK_DB_PATH") or None,
-        help="directory keeping each agent's history across restarts (default: none)",
+        help="directory for the per-agent history file (the Go router's flag; --history-path"
+        " names the file itself)",
     )
     serve.add_argument("--disk-db-ttl", type=int, default=30, help="days; 0 keeps entries")
-    serve.add_argument("--universal-flush-interval", type=parse_duration, default="30s")
-    serve.add_argument("--reset-disk-db", action="store_true", help="delete the directory first")
+    serve.add_argument("--universal-flush-interval", type=parse_duration, default="5s")
+    serve.add_argument(
+        "--reset-disk-db", action="store_true", help="start with an empty per-agent history"
+    )
     add_refused(serve, REFUSED)
     serve.add_argument(
         "--log-format", choices=FORMATS, default=None, help="text (key=value) or json lines"
@@ -286,8 +289,6 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
             "--health-check-interval, --request-timeout and --universal-flush-interval"
             " must be positive"
         )
-    if s.reset_disk_db and not s.disk_db_path:
-        raise ValueError("--reset-disk-db needs --disk-db-path")
     if s.auth_mode == "api-key" and not s.auth_file and not s.client_api_keys.strip():
         raise ValueError(
             "HIVENET_ROUTER_AUTH_MODE=api-key needs keys: an auth file (--auth-config-file)"

@@ -3,8 +3,10 @@
 Each agent's UniversalStats (successes, failures, tokens, rejections, disconnections,
 SRTT and RTTVAR) is one row keyed by peer ID. The request path never touches the
 file: the link updates the in-memory stats as before, and `run` writes the rows that
-changed every WRITE_INTERVAL seconds, plus once more on shutdown. An agent that joins a
-restarted router starts from its row.
+changed every `--universal-flush-interval` (5 s), plus once more on shutdown. An agent
+that joins a restarted router starts from its row. The Go router's flags for its
+BadgerDB store name this one file: `--disk-db-path DIR` puts it in DIR, `--disk-db-ttl`
+drops rows not written for that many days at startup, `--reset-disk-db` starts empty.
 
 sqlite3 only does blocking I/O, so the reads and writes run in a worker thread through
 `trio.to_thread.run_sync`, one at a time under a lock; that is the only thread here.
@@ -24,11 +26,13 @@ import trio
 
 from protocol.logs import quote
 from router.peers import PeerTable, UniversalStats
+from router.settings import RouterSettings
 
 log = logging.getLogger("history")
 
 WRITE_INTERVAL = 5.0
 FILE_NAME = "router_history.sqlite3"
+DAY = 86400.0
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS agent_history (
@@ -76,16 +80,29 @@ _UPSERT = (
 )
 
 
-def default_path(identity_path: str) -> str:
-    """Beside the router's identity key: the two are the router's state."""
-    return os.path.join(os.path.dirname(os.path.abspath(identity_path)), FILE_NAME)
+def history_path(settings: RouterSettings) -> str:
+    """`--history-path`, else the file in `--disk-db-path`, else beside the router's
+    identity key: the two are the router's state."""
+    if settings.history_path:
+        return settings.history_path
+    directory = settings.disk_db_path or os.path.dirname(os.path.abspath(settings.identity_path))
+    return os.path.join(directory, FILE_NAME)
 
 
 class LifetimeStore:
-    def __init__(self, path: str, table: PeerTable, interval: float = WRITE_INTERVAL) -> None:
+    def __init__(
+        self,
+        path: str,
+        table: PeerTable,
+        interval: float = WRITE_INTERVAL,
+        ttl_days: int = 0,
+        reset: bool = False,
+    ) -> None:
         self.path = path
         self.table = table
         self.interval = interval
+        self.ttl = ttl_days * DAY
+        self.reset_at_start = reset
         self.rows = 0
         self.last_write: float | None = None  # wall clock
         self.last_error: str | None = None
@@ -106,12 +123,20 @@ class LifetimeStore:
         """Open the file and read it, at startup before the event loop runs (so a file
         that is not a history is a startup error, exit 2, with its reason)."""
         try:
+            if self.reset_at_start and os.path.exists(self.path):
+                os.remove(self.path)
+                log.warning("history_reset path=%s", quote(self.path))
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             db = sqlite3.connect(self.path, check_same_thread=False)
             db.execute(_SCHEMA)
+            if self.ttl:
+                db.execute(
+                    "DELETE FROM agent_history WHERE updated_at < ?", (time.time() - self.ttl,)
+                )
             db.commit()
             query = f"SELECT peer_id, {', '.join(_COLUMNS)} FROM agent_history"
             rows = db.execute(query).fetchall()
-        except sqlite3.Error as exc:
+        except (sqlite3.Error, OSError) as exc:
             raise ValueError(f"--history-path {self.path}: {exc}") from exc
         self._saved = {row[0]: Lifetime(*row[1:]) for row in rows}
         self._written = dict(self._saved)

@@ -12,7 +12,7 @@ import math
 import re
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,7 +49,6 @@ from router.peers import (
     AgentMetadata,
     Peer,
     PeerTable,
-    UniversalStats,
 )
 from router.registrations import RegistrationFeed, registration
 from router.remote_addr import format_endpoint, remote_endpoint
@@ -409,8 +408,6 @@ class AgentLink:
         self.lifetime = lifetime
         self.sessions: dict[Peer, AgentSession] = {}
         self.unjoined = Unjoined(settings.unjoined)
-        # A joining agent's history from before a restart (--disk-db-path), if any.
-        self.history_of: Callable[[str], UniversalStats | None] = lambda peer_id: None
 
     def __repr__(self) -> str:
         return f"<AgentLink {len(self.sessions)} sessions, {self.unjoined!r}>"
@@ -504,9 +501,6 @@ class AgentLink:
         )
         old = self.table.get(peer.peer_id)
         restored = self.lifetime.restore(peer.peer_id) if self.lifetime else None
-        if restored is None and old is None:
-            # --disk-db-path (issue 19's JSON store), when the SQLite history has no row.
-            restored = self.history_of(peer.peer_id)
         if restored is not None:
             peer.stats = restored
         if old is not None:

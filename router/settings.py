@@ -61,7 +61,7 @@ class RouterSettings:
     queue_size: int = 100
     request_timeout: float = 60.0
     health_check_interval: float = 1.0
-    # --disk-db-path: agents' history across restarts (router/history.py); None: off.
+    # --disk-db-path: the directory of the per-agent history file (router/lifetime.py).
     disk_db_path: str | None = None
     disk_db_ttl: int = 30
     universal_flush_interval: float = 30.0

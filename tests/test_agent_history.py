@@ -1,64 +1,76 @@
-"""`--disk-db-path`: agents' router-side history across router restarts (issue 19)."""
+"""The Go router's `--disk-db-*` flags drive the one per-agent history (router/lifetime.py)."""
 
 from __future__ import annotations
 
-import json
+import sqlite3
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
 
-from router.history import FILE, AgentHistory
+from router.cli import build_parser, settings_from
+from router.lifetime import FILE_NAME, LifetimeStore, history_path
 from router.peers import PeerTable
-from tests.fleet import Fleet, wait_until
+from router.settings import RouterSettings
+from tests.fleet import Fleet
 from tests.test_session import make_peer
 
 
-async def test_history_survives_a_restart_and_expires(tmp_path: Path, autojump_clock: Any) -> None:
+def _settings(*flags: str) -> RouterSettings:
+    return settings_from(build_parser().parse_args(["serve", *flags]))
+
+
+def test_the_history_file_is_where_the_flags_say(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    monkeypatch.setenv("HIVENET_ROUTER_ADMIN_API_KEYS", "k")
+    monkeypatch.setenv("HIVENET_ROUTER_JWT_SECRET", "s" * 32)
+    key = tmp_path / "id.key"
+    assert history_path(_settings("--identity-path", str(key))) == str(tmp_path / FILE_NAME)
+    db = tmp_path / "db"
+    assert history_path(_settings("--disk-db-path", str(db))) == str(db / FILE_NAME)
+    named = tmp_path / "h.sqlite3"
+    assert history_path(_settings("--disk-db-path", str(db), "--history-path", str(named))) == str(
+        named
+    )
+    assert _settings().universal_flush_interval == 5.0
+
+
+async def _saved(path: Path, peer_id: str) -> None:
     table = PeerTable()
-    peer = make_peer("A")
+    peer = make_peer(peer_id)
     peer.stats.record_success(probe=False)
     peer.stats.record_rtt(40.0)
     table.add(peer)
-    AgentHistory(str(tmp_path), 30, 1.0, reset=False).flush(table)
-    restored = AgentHistory(str(tmp_path), 30, 1.0, reset=False).restore("A")
+    store = LifetimeStore(str(path), table)
+    store.load()
+    await store.write()
+    store.close()
+
+
+async def test_ttl_drops_old_rows_and_reset_starts_empty(tmp_path: Path) -> None:
+    path = tmp_path / "db" / FILE_NAME  # the directory is made when missing
+    await _saved(path, "A")
+    with sqlite3.connect(path) as db:
+        db.execute("UPDATE agent_history SET updated_at = ?", (time.time() - 31 * 86400,))
+
+    kept = LifetimeStore(str(path), PeerTable(), ttl_days=0)
+    kept.load()
+    restored = kept.restore("A")
     assert restored is not None and restored.successes == 1 and restored.srtt_ms == 40.0
-    assert "probe_at" not in (tmp_path / FILE).read_text()  # this process's clock
-    assert AgentHistory(str(tmp_path), 30, 1.0, reset=False).restore("B") is None
+    kept.close()
 
-    # An entry not seen for --disk-db-ttl days is dropped at load; 0 keeps it.
-    saved = json.loads((tmp_path / FILE).read_text())
-    saved["A"]["seen"] = time.time() - 31 * 86400
-    (tmp_path / FILE).write_text(json.dumps(saved))
-    assert AgentHistory(str(tmp_path), 30, 1.0, reset=False).restore("A") is None
-    assert AgentHistory(str(tmp_path), 0, 1.0, reset=False).restore("A") is not None
-    # --reset-disk-db starts empty.
-    assert AgentHistory(str(tmp_path), 0, 1.0, reset=True).restore("A") is None
+    expired = LifetimeStore(str(path), PeerTable(), ttl_days=30)
+    expired.load()
+    assert expired.restore("A") is None
+    expired.close()
 
-
-@pytest.mark.parametrize("text", ["{not json", "[1, 2]", "\xff"])
-def test_an_unreadable_history_is_a_startup_error(tmp_path: Path, text: str) -> None:
-    (tmp_path / FILE).write_bytes(text.encode("latin-1"))
-    with pytest.raises(ValueError, match="--disk-db-path"):
-        AgentHistory(str(tmp_path), 30, 1.0, reset=False)
-
-
-def test_hostile_entries_are_skipped(tmp_path: Path) -> None:
-    (tmp_path / FILE).write_text(
-        json.dumps(
-            {
-                "A": 5,
-                "B": {"stats": {"successes": "x", "bogus": 1}, "seen": 1e18},
-                "C": {"stats": {"nope": 1}, "seen": 1e18},
-            }
-        )
-    )
-    history = AgentHistory(str(tmp_path), 0, 1.0, reset=False)
-    assert history.restore("A") is None
-    assert history.restore("B") is None  # a string where a count belongs
-    assert history.restore("C") is not None  # unknown fields dropped: a fresh record
+    await _saved(path, "B")
+    fresh = LifetimeStore(str(path), PeerTable(), reset=True)
+    fresh.load()
+    assert fresh.restore("B") is None and fresh.rows == 0
+    fresh.close()
 
 
 def test_a_restarted_router_knows_a_returning_agent(fleet: Fleet, tmp_path: Path) -> None:
@@ -68,9 +80,9 @@ def test_a_restarted_router_knows_a_returning_agent(fleet: Fleet, tmp_path: Path
     body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
     assert httpx.post(router.url + "/v1/chat/completions", json=body, timeout=30).status_code == 200
     router.stop()
+    assert (db / FILE_NAME).exists()
     router.start()
     joined = router.wait_agent(agent.peer_id, timeout=30)
     # Before any request of this run, the agent's round-trip time is already known.
     assert joined["universal"]["srtt"] is not None
     assert joined["universal"]["success_rate"] == 1.0
-    wait_until(lambda: (db / FILE).exists(), what="history file")
