@@ -22,6 +22,7 @@ import subprocess
 import tomllib
 from dataclasses import dataclass
 from pathlib import Path
+from unittest import mock
 
 import httpx
 import yaml
@@ -29,6 +30,7 @@ import yaml
 from agent.cli import build_parser as agent_parser
 from protocol.p2p import load_or_create_identity, peer_id_of
 from router.cli import build_parser as router_parser
+from router.cli import settings_from
 from tests.fleet import ADMIN_KEY, SECRET, VENV_BIN, Fleet, Proc, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,8 +75,15 @@ AGENT_IMAGE = Containerfile.read("agent.Containerfile")
 
 
 def interface_default(flag: str) -> str:
-    """The router's own default for a port flag (INTERFACE.md's: `:8080`, `:2112`, `9000`)."""
-    return str(vars(router_parser().parse_args(["serve"]))[flag.lstrip("-").replace("-", "_")])
+    """The router's own default for a port flag (INTERFACE.md's: `:8080`, `:2112`, `9000`);
+    a flag whose variable twin may set it parses to None and is resolved as `serve` does."""
+    parsed = vars(router_parser().parse_args(["serve"]))[flag.lstrip("-").replace("-", "_")]
+    if parsed is not None:
+        return str(parsed)
+    env = {"HIVENET_ROUTER_ADMIN_API_KEYS": "k", "HIVENET_ROUTER_JWT_SECRET": "s" * 32}
+    with mock.patch.dict(os.environ, env):
+        settings = settings_from(router_parser().parse_args(["serve"]))
+    return str(getattr(settings, flag.lstrip("-").replace("-", "_")))
 
 
 def published(service: str) -> dict[int, str]:
