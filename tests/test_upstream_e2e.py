@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import signal
+import sqlite3
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -17,6 +18,7 @@ import openai
 import pytest
 import trio
 
+from router.lifetime import FILE_NAME
 from tests.fleet import ADMIN_KEY, SECRET, VENV_BIN, Fleet, Proc, Router, free_port, wait_until
 
 REPO = Path(__file__).resolve().parent.parent
@@ -488,4 +490,5 @@ def test_bare_metal_deployment_routes_a_request(fleet: Fleet, tmp_path: Path) ->
     wait_until(lambda: audit.exists() and audit.read_text(), what="audit line")
     # Its --disk-db-path keeps the agents' history for the next start.
     router_proc.stop()
-    assert '"successes":1' in (tmp_path / "history" / "agents.json").read_text()
+    with sqlite3.connect(tmp_path / "history" / FILE_NAME) as db:
+        assert db.execute("SELECT sum(successes) FROM agent_history").fetchone()[0] == 1

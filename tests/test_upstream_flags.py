@@ -154,7 +154,6 @@ def test_router_invalid_or_refused_values_are_startup_errors(
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--reset-disk-db"], "--reset-disk-db needs --disk-db-path"),
         (["--disk-db-ttl", "-1"], "--disk-db-ttl must be at least 0"),
         (["--universal-flush-interval", "0"], "must be positive"),
         (["--queue-size", "0"], "--queue-size must be at least 1"),
