@@ -13,10 +13,12 @@ MAX_DEPTH = 12
 
 
 def root_cause(exc: BaseException) -> BaseException:
-    """The innermost cause: through __cause__, and a MultiError's first error."""
+    """The innermost cause: through __cause__, and a MultiError's or an exception
+    group's first error."""
     node, depth = exc, 0
     while depth < MAX_DEPTH:
-        errors = getattr(node, "errors", None)
+        # A MultiError keeps its errors in `errors`; trio's ExceptionGroups in `exceptions`.
+        errors = getattr(node, "errors", None) or getattr(node, "exceptions", None)
         if isinstance(errors, list | tuple) and errors and isinstance(errors[0], BaseException):
             node = errors[0]
         elif node.__cause__ is not None:

@@ -44,7 +44,7 @@ def test_two_workers_share_the_http_port_and_agents_learn_the_second_from_the_fi
     wait_until(lambda: router.log().count("router_ready") == 2, 20, "both workers ready")
     agent = fleet.agent(router, "m1", wait=False)
     agent.wait_log(r"router_worker_added router=/ip4/127\.0\.0\.1/tcp/\d+/p2p/\S+ via=")
-    wait_until(lambda: agent.log().count("router_joined") == 2, 20, "a session per worker")
+    wait_until(lambda: agent.log().count("router_joined") == 2, 45, "a session per worker")
     for worker in (0, 1):
         wait_until(
             lambda w=worker: metric(router, w, "hivenet_router_agents_healthy") == 1,

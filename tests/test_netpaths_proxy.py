@@ -282,6 +282,16 @@ def test_dial_errors_name_the_innermost_cause() -> None:
         "ConnectionError: unable to connect (cause: ValueError: certificate verify failed)"
     )
     assert describe(KeyError("x")) == "KeyError: 'x'"
+    # trio's connect keeps its attempts in an exception group (`exceptions`, not `errors`).
+    refused = ConnectionRefusedError(111, "Connection refused")
+    try:
+        raise OSError("all attempts to connect to 127.0.0.1:9 failed") from ExceptionGroup(
+            "all attempts failed", [refused]
+        )
+    except OSError as dial:
+        assert describe(dial).endswith(
+            "(cause: ConnectionRefusedError: [Errno 111] Connection refused)"
+        )
 
 
 def test_router_tls_flags_are_checked_at_start(
