@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -26,6 +27,22 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_ports(count: int) -> int:
+    """The first of `count` consecutive free ports (`serve --workers N` takes port + i)."""
+    while True:
+        first = free_port()
+        if first + count > 65536:
+            continue
+        with contextlib.ExitStack() as held:
+            try:
+                for port in range(first, first + count):
+                    s = held.enter_context(socket.socket())
+                    s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return first
 
 
 def wait_until(check: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:
@@ -89,9 +106,10 @@ class Proc:
 class Router(Proc):
     def __init__(self, fleet: Fleet, flags: list[str], env: dict[str, str]) -> None:
         self.fleet = fleet
+        workers = int(flags[flags.index("--workers") + 1]) if "--workers" in flags else 1
         self.http_port = free_port()
-        self.metrics_port = free_port()
-        self.p2p_port = free_port()
+        self.metrics_port = free_ports(workers)
+        self.p2p_port = free_ports(workers)
         self.identity = fleet.dir / f"router-{self.p2p_port}.key"
         self.peer_id = str(peer_id_of(load_or_create_identity(self.identity)))
         self.flags = flags
