@@ -4,22 +4,10 @@ and what the router makes of hostile ones."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
-
 import pytest
 
 from router.agent_detail import MAX_GPUS, gpu_total, gpus_of, memory_of, preemptions_of
 from tests.fleet import Fleet, wait_until
-
-
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    f = Fleet(tmp_path)
-    try:
-        yield f
-    finally:
-        f.close()
 
 
 def test_routing_table_and_metrics_show_memory_bytes_and_preemptions(fleet: Fleet) -> None:

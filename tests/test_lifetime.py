@@ -4,24 +4,13 @@
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
-import pytest
 
 from tests.fleet import ADMIN_KEY, Agent, Fleet, Proc, Router, wait_until
 
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
-
-
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    f = Fleet(tmp_path)
-    try:
-        yield f
-    finally:
-        f.close()
 
 
 def _chat(router: Router) -> dict:

@@ -6,10 +6,8 @@ from __future__ import annotations
 import json
 import socket
 from collections.abc import Iterator
-from pathlib import Path
 
 import httpx
-import pytest
 import trio
 import trio.lowlevel
 
@@ -20,15 +18,6 @@ from router.registrations import Registration, RegistrationFeed
 from tests.fleet import ADMIN_KEY, Fleet
 
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
-
-
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    f = Fleet(tmp_path)
-    try:
-        yield f
-    finally:
-        f.close()
 
 
 def _events(lines: Iterator[str]) -> Iterator[dict]:

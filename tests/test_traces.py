@@ -156,15 +156,6 @@ def engine() -> Iterator[tuple[FakeEngine, int]]:
     server.shutdown()
 
 
-@pytest.fixture
-def fleet(tmp_path: Path) -> Iterator[Fleet]:
-    f = Fleet(tmp_path)
-    try:
-        yield f
-    finally:
-        f.close()
-
-
 def _otel_env(port: int) -> dict[str, str]:
     return {
         "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
