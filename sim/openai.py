@@ -21,6 +21,7 @@ from sim.generation import (
     Run,
     conversation,
     max_tokens,
+    prefilled,
     template,
     words,
 )
@@ -55,10 +56,27 @@ def _include_usage(payload: dict[str, Any]) -> bool:
 # Chat ---------------------------------------------------------------------------------
 
 
+def continued(payload: dict[str, Any]) -> int:
+    """The answer words a `continue_final_message` request already holds, checked as
+    vLLM checks it; without the flag a final assistant message starts a new turn."""
+    if payload.get("continue_final_message") is not True:
+        return 0
+    if payload.get("add_generation_prompt", True) is not False:
+        raise RequestError(
+            400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    messages = payload.get("messages")
+    if not (isinstance(messages, list) and messages and isinstance(messages[-1], dict)):
+        raise RequestError(400, "`messages` must be a non-empty list")
+    if messages[-1].get("role") != "assistant":
+        raise RequestError(400, "continue_final_message needs a final assistant message")
+    return prefilled(messages)
+
+
 def prepare_chat(engine: SimEngine, payload: dict[str, Any], started: float) -> Run:
     prompt, last_user = conversation(payload.get("messages"))
     limit = max_tokens(payload, "max_completion_tokens", "max_tokens")
-    job = engine.job(prompt, last_user, limit, payload, started)
+    job = engine.job(prompt, last_user, limit, payload, started, continued(payload))
     if payload.get("stream") is True:
         return partial(_chat_stream, engine, job, _include_usage(payload))
     return partial(_chat_full, engine, job)

@@ -6,12 +6,14 @@ import json
 import logging
 import time
 from dataclasses import dataclass
+from functools import partial
 
 import trio
 
 from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
 from protocol.tracing import NULL_SPAN, Span, valid_traceparent
+from router.continuation_relay import StreamContinuer, StreamRelay
 from router.dispatch import Dispatcher, ProviderServed
 from router.http import count_tokens, request_fields
 from router.http.asgi import (
@@ -103,6 +105,7 @@ class ClientApi:
         self.table = table
         self.metrics = metrics
         self.settings = settings
+        self.continuer = StreamContinuer(dispatcher, table, metrics)
 
     async def inference(
         self, scope: Scope, receive: Receive, send: Send, rid: str, tenant: str, priority: int = 0
@@ -293,6 +296,7 @@ class ClientApi:
         ]
         headers += extra
         state.status = response.status
+        relay: StreamRelay | None = None
         try:
             if not req.stream:
                 body = await response.read_all()
@@ -303,9 +307,8 @@ class ClientApi:
                 return
             state.started = True
             await start_response(send, response.status, headers)
-            async for chunk in response.chunks():
-                await send_body(send, chunk, more=True)
-            await send_body(send, b"")
+            relay = StreamRelay(self.continuer, req, response, partial(setattr, state, "response"))
+            await relay.run(send)
         except StreamBroken as exc:
             code = (
                 ErrorCode.AGENT_DISCONNECTED
@@ -325,9 +328,9 @@ class ClientApi:
             else:
                 state.status = await send_error(send, protocol, err, extra, state.ticket)
         finally:
-            response.close()
+            (relay.response if relay else response).close()
             if state.ticket:
-                state.ticket.usage = response.usage
+                state.ticket.usage = relay.usage if relay else response.usage
 
     async def _send_provider(
         self,

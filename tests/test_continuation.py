@@ -1,0 +1,221 @@
+"""Stream continuation without processes: the sim continuing a final assistant turn, what
+a broken stream had sent, and the splice that puts the next engine's stream after it."""
+
+from __future__ import annotations
+
+import json
+
+import anthropic
+import openai
+import trio
+
+from router.continuation import (
+    Sent,
+    Splice,
+    closing,
+    continuation_body,
+    merged_usage,
+    read_sent,
+    sse_events,
+)
+from sim.__main__ import serve_sim
+from sim.app import create_sim_app
+
+MODEL = "sim/test-model"
+CHAT = "/v1/chat/completions"
+MESSAGES = "/v1/messages"
+
+
+async def _sim(nursery: trio.Nursery) -> str:
+    port = await nursery.start(serve_sim, create_sim_app(MODEL), "127.0.0.1", 0)
+    return f"http://127.0.0.1:{port}"
+
+
+async def test_the_sim_continues_a_final_assistant_turn_and_counts_only_new_tokens(
+    nursery: trio.Nursery,
+) -> None:
+    url = await _sim(nursery)
+    client = openai.AsyncOpenAI(base_url=url + "/v1", api_key="x")
+    turns = [{"role": "user", "content": "a b c d"}]
+    prefill = [*turns, {"role": "assistant", "content": "Echo: a b"}]
+    flags = {"continue_final_message": True, "add_generation_prompt": False}
+    whole = await client.chat.completions.create(model=MODEL, messages=turns)  # type: ignore[arg-type]
+    assert whole.choices[0].message.content == "Echo: a b c d"
+    rest = await client.chat.completions.create(
+        model=MODEL,
+        messages=prefill,  # type: ignore[arg-type]
+        extra_body=flags,
+    )
+    assert rest.choices[0].message.content == " c d"
+    assert rest.usage is not None
+    # The prompt holds the prefill (4 + 3 words); only the 2 new tokens are output.
+    assert (rest.usage.prompt_tokens, rest.usage.completion_tokens) == (7, 2)
+    chunks = await client.chat.completions.create(
+        model=MODEL,
+        messages=prefill,  # type: ignore[arg-type]
+        stream=True,
+        max_tokens=1,
+        extra_body=flags,
+    )
+    text = "".join([c.choices[0].delta.content or "" async for c in chunks if c.choices])
+    assert text == " c"
+    # vLLM's rule: continuing needs add_generation_prompt off; without the flag a final
+    # assistant message starts a new turn.
+    try:
+        await client.chat.completions.create(
+            model=MODEL,
+            messages=prefill,  # type: ignore[arg-type]
+            extra_body={"continue_final_message": True},
+        )
+        raise AssertionError("accepted continue_final_message with a generation prompt")
+    except openai.BadRequestError as exc:
+        assert "add_generation_prompt" in str(exc)
+    fresh = await client.chat.completions.create(model=MODEL, messages=prefill)  # type: ignore[arg-type]
+    assert fresh.choices[0].message.content == "Echo: a b c d"
+
+    messages = anthropic.AsyncAnthropic(base_url=url, api_key="x")
+    answer = await messages.messages.create(
+        model=MODEL,
+        max_tokens=10,
+        messages=[
+            {"role": "user", "content": "a b c d"},
+            {"role": "assistant", "content": "Echo:"},
+        ],
+    )
+    assert answer.content[0].text == " a b c d"  # type: ignore[union-attr]
+    assert answer.usage.output_tokens == 4
+
+
+def _chat_stream(pieces: list[str], *, role: bool = True, cid: str = "chatcmpl-1") -> bytes:
+    out = b""
+    for i, piece in enumerate(pieces):
+        delta: dict = {"content": piece}
+        if i == 0 and role:
+            out += _data(
+                {
+                    "id": cid,
+                    "created": 7,
+                    "model": "m",
+                    "choices": [_c({"role": "assistant", "content": ""})],
+                }
+            )
+        out += _data({"id": cid, "created": 7, "model": "m", "choices": [_c(delta)]})
+    return out
+
+
+def _c(delta: dict, finish: str | None = None) -> dict:
+    return {"index": 0, "delta": delta, "finish_reason": finish}
+
+
+def _data(event: dict) -> bytes:
+    return b"data: " + json.dumps(event).encode() + b"\n\n"
+
+
+def _event(name: str, event: dict) -> bytes:
+    return f"event: {name}\n".encode() + _data(event)
+
+
+def test_a_broken_chat_stream_is_read_and_the_continuation_spliced_on() -> None:
+    sent = read_sent(CHAT, _chat_stream(["Echo:", " a", " b"]))
+    assert (sent.text, sent.tokens, sent.problem, sent.finished) == ("Echo: a b", 3, None, False)
+    assert (sent.id, sent.created, sent.model) == ("chatcmpl-1", 7, "m")
+    payload = {"model": "m", "messages": [{"role": "user", "content": "a b c"}], "max_tokens": 5}
+    body = continuation_body(CHAT, payload, sent, flagged=True)
+    assert body["messages"][-1] == {"role": "assistant", "content": "Echo: a b"}
+    assert (body["max_tokens"], body["continue_final_message"], body["add_generation_prompt"]) == (
+        2,
+        True,
+        False,
+    )
+    assert payload["max_tokens"] == 5 and len(payload["messages"]) == 1  # the client's, untouched
+    assert "continue_final_message" not in continuation_body(CHAT, payload, sent, flagged=False)
+
+    splice = Splice(CHAT, sent)
+    cont = _chat_stream([" c"], cid="chatcmpl-other")
+    usage = {"id": "x", "created": 9, "model": "m", "choices": []}
+    usage["usage"] = {"prompt_tokens": 7, "completion_tokens": 1, "total_tokens": 8}
+    cont += _data({"id": "x", "created": 9, "model": "m", "choices": [_c({}, "stop")]})
+    cont += _data(usage) + b"data: [DONE]\n\n"
+    # Fed in pieces that cut events: only whole events go out.
+    out = b"".join(splice.feed(cont[i : i + 13]) for i in range(0, len(cont), 13))
+    events = [json.loads(d) for _, d in sse_events(out)[0] if d != "[DONE]"]
+    assert {(e["id"], e["created"]) for e in events} == {("chatcmpl-1", 7)}
+    assert all("role" not in c["delta"] for e in events for c in e["choices"])
+    assert "".join(c["delta"].get("content", "") for e in events for c in e["choices"]) == " c"
+    assert events[-1]["usage"] == {"prompt_tokens": 4, "completion_tokens": 4, "total_tokens": 8}
+    assert out.endswith(b"data: [DONE]\n\n")
+    assert merged_usage({"prompt_tokens": 7, "completion_tokens": 1}, sent) == {
+        "prompt_tokens": 4,
+        "completion_tokens": 4,
+    }
+
+
+def test_streams_that_cannot_be_continued_say_why() -> None:
+    tool = _data({"id": "c", "choices": [_c({"tool_calls": [{"index": 0, "id": "t"}]})]})
+    assert read_sent(CHAT, tool).problem == "tool-call streams are not continued"
+    two = _data({"id": "c", "choices": [{"index": 1, "delta": {"content": "x"}}]})
+    assert "n > 1" in str(read_sent(CHAT, two).problem)
+    half = _chat_stream(["Echo:"]) + b'data: {"id":"c","cho'
+    assert read_sent(CHAT, half).problem == "the stream broke inside an event"
+    block = {"type": "tool_use", "id": "t", "name": "f", "input": {}}
+    start = {"type": "content_block_start", "index": 0, "content_block": block}
+    assert "tool_use blocks" in str(
+        read_sent(MESSAGES, _event("content_block_start", start)).problem
+    )
+    assert read_sent("/v1/embeddings", b"").problem is not None
+
+
+def _messages_head() -> bytes:
+    message = {"id": "msg_1", "type": "message", "role": "assistant", "model": "m", "content": []}
+    message["usage"] = {"input_tokens": 4, "output_tokens": 0}
+    text = {"type": "text", "text": ""}
+    start = {"type": "content_block_start", "index": 0, "content_block": text}
+    return _event("message_start", {"type": "message_start", "message": message}) + _event(
+        "content_block_start", start
+    )
+
+
+def _delta(text: str, index: int = 0) -> bytes:
+    delta = {"type": "text_delta", "text": text}
+    return _event(
+        "content_block_delta", {"type": "content_block_delta", "index": index, "delta": delta}
+    )
+
+
+def test_a_broken_messages_stream_goes_on_in_its_open_text_block() -> None:
+    sent = read_sent(MESSAGES, _messages_head() + _delta("Echo:") + _delta(" a"))
+    assert (sent.text, sent.tokens, sent.input_tokens, sent.open_block) == ("Echo: a", 2, 4, 0)
+    payload = {"model": "m", "max_tokens": 10, "messages": [{"role": "user", "content": "a b"}]}
+    body = continuation_body(MESSAGES, payload, sent, flagged=True)
+    assert body["messages"][-1] == {"role": "assistant", "content": "Echo: a"}
+    assert body["max_tokens"] == 8 and "continue_final_message" not in body
+
+    stop = {"type": "message_delta", "delta": {"stop_reason": "end_turn"}}
+    stop["usage"] = {"output_tokens": 1}
+    cont = (
+        _messages_head()
+        + _delta(" b")
+        + _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    )
+    cont += _event("message_delta", stop) + _event("message_stop", {"type": "message_stop"})
+    out = Splice(MESSAGES, sent).feed(cont)
+    events = [(n, json.loads(d)) for n, d in sse_events(out)[0]]
+    assert [n for n, _ in events] == [
+        "content_block_delta",
+        "content_block_stop",
+        "message_delta",
+        "message_stop",
+    ]
+    assert events[0][1]["delta"]["text"] == " b"
+    assert events[2][1]["usage"] == {"output_tokens": 3}
+
+
+def test_a_stream_whole_when_it_broke_gets_its_end_from_the_router() -> None:
+    sent = read_sent(CHAT, _chat_stream(["Echo:"]))
+    end = closing(CHAT, sent, "length")
+    events = sse_events(end)[0]
+    assert json.loads(events[0][1])["choices"][0]["finish_reason"] == "length"
+    assert events[-1][1] == "[DONE]"
+    whole = Sent(finished=True, open_block=0, tokens=3)
+    names = [n for n, _ in sse_events(closing(MESSAGES, whole, "stop"))[0]]
+    assert names == ["content_block_stop", "message_stop"]
