@@ -105,11 +105,11 @@ async def _chat_full(engine: SimEngine, job: Job, exchange: Exchange) -> None:
 async def _chat_stream(
     engine: SimEngine, job: Job, include_usage: bool, exchange: Exchange
 ) -> None:
-    request_id = f"chatcmpl-sim{engine.next_id()}"
+    request_id, created = f"chatcmpl-sim{engine.next_id()}", int(time.time())
     head = (
         b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,'
         b'"choices":[{"index":0,"delta":{'
-    ) % (request_id.encode(), int(time.time()), engine.model_json)
+    ) % (request_id.encode(), created, engine.model_json)
     open_tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
     role = head + b'"role":"assistant","content":""' + open_tail
 
@@ -120,9 +120,8 @@ async def _chat_stream(
     await exchange.start(200, SSE_HEADERS)
     await engine.generate(job, emit)
     end = head + b'},"logprobs":null,"finish_reason":"%s"}]}\n\n' % job.finish.encode()
-    await _finish_stream(
-        engine, exchange, end, request_id, "chat.completion.chunk", job, include_usage
-    )
+    kind = "chat.completion.chunk"
+    await _finish_stream(engine, exchange, end, request_id, created, kind, job, include_usage)
 
 
 async def _finish_stream(
@@ -130,6 +129,7 @@ async def _finish_stream(
     exchange: Exchange,
     end: bytes,
     request_id: str,
+    created: int,
     kind: str,
     job: Job,
     include_usage: bool,
@@ -139,7 +139,7 @@ async def _finish_stream(
         usage = {
             "id": request_id,
             "object": kind,
-            "created": int(time.time()),
+            "created": created,  # every chunk of a stream has the same, as vLLM's
             "model": engine.model,
             "choices": [],
             "usage": job.usage(),
@@ -189,11 +189,11 @@ async def _completion_full(engine: SimEngine, job: Job, exchange: Exchange) -> N
 async def _completion_stream(
     engine: SimEngine, job: Job, include_usage: bool, exchange: Exchange
 ) -> None:
-    request_id = f"cmpl-sim{engine.next_id()}"
+    request_id, created = f"cmpl-sim{engine.next_id()}", int(time.time())
     head = (
         b'data: {"id":"%s","object":"text_completion","created":%d,"model":%s,'
         b'"choices":[{"index":0,"text":'
-    ) % (request_id.encode(), int(time.time()), engine.model_json)
+    ) % (request_id.encode(), created, engine.model_json)
 
     async def emit(index: int, piece: str) -> None:
         await exchange.chunk(head + dumps(piece) + b',"logprobs":null,"finish_reason":null}]}\n\n')
@@ -201,7 +201,8 @@ async def _completion_stream(
     await exchange.start(200, SSE_HEADERS)
     await engine.generate(job, emit)
     end = head + b'"","logprobs":null,"finish_reason":"%s"}]}\n\n' % job.finish.encode()
-    await _finish_stream(engine, exchange, end, request_id, "text_completion", job, include_usage)
+    kind = "text_completion"
+    await _finish_stream(engine, exchange, end, request_id, created, kind, job, include_usage)
 
 
 # Embeddings ---------------------------------------------------------------------------

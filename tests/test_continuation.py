@@ -219,3 +219,20 @@ def test_a_stream_whole_when_it_broke_gets_its_end_from_the_router() -> None:
     whole = Sent(finished=True, open_block=0, tokens=3)
     names = [n for n, _ in sse_events(closing(MESSAGES, whole, "stop"))[0]]
     assert names == ["content_block_stop", "message_stop"]
+
+
+def test_the_policy_turns_continuation_off_and_names_a_misspelt_option() -> None:
+    from router.policy.schema import PolicyError, load_policy
+
+    base = "routing_policy:\n  match: {}\n  strategy: least-loaded\n"
+    assert load_policy(base).stream_continuation is True
+    assert load_policy(base + "stream_continuation: false\n").stream_continuation is False
+    for text, message in (
+        ("stream_continuaton: false\n", "did you mean 'stream_continuation'?"),
+        ("stream_continuation: sometimes\n", "stream_continuation: must be true or false"),
+    ):
+        try:
+            load_policy(base + text)
+            raise AssertionError(f"accepted {text!r}")
+        except PolicyError as exc:
+            assert message in str(exc.errors)
