@@ -146,7 +146,9 @@ class RouterDaemon:
             self.dispatcher,
             self.table,
             self.metrics,
-            ClientSettings(settings.max_request_bytes, settings.request_timeout),
+            ClientSettings(
+                settings.max_request_bytes, settings.request_timeout, settings.idempotency_window
+            ),
         )
         self.tenants = TenantGate(
             GateSettings(

@@ -29,6 +29,7 @@ from router.http.asgi import (
     send_json,
     start_response,
 )
+from router.idempotency import DEFAULT_WINDOW, IdempotencyTable, request_key
 from router.link import AgentResponse, StreamBroken
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
@@ -57,6 +58,7 @@ _DROPPED_RESPONSE_HEADERS = frozenset(
 class ClientSettings:
     max_request_bytes: int
     request_timeout: float
+    idempotency_window: float = DEFAULT_WINDOW
 
 
 def parse_json_object(body: bytes) -> tuple[dict | None, str]:
@@ -106,6 +108,7 @@ class ClientApi:
         self.metrics = metrics
         self.settings = settings
         self.continuer = StreamContinuer(dispatcher, table, metrics)
+        self.idempotency = IdempotencyTable(settings.idempotency_window)
 
     async def inference(
         self, scope: Scope, receive: Receive, send: Send, rid: str, tenant: str, priority: int = 0
@@ -191,7 +194,25 @@ class ClientApi:
                 count_tokens.to_tokenize(req, payload, self.table.for_model(model))
             except RouterError as err:
                 return await fail(err)
-        return await self._serve(req, protocol, receive, send, extra, ticket)
+        if self.idempotency.window <= 0 or request_key(scope) is None:
+            return await self._serve(req, protocol, receive, send, extra, ticket)
+        conflict = RouterError(
+            ErrorCode.IDEMPOTENCY_CONFLICT,
+            "this idempotency key was used with another request body; use a new key",
+        )
+        failed = RouterError(
+            ErrorCode.BACKEND_ERROR, "the first request with this idempotency key failed"
+        )
+        return await self.idempotency.once(
+            scope,
+            tenant,
+            body,
+            send,
+            rid,
+            partial(fail, conflict),
+            sse_error(protocol, failed),
+            lambda recorded: self._serve(req, protocol, receive, recorded, extra, ticket),
+        )
 
     async def _serve(
         self,
