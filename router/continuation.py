@@ -42,6 +42,9 @@ class Sent:
     tokens: int = 0  # content events: one token each for vLLM, SGLang and the sim
     problem: str | None = None  # why it cannot be continued; None: it can
     finished: bool = False  # the answer's end already reached the client
+    # The answer's opening reached the client (OpenAI: a chunk; Anthropic: message_start):
+    # the continuation's own opening is then dropped, else kept.
+    started: bool = False
     # OpenAI: the first chunk's identity, which every spliced chunk keeps.
     id: str | None = None
     created: int | None = None
@@ -101,6 +104,7 @@ def read_sent(path: str, blob: bytes) -> Sent:
 
 
 def _read_openai(sent: Sent, name: str | None, event: dict[str, Any]) -> None:
+    sent.started = True
     if sent.id is None and isinstance(event.get("id"), str):
         sent.id, sent.created, sent.model = event["id"], event.get("created"), event.get("model")
     if "error" in event:
@@ -134,6 +138,7 @@ def _read_openai(sent: Sent, name: str | None, event: dict[str, Any]) -> None:
 def _read_anthropic(sent: Sent, name: str | None, event: dict[str, Any]) -> None:
     kind = event.get("type")
     if kind == "message_start":
+        sent.started = True
         message = event.get("message")
         usage = message.get("usage") if isinstance(message, dict) else None
         if isinstance(usage, dict) and isinstance(usage.get("input_tokens"), int):
@@ -164,8 +169,11 @@ def _read_anthropic(sent: Sent, name: str | None, event: dict[str, Any]) -> None
 
 def continuation_body(path: str, payload: dict[str, Any], sent: Sent, flagged: bool) -> dict:
     """The client's request, asking to go on after `sent.text` with what is left of its
-    token limit; `flagged`: for an engine that needs `continue_final_message`."""
+    token limit; `flagged`: for an engine that needs `continue_final_message`. With no
+    text sent yet it is the client's request as it came: a plain retry."""
     body = copy.copy(payload)
+    if not sent.text:
+        return body
     messages = list(payload.get("messages") or [])
     messages.append({"role": "assistant", "content": sent.text})
     body["messages"] = messages
@@ -269,6 +277,8 @@ class Splice:
             completion = int(usage.get(COMPLETION) or 0) + sent.tokens
             usage |= {PROMPT: prompt, COMPLETION: completion, "total_tokens": prompt + completion}
         choices = event.get("choices")
+        if self._first and not sent.started:
+            self._first = False  # the client has no role delta yet: this one is it
         if self._first and isinstance(choices, list) and choices:
             choice = choices[0]
             delta = choice.get("delta") if isinstance(choice, dict) else None
@@ -287,7 +297,7 @@ class Splice:
         if not isinstance(event, dict):
             return b""
         kind = event.get("type")
-        if kind == "message_start":
+        if kind == "message_start" and self.sent.started:
             return b""
         index = event.get("index")
         if kind == "content_block_start" and isinstance(index, int):

@@ -17,7 +17,7 @@ import json
 import logging
 from collections.abc import Callable
 
-from protocol.errors import RouterError
+from protocol.errors import ErrorCode, RouterError
 from protocol.logs import quote
 from router.continuation import (
     CONTINUABLE_ENGINES,
@@ -43,6 +43,24 @@ from router.session import BackendRejected, RouteRequest
 log = logging.getLogger("http")
 
 _CONTINUED_PATHS = (CHAT_PATH, MESSAGES_PATH)
+
+
+def record_break(metrics: RouterMetrics, req: RouteRequest, broken: StreamBroken) -> None:
+    """Count and log an answer that broke part way, continued or not."""
+    code = broken_code(broken)
+    metrics.forward_failures.labels(req.model, str(code), req.tenant).inc()
+    log.warning(
+        "req=%s stream_broken reason=%s tenant=%s",
+        req.request_id,
+        quote(str(broken)),
+        quote(req.tenant),
+    )
+
+
+def broken_code(broken: StreamBroken) -> ErrorCode:
+    if str(broken).startswith("agent_disconnected"):
+        return ErrorCode.AGENT_DISCONNECTED
+    return ErrorCode.BACKEND_ERROR
 
 
 class StreamContinuer:
@@ -139,6 +157,7 @@ class StreamRelay:
                 await send_body(send, b"")
                 return
             except StreamBroken as broken:
+                record_break(self.continuer.metrics, self.req, broken)
                 if self.transcript is None:
                     raise
                 splice = await self._continue(broken, send)

@@ -13,7 +13,7 @@ import trio
 from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
 from protocol.tracing import NULL_SPAN, Span, valid_traceparent
-from router.continuation_relay import StreamContinuer, StreamRelay
+from router.continuation_relay import StreamContinuer, StreamRelay, broken_code, record_break
 from router.dispatch import Dispatcher, ProviderServed
 from router.http import count_tokens, request_fields
 from router.http.asgi import (
@@ -331,19 +331,9 @@ class ClientApi:
             relay = StreamRelay(self.continuer, req, response, partial(setattr, state, "response"))
             await relay.run(send)
         except StreamBroken as exc:
-            code = (
-                ErrorCode.AGENT_DISCONNECTED
-                if str(exc).startswith("agent_disconnected")
-                else ErrorCode.BACKEND_ERROR
-            )
-            err = RouterError(code, f"answer interrupted: {exc}")
-            self.metrics.forward_failures.labels(req.model, str(code), req.tenant).inc()
-            log.warning(
-                "req=%s stream_broken reason=%s tenant=%s",
-                req.request_id,
-                quote(str(exc)),
-                quote(req.tenant),
-            )
+            err = RouterError(broken_code(exc), f"answer interrupted: {exc}")
+            if relay is None:  # a stream's relay has counted and logged its breaks
+                record_break(self.metrics, req, exc)
             if state.started and req.stream:
                 await _end_stream_with_error(send, protocol, err, state)
             else:
