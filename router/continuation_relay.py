@@ -186,7 +186,8 @@ class StreamRelay:
         left = tokens_left(req.payload, sent)
         if sent.problem is None and (sent.finished or (left is not None and left < 1)):
             # Nothing is missing but the end: the router writes it.
-            self._keep(end := closing(req.path, sent, "length" if not sent.finished else "stop"))
+            end = closing(req.path, sent, "stop" if sent.finished else "length")
+            self._keep(end)
             await send_body(send, end, more=True)
             await send_body(send, b"")
             counter.labels(req.model, req.tenant, "completed").inc()

@@ -7,8 +7,10 @@ import json
 
 import anthropic
 import openai
+import pytest
 import trio
 
+from router import continuation_relay
 from router.continuation import (
     Sent,
     Splice,
@@ -18,6 +20,10 @@ from router.continuation import (
     read_sent,
     sse_events,
 )
+from router.continuation_relay import StreamRelay
+from router.link import StreamBroken
+from router.metrics import RouterMetrics
+from router.session import RouteRequest
 from sim.__main__ import serve_sim
 from sim.app import create_sim_app
 
@@ -236,3 +242,112 @@ def test_the_policy_turns_continuation_off_and_names_a_misspelt_option() -> None
             raise AssertionError(f"accepted {text!r}")
         except PolicyError as exc:
             assert message in str(exc.errors)
+
+
+class _Peer:
+    def __init__(self, peer_id: str) -> None:
+        self.peer_id = peer_id
+
+
+class _Session:
+    def __init__(self, peer_id: str) -> None:
+        self.peer = _Peer(peer_id)
+
+
+class _Answer:
+    """An agent's answer as the relay reads it: chunks, then an end or a break."""
+
+    def __init__(self, peer_id: str, chunks: list[bytes], breaks: bool, usage: dict | None) -> None:
+        self.session = _Session(peer_id)
+        self._chunks, self._breaks = chunks, breaks
+        self.usage = usage
+        self.closed = False
+
+    async def chunks(self):
+        for chunk in self._chunks:
+            yield chunk
+        if self._breaks:
+            raise StreamBroken("agent_disconnected: agent session closed")
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class _Continuer:
+    def __init__(self, answers: list[_Answer]) -> None:
+        self.metrics = RouterMetrics()
+        self.answers = answers
+        self.asked: list[tuple[str, frozenset[str]]] = []
+
+    def enabled(self, req: RouteRequest) -> bool:
+        return True
+
+    async def continue_after(self, req: RouteRequest, sent: Sent, exclude: frozenset[str]):
+        self.asked.append((sent.text, exclude))
+        return self.answers.pop(0) if self.answers else None
+
+
+def _req(**payload: object) -> RouteRequest:
+    body = {"model": "m", "messages": [{"role": "user", "content": "a b c"}], **payload}
+    return RouteRequest("r1", "m", "llm", "t", "POST", CHAT, {}, b"", True, body)
+
+
+async def _relay(relay: StreamRelay) -> bytes:
+    out: list[bytes] = []
+
+    async def send(message: dict) -> None:
+        out.append(message.get("body", b""))
+
+    try:
+        await relay.run(send)
+    finally:
+        relay.response.close()
+    return b"".join(out)
+
+
+async def test_the_relay_continues_each_break_on_another_agent_and_merges_usage() -> None:
+    usage = {"prompt_tokens": 6, "completion_tokens": 1}
+    end = _data({"id": "z", "choices": [_c({}, "stop")]}) + b"data: [DONE]\n\n"
+    second = _Answer("B", [_chat_stream([" b"], cid="y")], True, None)
+    third = _Answer("C", [_chat_stream([" c"], cid="z") + end], False, usage)
+    continuer = _Continuer([second, third])
+    seen: list[object] = []
+    first = _Answer("A", [_chat_stream(["Echo:", " a"])], True, None)
+    relay = StreamRelay(continuer, _req(), first, seen.append)  # type: ignore[arg-type]
+    out = await _relay(relay)
+    sent = read_sent(CHAT, out)
+    assert (sent.text, sent.id, sent.problem, sent.finished) == (
+        "Echo: a b c",
+        "chatcmpl-1",
+        None,
+        True,
+    )
+    assert continuer.asked == [("Echo: a", frozenset({"A"})), ("Echo: a b", frozenset({"A", "B"}))]
+    assert seen == [second, third] and first.closed and second.closed
+    assert relay.usage == {"prompt_tokens": 3, "completion_tokens": 4}
+    outcome = continuer.metrics.stream_continuations.labels("m", "t", "continued")
+    assert outcome._value.get() == 2
+
+
+async def test_the_relay_ends_with_the_break_when_it_cannot_continue(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # No agent takes it: the break is raised (the caller sends the error event).
+    continuer = _Continuer([])
+    first = _Answer("A", [_chat_stream(["Echo:"])], True, None)
+    with pytest.raises(StreamBroken):
+        await _relay(StreamRelay(continuer, _req(), first, print))  # type: ignore[arg-type]
+    assert continuer.asked == [("Echo:", frozenset({"A"}))]
+    # Its token limit spent: the router writes the end, no agent is asked.
+    continuer = _Continuer([])
+    spent = _Answer("A", [_chat_stream(["Echo:", " a"])], True, None)
+    out = await _relay(StreamRelay(continuer, _req(max_tokens=2), spent, print))  # type: ignore[arg-type]
+    assert continuer.asked == [] and out.endswith(b"data: [DONE]\n\n")
+    assert read_sent(CHAT, out).finished
+    # A stream past the transcript's bound is not kept, so not continued.
+    monkeypatch.setattr(continuation_relay, "MAX_TRANSCRIPT_BYTES", 100)
+    continuer = _Continuer([_Answer("B", [], False, None)])
+    long = _Answer("A", [_chat_stream(["Echo:", *[" w"] * 10])], True, None)
+    with pytest.raises(StreamBroken):
+        await _relay(StreamRelay(continuer, _req(), long, print))  # type: ignore[arg-type]
+    assert continuer.asked == []
