@@ -305,7 +305,8 @@ class Splice:
                 # The continuation's first block goes on in the block the client has open.
                 self._index_map[index] = self.sent.open_block
                 return b""
-            self._index_map[index] = self.sent.next_block + len(self._index_map)
+            joined = self.sent.open_block is not None
+            self._index_map[index] = self.sent.next_block + len(self._index_map) - joined
         if isinstance(index, int):
             event["index"] = self._index_map.get(index, index)
         if kind == "message_delta":

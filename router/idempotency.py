@@ -54,6 +54,7 @@ class Entry:
     """One key's answer: the response start and body parts as the client got them."""
 
     fingerprint: bytes
+    slot: bytes  # its place in the table
     status: int = 0
     headers: list[tuple[bytes, bytes]] = field(default_factory=list)
     parts: list[bytes] = field(default_factory=list)
@@ -134,9 +135,9 @@ class IdempotencyTable:
         slot = digest.digest()
         fingerprint = hashlib.sha256(body).digest()
         entry = self.entries.get(slot)
-        if entry is not None and entry.state is not EntryState.DROPPED:
+        if entry is not None:
             return Join(entry) if entry.fingerprint == fingerprint else Conflict()
-        entry = Entry(fingerprint)
+        entry = Entry(fingerprint, slot)
         self.entries[slot] = entry
         self.entries.move_to_end(slot)
         self._bound()
@@ -210,38 +211,41 @@ class IdempotencyTable:
         entry.state = EntryState.DONE
         entry.expires = trio.current_time() + self.window
         self.kept += entry.size
-        for slot, kept in self.entries.items():
-            if kept is entry:
-                self.entries.move_to_end(slot)
-                break
+        # The table stays in order of expiry among finished entries: `_expire` stops at
+        # the first one still valid.
+        self.entries.move_to_end(entry.slot)
         entry._touch()
         self._bound()
 
     def drop(self, entry: Entry) -> None:
-        """Forget `entry`; joiners still waiting on it are told (DROPPED)."""
+        """Forget `entry` and its answer; joiners still waiting on it are told."""
         if entry.state is EntryState.DONE:
             self.kept -= entry.size
         entry.state = EntryState.DROPPED
+        entry.parts = []
+        if self.entries.get(entry.slot) is entry:
+            del self.entries[entry.slot]
         entry._touch()
 
     def _expire(self, now: float) -> None:
-        for slot in list(self.entries):
-            entry = self.entries[slot]
-            if entry.state is EntryState.DROPPED or (
-                entry.state is EntryState.DONE and entry.expires <= now
-            ):
-                self.drop(entry)
-                del self.entries[slot]
+        # Running entries (as many as requests in flight) are passed over; finished
+        # ones expire in table order.
+        stale = []
+        for entry in self.entries.values():
+            if entry.state is EntryState.DONE:
+                if entry.expires > now:
+                    break
+                stale.append(entry)
+        for entry in stale:
+            self.drop(entry)
 
     def _bound(self) -> None:
         """Drop the oldest finished answers past the table's bounds."""
-        for slot in list(self.entries):
-            if len(self.entries) <= MAX_ENTRIES and self.kept <= MAX_KEPT_BYTES:
+        while len(self.entries) > MAX_ENTRIES or self.kept > MAX_KEPT_BYTES:
+            oldest = next((e for e in self.entries.values() if e.state is EntryState.DONE), None)
+            if oldest is None:
                 return
-            entry = self.entries[slot]
-            if entry.state is not EntryState.RUNNING:
-                self.drop(entry)
-                del self.entries[slot]
+            self.drop(oldest)
 
 
 async def serve_join(entry: Entry, send: Send, rid: str, abandoned: bytes) -> int | None:

@@ -214,6 +214,20 @@ def test_a_broken_messages_stream_goes_on_in_its_open_text_block() -> None:
     ]
     assert events[0][1]["delta"]["text"] == " b"
     assert events[2][1]["usage"] == {"output_tokens": 3}
+    # A second block of the continuation takes the next index; after a closed block
+    # the first one does.
+    text = {"type": "text", "text": ""}
+    more = _event(
+        "content_block_start", {"type": "content_block_start", "index": 1, "content_block": text}
+    )
+    splice = Splice(MESSAGES, sent)
+    splice.feed(_messages_head())
+    assert json.loads(sse_events(splice.feed(more))[0][0][1])["index"] == 1
+    stop = _event("content_block_stop", {"type": "content_block_stop", "index": 0})
+    closed = read_sent(MESSAGES, _messages_head() + _delta("Echo:") + stop)
+    assert (closed.open_block, closed.next_block) == (None, 1)
+    reopened = Splice(MESSAGES, closed).feed(_messages_head())
+    assert [json.loads(d)["index"] for _, d in sse_events(reopened)[0]] == [1]
 
 
 def test_a_stream_whole_when_it_broke_gets_its_end_from_the_router() -> None:
