@@ -40,6 +40,8 @@ TICKET = "hivenet.ticket"
 # endpoint -> (capability, error protocol)
 ENDPOINTS: dict[str, tuple[str, str]] = {
     "/v1/chat/completions": ("llm", "openai"),
+    "/v1/completions": ("llm", "openai"),
+    "/v1/responses": ("llm", "openai"),
     "/v1/messages": ("llm", "anthropic"),
     "/v1/embeddings": ("embedding", "openai"),
     "/v1/rerank": ("reranker", "openai"),
