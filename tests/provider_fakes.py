@@ -16,6 +16,7 @@ releases it, so a test can see that event reach the client before the answer end
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 from dataclasses import dataclass, field
@@ -59,6 +60,8 @@ class FakeProvider:
     knobs: Knobs = field(default_factory=Knobs)
     requests: list[Recorded] = field(default_factory=list)
     port: int = 0
+    # Set when the router closed a stream's connection while it waited on the gate.
+    stream_abandoned: trio.Event = field(default_factory=trio.Event)
 
     @property
     def root(self) -> str:
@@ -75,7 +78,7 @@ class FakeProvider:
         """(status, error type, message) when the real API would refuse the request."""
         raise NotImplementedError
 
-    def reply(self, body: dict[str, Any]) -> dict[str, Any]:
+    def reply(self, request: Recorded) -> dict[str, Any]:
         raise NotImplementedError
 
     def error_body(self, kind: str, message: str) -> dict[str, Any]:
@@ -120,11 +123,30 @@ class FakeProvider:
         await stream.send_all(conn.send(h11.Response(status_code=200, headers=headers)))
         for index, event in enumerate(self.events(request, answer)):
             await stream.send_all(conn.send(h11.Data(data=event)))
-            if index == 0 and self.knobs.gate is not None:
-                await self.knobs.gate.wait()
+            gate = self.knobs.gate if index == 0 else None
+            if gate is not None and await self._abandoned_before(gate, stream):
+                self.stream_abandoned.set()
+                return
             if index == 0 and self.knobs.break_stream:
                 return
         await stream.send_all(conn.send(h11.EndOfMessage()))
+
+    async def _abandoned_before(self, gate: trio.Event, stream: trio.SocketStream) -> bool:
+        """Wait for `gate`; True when the client closed the connection first."""
+        closed = False
+        async with trio.open_nursery() as nursery:
+
+            async def opened() -> None:
+                await gate.wait()
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(opened)
+            with contextlib.suppress(trio.BrokenResourceError):
+                while await stream.receive_some(65536):
+                    pass
+            closed = True
+            nursery.cancel_scope.cancel()
+        return closed
 
     def _answer(self, request: Recorded) -> tuple[int, bytes]:
         refusal = self.check(request)
@@ -139,7 +161,7 @@ class FakeProvider:
             return 200, b'{"id": "broken", "choices": ['
         if self.knobs.answer is not None:
             return 200, _dump(self.knobs.answer)
-        return 200, _dump(self.reply(request.body))
+        return 200, _dump(self.reply(request))
 
 
 class FakeOpenAI(FakeProvider):
@@ -175,14 +197,11 @@ class FakeOpenAI(FakeProvider):
             return 400, "invalid_request_error", "messages must be a non-empty array"
         return None
 
-    def _answer(self, request: Recorded) -> tuple[int, bytes]:
-        self._path = request.path
-        return super()._answer(request)
-
-    def reply(self, body: dict[str, Any]) -> dict[str, Any]:
-        if self._path == "/v1/completions":
+    def reply(self, request: Recorded) -> dict[str, Any]:
+        body = request.body
+        if request.path == "/v1/completions":
             return _completion(body, f"echo: {body['prompt']}")
-        if self._path == "/v1/responses":
+        if request.path == "/v1/responses":
             return _response(body, f"echo: {body['input']}")
         text = f"echo: {_last_text(body['messages'])}"
         prompt = sum(len(str(m.get("content", ""))) for m in body["messages"])
@@ -249,7 +268,8 @@ class FakeAnthropic(FakeProvider):
                 return 400, "invalid_request_error", f"messages.{index}.role: unexpected role"
         return None
 
-    def reply(self, body: dict[str, Any]) -> dict[str, Any]:
+    def reply(self, request: Recorded) -> dict[str, Any]:
+        body = request.body
         text = f"echo: {_last_text(body['messages'])}"
         return {
             "id": f"msg_fake_{len(self.requests)}",

@@ -10,6 +10,7 @@ import openai
 import pytest
 import trio
 
+from router.tenants.config import hash_key
 from tests.fleet import Fleet, Router
 from tests.provider_fakes import FakeAnthropic, FakeOpenAI
 
@@ -239,4 +240,50 @@ async def test_provider_streams_reach_the_sdks_as_they_arrive(fleet: Fleet, tmp_
             await trio.to_thread.run_sync(broken_chat)
         assert "backend_error" in str(broken.value.body) or "stream" in str(broken.value)
         assert "provider_stream_broken provider=openai" in router.log()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_client_leaving_a_provider_stream_frees_everything(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """The tenant's one concurrent slot comes back and the provider's connection is
+    closed while the provider is still answering, when the client leaves."""
+    key = "hnr-test-provider-stream-key"
+    auth = tmp_path / "auth.yaml"
+    auth.write_text(f'tenants:\n  one:\n    keys: ["{hash_key(key)}"]\n    max_concurrent: 1\n')
+    fake = FakeOpenAI("sk-test")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(fake.serve)
+        router = start_router(fleet, tmp_path, "openai", fake.base_url, "--auth-file", str(auth))
+        fleet.agent(router, "m1")
+        fake.knobs.gate = trio.Event()
+        headers = {"authorization": f"Bearer {key}"}
+        body = {"model": "m1", "messages": [{"role": "user", "content": "x"}], "stream": True}
+
+        def leave_after_the_first_event() -> bytes:
+            with (
+                httpx.Client(timeout=30) as client,
+                client.stream(
+                    "POST", router.url + "/v1/chat/completions", json=body, headers=headers
+                ) as answer,
+            ):
+                return next(answer.iter_raw())
+
+        first = await trio.to_thread.run_sync(leave_after_the_first_event)
+        assert b"assistant" in first
+        with trio.fail_after(20):
+            await fake.stream_abandoned.wait()
+        assert not fake.knobs.gate.is_set()  # the provider had not finished
+
+        def second() -> int:
+            plain = {**body, "stream": False}
+            r = httpx.post(router.url + "/v1/chat/completions", json=plain, headers=headers)
+            return r.status_code
+
+        # The slot's release is the router's, after it noticed the client leave.
+        status = 0
+        with trio.fail_after(20):
+            while status != 200:
+                status = await trio.to_thread.run_sync(second)
+                assert status in (200, 429)
         nursery.cancel_scope.cancel()
