@@ -197,7 +197,8 @@ class RouterSession:
             return
         if self.serves is not None and not self.serves(msg["path"]):
             # Before any work, like agent_full: the router tries an engine that serves it.
-            why = f"this agent's engine does not serve {msg['path']}"
+            engine = self.hello.get("metadata", {}).get("engine") or "unknown"
+            why = f"engine {engine} does not serve {msg['path']}"
             self.send(m.error(req_id, ErrorCode.ENDPOINT_NOT_SUPPORTED, why, status=404))
             return
         if not self.capacity.try_take(self.share):

@@ -130,7 +130,7 @@ def test_engine_without_the_endpoint_is_refused_by_its_agent(ep: EndpointFleet) 
     assert refused.status_code == 404
     error = refused.json()["error"]
     assert error["code"] == "endpoint_not_supported"
-    assert "does not serve /v1/rerank" in error["message"]
+    assert "engine ollama does not serve /v1/rerank" in error["message"]
     # `rr` has an Ollama agent and a sim agent: every request is served, by the sim.
     for _ in range(6):
         served = client.post("/v1/rerank", json={"model": "rr", **body}, headers=headers)

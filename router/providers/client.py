@@ -55,13 +55,16 @@ class _Route:
     # RouterError (invalid_parameter) for what it cannot carry.
     build: Callable[[dict[str, Any], str, bool], dict[str, Any]]
     # The client's whole answer for the provider's parsed one; ValueError when malformed.
-    # None: the provider's bytes are the answer (same format), once checked as an object.
+    # None: the provider's bytes are the answer (same format), once `check`ed.
     read: Callable[[object, str], dict[str, Any]] | None
     # The stream translator for a client that streams.
     stream: Callable[[RouteRequest, str], Translator]
+    check: Callable[[object], dict[str, Any]] = openai.check_object
 
 
-def _same_openai(path: str) -> _Route:
+def _same_openai(
+    path: str, check: Callable[[object], dict[str, Any]] = openai.check_object
+) -> _Route:
     return _Route(
         path=path.removeprefix("/v1"),
         build=lambda payload, model, stream: openai.request(payload, model, path, stream),
@@ -70,11 +73,12 @@ def _same_openai(path: str) -> _Route:
             strip_usage_chunk=path in openai.USAGE_ON_REQUEST
             and not openai.client_asked_usage(req.payload)
         ),
+        check=check,
     )
 
 
 def _anthropic_messages(payload: dict[str, Any], model: str, stream: bool) -> dict[str, Any]:
-    body = {**anthropic.messages_request(payload, model)}
+    body = anthropic.messages_request(payload, model)
     if stream:
         body["stream"] = True
     return body
@@ -97,7 +101,7 @@ def _openai_for_messages(payload: dict[str, Any], model: str, stream: bool) -> d
 
 
 _ROUTES: dict[tuple[str, str], _Route] = {
-    ("openai", CHAT): _same_openai(CHAT),
+    ("openai", CHAT): _same_openai(CHAT, openai.check_completion),
     ("openai", COMPLETIONS): _same_openai(COMPLETIONS),
     ("openai", RESPONSES): _same_openai(RESPONSES),
     ("openai", MESSAGES): _Route(
@@ -118,10 +122,6 @@ _ROUTES: dict[tuple[str, str], _Route] = {
         read=None,
         stream=lambda req, model: PassThrough(strip_usage_chunk=False),
     ),
-}
-# Checks of a same-format answer, per provider endpoint.
-_CHECKS: dict[str, Callable[[object], dict[str, Any]]] = {
-    "/chat/completions": openai.check_completion,
 }
 
 
@@ -269,7 +269,7 @@ class ProviderClient:
         try:
             parsed = json.loads(raw)
             if route.read is None:
-                _CHECKS.get(route.path, openai.check_object)(parsed)
+                route.check(parsed)
                 return raw
             return json.dumps(route.read(parsed, model)).encode()
         except ValueError as exc:
