@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from router.tenants.config import hash_key
-from tests.fleet import Fleet, Router
+from tests.fleet import Fleet, Router, wait_until
 from tests.provider_fakes import FakeAnthropic, FakeOpenAI
 
 POLICY = """
@@ -256,9 +256,24 @@ async def test_a_client_leaving_a_provider_stream_frees_everything(
         await nursery.start(fake.serve)
         router = start_router(fleet, tmp_path, "openai", fake.base_url, "--auth-file", str(auth))
         fleet.agent(router, "m1")
-        fake.knobs.gate = trio.Event()
         headers = {"authorization": f"Bearer {key}"}
         body = {"model": "m1", "messages": [{"role": "user", "content": "x"}], "stream": True}
+
+        # A whole stream first: its usage (asked of the provider by the router, left out
+        # of what the client sees) is charged to the tenant.
+        def whole() -> bytes:
+            url = router.url + "/v1/chat/completions"
+            return httpx.post(url, json=body, headers=headers, timeout=30).content
+
+        assert b'"usage"' not in await trio.to_thread.run_sync(whole)
+        expected = fake.reply(fake.requests[-1])["usage"]["total_tokens"]
+
+        def charged() -> bool:
+            return router.metric("hivenet_router_tenant_tokens_total", tenant="one") == expected
+
+        # The charge follows the answer's last byte (the ticket closes after it).
+        await trio.to_thread.run_sync(lambda: wait_until(charged, 10, "stream usage charged"))
+        fake.knobs.gate = trio.Event()
 
         def leave_after_the_first_event() -> bytes:
             with (

@@ -23,7 +23,7 @@ from router.providers.anthropic import (
     messages_request,
 )
 from router.providers.anthropic_stream import AnthropicToOpenAI
-from router.providers.events import EventParser, PassThrough
+from router.providers.events import MAX_EVENT_BYTES, EventParser, PassThrough
 from router.providers.messages import OpenAIToAnthropic
 from router.providers.openai import request as openai_request
 from router.session import RouteRequest
@@ -1121,3 +1121,24 @@ def test_hostile_provider_events_are_errors_not_crashes(events: bytes) -> None:
             if parser.pending():
                 raise ValueError("broke off")
             translator.end()
+
+
+async def test_a_stream_whose_first_event_never_comes_times_out(openai_fake: FakeOpenAI) -> None:
+    openai_fake.knobs.delay = 5
+    payload = {"model": "m", "messages": HELLO, "stream": True}
+    with pytest.raises(RouterError) as exc:
+        await call_streaming(client_for(openai_fake, timeout=0.3), GPT, payload)
+    err = exc.value
+    assert (err.code, err.source, err.http_status) == (ErrorCode.BACKEND_ERROR, "backend", 502)
+    assert err.message == "openai provider sent no event within 0.3s"
+
+
+def test_a_provider_event_too_large_or_too_deep_is_refused() -> None:
+    parser = EventParser()
+    with pytest.raises(ValueError, match="longer than"):
+        parser.feed(b"data: " + b"x" * (MAX_EVENT_BYTES + 1))
+    line = b"data: " + b"x" * (MAX_EVENT_BYTES // 4) + b"\n"
+    with pytest.raises(ValueError, match="an event larger than"):
+        EventParser().feed(line * 5)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        PassThrough(False).event(None, "[" * 100_000 + "]" * 100_000)

@@ -29,31 +29,30 @@ class EventParser:
         self._buffer = b""
         self._name: str | None = None
         self._data: list[str] = []
+        self._size = 0  # of the unfinished event's data
 
     def feed(self, chunk: bytes) -> list[tuple[str | None, str]]:
-        self._buffer += chunk
+        *lines, self._buffer = (self._buffer + chunk).split(b"\n")
+        if len(self._buffer) > MAX_EVENT_BYTES:
+            raise ValueError(f"an event line longer than {MAX_EVENT_BYTES} bytes")
         events: list[tuple[str | None, str]] = []
-        while True:
-            end = self._buffer.find(b"\n")
-            if end < 0:
-                if len(self._buffer) > MAX_EVENT_BYTES:
-                    raise ValueError(f"an event line longer than {MAX_EVENT_BYTES} bytes")
-                return events
-            line = self._buffer[:end].rstrip(b"\r").decode("utf-8", "replace")
-            self._buffer = self._buffer[end + 1 :]
+        for raw in lines:
+            line = raw.rstrip(b"\r").decode("utf-8", "replace")
             if not line:
                 if self._data:
                     events.append((self._name, "\n".join(self._data)))
-                self._name, self._data = None, []
-            elif line.startswith(":"):
-                continue
-            else:
+                self._name, self._data, self._size = None, [], 0
+            elif not line.startswith(":"):
                 field, _, value = line.partition(":")
                 value = value[1:] if value.startswith(" ") else value
                 if field == "event":
                     self._name = value
                 elif field == "data":
+                    self._size += len(value)
+                    if self._size > MAX_EVENT_BYTES:
+                        raise ValueError(f"an event larger than {MAX_EVENT_BYTES} bytes")
                     self._data.append(value)
+        return events
 
     def pending(self) -> bool:
         """Whether an event was begun and not finished."""
