@@ -30,13 +30,22 @@ tenants:
     keys: ["{hash_key(KEY)}"]
     tokens_per_day: 100000
 """
+# One try per request, turn about: a refusal by the Ollama agent that used the try would
+# leave every other `rr` request without an answer.
+POLICY = """
+routing_policy:
+  strategy: round-robin
+  max_tries: 1
+"""
 
 
 class EndpointFleet:
     def __init__(self, fleet: Fleet, tmp: Path) -> None:
         auth = tmp / "auth.yaml"
         auth.write_text(AUTH)
-        self.router: Router = fleet.router("--auth-file", str(auth))
+        policy = tmp / "policy.yaml"
+        policy.write_text(POLICY)
+        self.router: Router = fleet.router("--auth-file", str(auth), "--policy-file", str(policy))
         self.sim: Agent = fleet.agent(self.router, "m1", "--sim-token-latency", "2ms")
         self.rerank: Agent = fleet.agent(self.router, "rr", "--capability", "reranker")
         engine = self.rerank.sim_url()
@@ -131,7 +140,8 @@ def test_engine_without_the_endpoint_is_refused_by_its_agent(ep: EndpointFleet) 
     error = refused.json()["error"]
     assert error["code"] == "endpoint_not_supported"
     assert "engine ollama does not serve /v1/rerank" in error["message"]
-    # `rr` has an Ollama agent and a sim agent: every request is served, by the sim.
+    # `rr` has an Ollama agent and a sim agent: every request is served, by the sim,
+    # though half of them are sent to the Ollama agent first.
     for _ in range(6):
         served = client.post("/v1/rerank", json={"model": "rr", **body}, headers=headers)
         assert served.status_code == 200, served.text
