@@ -20,6 +20,7 @@ from collections.abc import Callable
 from protocol.errors import ErrorCode, RouterError
 from protocol.logs import quote
 from router.continuation import (
+    CHAT_PATH,
     CONTINUABLE_ENGINES,
     FLAGGED_ENGINES,
     MAX_TRANSCRIPT_BYTES,
@@ -33,7 +34,7 @@ from router.continuation import (
     read_sent,
     tokens_left,
 )
-from router.dispatch import CHAT_PATH, Dispatcher
+from router.dispatch import Dispatcher
 from router.http.asgi import Send, send_body
 from router.link import AgentResponse, StreamBroken
 from router.metrics import RouterMetrics
