@@ -28,9 +28,19 @@ TOKENS = len(WORDS) + 1
 LATENCY = "30ms"  # 31 tokens: about 0.9 s a stream, long enough to be cut
 
 
-def _agent(fleet: Fleet, router: Router, *flags: str, engine: str = "sim") -> Agent:
+def _agent(
+    fleet: Fleet, router: Router, *flags: str, engine: str = "sim", wait: bool = True
+) -> Agent:
     return fleet.agent(
-        router, "m1", "--capacity", "32", "--sim-token-latency", LATENCY, *flags, engine=engine
+        router,
+        "m1",
+        "--capacity",
+        "32",
+        "--sim-token-latency",
+        LATENCY,
+        *flags,
+        engine=engine,
+        wait=wait,
     )
 
 
@@ -113,7 +123,9 @@ async def test_streams_go_on_from_another_agent_when_theirs_is_killed(
     fleet: Fleet, tmp_path: Path
 ) -> None:
     router = fleet.router()
-    agents = [_agent(fleet, router) for _ in range(4)]
+    agents = [_agent(fleet, router, wait=False) for _ in range(4)]
+    for agent in agents:  # started together: a quarter of the wait
+        router.wait_agent(agent.peer_id)
     problems: list[str] = []
     errors: list[str] = []
 
