@@ -22,7 +22,7 @@ from protocol.logs import quote
 from protocol.usage import COMPLETION, PROMPT, usage_of_body
 from router.documents import DocumentStore
 from router.metrics import RouterMetrics
-from router.tenants.audit import AuditLog, AuditRecord
+from router.tenants.audit import AdminRecord, AuditLog, AuditRecord, audit_admin
 from router.tenants.config import AuthConfig, Tenant, load_auth, load_auth_file
 from router.tenants.keys import DEFAULT_TENANT, ClientKeys
 from router.tenants.shared import TenantState
@@ -154,6 +154,10 @@ class TenantGate:
                 trace_id=trace_id,
             )
         )
+
+    def audit_admin(self, record: AdminRecord) -> None:
+        """An admin call's audit line (the /admin/api-keys writes, key rotations)."""
+        audit_admin(self.audit_log, record)
 
     def health(self) -> dict[str, Any]:
         """`/health` fields: where the tenant counts live, when Redis is configured."""
