@@ -17,6 +17,8 @@ from protocol.messages import PROTOCOL_ID
 from protocol.p2p import load_or_create_identity, peer_id_of
 from protocol.sdnotify import sd_notify
 from protocol.tracing import tracer_from_env
+from router.admission.control import Admission
+from router.admission.limits import AdmitSettings
 from router.agent_metrics import AgentCollector
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
@@ -147,6 +149,11 @@ class RouterDaemon:
             self.table,
             self.metrics,
             ClientSettings(settings.max_request_bytes, settings.request_timeout),
+        )
+        self.client.admission = Admission(
+            AdmitSettings(settings.admit_fraction, settings.admit_park_timeout),
+            self.metrics,
+            self._healthy_replicas,
         )
         self.tenants = TenantGate(
             GateSettings(

@@ -115,7 +115,7 @@ class Admission:
     def _pool(self, model: str, limits: AdmissionLimits) -> Pool:
         pool = self.pools.get(model)
         if pool is None:
-            pool = self.pools[model] = Pool(model)
+            pool = self.pools[model] = Pool(model, on_change=self._gauges)
         replicas = max(1, self.replicas(model))
         pool.budget = math.floor(self.settings.fraction * limits.admit_budget_tokens * replicas)
         pool.backstop = limits.max_inflight * replicas
@@ -164,7 +164,6 @@ class Admission:
                 estimate.declared_output,
                 grows=not estimate.declared_output,
             )
-            self._gauges(pool)
         if buckets is not None and buckets.input is not None:
             buckets.input.level -= estimate.tokens
         return Admitted(
@@ -261,9 +260,8 @@ class Admission:
 
     def _release(self, admitted: Admitted) -> None:
         reservation = admitted.reservation
-        if reservation is not None and not reservation.released:
+        if reservation is not None:
             reservation.release()
-            self._gauges(reservation.pool)
 
     def _gauges(self, pool: Pool) -> None:
         m = self.metrics

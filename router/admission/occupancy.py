@@ -14,6 +14,7 @@ request (client gone, deadline) releases in its `finally` all the same.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trio.lowlevel import ParkingLot
@@ -32,6 +33,8 @@ class Pool:
     # The effective limits the last admission computed (the gauges show them).
     budget: int = 0
     backstop: int = 0
+    # Told of every change (the admission gauges).
+    on_change: Callable[[Pool], None] | None = None
 
     def fits(self, tokens: int) -> bool:
         """Whether `tokens` more fit. An empty pool takes any request: one larger than
@@ -63,8 +66,8 @@ class Reservation:
         self.output = output
         self.grows = grows
         self.released = False
-        self._add(input_tokens + output)
         pool.inflight += 1
+        self._add(input_tokens + output)
 
     @property
     def tokens(self) -> int:
@@ -75,6 +78,8 @@ class Reservation:
         pool.occupancy += n
         if self.key_id is not None:
             pool.by_key[self.key_id] = pool.by_key.get(self.key_id, 0) + n
+        if pool.on_change is not None:
+            pool.on_change(pool)
 
     def grow(self, n: int) -> None:
         """Output streamed by a request that declared no limit."""
@@ -87,8 +92,8 @@ class Reservation:
             return
         self.released = True
         pool = self.pool
-        self._add(-self.tokens)
         pool.inflight -= 1
+        self._add(-self.tokens)
         if self.key_id is not None and not pool.by_key.get(self.key_id):
             pool.by_key.pop(self.key_id, None)
         # Every parked request re-checks, in the order it parked.

@@ -28,7 +28,7 @@ from router.http.asgi import (
     send_json,
 )
 from router.http.auth import AdminKeys, presented_keys
-from router.http.client import ENDPOINTS, TICKET, ClientApi, send_error
+from router.http.client import API_KEY, ENDPOINTS, TICKET, ClientApi, send_error
 from router.http.quota_headers import with_quota_headers
 from router.http.registration_stream import registration_stream
 from router.lifetime import LifetimeStore
@@ -163,11 +163,20 @@ class RouterApp:
         protocol = protocol_of(path)
         extra = [("x-request-id", rid)]
         keys = presented_keys(scope, allow_x_api_key=True)
-        tenant = self.tenants.identify(keys) if self.tenants else self.client_keys.tenant(keys)
+        key = None
+        if self.tenants:
+            tenant, key = self.tenants.identify_key(keys)
+        else:
+            tenant = self.client_keys.tenant(keys)
+        scope[API_KEY] = key
         ticket = None
         if path in ENDPOINTS and self.tenants:
             # Refused requests have a ticket too: it holds the code their audit line shows.
             ticket = scope[TICKET] = self.tenants.open(rid, tenant or "-")
+            if ticket is not None:
+                ticket.key_id = key.id if key is not None else None
+                client = scope.get("client")
+                ticket.source_ip = client[0] if client else None
         if tenant is None:
             why = "missing or invalid API key (send Authorization: Bearer <key> or x-api-key)"
             if self.tenants and self.tenants.expired(keys):
