@@ -19,6 +19,7 @@ from protocol.sdnotify import sd_notify
 from protocol.tracing import tracer_from_env
 from router.admission.control import Admission
 from router.admission.limits import AdmitSettings
+from router.admission.shared import SharedAdmission
 from router.agent_metrics import AgentCollector
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
@@ -169,6 +170,9 @@ class RouterDaemon:
             self.metrics,
         )
         self.tenants.replicas = self._healthy_replicas
+        if self.tenants.state.client is not None:
+            lease = settings.request_timeout + 60.0
+            self.client.admission.shared = SharedAdmission(self.tenants.state, lease)
         auth = self.tenants.store.current
         if auth is not None and auth.admin_mode == "api-key" and not settings.admin_api_keys:
             raise ValueError(

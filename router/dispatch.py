@@ -125,7 +125,7 @@ class Dispatcher:
         provider = self.provider_for(req)
         if provider is not None and self.provider_call is not None:
             if req.on_provider is not None:
-                req.on_provider()
+                await req.on_provider()
             try:
                 attributes = {"hivenet.provider": provider.engine}
                 with req.span.child("provider_fallback", attributes):

@@ -62,7 +62,7 @@ class RouteRequest:
     traceparent: str | None = None
     # Called when routing leaves the local pool for the external provider (admission
     # gives back the request's occupancy: the provider holds no local KV cache).
-    on_provider: Callable[[], None] | None = None
+    on_provider: Callable[[], Awaitable[None]] | None = None
 
 
 class Slot:

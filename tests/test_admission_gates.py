@@ -99,14 +99,14 @@ async def test_b2_parks_until_occupancy_leaves_then_refuses_with_retry_after() -
         nursery.start_soon(third)
         await trio.testing.wait_all_tasks_blocked()
         assert admission.statistics()["m"]["parked"] == 1
-        admission.finish(first)  # room: the parked request goes in
+        await admission.finish(first)  # room: the parked request goes in
     assert isinstance(got[0], Admitted)
     refused = await admission.reserve("m", limits, None, est)
     assert not isinstance(refused, Admitted) and refused.gate == B2
     assert refused.code == ErrorCode.TOO_MANY_CONCURRENT and refused.retry_headers()
-    admission.finish(second)
-    admission.finish(got[0])  # type: ignore[arg-type]
-    admission.finish(got[0])  # type: ignore[arg-type]  # twice is once
+    await admission.finish(second)
+    await admission.finish(got[0])  # type: ignore[arg-type]
+    await admission.finish(got[0])  # type: ignore[arg-type]  # twice is once
     assert admission.statistics()["m"] == {
         "occupancy_tokens": 0,
         "budget_tokens": 300,
@@ -125,10 +125,10 @@ async def test_b2_max_inflight_and_an_undeclared_output_grows() -> None:
     est = admission.estimate("m", chat())
     first = await admission.reserve("m", limits, None, est)
     assert isinstance(first, Admitted) and first.grows
-    first.grow(30)
+    await admission.grow(first, 30)
     assert admission.statistics()["m"]["occupancy_tokens"] == est.tokens + 30
     assert not isinstance(await admission.reserve("m", limits, None, est), Admitted)
-    admission.finish(first)
+    await admission.finish(first)
     assert admission.statistics()["m"]["occupancy_tokens"] == 0
 
 
@@ -148,11 +148,11 @@ async def test_b4_serverless_keys_each_have_their_own_buckets() -> None:
     other = await admission.reserve("m", limits, b, est)
     assert isinstance(other, Admitted)
     other.usage = {"prompt_tokens": 104, "completion_tokens": 500}
-    admission.finish(other)
+    await admission.finish(other)
     refused = await admission.reserve("m", limits, b, admission.estimate("m", chat("hi")))
     assert not isinstance(refused, Admitted) and refused.gate == B4_OTPM
     for held in (one, two):
-        admission.finish(held)
+        await admission.finish(held)
 
 
 async def test_b4_occupancy_share_refuses_at_once() -> None:
@@ -165,10 +165,10 @@ async def test_b4_occupancy_share_refuses_at_once() -> None:
     with trio.fail_after(1):  # immediate, not parked
         refused = await admission.reserve("m", limits, key, est)
     assert not isinstance(refused, Admitted) and refused.gate == B4_OCCUPANCY
-    admission.finish(first)
+    await admission.finish(first)
     again = await admission.reserve("m", limits, key, est)
     assert isinstance(again, Admitted)
-    admission.finish(again)
+    await admission.finish(again)
     # Reserved mode: the share is not this key's limit.
     reserved = AdmissionLimits(admit_budget_tokens=1000)
     keys = [await admission.reserve("m", reserved, key, est) for _ in range(3)]

@@ -6,8 +6,11 @@ import hashlib
 import json
 from pathlib import Path
 
+from router.metrics import RouterMetrics
 from router.tenants.audit import AdminRecord, AuditLog, audit_admin
 from router.tenants.config import KeyLimits, hash_key, key_id_of, load_auth
+from router.tenants.gate import GateSettings, TenantGate
+from router.tenants.keys import ClientKeys
 
 KEY = "sk-hivenet-" + "1" * 64
 OTHER = "sk-hivenet-" + "2" * 64
@@ -83,3 +86,16 @@ def test_an_admin_call_gets_an_audit_line_with_who_and_from_where(tmp_path: Path
     assert record["kind"] == "admin" and record["action"] == "api_key.put"
     assert record["target"] == "acme-prod" and record["status"] == 200
     assert record["key_id"] == "key-0123" and record["source_ip"] == "10.0.0.7"
+
+
+def test_keys_of_hivenet_router_api_keys_each_get_their_own_id() -> None:
+    gate = TenantGate(GateSettings(), ClientKeys("k-one:team,k-two:team"), RouterMetrics())
+    tenant, one = gate.identify_key(["k-one"])
+    again, two = gate.identify_key(["wrong", "k-two"])
+    assert tenant == again == "team"
+    assert one is not None and two is not None and one.id != two.id
+    assert one.id == key_id_of(hash_key("k-one"))
+    assert gate.identify_key(["nope"]) == (None, None)
+    # Without keys, nobody needs one: no record, no shared "anonymous" state.
+    open_gate = TenantGate(GateSettings(), ClientKeys(""), RouterMetrics())
+    assert open_gate.identify_key([]) == ("default", None)

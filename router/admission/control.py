@@ -22,6 +22,7 @@ from router.admission.buckets import KeyModelBuckets, TokenBucket
 from router.admission.estimate import Estimator, InputEstimate
 from router.admission.limits import AdmissionLimits, AdmitSettings
 from router.admission.occupancy import Pool, Reservation
+from router.admission.shared import GROW_STEP, PARK_POLL, SharedAdmission, SharedVerdict, entry_id
 from router.metrics import RouterMetrics
 from router.tenants.config import NO_LIMITS, ApiKey, KeyLimits
 
@@ -32,6 +33,12 @@ B4_ITPM = "b4_itpm"
 B4_OTPM = "b4_otpm"
 # Upstream's Retry-After for B2 and B4: a second, then the client's own backoff.
 RETRY_AFTER = 1.0
+_SHARED_MESSAGES = {
+    B2: "the model is at capacity",
+    B4_OCCUPANCY: "this key holds its share of the model's occupancy",
+    B4_ITPM: "this key is over its input tokens per minute",
+    B4_OTPM: "this key is over its output tokens per minute",
+}
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,18 @@ class AdmissionRefused(RouterError):
 class Admitted:
     """An admitted request's hold on its pool and key: `finish` ends it exactly once."""
 
-    __slots__ = ("estimate", "key_id", "local", "model", "output_limit", "reservation", "usage")
+    __slots__ = (
+        "entry",
+        "estimate",
+        "key_id",
+        "local",
+        "model",
+        "output_limit",
+        "pending",
+        "reservation",
+        "undeclared",
+        "usage",
+    )
 
     def __init__(
         self,
@@ -60,14 +78,16 @@ class Admitted:
         self.usage: dict[str, int] | None = None
         # False once routing left the local pool (provider fallback).
         self.local = True
-
-    def grow(self, n: int) -> None:
-        if self.reservation is not None:
-            self.reservation.grow(n)
+        # Its entry in Redis when the pool's counts are shared; None: this router's.
+        self.entry: str | None = None
+        self.undeclared = not estimate.declared_output
+        # Streamed tokens not yet added to the shared entry (sent GROW_STEP at a time).
+        self.pending = 0
 
     @property
     def grows(self) -> bool:
-        return self.reservation is not None and self.reservation.grows
+        held = self.reservation is not None or self.entry is not None
+        return held and self.undeclared
 
 
 class Admission:
@@ -76,10 +96,13 @@ class Admission:
         settings: AdmitSettings,
         metrics: RouterMetrics,
         replicas: Callable[[str], int] = lambda model: 1,
+        shared: SharedAdmission | None = None,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.replicas = replicas
+        # The counts in Redis (--state-url); local while it is unreachable.
+        self.shared = shared
         self.estimator = Estimator()
         self.pools: dict[str, Pool] = {}
         self.buckets: dict[tuple[str, str], KeyModelBuckets] = {}
@@ -131,6 +154,12 @@ class Admission:
         """B4's checks (immediate), then B2 (parking), then B4's input charge."""
         own = key.limits_for(model) if key is not None else NO_LIMITS
         serverless = key is not None and own.serverless(limits.mode)
+        if self.shared is not None and self.shared.up:
+            admitted = await self._reserve_shared(
+                model, limits, key if serverless else None, own, estimate
+            )
+            if admitted is not None:
+                return admitted
         footprint = estimate.footprint
         buckets = None
         if serverless:
@@ -239,29 +268,130 @@ class Admission:
             )
         return None
 
-    def left_local(self, admitted: Admitted) -> None:
+    async def _reserve_shared(
+        self,
+        model: str,
+        limits: AdmissionLimits,
+        key: ApiKey | None,
+        own: KeyLimits,
+        estimate: InputEstimate,
+    ) -> Admitted | AdmissionRefused | None:
+        """B4 and B2 in Redis; None when Redis failed (the local counts decide)."""
+        shared = self.shared
+        assert shared is not None
+        pool = self._pool(model, limits)
+        share = 0
+        if key is not None and own.max_occupancy_share:
+            replicas = max(1, self.replicas(model))
+            share = math.floor(own.max_occupancy_share * limits.admit_budget_tokens * replicas)
+        pooled = limits.pooled or bool(share)
+        key_id = key.id if key is not None else ""
+        entry = entry_id()
+        deadline = trio.current_time() + self.settings.park_timeout
+        while True:
+            verdict = await shared.call(
+                shared.reserve,
+                model,
+                entry,
+                estimate.footprint,
+                key_id,
+                pool.budget,
+                pool.backstop,
+                share,
+                own.input_tokens_per_minute if key is not None else 0,
+                own.output_tokens_per_minute if key is not None else 0,
+                estimate.tokens,
+                pooled,
+            )
+            if not isinstance(verdict, SharedVerdict):
+                return None
+            if verdict.gate != B2 or trio.current_time() + PARK_POLL >= deadline:
+                break
+            await trio.sleep(PARK_POLL)
+        self._shared_gauges(pool, verdict.occupancy, verdict.count)
+        if verdict.gate:
+            code = ErrorCode.TOO_MANY_CONCURRENT if verdict.gate == B2 else ErrorCode.RATE_LIMITED
+            return self._refuse(
+                model,
+                verdict.gate,
+                code,
+                f"{_SHARED_MESSAGES[verdict.gate]} on {model!r} (counted over every router),"
+                " please retry",
+                max(RETRY_AFTER, verdict.wait),
+            )
+        admitted = Admitted(
+            model,
+            estimate,
+            None,
+            key.id if key is not None else None,
+            own.output_tokens_per_minute if key is not None else 0,
+        )
+        admitted.entry = entry if pooled else None
+        return admitted
+
+    async def grow(self, admitted: Admitted, n: int) -> None:
+        """Output streamed by a request that declared no limit."""
+        if admitted.reservation is not None:
+            admitted.reservation.grow(n)
+        elif admitted.entry is not None and self.shared is not None:
+            admitted.pending += n
+            if admitted.pending >= GROW_STEP:
+                n, admitted.pending = admitted.pending, 0
+                totals = await self.shared.call(
+                    self.shared.change, admitted.model, admitted.entry, n
+                )
+                if isinstance(totals, tuple):
+                    self._shared_gauges(self.pools[admitted.model], *totals)
+
+    async def left_local(self, admitted: Admitted) -> None:
         """Routing went to the external provider: no local KV cache is held any more."""
         admitted.local = False
-        self._release(admitted)
+        await self._release(admitted)
 
-    def finish(self, admitted: Admitted) -> None:
+    async def finish(self, admitted: Admitted) -> None:
         """The request ended, however: learn, charge the key's output, release."""
-        usage = admitted.usage
-        if usage is not None and admitted.local:
-            self.estimator.learn(admitted.model, admitted.estimate, usage[PROMPT])
-            if admitted.output_limit and admitted.key_id is not None:
-                buckets = self.buckets.get((admitted.key_id, admitted.model))
-                if buckets is not None and buckets.output is not None:
-                    bucket = buckets.output
-                    bucket.refill(trio.current_time(), admitted.output_limit)
-                    # One answer drains at most the bucket (a minute of output).
-                    bucket.level = max(0.0, bucket.level - usage[COMPLETION])
-        self._release(admitted)
+        with trio.CancelScope(shield=True):
+            usage = admitted.usage
+            if usage is not None and admitted.local:
+                self.estimator.learn(admitted.model, admitted.estimate, usage[PROMPT])
+                if admitted.output_limit and admitted.key_id is not None:
+                    await self._spend(admitted, usage[COMPLETION])
+            await self._release(admitted)
 
-    def _release(self, admitted: Admitted) -> None:
+    async def _spend(self, admitted: Admitted, tokens: int) -> None:
+        assert admitted.key_id is not None
+        if self.shared is not None and self.shared.up:
+            done = await self.shared.call(
+                self.shared.spend, admitted.model, admitted.key_id, admitted.output_limit, tokens
+            )
+            if done is not None:
+                return
+        buckets = self.buckets.get((admitted.key_id, admitted.model))
+        if buckets is not None and buckets.output is not None:
+            bucket = buckets.output
+            bucket.refill(trio.current_time(), admitted.output_limit)
+            # One answer drains at most the bucket (a minute of output).
+            bucket.level = max(0.0, bucket.level - tokens)
+
+    async def _release(self, admitted: Admitted) -> None:
         reservation = admitted.reservation
         if reservation is not None:
             reservation.release()
+        entry, admitted.entry = admitted.entry, None
+        if entry is not None and self.shared is not None:
+            # Redis away: the entry expires after its lease.
+            with trio.CancelScope(shield=True):
+                totals = await self.shared.call(self.shared.change, admitted.model, entry, -1)
+            if isinstance(totals, tuple):
+                self._shared_gauges(self.pools[admitted.model], *totals)
+
+    def _shared_gauges(self, pool: Pool, occupancy: int, count: int) -> None:
+        """Shared counts: the gauges show the fleet's occupancy, as every router sees it."""
+        m = self.metrics
+        m.admission_occupancy.labels(pool.model).set(occupancy)
+        m.admission_inflight.labels(pool.model).set(count)
+        m.admission_budget.labels(pool.model).set(pool.budget)
+        m.admission_max_inflight.labels(pool.model).set(pool.backstop)
 
     def _gauges(self, pool: Pool) -> None:
         m = self.metrics

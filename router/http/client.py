@@ -188,7 +188,7 @@ class ClientApi:
             )
         finally:
             if admitted is not None and gates is not None:
-                gates.finish(admitted)
+                await gates.finish(admitted)
 
     def _refused(
         self,
@@ -384,12 +384,12 @@ class ClientApi:
                 return
             state.started = True
             await start_response(send, response.status, headers)
-            admitted = state.admitted
-            if admitted is not None and admitted.grows:
+            admitted, gates = state.admitted, self.admission
+            if admitted is not None and gates is not None and admitted.grows:
                 # No declared output limit: the footprint grows by what streams, one
                 # token per delta event (OpenAI's `delta`, Anthropic's content_block_delta).
                 async for chunk in response.chunks():
-                    admitted.grow(chunk.count(b'"delta"'))
+                    await gates.grow(admitted, chunk.count(b'"delta"'))
                     await send_body(send, chunk, more=True)
             else:
                 async for chunk in response.chunks():

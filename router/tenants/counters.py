@@ -102,11 +102,12 @@ class LocalCounters:
             requests_left = int(bucket.tokens)
         if tenant.max_concurrent:
             counts.inflight.add(ticket_id)
-        if tenant.tokens_per_day:
-            counts.tokens += charge
+        # What the day has left before this request's charge, as upstream's header says.
         tokens_left = (
             max(0, tenant.tokens_per_day - counts.tokens) if tenant.tokens_per_day else None
         )
+        if tenant.tokens_per_day:
+            counts.tokens += charge
         if requests_left is None and tokens_left is None:
             return ADMITTED
         return Verdict(None, 0.0, requests_left, tokens_left)
