@@ -180,10 +180,10 @@ class Admission:
             pool = self._pool(model, limits)
             pool.fleet = None  # counting alone (no --state-url, or Redis away)
             if not pool.fits(footprint):
-                deadline = trio.current_time() + self.settings.park_timeout
-                with trio.move_on_at(deadline):
-                    while not pool.fits(footprint):
-                        await pool.lot.park()
+                if self.settings.park_timeout > 0:
+                    with trio.move_on_after(self.settings.park_timeout):
+                        while not pool.fits(footprint):
+                            await pool.lot.park()
                 if not pool.fits(footprint):
                     return self._refuse(
                         model,
