@@ -16,6 +16,8 @@ from router.capacity import WaitQueue
 from router.fleet.view import FleetView
 from router.http import admin, cors, models
 from router.http.admin_auth import admin_auth
+from router.http.admin_keys import PREFIX as KEYS_PREFIX
+from router.http.admin_keys import admin_api_keys
 from router.http.admin_policy import PREFIX, admin_policy_models
 from router.http.asgi import (
     SPAN,
@@ -111,6 +113,7 @@ class RouterApp:
                 )
             elif path.startswith("/admin/"):
                 status = await self._admin(scope, receive, send, rid)
+                self._audit_admin(scope, rid, status)
             elif path == "/health" and method == "GET":
                 # A draining router tells load balancers to send new clients elsewhere.
                 status, state = (503, "draining") if self.draining else (200, "ok")
@@ -276,11 +279,21 @@ class RouterApp:
             return await admin_policy_models(self.store, scope, receive, send, extra)
         elif path == "/admin/auth" and self.tenants:
             return await admin_auth(self.tenants, scope, receive, send, extra)
+        elif path == KEYS_PREFIX or path.startswith(KEYS_PREFIX + "/"):
+            registry = self.tenants.registry if self.tenants else None
+            return await admin_api_keys(registry, scope, receive, send, extra)
         elif path in _ADMIN_METHODS:
             return await _not_allowed(send, rid, "openai", _ADMIN_METHODS[path])
         else:
             return await _not_found(send, rid, "openai")
         return 200
+
+    def _audit_admin(self, scope: Scope, rid: str, status: int) -> None:
+        audit = self.tenants.audit_log if self.tenants else None
+        if audit is not None:
+            client = scope.get("client") or ("", 0)
+            key_id = self.admin_keys.key_id(scope)
+            audit.audit_admin(rid, key_id, client[0], scope["method"], scope["path"], status)
 
     def _admin_models(self) -> list[dict]:
         cards = []

@@ -1,7 +1,8 @@
 """The audit log: one JSON line per client inference request, rotated by size.
 
 It records who asked for what and how it ended (time, request id, tenant, model, step,
-agent, status, tokens, duration) and never any prompt or answer text.
+agent, status, tokens, duration) and never any prompt or answer text. Each admin API
+call has a line too (`audit_admin`: which admin key, from where, what, the status).
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ class AuditRecord:
     duration_s: float
     code: str | None = None  # the error code the client got; None on success
     trace_id: str | None = None  # with tracing on (OTEL_EXPORTER_OTLP_ENDPOINT)
+
+
+def _now() -> str:
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"
 
 
 class AuditLog:
@@ -62,6 +68,29 @@ class AuditLog:
             ),
             "duration_ms": round(record.duration_s * 1000, 1),
             "trace_id": record.trace_id,
+        }
+        self.logger.info("%s", json.dumps(line, separators=(",", ":")))
+
+    def audit_admin(
+        self,
+        request_id: str,
+        key_id: str | None,
+        source_ip: str,
+        method: str,
+        path: str,
+        status: int,
+    ) -> None:
+        """An admin call: `key_id` names the admin key (never the key), None when the
+        call presented no valid one."""
+        line = {
+            "time": _now(),
+            "request_id": request_id,
+            "kind": "admin",
+            "key_id": key_id,
+            "source_ip": source_ip,
+            "method": method,
+            "endpoint": path,
+            "status": status,
         }
         self.logger.info("%s", json.dumps(line, separators=(",", ":")))
 

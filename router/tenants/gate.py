@@ -25,6 +25,7 @@ from router.metrics import RouterMetrics
 from router.tenants.audit import AuditLog, AuditRecord
 from router.tenants.config import AuthConfig, Tenant, load_auth, load_auth_file
 from router.tenants.keys import DEFAULT_TENANT, ClientKeys
+from router.tenants.registry import KeyRegistry
 from router.tenants.shared import TenantState
 
 log = logging.getLogger("tenant")
@@ -90,16 +91,23 @@ class TenantGate:
         # points it at its table; alone, a gate counts one replica.
         self.replicas: Callable[[str], int] = lambda model: 1
         self.state = TenantState(settings.state_url, metrics, settings.lease)
+        # Dynamic mode: the /admin/api-keys registry holds the client keys.
+        self.registry: KeyRegistry | None = None
         self.audit_log = (
             AuditLog(settings.audit_log, settings.audit_log_max_bytes, settings.audit_log_backups)
             if settings.audit_log
             else None
         )
 
+    @property
+    def config(self) -> AuthConfig | None:
+        """The keys in force: the registry's in dynamic mode, else the auth file's."""
+        return self.registry.current.config if self.registry is not None else self.store.current
+
     def identify(self, keys: list[str]) -> str | None:
         """The tenant of the presented `keys`, or None when a key is required and none
         matches."""
-        config = self.store.current
+        config = self.config
         if config is None:
             return self.client_keys.tenant(keys)
         if config.api_open:
@@ -112,16 +120,16 @@ class TenantGate:
 
     def expired(self, keys: list[str]) -> bool:
         """Whether a presented key is one of the file's, past its `expires_at`."""
-        config = self.store.current
+        config = self.config
         return config is not None and any(config.expired(key) for key in keys)
 
     def tenant(self, name: str) -> Tenant | None:
-        config = self.store.current
+        config = self.config
         return None if config is None else config.tenants.get(name)
 
     def open(self, request_id: str, tenant: str) -> Ticket | None:
         """A ticket for an inference request; None when nothing counts."""
-        if self.store.current is None and self.audit_log is None:
+        if self.config is None and self.audit_log is None:
             return None
         return Ticket(self, request_id, tenant, self.tenant(tenant), trio.current_time())
 

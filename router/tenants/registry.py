@@ -1,0 +1,474 @@
+"""The client-key registry of upstream's dynamic mode, managed through /admin/api-keys.
+
+The registry is one document, `{"version": …, "keys": [entry, …]}` as canonical JSON,
+so that it reloads, syncs to the other routers (router/fleet/config_sync.py) and is
+validated the way the policy and the auth file are: a write builds the whole next
+document, which is checked as a whole (each entry as an auth.yaml `api.keys` entry, no
+hash under two ids, one owner's keys with one set of limits) and installed only when
+valid, so a bad write leaves the running set in force.
+
+Unlike upstream, whose registry lives in memory and is empty after every restart, a
+write is saved in the router's SQLite state (`RegistryFile`, beside the per-agent
+history) before it is acknowledged, and loaded at start-up.
+
+Versions are upstream's: opaque strings compared lexicographically; a write whose
+version sorts below the running one is stale (409), an equal one is accepted.
+"""
+
+from __future__ import annotations
+
+import calendar
+import contextlib
+import json
+import logging
+import os
+import re
+import sqlite3
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import trio
+
+from router.documents import DocumentError, DocumentStore, Validator, kind
+from router.metrics import RouterMetrics
+from router.tenants.config import HASH_PREFIX, AuthConfig, Tenant
+from router.tenants.upstream_auth import upstream_key
+
+log = logging.getLogger("tenant")
+
+KIND = "api_keys"
+# Upstream's body limits: one entry 1 MiB, a whole registry 16 MiB.
+MAX_ENTRY_BYTES = 1024 * 1024
+MAX_REGISTRY_BYTES = 16 * 1024 * 1024
+MAX_VERSION = 200
+ENTRY_FIELDS: tuple[str, ...] = (
+    "id",
+    "key_hash",
+    "key_preview",
+    "owner",
+    "name",
+    "enabled",
+    "expires_at",
+    "allowed_models",
+    "quota",
+    "max_occupancy_share",
+    "mode",
+    "max_input_tokens",
+    "images_max",
+)
+# Fields of an entry passed on, as they are, to the auth.yaml entry checks.
+_PASSED = ("max_occupancy_share", "mode", "max_input_tokens", "images_max")
+_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._:@-]{0,127}$")
+_HEX = re.compile(r"^(sha256:)?[0-9a-fA-F]{64}$")
+_RFC3339 = re.compile(
+    r"^(\d{4})-(\d{2})-(\d{2})[Tt ](\d{2}):(\d{2}):(\d{2})(\.\d+)?(Z|z|[+-]\d{2}:\d{2})$"
+)
+
+
+class RegistryError(DocumentError):
+    label = "api key registry"
+
+
+@dataclass(frozen=True)
+class StaleVersion(Exception):
+    """A write whose version sorts below the running one (HTTP 409)."""
+
+    current: str
+
+
+@dataclass(frozen=True)
+class Registry:
+    version: str
+    entries: dict[str, dict[str, Any]]  # id → entry, the hash normalized
+    config: AuthConfig
+    source: str
+
+    def public(self, key_id: str) -> dict[str, Any]:
+        """An entry as the API shows it: upstream's fields, the hash always empty."""
+        return {**self.entries[key_id], "key_hash": ""}
+
+
+def canonical(version: str, entries: dict[str, dict[str, Any]]) -> str:
+    """The registry's text: the same keys are the same text (and version) everywhere."""
+    document = {"version": version, "keys": [entries[k] for k in sorted(entries)]}
+    return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
+def rfc3339(text: str) -> float | None:
+    """An RFC 3339 instant as epoch seconds; None when it is not one."""
+    m = _RFC3339.match(text)
+    if m is None:
+        return None
+    year, month, day, hour, minute, second = (int(g) for g in m.groups()[:6])
+    try:
+        time.strptime(f"{year:04d}-{month:02d}-{day:02d}", "%Y-%m-%d")
+    except ValueError:
+        return None
+    if hour > 23 or minute > 59 or second > 60:
+        return None
+    at = calendar.timegm((year, month, day, hour, minute, second, 0, 0, 0))
+    zone = m.group(8)
+    if zone not in ("Z", "z"):
+        sign = 1 if zone[0] == "+" else -1
+        at -= sign * (int(zone[1:3]) * 3600 + int(zone[4:6]) * 60)
+    return float(at) + float(m.group(7) or 0)
+
+
+class _Entries(Validator):
+    def __init__(self, errors: list[str], burst_seconds: int) -> None:
+        super().__init__(errors)
+        self.burst_seconds = burst_seconds
+
+    def registry(self, document: object, source: str) -> Registry | None:
+        if not isinstance(document, dict):
+            self.error("registry", f"must be an object with version and keys, got {kind(document)}")
+            return None
+        self.unknown_keys("", document, ("version", "keys"), "unknown field")
+        version = self.version("version", document.get("version"), required=False)
+        raw = document.get("keys")
+        if not isinstance(raw, list):
+            self.error("keys", f"must be a list of key entries, got {kind(raw)}")
+            return None
+        entries: dict[str, dict[str, Any]] = {}
+        tenants: dict[str, Tenant] = {}
+        first_of_owner: dict[str, str] = {}
+        by_hash: dict[str, Tenant] = {}
+        id_of_hash: dict[str, str] = {}
+        expires: dict[str, float] = {}
+        for i, body in enumerate(raw):
+            path = f"keys[{i}]"
+            checked = self.entry(path, body)
+            if checked is None:
+                continue
+            entry, tenant, until = checked
+            key_id, digest = entry["id"], HASH_PREFIX + entry["key_hash"]
+            if key_id in entries:
+                self.error(f"{path}.id", f"{key_id!r} is listed twice")
+                continue
+            if digest in id_of_hash:
+                self.error(
+                    f"{path}.key_hash",
+                    f"is also the hash of key {id_of_hash[digest]!r}: delete that key first",
+                )
+                continue
+            known = tenants.get(tenant.name)
+            if known is not None and replace(known, key_hashes=()) != tenant:
+                self.error(
+                    path,
+                    f"owner {tenant.name!r} is also key {first_of_owner[tenant.name]!r} with"
+                    " other allowed_models or quota; keys of one owner share one bucket, so"
+                    " give them the same allowed_models and quota",
+                )
+                continue
+            entries[key_id] = entry
+            id_of_hash[digest] = key_id
+            if known is None:
+                first_of_owner[tenant.name] = key_id
+                known = tenant
+            if entry["enabled"]:
+                tenants[tenant.name] = replace(known, key_hashes=(*known.key_hashes, digest))
+                by_hash[digest] = tenant
+                if until is not None:
+                    expires[digest] = until
+            else:
+                tenants.setdefault(tenant.name, known)
+        if self.errors:
+            return None
+        # Each key's record must be the tenant's final one (with every key hash).
+        by_hash = {digest: tenants[t.name] for digest, t in by_hash.items()}
+        config = AuthConfig(
+            tenants, by_hash, source, expires=expires, admin_mode="api-key", dynamic=True
+        )
+        return Registry(version, entries, config, source)
+
+    def version(self, path: str, raw: object, required: bool = True) -> str:
+        if raw is None and not required:
+            return ""
+        if not isinstance(raw, str) or (required and not raw) or len(raw) > MAX_VERSION:
+            self.error(
+                path,
+                f"must be a string of 1-{MAX_VERSION} characters that sorts after the"
+                f" running version (`rev_00000042`, an RFC 3339 time), got {kind(raw)}",
+            )
+            return ""
+        return raw
+
+    def entry(self, path: str, raw: object) -> tuple[dict[str, Any], Tenant, float | None] | None:
+        """The normalized entry, its tenant and expiry; None when it has errors."""
+        if not isinstance(raw, dict):
+            self.error(path, f"must be an object (a key entry), got {kind(raw)}")
+            return None
+        before = len(self.errors)
+        self.unknown_keys(f"{path}.", raw, ENTRY_FIELDS, "unknown key field")
+        key_id = raw.get("id")
+        if not isinstance(key_id, str) or not _ID.match(key_id):
+            self.error(
+                f"{path}.id",
+                "must be 1-128 letters, digits, `.`, `_`, `:`, `@` or `-`, starting with a"
+                f" letter or digit, got {kind(key_id)}",
+            )
+        digest = raw.get("key_hash")
+        if not isinstance(digest, str) or not _HEX.match(digest):
+            clear = isinstance(digest, str) and digest.startswith(("sk-", "hnr-"))
+            self.error(
+                f"{path}.key_hash",
+                'must be the key\'s SHA-256, exactly 64 hex digits (`printf %s "$KEY" |'
+                " sha256sum`), got " + ("a key in clear" if clear else kind(digest)),
+            )
+            digest = None
+        else:
+            digest = digest.removeprefix(HASH_PREFIX).lower()
+        enabled = raw.get("enabled")
+        if not isinstance(enabled, bool):
+            self.error(f"{path}.enabled", f"must be true or false (required), got {kind(enabled)}")
+        expires_at = raw.get("expires_at") or ""
+        until = None
+        if expires_at:
+            until = rfc3339(expires_at) if isinstance(expires_at, str) else None
+            if until is None:
+                self.error(
+                    f"{path}.expires_at",
+                    f"must be an RFC 3339 time (`2027-01-01T00:00:00Z`), got {kind(expires_at)}",
+                )
+        models = raw.get("allowed_models")
+        if models is not None and not isinstance(models, list):
+            self.error(f"{path}.allowed_models", f"must be a list of models, got {kind(models)}")
+            models = None
+        for name in ("owner", "name", "key_preview"):
+            if raw.get(name) is not None and not isinstance(raw.get(name), str):
+                self.error(f"{path}.{name}", f"must be a string, got {kind(raw.get(name))}")
+        if len(self.errors) > before:
+            return None
+        # The rest is an auth.yaml entry's: checked by the same code, with its paths.
+        upstream: dict[str, Any] = {
+            "key_hash": digest,
+            "metadata": {"name": raw.get("name"), "owner": raw.get("owner")},
+            "models": models,
+            "quota": raw.get("quota"),
+            **{name: raw[name] for name in _PASSED if name in raw},
+        }
+        errors: list[str] = []
+        checked = upstream_key(errors, self.burst_seconds, path, upstream)
+        for error in errors:
+            self.errors.append(
+                error.replace(f"{path}.metadata.", f"{path}.").replace(
+                    f"{path}.models", f"{path}.allowed_models"
+                )
+            )
+        if checked is None or errors:
+            return None
+        tenant: Tenant = checked[1]
+        entry = {
+            "id": key_id,
+            "key_hash": digest,
+            "key_preview": raw.get("key_preview") or "",
+            "owner": raw["owner"],
+            "name": raw["name"],
+            "enabled": enabled,
+            "expires_at": expires_at,
+            "allowed_models": list(models or []),
+            "quota": raw.get("quota") or {},
+            **{name: raw[name] for name in _PASSED if name in raw},
+        }
+        return entry, tenant, until
+
+
+def parse_registry(text: str, burst_seconds: int = 0) -> Registry:
+    try:
+        document = json.loads(text)
+    except (ValueError, RecursionError) as exc:
+        raise RegistryError([f"not JSON: {exc}"]) from None
+    errors: list[str] = []
+    registry = _Entries(errors, burst_seconds).registry(document, text)
+    if registry is None or errors:
+        raise RegistryError(errors or ["invalid registry"])
+    return registry
+
+
+EMPTY = canonical("", {})
+
+
+class KeyRegistry(DocumentStore[Registry]):
+    """The running registry, its writes and where they are saved."""
+
+    kind = KIND
+    noun = "api key registry"
+    title = "api key registry"
+    max_bytes = MAX_REGISTRY_BYTES * 2  # a registry with its JSON quoting
+
+    def __init__(
+        self, metrics: RouterMetrics, saved: RegistryFile | None, burst_seconds: int = 0
+    ) -> None:
+        super().__init__(metrics.auth_reloads, log, None)
+        self.burst_seconds = burst_seconds
+        self.saved = saved
+        self.current = parse_registry(EMPTY)
+        text = saved.load() if saved is not None else None
+        if text is not None:
+            # A saved registry this router cannot read is a startup error, not an empty
+            # registry that would refuse every client.
+            self.current = self.parse(text)
+            log.info(
+                "api_keys_loaded keys=%d registry_version=%s",
+                len(self.current.entries),
+                self.current.version or "-",
+            )
+        self._save_send, self._save_receive = trio.open_memory_channel[str](1)
+        self.on_replaced.append(self._saved_later)
+
+    def parse(self, text: str) -> Registry:
+        return parse_registry(text, self.burst_seconds)
+
+    def source(self) -> str:
+        return self.current.source
+
+    def install(self, value: Registry) -> str:
+        self.current = value
+        return f"keys={len(value.entries)} registry_version={value.version or '-'}"
+
+    def supersedes(self, text: str) -> bool:
+        """Whether the running registry is newer than `text` (a fleet copy): then the
+        fleet gets this one back, so routers that wrote at once converge on the newer."""
+        try:
+            version = json.loads(text).get("version", "")
+        except (ValueError, AttributeError, RecursionError):
+            return False
+        return isinstance(version, str) and version < self.current.version
+
+    def check_version(self, version: str) -> None:
+        if version < self.current.version:
+            raise StaleVersion(self.current.version)
+
+    def with_entry(self, key_id: str, body: dict[str, Any]) -> str:
+        """The next registry's text with `body` as key `key_id` (the URL's id wins)."""
+        errors: list[str] = []
+        version = _Entries(errors, 0).version("version", body.get("version"))
+        if errors:
+            raise RegistryError(errors)
+        self.check_version(version)
+        entry = {k: v for k, v in body.items() if k != "version"}
+        entry["id"] = key_id
+        others = [e for k, e in sorted(self.current.entries.items()) if k != key_id]
+        # The entry goes last, so that a conflict is reported on it (`keys[n]`).
+        keys = [*others, entry]
+        return json.dumps({"version": version, "keys": keys}, separators=(",", ":"))
+
+    def without_entry(self, key_id: str, version: str) -> str:
+        errors: list[str] = []
+        _Entries(errors, 0).version("version", version)
+        if errors:
+            raise RegistryError(errors)
+        self.check_version(version)
+        entries = {k: v for k, v in self.current.entries.items() if k != key_id}
+        return canonical(version, entries)
+
+    def replaced_by(self, body: object) -> str:
+        errors: list[str] = []
+        if not isinstance(body, dict):
+            why = f"body: must be an object with version and keys, got {kind(body)}"
+            raise RegistryError([why])
+        checker = _Entries(errors, 0)
+        checker.unknown_keys("", body, ("version", "keys"), "unknown field")
+        version = checker.version("version", body.get("version"))
+        keys = body.get("keys")
+        if not isinstance(keys, list):
+            errors.append(f"keys: must be a list of key entries, got {kind(keys)}")
+        if errors:
+            raise RegistryError(errors)
+        self.check_version(version)
+        entries: dict[str, dict[str, Any]] = {}
+        for i, entry in enumerate(keys):  # type: ignore[arg-type]
+            if isinstance(entry, dict) and isinstance(entry.get("id"), str):
+                if entry["id"] in entries:
+                    errors.append(f"keys[{i}].id: {entry['id']!r} is listed twice")
+                entries.setdefault(entry["id"], entry)
+            else:
+                errors.append(f"keys[{i}].id: missing (required in a replace), got {kind(entry)}")
+        if errors:
+            raise RegistryError(errors)
+        # Canonical order is by id; error paths then index that order. Keep the
+        # caller's order instead, so `keys[i]` in an error is the caller's entry i.
+        return json.dumps({"version": version, "keys": keys}, sort_keys=True, separators=(",", ":"))
+
+    async def write(self, text: str, origin: str) -> list[str]:
+        """Validate `text`, save it, then run it; the errors, empty on success."""
+        try:
+            value = self.parse(text)
+        except DocumentError as exc:
+            return self.reject(exc.errors, origin)
+        text = canonical(value.version, value.entries)
+        value = replace(value, source=text, config=replace(value.config, source=text))
+        if self.saved is not None:
+            await self.saved.save(text)
+        self.commit(value, origin)
+        return []
+
+    def _saved_later(self, origin: str) -> None:
+        """A registry from the fleet is saved too, so a restart without Redis keeps it."""
+        if origin == "fleet" and self.saved is not None:
+            # A full channel has a save queued already; it reads the text then.
+            with contextlib.suppress(trio.WouldBlock):
+                self._save_send.send_nowait(self.current.source)
+
+    async def run(self) -> None:
+        async for _ in self._save_receive:
+            if self.saved is not None:
+                await self.saved.save(self.current.source)
+
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS documents (
+    kind TEXT PRIMARY KEY,
+    text TEXT NOT NULL,
+    updated_at REAL NOT NULL
+)
+"""
+
+
+class RegistryFile:
+    """The registry in the router's SQLite state file (router/lifetime.py's, in a table
+    of its own): one row, rewritten in one transaction per write."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._lock = trio.Lock()
+
+    def __repr__(self) -> str:
+        return f"<RegistryFile {self.path}>"
+
+    def _connect(self) -> sqlite3.Connection:
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        db = sqlite3.connect(self.path, timeout=10)
+        db.execute(_SCHEMA)
+        return db
+
+    def load(self) -> str | None:
+        """The saved registry, at start-up before the event loop runs."""
+        try:
+            db = self._connect()
+            try:
+                row = db.execute("SELECT text FROM documents WHERE kind = ?", (KIND,)).fetchone()
+            finally:
+                db.close()
+        except (sqlite3.Error, OSError) as exc:
+            raise ValueError(f"api key registry in {self.path}: {exc}") from exc
+        return None if row is None else str(row[0])
+
+    def _save(self, text: str) -> None:
+        db = self._connect()
+        try:
+            with db:
+                db.execute(
+                    "INSERT INTO documents (kind, text, updated_at) VALUES (?, ?, ?)"
+                    " ON CONFLICT(kind) DO UPDATE SET text=excluded.text,"
+                    " updated_at=excluded.updated_at",
+                    (KIND, text, time.time()),
+                )
+        finally:
+            db.close()
+
+    async def save(self, text: str) -> None:
+        # sqlite3 blocks: one write at a time in a worker thread, as router/lifetime.py.
+        async with self._lock:
+            await trio.to_thread.run_sync(self._save, text)
