@@ -43,7 +43,7 @@ from router.session import RoutingSession
 from router.settings import RouterSettings, read_admin_keys
 from router.tenants.gate import GateSettings, TenantGate
 from router.tenants.keys import ClientKeys
-from router.tenants.registry import KeyRegistry, RegistryFile
+from router.tenants.registry import KeyRegistry, RegistryFile, registry_path
 from router.tls import server_context
 from router.unjoined import UnjoinedLimits
 
@@ -172,7 +172,7 @@ class RouterDaemon:
                     "dynamic mode needs HIVENET_ROUTER_ADMIN_API_KEYS: /admin/api-keys holds"
                     " the client keys"
                 )
-            saved = RegistryFile(history_path(settings))
+            saved = RegistryFile(registry_path(history_path(settings)))
             self.tenants.registry = KeyRegistry(self.metrics, saved, settings.rpm_burst_seconds)
         if auth is not None and auth.admin_mode == "api-key" and not settings.admin_api_keys:
             raise ValueError(

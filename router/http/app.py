@@ -113,7 +113,6 @@ class RouterApp:
                 )
             elif path.startswith("/admin/"):
                 status = await self._admin(scope, receive, send, rid)
-                self._audit_admin(scope, rid, status)
             elif path == "/health" and method == "GET":
                 # A draining router tells load balancers to send new clients elsewhere.
                 status, state = (503, "draining") if self.draining else (200, "ok")
@@ -135,6 +134,8 @@ class RouterApp:
                 await send_error(send, protocol, err, [("x-request-id", rid)], scope.get(TICKET))
         elapsed = trio.current_time() - started
         trace_id = span.trace_id
+        if path.startswith("/admin/"):
+            self._audit_admin(scope, rid, status)
         if path in ENDPOINTS:
             self.metrics.requests.labels(path, str(status), tenant).inc()
             self.metrics.duration.labels(path, tenant).observe(elapsed)

@@ -8,8 +8,9 @@ hash under two ids, one owner's keys with one set of limits) and installed only 
 valid, so a bad write leaves the running set in force.
 
 Unlike upstream, whose registry lives in memory and is empty after every restart, a
-write is saved in the router's SQLite state (`RegistryFile`, beside the per-agent
-history) before it is acknowledged, and loaded at start-up.
+write is saved in the router's SQLite state (`RegistryFile`, `router_api_keys.sqlite3`
+beside the per-agent history, a file of its own so that `--reset-disk-db` does not
+drop the keys) before it is acknowledged, and loaded at start-up.
 
 Versions are upstream's: opaque strings compared lexicographically; a write whose
 version sorts below the running one is stale (409), an equal one is accepted.
@@ -426,9 +427,17 @@ CREATE TABLE IF NOT EXISTS documents (
 """
 
 
+FILE_NAME = "router_api_keys.sqlite3"
+
+
+def registry_path(history: str) -> str:
+    """The registry's file, in the directory of the per-agent history file."""
+    return os.path.join(os.path.dirname(os.path.abspath(history)), FILE_NAME)
+
+
 class RegistryFile:
-    """The registry in the router's SQLite state file (router/lifetime.py's, in a table
-    of its own): one row, rewritten in one transaction per write."""
+    """The registry in an SQLite file of the router's state (router/lifetime.py keeps
+    the other): one row, rewritten in one transaction per write."""
 
     def __init__(self, path: str) -> None:
         self.path = path
