@@ -18,6 +18,9 @@ from protocol.p2p import load_or_create_identity, peer_id_of
 from protocol.sdnotify import sd_notify
 from protocol.secrets import load_previous_secret, load_secret
 from protocol.tracing import tracer_from_env
+from router.admission.control import Admission
+from router.admission.limits import AdmitSettings
+from router.admission.shared import SharedAdmission
 from router.agent_metrics import AgentCollector
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
@@ -151,6 +154,11 @@ class RouterDaemon:
             self.metrics,
             ClientSettings(settings.max_request_bytes, settings.request_timeout),
         )
+        self.client.admission = Admission(
+            AdmitSettings(settings.admit_fraction, settings.admit_park_timeout),
+            self.metrics,
+            self._healthy_replicas,
+        )
         self.tenants = TenantGate(
             GateSettings(
                 auth_file=settings.auth_file,
@@ -165,6 +173,9 @@ class RouterDaemon:
             self.metrics,
         )
         self.tenants.replicas = self._healthy_replicas
+        if self.tenants.state.client is not None:
+            lease = settings.request_timeout + 60.0
+            self.client.admission.shared = SharedAdmission(self.tenants.state, lease)
         auth = self.tenants.store.current
         if auth.dynamic if auth is not None else settings.auth_mode == "dynamic":
             if not settings.admin_api_keys:

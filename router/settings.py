@@ -7,6 +7,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.durations import parse_duration
+from router.admission.limits import DEFAULT_ADMIT_FRACTION, DEFAULT_PARK_TIMEOUT, parse_fraction
 from router.peers import DEFAULT_FAILURE_COOLDOWN
 
 DEFAULT_MAX_REQUEST_BYTES = 10 * 1024 * 1024
@@ -107,6 +109,9 @@ class RouterSettings:
     # others as worker 0's welcome names them ({"tcp_port", "peer_id"}).
     worker_index: int = 0
     worker_count: int = 1
+    # HIVENET_ROUTER_ADMIT_FRACTION and HIVENET_ROUTER_ADMIT_PARK_TIMEOUT (admission B2).
+    admit_fraction: float = DEFAULT_ADMIT_FRACTION
+    admit_park_timeout: float = DEFAULT_PARK_TIMEOUT
     workers: list[dict] = field(default_factory=list)
 
     def apply_environment(self, env: Mapping[str, str] | None = None) -> None:
@@ -137,13 +142,8 @@ class RouterSettings:
             raise ValueError("HIVENET_ROUTER_AUTH_MODE=none but HIVENET_ROUTER_API_KEYS is set")
         env_value(e, "QUOTA_BACKEND", _quota_backend, "memory")
         self.rpm_burst_seconds = env_value(e, "RPM_BURST_SECONDS", _burst_seconds, "0")
-        for name in ("ADMIT_FRACTION", "ADMIT_PARK_TIMEOUT"):
-            if e.get(ENV_PREFIX + name):
-                raise ValueError(
-                    f"{ENV_PREFIX}{name}: token-weighted occupancy admission"
-                    " (admit_budget_tokens) does not exist here; agents' --capacity, the"
-                    " capacity queue (--queue-depth) and a policy's shed_if bound the load"
-                )
+        self.admit_fraction = env_value(e, "ADMIT_FRACTION", parse_fraction, "0.90")
+        self.admit_park_timeout = env_value(e, "ADMIT_PARK_TIMEOUT", parse_duration, "250ms")
 
 
 def _non_negative(raw: str) -> int:

@@ -183,3 +183,15 @@ def test_either_secret_of_a_rotation_verifies_and_names_itself() -> None:
     expired = issue_token(previous, "peer", 60, now=1000.0)
     with pytest.raises(TokenError, match="token expired"):
         verify_with((current, previous), expired, "peer")
+
+
+def test_a_registry_key_is_admitted_under_its_own_id_with_its_own_limits() -> None:
+    quota = {"requests_per_minute": 5, "input_tokens_per_minute": 4096}
+    registry = parse_registry(document(entry(quota=quota, max_occupancy_share=0.25)))
+    record = registry.config.key_for(KEY)
+    assert record is not None and record.id == "acme-prod" and record.tenant == "acme"
+    assert record.limits.max_occupancy_share == 0.25
+    assert record.limits.input_tokens_per_minute == 4096
+    assert registry.public("acme-prod")["max_occupancy_share"] == 0.25
+    errors = errors_of(document(entry(max_occupancy_share=2)))
+    assert any(e.startswith("keys[0].max_occupancy_share: must be a number") for e in errors)

@@ -123,8 +123,16 @@ def test_the_example_placeholder_loads_with_a_warning() -> None:
             "api.keys[0].metadata.expires_at: must be a date as DD-MM-YYYY",
         ),
         (
-            doc(entry(extra="      quota: {input_tokens_per_minute: 5}\n")),
-            "serverless per-key caps need token-weighted occupancy admission",
+            doc(entry(extra="      quota: {input_tokens_per_minute: -5}\n")),
+            "api.keys[0].quota.input_tokens_per_minute: must be at least 0, got -5",
+        ),
+        (
+            doc(entry(extra="      max_occupancy_share: 1.5\n")),
+            "api.keys[0].max_occupancy_share: must be a number in (0, 1]",
+        ),
+        (
+            doc(entry(extra="      mode: spot\n")),
+            "api.keys[0].mode: must be one of reserved, serverless",
         ),
         (
             doc(entry(extra="      quota: {requests_per_minute: -1}\n")),

@@ -144,8 +144,9 @@ ROUTER_BAD_ENV = [
     ({"HIVENET_ROUTER_QUOTA_BACKEND": "badger"}, "--state-url"),
     ({"HIVENET_ROUTER_QUOTA_BACKEND": "etcd"}, "must be memory"),
     ({"HIVENET_ROUTER_RPM_BURST_SECONDS": "60"}, "from 0 to 59"),
-    ({"HIVENET_ROUTER_ADMIT_FRACTION": "0.9"}, "admit_budget_tokens"),
-    ({"HIVENET_ROUTER_ADMIT_PARK_TIMEOUT": "250ms"}, "admit_budget_tokens"),
+    ({"HIVENET_ROUTER_ADMIT_FRACTION": "1.5"}, "must be greater than 0 and at most 1"),
+    ({"HIVENET_ROUTER_ADMIT_FRACTION": "0"}, "HIVENET_ROUTER_ADMIT_FRACTION='0'"),
+    ({"HIVENET_ROUTER_ADMIT_PARK_TIMEOUT": "soon"}, "HIVENET_ROUTER_ADMIT_PARK_TIMEOUT="),
 ]
 
 

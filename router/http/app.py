@@ -30,7 +30,7 @@ from router.http.asgi import (
     send_json,
 )
 from router.http.auth import AdminKeys, presented_keys
-from router.http.client import ENDPOINTS, TICKET, ClientApi, send_error
+from router.http.client import API_KEY, ENDPOINTS, TICKET, ClientApi, send_error
 from router.http.quota_headers import with_quota_headers
 from router.http.registration_stream import registration_stream
 from router.lifetime import LifetimeStore
@@ -38,6 +38,7 @@ from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.policy.store import PolicyStore
 from router.registrations import RegistrationFeed
+from router.tenants.audit import AdminRecord
 from router.tenants.gate import TenantGate, Ticket
 from router.tenants.keys import ClientKeys
 
@@ -167,11 +168,20 @@ class RouterApp:
         protocol = protocol_of(path)
         extra = [("x-request-id", rid)]
         keys = presented_keys(scope, allow_x_api_key=True)
-        tenant = self.tenants.identify(keys) if self.tenants else self.client_keys.tenant(keys)
+        key = None
+        if self.tenants:
+            tenant, key = self.tenants.identify_key(keys)
+        else:
+            tenant = self.client_keys.tenant(keys)
+        scope[API_KEY] = key
         ticket = None
         if path in ENDPOINTS and self.tenants:
             # Refused requests have a ticket too: it holds the code their audit line shows.
             ticket = scope[TICKET] = self.tenants.open(rid, tenant or "-")
+            if ticket is not None:
+                ticket.key_id = key.id if key is not None else None
+                client = scope.get("client")
+                ticket.source_ip = client[0] if client else None
         if tenant is None:
             why = "missing or invalid API key (send Authorization: Bearer <key> or x-api-key)"
             if self.tenants and self.tenants.expired(keys):
@@ -290,11 +300,17 @@ class RouterApp:
         return 200
 
     def _audit_admin(self, scope: Scope, rid: str, status: int) -> None:
-        audit = self.tenants.audit_log if self.tenants else None
-        if audit is not None:
+        if self.tenants is not None and self.tenants.audit_log is not None:
             client = scope.get("client") or ("", 0)
-            key_id = self.admin_keys.key_id(scope)
-            audit.audit_admin(rid, key_id, client[0], scope["method"], scope["path"], status)
+            record = AdminRecord(
+                action=scope["method"],
+                target=scope["path"],
+                status=status,
+                key_id=self.admin_keys.key_id(scope),
+                source_ip=client[0],
+                request_id=rid,
+            )
+            self.tenants.audit_admin(record)
 
     def _admin_models(self) -> list[dict]:
         cards = []

@@ -33,7 +33,7 @@ import trio
 
 from router.documents import DocumentError, DocumentStore, Validator, kind
 from router.metrics import RouterMetrics
-from router.tenants.config import HASH_PREFIX, AuthConfig, Tenant
+from router.tenants.config import HASH_PREFIX, ApiKey, AuthConfig, Tenant
 from router.tenants.upstream_auth import upstream_key
 
 log = logging.getLogger("tenant")
@@ -135,6 +135,7 @@ class _Entries(Validator):
         tenants: dict[str, Tenant] = {}
         first_of_owner: dict[str, str] = {}
         by_hash: dict[str, Tenant] = {}
+        records: dict[str, ApiKey] = {}
         id_of_hash: dict[str, str] = {}
         expires: dict[str, float] = {}
         for i, body in enumerate(raw):
@@ -142,7 +143,7 @@ class _Entries(Validator):
             checked = self.entry(path, body)
             if checked is None:
                 continue
-            entry, tenant, until = checked
+            entry, tenant, until, record = checked
             key_id, digest = entry["id"], HASH_PREFIX + entry["key_hash"]
             if key_id in entries:
                 self.error(f"{path}.id", f"{key_id!r} is listed twice")
@@ -170,6 +171,7 @@ class _Entries(Validator):
             if entry["enabled"]:
                 tenants[tenant.name] = replace(known, key_hashes=(*known.key_hashes, digest))
                 by_hash[digest] = tenant
+                records[digest] = record
                 if until is not None:
                     expires[digest] = until
             else:
@@ -179,7 +181,13 @@ class _Entries(Validator):
         # Each key's record must be the tenant's final one (with every key hash).
         by_hash = {digest: tenants[t.name] for digest, t in by_hash.items()}
         config = AuthConfig(
-            tenants, by_hash, source, expires=expires, admin_mode="api-key", dynamic=True
+            tenants,
+            by_hash,
+            source,
+            expires=expires,
+            admin_mode="api-key",
+            dynamic=True,
+            keys=records,
         )
         return Registry(version, entries, config, source)
 
@@ -195,8 +203,11 @@ class _Entries(Validator):
             return ""
         return raw
 
-    def entry(self, path: str, raw: object) -> tuple[dict[str, Any], Tenant, float | None] | None:
-        """The normalized entry, its tenant and expiry; None when it has errors."""
+    def entry(
+        self, path: str, raw: object
+    ) -> tuple[dict[str, Any], Tenant, float | None, ApiKey] | None:
+        """The normalized entry, its tenant, expiry and key record; None when it has
+        errors."""
         if not isinstance(raw, dict):
             self.error(path, f"must be an object (a key entry), got {kind(raw)}")
             return None
@@ -260,6 +271,8 @@ class _Entries(Validator):
         if checked is None or errors:
             return None
         tenant: Tenant = checked[1]
+        # The registry's id is the key's id: its admission state and audit identity.
+        record: ApiKey = replace(checked[3], id=key_id)
         entry = {
             "id": key_id,
             "key_hash": digest,
@@ -272,7 +285,7 @@ class _Entries(Validator):
             "quota": raw.get("quota") or {},
             **{name: raw[name] for name in _PASSED if name in raw},
         }
-        return entry, tenant, until
+        return entry, tenant, until, record
 
 
 def parse_registry(text: str, burst_seconds: int = 0) -> Registry:
