@@ -185,6 +185,7 @@ class RouterDaemon:
                 )
             saved = RegistryFile(registry_path(history_path(settings)))
             self.tenants.registry = KeyRegistry(self.metrics, saved, settings.rpm_burst_seconds)
+            self.tenants.registry.policies = self._admission_caps
         if auth is not None and auth.admin_mode == "api-key" and not settings.admin_api_keys:
             raise ValueError(
                 "the auth file sets admin.mode api-key but HIVENET_ROUTER_ADMIN_API_KEYS is empty"
@@ -238,6 +239,15 @@ class RouterDaemon:
                 provider.engine,
                 quote(f"HIVENET_ROUTER_{provider.engine.upper()}_API_KEY is not set"),
             )
+
+    def _admission_caps(self) -> list[tuple[str | None, str, int]]:
+        """Each policy's serverless input cap, for the key registry's cross-check."""
+        limits = self.store.current.admission
+        caps: list[tuple[str | None, str, int]] = [(None, limits.mode, limits.max_input_tokens)]
+        for named in self.store.models.named.values():
+            own = named.policy.admission
+            caps += [(m, own.mode, own.max_input_tokens) for m in named.policy.models]
+        return caps
 
     def _reload_credentials(self) -> bool:
         """SIGHUP: the admin keys and JWT secrets that come from files are read again,

@@ -195,3 +195,20 @@ def test_a_registry_key_is_admitted_under_its_own_id_with_its_own_limits() -> No
     assert registry.public("acme-prod")["max_occupancy_share"] == 0.25
     errors = errors_of(document(entry(max_occupancy_share=2)))
     assert any(e.startswith("keys[0].max_occupancy_share: must be a number") for e in errors)
+
+
+def test_a_key_whose_input_rate_is_below_a_serverless_cap_is_refused(tmp_path: Path) -> None:
+    registry = registry_in(tmp_path)
+    registry.policies = lambda: [(None, "reserved", 0), ("big", "serverless", 8192)]
+    slow = entry(quota={"input_tokens_per_minute": 4096})
+
+    async def main() -> None:
+        errors = await registry.write(document(slow), "test")
+        assert errors == [
+            "acme-prod.quota.input_tokens_per_minute: 4096 is below max_input_tokens 8192"
+            " of serverless model 'big' (a request at that cap could never pass)"
+        ]
+        # A key that cannot reach the model is not held to its cap.
+        assert await registry.write(document({**slow, "allowed_models": ["small"]}), "test") == []
+
+    trio.run(main)

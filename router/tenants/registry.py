@@ -26,6 +26,7 @@ import os
 import re
 import sqlite3
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -302,6 +303,37 @@ def parse_registry(text: str, burst_seconds: int = 0) -> Registry:
 
 EMPTY = canonical("", {})
 
+# A policy's (model, or None for the global policy; mode; max_input_tokens).
+PolicyLimits = tuple[str | None, str, int]
+
+
+def below_serverless_cap(registry: Registry, policies: list[PolicyLimits]) -> list[str]:
+    """Upstream's cross-check: a key's nonzero input_tokens_per_minute must be at least
+    the max_input_tokens of every serverless model it can reach, or a request at that
+    cap could never pass its bucket."""
+    named = {model for model, _, _ in policies if model is not None}
+    errors = []
+    for digest, key in sorted(registry.config.keys.items(), key=lambda kv: kv[1].id):
+        tenant = registry.config.by_hash[digest]
+        for model, mode, cap in policies:
+            limits = key.limits_for(model) if model is not None else key.limits
+            rate = limits.input_tokens_per_minute
+            if not (rate and cap and rate < cap and limits.serverless(mode)):
+                continue
+            if model is None:
+                reachable = not (tenant.models or tenant.per_model) or any(
+                    m not in named for m in (*tenant.models, *(n for n, _, _ in tenant.per_model))
+                )
+            else:
+                reachable = tenant.allows_model(model)
+            if reachable:
+                errors.append(
+                    f"{key.id}.quota.input_tokens_per_minute: {rate} is below max_input_tokens"
+                    f" {cap} of serverless {'model ' + repr(model) if model else 'global policy'}"
+                    " (a request at that cap could never pass)"
+                )
+    return errors
+
 
 class KeyRegistry(DocumentStore[Registry]):
     """The running registry, its writes and where they are saved."""
@@ -317,6 +349,8 @@ class KeyRegistry(DocumentStore[Registry]):
         super().__init__(metrics.auth_reloads, log, None)
         self.burst_seconds = burst_seconds
         self.saved = saved
+        # The running policies' admission caps (the daemon points it at its PolicyStore).
+        self.policies: Callable[[], list[PolicyLimits]] = list
         self.current = parse_registry(EMPTY)
         text = saved.load() if saved is not None else None
         if text is not None:
@@ -332,7 +366,11 @@ class KeyRegistry(DocumentStore[Registry]):
         self.on_replaced.append(self._saved_later)
 
     def parse(self, text: str) -> Registry:
-        return parse_registry(text, self.burst_seconds)
+        registry = parse_registry(text, self.burst_seconds)
+        errors = below_serverless_cap(registry, self.policies())
+        if errors:
+            raise RegistryError(errors)
+        return registry
 
     def source(self) -> str:
         return self.current.source
