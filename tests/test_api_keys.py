@@ -165,7 +165,7 @@ def test_a_bad_write_keeps_the_running_set_and_a_good_one_is_saved(tmp_path: Pat
 
 def test_a_fleet_copy_with_a_lower_version_is_superseded(tmp_path: Path) -> None:
     registry = registry_in(tmp_path)
-    trio.run(registry.write, document(entry(), version="rev_5"), "test")
+    trio.run(registry.write, json.loads(document(entry(), version="rev_5")), "test")
     assert registry.supersedes(document(version="rev_4"))
     assert not registry.supersedes(document(version="rev_6"))
     assert not registry.supersedes("not json")
@@ -203,12 +203,13 @@ def test_a_key_whose_input_rate_is_below_a_serverless_cap_is_refused(tmp_path: P
     slow = entry(quota={"input_tokens_per_minute": 4096})
 
     async def main() -> None:
-        errors = await registry.write(document(slow), "test")
+        errors = await registry.write(json.loads(document(slow)), "test")
         assert errors == [
             "acme-prod.quota.input_tokens_per_minute: 4096 is below max_input_tokens 8192"
             " of serverless model 'big' (a request at that cap could never pass)"
         ]
         # A key that cannot reach the model is not held to its cap.
-        assert await registry.write(document({**slow, "allowed_models": ["small"]}), "test") == []
+        narrow = {**slow, "allowed_models": ["small"]}
+        assert await registry.write(json.loads(document(narrow)), "test") == []
 
     trio.run(main)

@@ -101,14 +101,14 @@ async def _write(
     entry_at: int | None = None,
 ) -> int:
     try:
-        text = build()
+        document = build()
     except StaleVersion as exc:
         body = {"error": "stale version", "current_version": exc.current}
         return await _answer(send, extra, 409, body)
     except RegistryError as exc:
         errors = exc.errors
     else:
-        errors = await registry.write(text, ORIGIN)
+        errors = await registry.write(document, ORIGIN)
     if errors:
         if entry_at is not None:
             # One key's write: its reasons name its fields, not its place in the registry.

