@@ -177,7 +177,9 @@ class RouterDaemon:
             lease = settings.request_timeout + 60.0
             self.client.admission.shared = SharedAdmission(self.tenants.state, lease)
         auth = self.tenants.store.current
-        if auth.dynamic if auth is not None else settings.auth_mode == "dynamic":
+        # Upstream's dynamic mode: the auth file says so, or the variable without a file.
+        dynamic = auth.dynamic if auth is not None else settings.auth_mode == "dynamic"
+        if dynamic:
             if not settings.admin_api_keys:
                 raise ValueError(
                     "dynamic mode needs HIVENET_ROUTER_ADMIN_API_KEYS: /admin/api-keys holds"
@@ -257,9 +259,10 @@ class RouterDaemon:
         try:
             admin = s.admin_api_keys
             if s.admin_api_keys_file:
-                admin = read_admin_keys(s.admin_api_keys_file)
-                if not admin:
+                from_file = read_admin_keys(s.admin_api_keys_file)
+                if not from_file:
                     raise ValueError(f"{s.admin_api_keys_file} holds no admin key")
+                admin = [*s.admin_api_keys_env, *from_file]
             secret = load_secret(s.jwt_secret_file) if s.jwt_secret_file else s.jwt_secret
             previous = s.jwt_secret_previous
             if s.jwt_secret_previous_file:

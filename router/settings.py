@@ -84,8 +84,10 @@ class RouterSettings:
     jwt_secret_file: str | None = None
     jwt_secret_previous_file: str | None = None
     admin_api_keys: list[str] = field(default_factory=list)
-    # HIVENET_ROUTER_ADMIN_API_KEYS_FILE: admin keys re-read on SIGHUP (rotation).
+    # HIVENET_ROUTER_ADMIN_API_KEYS_FILE: admin keys re-read on SIGHUP (rotation),
+    # beside those of HIVENET_ROUTER_ADMIN_API_KEYS (read once).
     admin_api_keys_file: str | None = None
+    admin_api_keys_env: list[str] = field(default_factory=list)
     allow_insecure_admin: bool = False
     client_api_keys: str = ""
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -120,6 +122,7 @@ class RouterSettings:
         self.admin_api_keys = [
             k.strip() for k in e.get("HIVENET_ROUTER_ADMIN_API_KEYS", "").split(",") if k.strip()
         ]
+        self.admin_api_keys_env = list(self.admin_api_keys)
         self.admin_api_keys_file = e.get("HIVENET_ROUTER_ADMIN_API_KEYS_FILE") or None
         if self.admin_api_keys_file:
             self.admin_api_keys = [*self.admin_api_keys, *read_admin_keys(self.admin_api_keys_file)]

@@ -12,6 +12,7 @@ import trio
 
 from protocol.tokens import TokenError, issue_token, verify_with
 from router.metrics import RouterMetrics
+from router.settings import RouterSettings
 from router.tenants.registry import (
     KeyRegistry,
     RegistryError,
@@ -213,3 +214,21 @@ def test_a_key_whose_input_rate_is_below_a_serverless_cap_is_refused(tmp_path: P
         assert await registry.write(json.loads(document(narrow)), "test") == []
 
     trio.run(main)
+
+
+def test_admin_keys_come_from_the_variable_and_the_file(tmp_path: Path) -> None:
+    keys = tmp_path / "admin.keys"
+    keys.write_text("# operators\nfile-one, file-two\n\nfile-three  # the CI\n")
+    settings = RouterSettings()
+    env = {
+        "HIVENET_ROUTER_ADMIN_API_KEYS": "env-one",
+        "HIVENET_ROUTER_ADMIN_API_KEYS_FILE": str(keys),
+    }
+    settings.apply_environment(env)
+    assert settings.admin_api_keys == ["env-one", "file-one", "file-two", "file-three"]
+    # SIGHUP re-reads the file only; the variable's keys stay.
+    assert settings.admin_api_keys_env == ["env-one"]
+    with pytest.raises(ValueError, match="HIVENET_ROUTER_ADMIN_API_KEYS_FILE="):
+        RouterSettings().apply_environment(
+            {"HIVENET_ROUTER_ADMIN_API_KEYS_FILE": str(tmp_path / "missing")}
+        )
