@@ -232,3 +232,16 @@ def test_admin_keys_come_from_the_variable_and_the_file(tmp_path: Path) -> None:
         RouterSettings().apply_environment(
             {"HIVENET_ROUTER_ADMIN_API_KEYS_FILE": str(tmp_path / "missing")}
         )
+
+
+def test_hostile_numbers_are_refused_not_a_crash(tmp_path: Path) -> None:
+    registry = registry_in(tmp_path)
+
+    async def main() -> None:
+        huge = registry.with_entry("k", {"version": "v1", **entry(quota={"tokens_per_day": 2**70})})
+        assert "numbers must fit in 64 bits" in (await registry.write(huge, "test"))[0]
+        inf = registry.with_entry("k", {"version": "v1", **entry(quota={"tokens_per_day": 1e400})})
+        assert "must be an integer" in (await registry.write(inf, "test"))[0]
+        assert registry.current.entries == {}
+
+    trio.run(main)

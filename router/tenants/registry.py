@@ -494,7 +494,10 @@ class KeyRegistry(DocumentStore[Registry]):
             value = self.check(document, "")
         except DocumentError as exc:
             return self.reject(exc.errors, origin)
-        text = canonical(value.version, value.entries)
+        try:
+            text = canonical(value.version, value.entries)
+        except orjson.JSONEncodeError as exc:  # an integer past 64 bits, as 2**70
+            return self.reject([f"registry: {exc}; numbers must fit in 64 bits"], origin)
         value = replace(value, source=text, config=replace(value.config, source=text))
         if self.saved is not None:
             await self.saved.save(text)
