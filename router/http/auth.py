@@ -29,9 +29,9 @@ def presented_keys(scope: Scope, allow_x_api_key: bool) -> list[str]:
 
 
 class AdminKeys:
-    """The admin API's keys, kept as SHA-256 digests (a dump of the process shows none
-    in clear). `replace` swaps them at once (SIGHUP with HIVENET_ROUTER_ADMIN_API_KEYS_FILE):
-    the next request is checked against the new set, so a retired key fails right away."""
+    """The admin API's keys as SHA-256 digests, compared in constant time. `replace`
+    swaps them at once (SIGHUP with HIVENET_ROUTER_ADMIN_API_KEYS_FILE): the next
+    request is checked against the new set, so a retired key fails right away."""
 
     def __init__(self, keys: list[str], insecure: bool) -> None:
         self.insecure = insecure
