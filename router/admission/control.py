@@ -138,7 +138,14 @@ class Admission:
     def _pool(self, model: str, limits: AdmissionLimits) -> Pool:
         pool = self.pools.get(model)
         if pool is None:
-            pool = self.pools[model] = Pool(model, on_change=self._gauges)
+            pool = self.pools[model] = Pool(model)
+            # Read at scrape time: a gauge set per change costs about 1.5 µs, and a
+            # request changes its pool at least twice.
+            m = self.metrics
+            m.admission_occupancy.labels(model).set_function(pool.shown_occupancy)
+            m.admission_inflight.labels(model).set_function(pool.shown_inflight)
+            m.admission_budget.labels(model).set_function(lambda: pool.budget)
+            m.admission_max_inflight.labels(model).set_function(lambda: pool.backstop)
         replicas = max(1, self.replicas(model))
         pool.budget = math.floor(self.settings.fraction * limits.admit_budget_tokens * replicas)
         pool.backstop = limits.max_inflight * replicas
@@ -171,11 +178,12 @@ class Admission:
         reservation = None
         if limits.pooled or (serverless and own.max_occupancy_share):
             pool = self._pool(model, limits)
+            pool.fleet = None  # counting alone (no --state-url, or Redis away)
             if not pool.fits(footprint):
-                deadline = trio.current_time() + self.settings.park_timeout
-                with trio.move_on_at(deadline):
-                    while not pool.fits(footprint):
-                        await pool.lot.park()
+                if self.settings.park_timeout > 0:
+                    with trio.move_on_after(self.settings.park_timeout):
+                        while not pool.fits(footprint):
+                            await pool.lot.park()
                 if not pool.fits(footprint):
                     return self._refuse(
                         model,
@@ -349,21 +357,26 @@ class Admission:
         await self._release(admitted)
 
     async def finish(self, admitted: Admitted) -> None:
-        """The request ended, however: learn, charge the key's output, release."""
-        with trio.CancelScope(shield=True):
-            usage = admitted.usage
-            if usage is not None and admitted.local:
-                self.estimator.learn(admitted.model, admitted.estimate, usage[PROMPT])
-                if admitted.output_limit and admitted.key_id is not None:
-                    await self._spend(admitted, usage[COMPLETION])
-            await self._release(admitted)
+        """The request ended, however: learn, charge the key's output, release. Only
+        the shared counts await (shielded: a cancelled request still gives back)."""
+        usage = admitted.usage
+        if usage is not None and admitted.local:
+            self.estimator.learn(admitted.model, admitted.estimate, usage[PROMPT])
+            if admitted.output_limit and admitted.key_id is not None:
+                await self._spend(admitted, usage[COMPLETION])
+        await self._release(admitted)
 
     async def _spend(self, admitted: Admitted, tokens: int) -> None:
         assert admitted.key_id is not None
         if self.shared is not None and self.shared.up:
-            done = await self.shared.call(
-                self.shared.spend, admitted.model, admitted.key_id, admitted.output_limit, tokens
-            )
+            with trio.CancelScope(shield=True):
+                done = await self.shared.call(
+                    self.shared.spend,
+                    admitted.model,
+                    admitted.key_id,
+                    admitted.output_limit,
+                    tokens,
+                )
             if done is not None:
                 return
         buckets = self.buckets.get((admitted.key_id, admitted.model))
@@ -387,18 +400,7 @@ class Admission:
 
     def _shared_gauges(self, pool: Pool, occupancy: int, count: int) -> None:
         """Shared counts: the gauges show the fleet's occupancy, as every router sees it."""
-        m = self.metrics
-        m.admission_occupancy.labels(pool.model).set(occupancy)
-        m.admission_inflight.labels(pool.model).set(count)
-        m.admission_budget.labels(pool.model).set(pool.budget)
-        m.admission_max_inflight.labels(pool.model).set(pool.backstop)
-
-    def _gauges(self, pool: Pool) -> None:
-        m = self.metrics
-        m.admission_occupancy.labels(pool.model).set(pool.occupancy)
-        m.admission_budget.labels(pool.model).set(pool.budget)
-        m.admission_inflight.labels(pool.model).set(pool.inflight)
-        m.admission_max_inflight.labels(pool.model).set(pool.backstop)
+        pool.fleet = (occupancy, count)
 
     def _refuse(
         self, model: str, gate: str, code: ErrorCode, message: str, retry_after: float | None

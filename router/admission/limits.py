@@ -33,6 +33,11 @@ class AdmissionLimits:
     max_inflight: int = 0
 
     @property
+    def active(self) -> bool:
+        """Whether any check reads the input estimate for this model."""
+        return self != NO_ADMISSION_LIMITS
+
+    @property
     def pooled(self) -> bool:
         """Whether B2 counts this model's occupancy at all."""
         return bool(self.admit_budget_tokens or self.max_inflight)

@@ -14,7 +14,6 @@ request (client gone, deadline) releases in its `finally` all the same.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from trio.lowlevel import ParkingLot
@@ -33,8 +32,14 @@ class Pool:
     # The effective limits the last admission computed (the gauges show them).
     budget: int = 0
     backstop: int = 0
-    # Told of every change (the admission gauges).
-    on_change: Callable[[Pool], None] | None = None
+    # The fleet's (occupancy, in flight) as Redis last said, while the counts are shared.
+    fleet: tuple[int, int] | None = None
+
+    def shown_occupancy(self) -> float:
+        return float(self.fleet[0] if self.fleet is not None else self.occupancy)
+
+    def shown_inflight(self) -> float:
+        return float(self.fleet[1] if self.fleet is not None else self.inflight)
 
     def fits(self, tokens: int) -> bool:
         """Whether `tokens` more fit. An empty pool takes any request: one larger than
@@ -78,8 +83,6 @@ class Reservation:
         pool.occupancy += n
         if self.key_id is not None:
             pool.by_key[self.key_id] = pool.by_key.get(self.key_id, 0) + n
-        if pool.on_change is not None:
-            pool.on_change(pool)
 
     def grow(self, n: int) -> None:
         """Output streamed by a request that declared no limit."""
@@ -96,5 +99,6 @@ class Reservation:
         self._add(-self.tokens)
         if self.key_id is not None and not pool.by_key.get(self.key_id):
             pool.by_key.pop(self.key_id, None)
-        # Every parked request re-checks, in the order it parked.
-        pool.lot.unpark_all()
+        if pool.lot:
+            # Every parked request re-checks, in the order it parked.
+            pool.lot.unpark_all()

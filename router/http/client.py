@@ -160,12 +160,17 @@ class ClientApi:
         key: ApiKey | None = scope.get(API_KEY)
         gates = self.admission
         # Upstream's gates model KV-cache-bound generation: not embeddings, rerank or
-        # token counting (the daily budget still charges embeddings and rerank).
-        gated = gates is not None and capability == "llm" and path in _GATED
-        limits = self.dispatcher.store.for_model(model).admission if gated else NO_ADMISSION_LIMITS
-        estimate = gates.estimate(model, payload) if gates is not None else None
-        if gated and estimate is not None and gates is not None:
+        # token counting (the daily budget still charges embeddings and rerank). A
+        # request no check reads skips the estimate (7 µs for a short chat).
+        limits, own = NO_ADMISSION_LIMITS, NO_LIMITS
+        if gates is not None and capability == "llm" and path in _GATED:
+            limits = self.dispatcher.store.for_model(model).admission
             own = key.limits_for(model) if key is not None else NO_LIMITS
+        gated = gates is not None and (limits.active or own.any)
+        estimate = None
+        if gates is not None and (gated or (ticket is not None and ticket.counts_tokens)):
+            estimate = gates.estimate(model, payload)
+        if gated and estimate is not None and gates is not None:
             capped = gates.caps(model, limits, own, estimate)
             if capped is not None:
                 return await fail(self._refused(rid, tenant, model, capped, ticket))

