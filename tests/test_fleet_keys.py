@@ -88,3 +88,13 @@ def test_keys_and_named_policies_written_on_one_router_reach_the_other(
     a.wait_log(r"policy_removed origin=fleet name=one")
     assert named(a)[0] == named(b)[0]
     assert a.admin("/admin/policy/models") == b.admin("/admin/policy/models") == {}
+
+    # A router that starts later adopts the fleet's keys, and the tombstone removes the
+    # deleted policy it brought in its own directory.
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    (policies / "one.yaml").write_text(NAMED)
+    c = fleet.router("--state-url", server.url, "--policy-model-dir", str(policies), env=dynamic)
+    wait_until(lambda: version(c) == version(a), 5, "registry adopted")
+    wait_until(lambda: named(c)[1] == {}, 5, "tombstone applied")
+    c.wait_log(r"policy_removed origin=fleet name=one")
