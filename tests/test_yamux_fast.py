@@ -203,7 +203,7 @@ async def test_the_agent_has_the_kernel_watch_its_unacknowledged_heartbeats() ->
 async def test_the_agent_times_router_silence_by_the_welcomes_liveness_interval() -> None:
     def said_hello() -> RouterSession:
         ours, _ = trio.testing.memory_stream_pair()
-        session = RouterSession(ours, {}, Status(), None, "http://127.0.0.1:9", 0.1, 1.0)  # type: ignore[arg-type]
+        session = RouterSession(ours, {}, Status(), None, 0.1, 1.0)  # type: ignore[arg-type]
         session.state = next_session_state(Role.AGENT, session.state, m.HELLO)
         return session
 
