@@ -30,7 +30,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import httptools
 import trio
@@ -113,6 +113,18 @@ class _Connection:
             self.stream.close()  # type: ignore[union-attr]
 
 
+def check_engine_url(url: str) -> SplitResult:
+    """The parts of an engine URL; ValueError says what is wrong with it."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--backend-url must be an http:// or https:// URL: {url!r}")
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError as exc:
+        raise ValueError(f"--backend-url {url!r}: {exc}") from None
+    return parts
+
+
 class EnginePool:
     """Keep-alive connections to one engine origin, most recently used first.
 
@@ -129,9 +141,7 @@ class EnginePool:
         max_idle: int,
         open_stream: OpenStream | None = None,
     ) -> None:
-        parts = urlsplit(backend_url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError(f"engine URL must be http:// or https://: {backend_url!r}")
+        parts = check_engine_url(backend_url)
         self._tls = parts.scheme == "https"
         self._host = parts.hostname
         self._port = parts.port or (443 if self._tls else 80)

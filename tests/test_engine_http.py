@@ -455,3 +455,16 @@ async def test_the_response_object_reads_and_limits(serve: Callable) -> None:
         response.close()
         with pytest.raises(EngineUnavailable):
             await p.send("GET", "/x\r\nevil: 1", {}, b"")
+
+
+def test_an_engine_url_the_client_cannot_use_stops_the_agent_at_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from agent.cli import main
+
+    router = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGQaEXi5zdK6sv4u1rjM8EQrfH3GnjJb8GrmyrXrU2yZ8"
+    for url, says in (("unix:///tmp/x", "http:// or https://"), ("http://h:port", "port")):
+        assert main(["--router", router, "--model", "m", "--backend-url", url]) == 2
+        assert says in capsys.readouterr().err
+        with pytest.raises(ValueError, match=says):
+            EnginePool(url, EngineTimeouts(1.0, 1.0), 1)
