@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -47,10 +48,14 @@ class Tally:
     router_cpu: float = 0.0
     agent_cpu: float = 0.0
     seconds: float = 0.0
+    latencies: list[float] = field(default_factory=list)
 
     def add(self, other: Tally) -> None:
         for name in self.__dataclass_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def p50_ms(self) -> float:
+        return statistics.median(self.latencies) * 1000 if self.latencies else 0.0
 
 
 @dataclass
@@ -206,8 +211,11 @@ async def load(port: int, request: bytes, concurrency: int, duration: float) -> 
         buf = bytearray()
         async with stream:
             while trio.current_time() < stop_at:
+                started = trio.current_time()
                 await stream.send_all(request)
-                if not await read_answer(stream, buf, tally):
+                if await read_answer(stream, buf, tally):
+                    tally.latencies.append(trio.current_time() - started)
+                else:
                     tally.errors += 1
 
     async with trio.open_nursery() as nursery:
@@ -268,6 +276,7 @@ def report(totals: dict[str, Tally], args: argparse.Namespace) -> None:
             "http_chunks_per_event": t.http_chunks / max(t.events, 1),
             "router_cpu_ms_per_request": t.router_cpu * 1000 / max(t.requests, 1),
             "agent_cpu_ms_per_request": t.agent_cpu * 1000 / max(t.requests, 1),
+            "p50_ms": t.p50_ms(),
         }
         for name, t in totals.items()
     }
@@ -282,15 +291,15 @@ def report(totals: dict[str, Tally], args: argparse.Namespace) -> None:
     print()
     print(
         "| build | requests | events/s | events per router CPU s | events per agent CPU s "
-        "| client HTTP chunks per event | router / agent CPU ms per request | errors |"
+        "| client HTTP chunks per event | router / agent CPU ms per request | p50 ms | errors |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     for name, r in rows.items():
         print(
             f"| {name} | {r['requests']} | {r['events_per_s']:.0f} "
             f"| {r['events_per_router_cpu_s']:.0f} | {r['events_per_agent_cpu_s']:.0f} "
             f"| {r['http_chunks_per_event']:.2f} | {r['router_cpu_ms_per_request']:.3f} / "
-            f"{r['agent_cpu_ms_per_request']:.3f} | {r['errors']} |"
+            f"{r['agent_cpu_ms_per_request']:.3f} | {r['p50_ms']:.2f} | {r['errors']} |"
         )
 
 
