@@ -189,7 +189,7 @@ class EnginePool:
                         await conn.stream.send_all(head)
                         await conn.stream.send_all(body)
                 except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    raise EngineUnavailable(f"engine closed the connection: {exc!r}") from None
+                    raise EngineUnavailable(f"engine closed the connection: {_why(exc)}") from None
                 await response.read_head()
             if scope.cancelled_caught:
                 raise EngineUnavailable(
@@ -245,8 +245,13 @@ class EnginePool:
                 tcp = await trio.open_tcp_stream(self._host, self._port)
                 stream = tcp
                 if self._tls:
+                    # https_compatible: an HTTPS server may end a close-delimited
+                    # body without TLS's close_notify.
                     stream = trio.SSLStream(
-                        tcp, ssl.create_default_context(), server_hostname=self._host
+                        tcp,
+                        ssl.create_default_context(),
+                        server_hostname=self._host,
+                        https_compatible=True,
                     )
                     try:
                         await stream.do_handshake()
@@ -256,7 +261,7 @@ class EnginePool:
                 self.connections_opened += 1
                 return _Connection(stream, tcp.socket)
             except (trio.BrokenResourceError, OSError) as exc:
-                raise EngineUnavailable(f"cannot connect to {self.origin}: {exc!r}") from None
+                raise EngineUnavailable(f"cannot connect to {self.origin}: {_why(exc)}") from None
         raise EngineUnavailable(
             f"no connection to {self.origin} within {self.timeouts.connect:g} s",
             timed_out=scope.cancelled_caught,
@@ -405,8 +410,8 @@ class EngineResponse:
             return await self._conn.stream.receive_some(RECEIVE_BYTES)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             if not self.status:
-                raise EngineUnavailable(f"engine connection failed: {exc!r}") from None
-            raise EngineBrokeOff(f"engine connection failed: {exc!r}") from None
+                raise EngineUnavailable(f"engine connection failed: {_why(exc)}") from None
+            raise EngineBrokeOff(f"engine connection failed: {_why(exc)}") from None
 
     def _feed(self, data: bytes) -> None:
         try:
@@ -426,3 +431,8 @@ class EngineResponse:
             and "content-length" not in self.headers
             and "chunked" not in self.headers.get("transfer-encoding", "").lower()
         )
+
+
+def _why(exc: BaseException) -> str:
+    """The error, or what trio's BrokenResourceError wraps (a TLS failure, a reset)."""
+    return repr(exc.__cause__ if exc.__cause__ is not None else exc)

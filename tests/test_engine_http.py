@@ -8,12 +8,21 @@ it, its frames recorded; the outcome is the frame the router would get.
 
 from __future__ import annotations
 
+import contextlib
+import datetime
+import ipaddress
 import json
+import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
+from pathlib import Path
 
 import pytest
 import trio
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
 
 from agent import forward as forward_module
 from agent.engine_http import (
@@ -468,3 +477,73 @@ def test_an_engine_url_the_client_cannot_use_stops_the_agent_at_start(
         assert says in capsys.readouterr().err
         with pytest.raises(ValueError, match=says):
             EnginePool(url, EngineTimeouts(1.0, 1.0), 1)
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for localhost and 127.0.0.1 and its key, as PEM files."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+async def test_an_https_engine_is_verified_and_its_connection_kept(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cert, key = _self_signed(tmp_path)
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert, key)
+    connections = 0
+
+    async def handler(stream: trio.SSLStream) -> None:
+        nonlocal connections
+        connections += 1
+        buf = bytearray()
+        with contextlib.suppress(trio.BrokenResourceError):
+            for body in (ANSWER, ANSWER):
+                while b"}" not in buf:  # the request's JSON body has ended
+                    buf += await stream.receive_some(65536)
+                buf.clear()
+                await stream.send_all(json_answer(body))
+            await stream.receive_some(65536)
+
+    serve_tls = partial(trio.serve_ssl_over_tcp, host="127.0.0.1")
+    listeners = await nursery.start(serve_tls, handler, 0, server)
+    port = listeners[0].transport_listener.socket.getsockname()[1]
+    timeouts = EngineTimeouts(2.0, 5.0)
+    # Not trusted: the client verifies the engine's certificate.
+    async with EnginePool(f"https://localhost:{port}", timeouts, 2) as p:
+        error = only_error(await run(p, request()))
+    assert error["message"].startswith("engine unreachable: cannot connect")
+    assert "CERTIFICATE_VERIFY_FAILED" in error["message"]
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    async with EnginePool(f"https://localhost:{port}", timeouts, 2) as p:
+        for _ in range(2):
+            assert (await run(p, request()))[1]["data"] == ANSWER
+    assert connections == 2  # the refused one, then one kept for two requests
