@@ -101,8 +101,11 @@ class _Connection:
         carries bytes no request asked for): one poll, no read."""
         if self.sock is None:
             return False
-        readable, _, _ = select.select([self.sock], [], [], 0)
-        return bool(readable)
+        # poll, not select: an agent with a thousand sessions has descriptors past
+        # select's limit of 1,024.
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(0))
 
     def close(self) -> None:
         # Synchronous, so it runs in any `finally`, cancelled or not: the engine sees the

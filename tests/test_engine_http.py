@@ -12,6 +12,7 @@ import contextlib
 import datetime
 import ipaddress
 import json
+import os
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
@@ -547,3 +548,24 @@ async def test_an_https_engine_is_verified_and_its_connection_kept(
         for _ in range(2):
             assert (await run(p, request()))[1]["data"] == ANSWER
     assert connections == 2  # the refused one, then one kept for two requests
+
+
+async def test_idle_connections_are_looked_at_past_1024_descriptors(serve: Callable) -> None:
+    """An agent with many router sessions holds descriptors past select()'s limit."""
+    held = [os.dup(0) for _ in range(1100)]
+    try:
+
+        async def one_each(stream: trio.SocketStream) -> None:
+            await read_request(stream, engine_of(stream), bytearray())
+            await stream.send_all(json_answer())
+            await stream.aclose()
+
+        engine = await serve(one_each)
+        async with pool(engine) as p:
+            for _ in range(2):
+                assert (await run(p, request()))[1]["data"] == ANSWER
+                await trio.sleep(0.05)
+        assert engine.connections == 2
+    finally:
+        for fd in held:
+            os.close(fd)
