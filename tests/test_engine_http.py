@@ -36,7 +36,7 @@ from agent.engine_http import (
 from agent.forward import forward
 from protocol import messages as m
 
-Handler = Callable[[trio.SocketStream], Awaitable[None]]
+Handler = Callable[["Conn"], Awaitable[None]]
 ANSWER = json.dumps({"id": "x", "object": "chat.completion", "choices": []}).encode()
 
 
@@ -50,12 +50,29 @@ class Engine:
         self.closed = trio.Event()  # a connection ended from the agent's side
 
 
-async def read_request(stream: trio.SocketStream, engine: Engine, buf: bytearray) -> bool:
-    """One request (head and Content-Length body) off the stream; False at its end."""
+class Conn:
+    """One connection of an engine, as its handler sees it."""
+
+    def __init__(self, stream: trio.SocketStream, engine: Engine) -> None:
+        self.stream = stream
+        self.engine = engine
+
+    async def send_all(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def receive_some(self) -> bytes:
+        return await self.stream.receive_some(65536)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def read_request(conn: Conn, buf: bytearray) -> bool:
+    """One request (head and Content-Length body) off the connection; False at its end."""
     while b"\r\n\r\n" not in buf:
-        data = await stream.receive_some(65536)
+        data = await conn.receive_some()
         if not data:
-            engine.closed.set()
+            conn.engine.closed.set()
             return False
         buf += data
     end = buf.index(b"\r\n\r\n") + 4
@@ -65,8 +82,8 @@ async def read_request(stream: trio.SocketStream, engine: Engine, buf: bytearray
         if line.startswith(b"content-length:"):
             length = int(line.split(b":")[1])
     while len(buf) < end + length:
-        buf += await stream.receive_some(65536)
-    engine.requests.append(bytes(buf[: end + length]))
+        buf += await conn.receive_some()
+    conn.engine.requests.append(bytes(buf[: end + length]))
     del buf[: end + length]
     return True
 
@@ -81,37 +98,32 @@ def json_answer(body: bytes = ANSWER, extra: bytes = b"") -> bytes:
 def answering(*answers: bytes) -> Handler:
     """Answer each request on a connection with the next of `answers`, then wait."""
 
-    async def handler(stream: trio.SocketStream) -> None:
+    async def handler(conn: Conn) -> None:
         buf = bytearray()
         for answer in answers:
-            if not await read_request(stream, engine_of(stream), buf):
+            if not await read_request(conn, buf):
                 return
-            await stream.send_all(answer)
-        await read_request(stream, engine_of(stream), buf)
+            await conn.send_all(answer)
+        await read_request(conn, buf)
 
     return handler
-
-
-_ENGINES: dict[int, Engine] = {}
-
-
-def engine_of(stream: trio.SocketStream) -> Engine:
-    return _ENGINES[stream.socket.getsockname()[1]]
 
 
 @pytest.fixture
 async def serve(nursery: trio.Nursery) -> AsyncIterator[Callable[[Handler], Awaitable[Engine]]]:
     async def start(handler: Handler) -> Engine:
-        async def counted(stream: trio.SocketStream) -> None:
-            engine_of(stream).connections += 1
-            try:
-                await handler(stream)
-            except trio.BrokenResourceError:
-                engine_of(stream).closed.set()
+        engine = Engine(0)
 
-        listeners = await nursery.start(partial(trio.serve_tcp, host="127.0.0.1"), counted, 0)
-        port = listeners[0].socket.getsockname()[1]
-        engine = _ENGINES[port] = Engine(port)
+        async def counted(stream: Conn) -> None:
+            engine.connections += 1
+            try:
+                await handler(Conn(stream, engine))
+            except trio.BrokenResourceError:
+                engine.closed.set()
+
+        serve_tcp = partial(trio.serve_tcp, host="127.0.0.1")
+        listeners = await nursery.start(serve_tcp, counted, 0)
+        engine.port = listeners[0].socket.getsockname()[1]
         return engine
 
     yield start
@@ -172,8 +184,8 @@ async def test_chunked_and_close_delimited_bodies_arrive_whole(serve: Callable) 
         + b"\r\n0\r\n\r\n"
     )
 
-    async def close_delimited(stream: trio.SocketStream) -> None:
-        await read_request(stream, engine_of(stream), bytearray())
+    async def close_delimited(stream: Conn) -> None:
+        await read_request(stream, bytearray())
         await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n")
         await stream.send_all(ANSWER)
         await stream.aclose()
@@ -207,8 +219,8 @@ async def test_events_read_together_leave_in_one_frame_and_none_waits(
     together = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
     step = trio.Event()
 
-    async def handler(stream: trio.SocketStream) -> None:
-        await read_request(stream, engine_of(stream), bytearray())
+    async def handler(stream: Conn) -> None:
+        await read_request(stream, bytearray())
         head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
         await stream.send_all(head + b"\r\n\r\n" + together)
         await step.wait()
@@ -234,8 +246,8 @@ async def test_events_read_together_leave_in_one_frame_and_none_waits(
 
 
 async def test_an_endless_head_is_refused_as_unavailable(serve: Callable) -> None:
-    async def handler(stream: trio.SocketStream) -> None:
-        await read_request(stream, engine_of(stream), bytearray())
+    async def handler(stream: Conn) -> None:
+        await read_request(stream, bytearray())
         await stream.send_all(b"HTTP/1.1 200 OK\r\n")
         with trio.move_on_after(10):
             while True:
@@ -280,17 +292,17 @@ async def test_answers_that_are_not_http_fail_in_the_routers_terms(
 
 
 async def test_a_close_before_or_inside_the_answer(serve: Callable) -> None:
-    async def before(stream: trio.SocketStream) -> None:
-        await read_request(stream, engine_of(stream), bytearray())
+    async def before(stream: Conn) -> None:
+        await read_request(stream, bytearray())
         await stream.aclose()
 
-    async def inside(stream: trio.SocketStream) -> None:
-        await read_request(stream, engine_of(stream), bytearray())
+    async def inside(stream: Conn) -> None:
+        await read_request(stream, bytearray())
         await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n" + ANSWER[:10])
         await stream.aclose()
 
-    async def inside_chunked(stream: trio.SocketStream) -> None:
-        await read_request(stream, engine_of(stream), bytearray())
+    async def inside_chunked(stream: Conn) -> None:
+        await read_request(stream, bytearray())
         head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
         await stream.send_all(head + b'\r\n\r\n12\r\ndata: {"a": 1}\n\n\r\n')
         await stream.aclose()
@@ -319,8 +331,8 @@ async def test_a_close_before_or_inside_the_answer(serve: Callable) -> None:
 
 
 async def test_a_slowloris_head_times_out_within_the_read_timeout(serve: Callable) -> None:
-    async def handler(stream: trio.SocketStream) -> None:
-        await read_request(stream, engine_of(stream), bytearray())
+    async def handler(stream: Conn) -> None:
+        await read_request(stream, bytearray())
         for byte in json_answer():
             await stream.send_all(bytes([byte]))
             await trio.sleep(0.05)  # each byte well within the read timeout
@@ -333,14 +345,14 @@ async def test_a_slowloris_head_times_out_within_the_read_timeout(serve: Callabl
 
 
 async def test_a_silent_stream_and_a_dribbled_whole_answer_break_off(serve: Callable) -> None:
-    async def silent(stream: trio.SocketStream) -> None:
-        await read_request(stream, engine_of(stream), bytearray())
+    async def silent(stream: Conn) -> None:
+        await read_request(stream, bytearray())
         head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
         await stream.send_all(head + b'\r\n\r\n12\r\ndata: {"a": 1}\n\n\r\n')
-        await read_request(stream, engine_of(stream), bytearray())  # until the agent hangs up
+        await read_request(stream, bytearray())  # until the agent hangs up
 
-    async def dribbled(stream: trio.SocketStream) -> None:
-        await read_request(stream, engine_of(stream), bytearray())
+    async def dribbled(stream: Conn) -> None:
+        await read_request(stream, bytearray())
         await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(ANSWER))
         for byte in ANSWER:
             await stream.send_all(bytes([byte]))
@@ -422,9 +434,9 @@ async def test_junk_after_an_answer_and_an_engine_closing_idle_connections(
             assert (await run(p, request()))[1]["data"] == ANSWER
     assert engine.connections == 2  # the connection that carried junk was not reused
 
-    async def one_each(stream: trio.SocketStream) -> None:
+    async def one_each(stream: Conn) -> None:
         # Closes after one answer without saying so (no `connection: close`).
-        await read_request(stream, engine_of(stream), bytearray())
+        await read_request(stream, bytearray())
         await stream.send_all(json_answer())
         await stream.aclose()
 
@@ -437,8 +449,8 @@ async def test_junk_after_an_answer_and_an_engine_closing_idle_connections(
 
 
 async def test_a_cancelled_request_closes_its_engine_connection(serve: Callable) -> None:
-    async def endless(stream: trio.SocketStream) -> None:
-        await read_request(stream, engine_of(stream), bytearray())
+    async def endless(stream: Conn) -> None:
+        await read_request(stream, bytearray())
         head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
         await stream.send_all(head + b"\r\n\r\n")
         event = b'data: {"a": 1}\n\n'
@@ -555,8 +567,8 @@ async def test_idle_connections_are_looked_at_past_1024_descriptors(serve: Calla
     held = [os.dup(0) for _ in range(1100)]
     try:
 
-        async def one_each(stream: trio.SocketStream) -> None:
-            await read_request(stream, engine_of(stream), bytearray())
+        async def one_each(stream: Conn) -> None:
+            await read_request(stream, bytearray())
             await stream.send_all(json_answer())
             await stream.aclose()
 
