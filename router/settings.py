@@ -15,7 +15,7 @@ DEFAULT_MAX_REQUEST_BYTES = 10 * 1024 * 1024
 # HIVENET_ROUTER_MAX_REQUEST_BYTES=0 is the Go router's "no limit". A daemon reading
 # bodies into memory still needs a bound: 1 GiB, above any prompt an engine accepts.
 UNLIMITED_REQUEST_BYTES = 1024 * 1024 * 1024
-AUTH_MODES: tuple[str, ...] = ("none", "api-key")
+AUTH_MODES: tuple[str, ...] = ("none", "api-key", "dynamic")
 ENV_PREFIX = "HIVENET_ROUTER_"
 
 
@@ -79,7 +79,15 @@ class RouterSettings:
     failure_cooldown: float = DEFAULT_FAILURE_COOLDOWN
     stream_slot_release: str = "head"
     jwt_secret: bytes = b""
+    # A rotation's previous secret and the files both come from (re-read on SIGHUP).
+    jwt_secret_previous: bytes = b""
+    jwt_secret_file: str | None = None
+    jwt_secret_previous_file: str | None = None
     admin_api_keys: list[str] = field(default_factory=list)
+    # HIVENET_ROUTER_ADMIN_API_KEYS_FILE: admin keys re-read on SIGHUP (rotation),
+    # beside those of HIVENET_ROUTER_ADMIN_API_KEYS (read once).
+    admin_api_keys_file: str | None = None
+    admin_api_keys_env: list[str] = field(default_factory=list)
     allow_insecure_admin: bool = False
     client_api_keys: str = ""
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -114,6 +122,10 @@ class RouterSettings:
         self.admin_api_keys = [
             k.strip() for k in e.get("HIVENET_ROUTER_ADMIN_API_KEYS", "").split(",") if k.strip()
         ]
+        self.admin_api_keys_env = list(self.admin_api_keys)
+        self.admin_api_keys_file = e.get("HIVENET_ROUTER_ADMIN_API_KEYS_FILE") or None
+        if self.admin_api_keys_file:
+            self.admin_api_keys = [*self.admin_api_keys, *read_admin_keys(self.admin_api_keys_file)]
         self.allow_insecure_admin = e.get("HIVENET_ROUTER_ALLOW_INSECURE_ADMIN", "").lower() in (
             "1",
             "true",
@@ -144,12 +156,20 @@ def _non_negative(raw: str) -> int:
     return value
 
 
+def read_admin_keys(path: str) -> list[str]:
+    """Admin keys from a file: comma- or line-separated, `#` starts a comment."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"HIVENET_ROUTER_ADMIN_API_KEYS_FILE={path}: {exc}") from None
+    keys: list[str] = []
+    for line in text.splitlines():
+        keys += [k.strip() for k in line.split("#", 1)[0].split(",") if k.strip()]
+    return keys
+
+
 def _auth_mode(raw: str) -> str:
-    if raw == "dynamic":
-        raise ValueError(
-            "the dynamic key registry (/admin/api-keys) does not exist here; keep keys in"
-            " an auth file and replace it with PUT /admin/auth or SIGHUP"
-        )
     if raw not in AUTH_MODES:
         raise ValueError(f"must be one of {', '.join(AUTH_MODES)}")
     return raw

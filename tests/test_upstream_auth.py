@@ -152,7 +152,7 @@ def test_the_example_placeholder_loads_with_a_warning() -> None:
             doc(entry(extra="      quota:\n        per_model: {m: {tokens_per_day: 1}}\n")),
             "per_model.m.requests_per_minute_per_replica: missing (required; 0 is unlimited)",
         ),
-        ("api:\n  mode: dynamic\n", "api.mode: dynamic (the /admin/api-keys registry)"),
+        ("api:\n  mode: dynamic\n  keys: [x]\n", "api.keys: not read in dynamic mode"),
         ("api:\n  mode: api-key\n", "api.keys: api.mode api-key needs a non-empty list"),
         ("api:\n  mode: none\n  keys: [x]\n", "api.keys: not read when api.mode is none"),
         ("api: {mode: api-key, keys: []}\nadmins: {}\n", "admins: unknown top-level key"),

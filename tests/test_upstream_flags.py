@@ -131,7 +131,14 @@ ROUTER_BAD_ENV = [
     ({"HIVENET_ROUTER_P2P_MAX_CONNS_PER_IP": "0"}, "--p2p-max-conns-per-ip must be at least 1"),
     ({"HIVENET_ROUTER_MAX_REQUEST_BYTES": "-5"}, "HIVENET_ROUTER_MAX_REQUEST_BYTES="),
     ({"HIVENET_ROUTER_MAX_REQUEST_BYTES": "10MB"}, "HIVENET_ROUTER_MAX_REQUEST_BYTES="),
-    ({"HIVENET_ROUTER_AUTH_MODE": "dynamic"}, "PUT /admin/auth"),
+    (
+        {"HIVENET_ROUTER_AUTH_MODE": "dynamic", "HIVENET_ROUTER_ADMIN_API_KEYS": ""},
+        "dynamic needs HIVENET_ROUTER_ADMIN_API_KEYS",
+    ),
+    (
+        {"HIVENET_ROUTER_AUTH_MODE": "dynamic", "HIVENET_ROUTER_API_KEYS": "k:t"},
+        "dynamic but HIVENET_ROUTER_API_KEYS is set",
+    ),
     ({"HIVENET_ROUTER_AUTH_MODE": "open"}, "must be one of none, api-key"),
     ({"HIVENET_ROUTER_AUTH_MODE": "api-key"}, "needs keys"),
     ({"HIVENET_ROUTER_QUOTA_BACKEND": "badger"}, "--state-url"),

@@ -246,6 +246,8 @@ class AuthConfig:
     expires: dict[str, float] = field(default_factory=dict)
     # Upstream's `api.mode: none`: /v1/* open to every caller (tenant `default`).
     api_open: bool = False
+    # Upstream's `api.mode: dynamic`: the client keys are the /admin/api-keys registry's.
+    dynamic: bool = False
     # Upstream's `admin.mode` ("none", "api-key"); empty for a `tenants:` file.
     admin_mode: str = ""
     # Valid but probably wrong (a placeholder key hash); check-auth prints them.

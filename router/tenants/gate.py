@@ -33,6 +33,7 @@ from router.tenants.config import (
     load_auth_file,
 )
 from router.tenants.keys import DEFAULT_TENANT, ClientKeys
+from router.tenants.registry import KeyRegistry
 from router.tenants.shared import TenantState
 
 log = logging.getLogger("tenant")
@@ -98,6 +99,8 @@ class TenantGate:
         # points it at its table; alone, a gate counts one replica.
         self.replicas: Callable[[str], int] = lambda model: 1
         self.state = TenantState(settings.state_url, metrics, settings.lease)
+        # Dynamic mode: the /admin/api-keys registry holds the client keys.
+        self.registry: KeyRegistry | None = None
         # HIVENET_ROUTER_API_KEYS keys seen so far → their records (at most one per key).
         self._static: dict[str, ApiKey] = {}
         self.audit_log = (
@@ -105,6 +108,11 @@ class TenantGate:
             if settings.audit_log
             else None
         )
+
+    @property
+    def config(self) -> AuthConfig | None:
+        """The keys in force: the registry's in dynamic mode, else the auth file's."""
+        return self.registry.current.config if self.registry is not None else self.store.current
 
     def identify(self, keys: list[str]) -> str | None:
         """The tenant of the presented `keys`, or None when a key is required and none
@@ -115,7 +123,7 @@ class TenantGate:
         """The tenant and the record of the key that matched; no record when no key is
         needed. A key of HIVENET_ROUTER_API_KEYS gets a record of its own too (its id
         from its hash), so no two keys ever share admission state or an audit identity."""
-        config = self.store.current
+        config = self.config
         if config is None:
             tenant = self.client_keys.tenant(keys)
             if tenant is None or not self.client_keys.required:
@@ -141,16 +149,16 @@ class TenantGate:
 
     def expired(self, keys: list[str]) -> bool:
         """Whether a presented key is one of the file's, past its `expires_at`."""
-        config = self.store.current
+        config = self.config
         return config is not None and any(config.expired(key) for key in keys)
 
     def tenant(self, name: str) -> Tenant | None:
-        config = self.store.current
+        config = self.config
         return None if config is None else config.tenants.get(name)
 
     def open(self, request_id: str, tenant: str) -> Ticket | None:
         """A ticket for an inference request; None when nothing counts."""
-        if self.store.current is None and self.audit_log is None:
+        if self.config is None and self.audit_log is None:
             return None
         return Ticket(self, request_id, tenant, self.tenant(tenant), trio.current_time())
 

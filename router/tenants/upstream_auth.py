@@ -80,6 +80,14 @@ def upstream_config(
     return _Upstream(errors, burst_seconds).config(document, source)
 
 
+def upstream_key(
+    errors: list[str], burst_seconds: int, path: str, raw: dict[Any, Any]
+) -> tuple[Any, ...] | None:
+    """One `api.keys` entry checked as an auth file's are (the /admin/api-keys registry
+    writes its entries in this shape): the key's hash and tenant first, or None."""
+    return _Upstream(errors, burst_seconds).key(path, raw)
+
+
 def end_of_day(text: str) -> float | None:
     """`DD-MM-YYYY` → the first second (UTC) after that day; None when not a date."""
     m = _DATE.match(text)
@@ -152,8 +160,13 @@ class _Upstream(Validator):
             self.error("api", f"must be a mapping with `mode` and `keys`, got {kind(api)}")
             return None
         self.unknown_keys("api.", api, API_KEYS, "unknown api key")
-        mode = self.mode("api.mode", api.get("mode"), ("none", "api-key"))
+        mode = self.mode("api.mode", api.get("mode"), ("none", "api-key", "dynamic"))
         raw_keys = api.get("keys")
+        if mode == "dynamic":
+            if raw_keys:
+                self.error("api.keys", "not read in dynamic mode: /admin/api-keys holds the keys")
+            # The registry holds the keys, so the admin API must be protected.
+            return AuthConfig({}, {}, source, admin_mode="api-key", dynamic=True)
         if mode == "none":
             if raw_keys:
                 self.error("api.keys", "not read when api.mode is none: remove them or use api-key")
@@ -208,13 +221,6 @@ class _Upstream(Validator):
         )
 
     def mode(self, path: str, raw: object, allowed: tuple[str, ...]) -> str:
-        if raw == "dynamic":
-            self.error(
-                path,
-                "dynamic (the /admin/api-keys registry) does not exist here; list the keys"
-                " under api.keys and replace the file with PUT /admin/auth or SIGHUP",
-            )
-            return ""
         if not isinstance(raw, str) or raw not in allowed:
             self.error(path, f"must be one of {', '.join(allowed)}, got {kind(raw)}")
             return ""
