@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 from protocol.errors import ErrorCode, RouterError
 from protocol.logs import quote
@@ -118,7 +118,8 @@ class StreamRelay:
     """One stream's relay: the agent's chunks to the client, continued across breaks.
 
     `on_response` is told of each new answer (the request's deadline closes the current
-    one). Raises StreamBroken when a break cannot be continued.
+    one); `grow`, when set, each chunk the client is sent. Raises StreamBroken when a
+    break cannot be continued.
     """
 
     def __init__(
@@ -127,11 +128,14 @@ class StreamRelay:
         req: RouteRequest,
         response: AgentResponse,
         on_response: Callable[[AgentResponse], None],
+        grow: Callable[[bytes], Awaitable[None]] | None = None,
     ) -> None:
         self.continuer = continuer
         self.req = req
         self.response = response
         self.on_response = on_response
+        # Admission's footprint of an answer with no declared limit, told each chunk.
+        self.grow = grow
         # What the client was sent, read only when the stream breaks; None: not kept.
         self.transcript: list[bytes] | None = [] if continuer.enabled(req) else None
         self.size = 0
@@ -154,6 +158,8 @@ class StreamRelay:
                         if not chunk:
                             continue
                     self._keep(chunk)
+                    if self.grow is not None:
+                        await self.grow(chunk)
                     await send_body(send, chunk, more=True)
                 await send_body(send, b"")
                 return
