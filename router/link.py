@@ -351,10 +351,6 @@ class AgentResponse:
             f"{'done' if self.done else 'open'}>"
         )
 
-    async def chunks(self) -> AsyncIterator[bytes]:
-        async for data, _ in self.parts():
-            yield data
-
     async def parts(self) -> AsyncIterator[tuple[bytes, bool]]:
         """The body as it arrives, and whether its end has arrived too (`last`).
 
@@ -394,7 +390,7 @@ class AgentResponse:
             peer.stats.record_tokens(usage[PROMPT], usage[COMPLETION])
 
     async def read_all(self) -> bytes:
-        return b"".join([chunk async for chunk in self.chunks()])
+        return b"".join([data async for data, _ in self.parts()])
 
     def close(self) -> None:
         """Release the slot and, if the answer is unfinished, tell the agent to stop."""
