@@ -106,9 +106,9 @@ class RouterApp:
             send = _with_traceparent(send, span)
         try:
             if path.startswith("/v1/"):
-                # Quota headers come from a tenant's ticket: none without tenants.
-                client_send = with_quota_headers(scope, send) if self.tenants else send
-                status, tenant = await self._client(scope, receive, client_send, rid)
+                status, tenant = await self._client(
+                    scope, receive, with_quota_headers(scope, send), rid
+                )
             elif path.startswith("/admin/"):
                 status = await self._admin(scope, receive, send, rid)
             elif path == "/health" and method == "GET":
