@@ -111,7 +111,8 @@ tenants:
     shared_b = f"tenants.c.keys: key {H2[:19]}… is also a key of tenant 'b'"
     assert errors == [
         "tenants.a.rpm: unknown tenant key (known: keys, models, requests_per_minute, burst,"
-        " tokens_per_day, max_concurrent, max_input_bytes, priority);"
+        " tokens_per_day, max_concurrent, max_input_bytes, priority, mode, max_occupancy_share,"
+        " input_tokens_per_minute, output_tokens_per_minute, max_input_tokens, images_max);"
         " did you mean 'requests_per_minute'?",
         "tenants.b.priority: must be an integer, got string 'high'",
         shared_a,
