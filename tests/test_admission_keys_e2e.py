@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from tests.fleet import Fleet
+from tests.fleet import Fleet, wait_until
 
 KEY_A, KEY_B, KEY_C = (f"sk-hivenet-{n * 64}" for n in ("a", "b", "c"))
 WORDS = "word " * 100  # 500 characters: about 160 tokens estimated, 100 for the sim
@@ -83,7 +83,12 @@ def test_keys_buckets_budget_and_audit(fleet: Fleet, tmp_path: Path) -> None:
     third = post(router.url, KEY_C, embed_path, embed)
     assert third.status_code == 429 and third.json()["error"]["code"] == "token_limit_exceeded"
 
-    lines = [json.loads(line) for line in audit.read_text().splitlines()]
+    def audited() -> list[dict]:
+        return [json.loads(line) for line in audit.read_text().splitlines()]
+
+    # An audit line is written once its answer is sent: the last may lag the answer.
+    wait_until(lambda: len([x for x in audited() if x["status"] == 429]) == 3, 10, "audit")
+    lines = audited()
     by_key = {line["key_id"] for line in lines if line["tenant"] == "acme"}
     assert len(by_key) == 2 and all(k.startswith("key-") for k in by_key)
     assert all(line["source_ip"] == "127.0.0.1" for line in lines)
