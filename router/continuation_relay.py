@@ -152,16 +152,20 @@ class StreamRelay:
         splice: Splice | None = None
         while True:
             try:
-                async for chunk in self.response.chunks():
+                # `last`: the answer's end came with this part, which then ends the
+                # client's answer in the same write (router/link.py `parts`).
+                last = False
+                async for chunk, last in self.response.parts():
                     if splice is not None:
                         chunk = splice.feed(chunk)
-                        if not chunk:
+                        if not chunk and not last:
                             continue
                     self._keep(chunk)
                     if self.grow is not None:
                         await self.grow(chunk)
-                    await send_body(send, chunk, more=True)
-                await send_body(send, b"")
+                    await send_body(send, chunk, more=not last)
+                if not last:
+                    await send_body(send, b"")
                 return
             except StreamBroken as broken:
                 record_break(self.continuer.metrics, self.req, broken)

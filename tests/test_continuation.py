@@ -4,6 +4,7 @@ a broken stream had sent, and the splice that puts the next engine's stream afte
 from __future__ import annotations
 
 import json
+from collections.abc import AsyncIterator
 
 import anthropic
 import openai
@@ -277,9 +278,9 @@ class _Answer:
         self.usage = usage
         self.closed = False
 
-    async def chunks(self):
-        for chunk in self._chunks:
-            yield chunk
+    async def parts(self) -> AsyncIterator[tuple[bytes, bool]]:
+        for i, chunk in enumerate(self._chunks):
+            yield chunk, not self._breaks and i == len(self._chunks) - 1
         if self._breaks:
             raise StreamBroken("agent_disconnected: agent session closed")
 

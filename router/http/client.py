@@ -9,6 +9,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from functools import partial
 
+import orjson
 import trio
 
 from protocol.errors import ErrorCode, RouterError, error_payload
@@ -73,6 +74,20 @@ class ClientSettings:
 
 def parse_json_object(body: bytes) -> tuple[dict | None, str]:
     """The body as a JSON object, or None and what is wrong with it."""
+    try:
+        # orjson takes 3 µs where json takes 15 on a 140-byte chat body (loaded host).
+        # What orjson refuses and json takes (NaN, 1e999, lone surrogates, a BOM,
+        # nesting past 1,024) goes to json, so the answer is json's as before; one
+        # difference stays: an integer past 64 bits reads as a float.
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return _parse_with_json(body)
+    if not isinstance(payload, dict):
+        return None, "body must be a JSON object"
+    return payload, ""
+
+
+def _parse_with_json(body: bytes) -> tuple[dict | None, str]:
     try:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
