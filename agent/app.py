@@ -183,6 +183,7 @@ class AgentDaemon:
             tracer=self.tracer,
             capacity=self.capacity,
             on_workers=lambda workers: self._dial_workers(address, workers),
+            serves=self.adapter.serves,
         )
 
     def _dial_workers(self, via: str, workers: list) -> None:

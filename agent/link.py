@@ -117,6 +117,7 @@ class RouterSession:
         tracer: Tracer = NO_TRACER,
         capacity: SharedCapacity | None = None,
         on_workers: Callable[[list[dict]], None] | None = None,
+        serves: Callable[[str], bool] | None = None,
     ) -> None:
         self.fs = FramedStream(stream, write_timeout=write_timeout)
         # Why a welcome is not the router's (its secret proof), or None when it is.
@@ -141,6 +142,8 @@ class RouterSession:
         self.capacity = capacity or SharedCapacity(UNBOUNDED)
         self.share = self.capacity.join(self._room)
         self.on_workers = on_workers
+        # The engine adapter's capability check (agent/engines/endpoints.py).
+        self.serves = serves
         self._nursery: trio.Nursery | None = None
         self._idle = trio.Event()
         self._handlers = {
@@ -191,6 +194,12 @@ class RouterSession:
         except m.ProtocolError as exc:
             log.warning("router_out_of_step id=%d reason=%s", req_id, quote(str(exc)))
             self.send(m.error(req_id, ErrorCode.BACKEND_ERROR, f"agent refused: {exc}"))
+            return
+        if self.serves is not None and not self.serves(msg["path"]):
+            # Before any work, like agent_full: the router tries an engine that serves it.
+            engine = self.hello.get("metadata", {}).get("engine") or "unknown"
+            why = f"engine {engine} does not serve {msg['path']}"
+            self.send(m.error(req_id, ErrorCode.ENDPOINT_NOT_SUPPORTED, why, status=404))
             return
         if not self.capacity.try_take(self.share):
             # Before any work and with the id left free: the router selects again.

@@ -45,10 +45,11 @@ class UsageTap:
         """Read one stream event's data; True when the client must not see the event."""
         raw = event.get("usage")
         if raw is None:
-            message = event.get("message")  # Anthropic's message_start
-            if not isinstance(message, dict):
+            # Anthropic's message_start, the Responses API's response.completed.
+            inner = event.get("message") or event.get("response")
+            if not isinstance(inner, dict):
                 return False
-            raw = message.get("usage")
+            raw = inner.get("usage")
         usage = normalize(raw)
         if usage is None:
             return False

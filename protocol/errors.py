@@ -4,7 +4,8 @@ A code carries its HTTP status and how routing treats it: request-level codes st
 the routing session at once, retryable codes consume a forward try,
 `agent_disconnected` is the connection-level failure that earns one free recovery, and
 `agent_full` (the agent's own `--capacity`, counted over every router it serves, is
-taken) costs nothing: the router selects again.
+taken) costs nothing: the router selects again, and `endpoint_not_supported` (the
+agent's engine lacks the endpoint) costs nothing either: that agent is left out.
 """
 
 from __future__ import annotations
@@ -51,6 +52,9 @@ class ErrorCode(StrEnum):
     # The agent refused a request before starting it: its capacity is held by requests
     # from this and other routers. Agent to router only; a client never sees it.
     AGENT_FULL = "agent_full"
+    # The agent's engine does not serve the endpoint (its adapter's capability check):
+    # the engine was not asked, and the agent is not at fault.
+    ENDPOINT_NOT_SUPPORTED = "endpoint_not_supported"
 
 
 STATUS: dict[ErrorCode, int] = {
@@ -79,6 +83,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.TOO_MANY_CONCURRENT: 429,
     ErrorCode.MODEL_NOT_ALLOWED: 403,
     ErrorCode.AGENT_FULL: 503,
+    ErrorCode.ENDPOINT_NOT_SUPPORTED: 404,
 }
 
 # The client's request is at fault: another agent would answer the same.

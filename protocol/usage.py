@@ -2,9 +2,11 @@
 
 OpenAI-style answers (vLLM, SGLang, llama.cpp, Ollama's OpenAI API) carry
 `usage.{prompt_tokens, completion_tokens}`; Anthropic's `usage.{input_tokens,
-output_tokens}` (plus cache reads and writes, which are input too). Streams carry it in
+output_tokens}` (plus cache reads and writes, which are input too), and the Responses
+API the same two names. Streams carry it in
 their events: OpenAI's last chunk (with `stream_options.include_usage`), Anthropic's
-`message_start` and `message_delta` (agent/usage.py reads those). The agent reads it
+`message_start` and `message_delta`, the Responses API's `response.completed`
+(agent/usage.py reads those). The agent reads it
 from engines and the router from external providers; the router charges it.
 """
 
@@ -27,6 +29,11 @@ def normalize(usage: object) -> dict[str, int] | None:
     """`{prompt_tokens, completion_tokens}` from either vendor's `usage` object."""
     if not isinstance(usage, dict):
         return None
+    if "input_tokens" in usage or "output_tokens" in usage:
+        # Anthropic's and the Responses API's names (the latter's cached tokens are a
+        # detail of input_tokens, not beside it, so they are not added twice).
+        prompt = sum(_count(usage.get(k)) or 0 for k in _ANTHROPIC_INPUT)
+        return {PROMPT: prompt, COMPLETION: _count(usage.get("output_tokens")) or 0}
     if PROMPT in usage or COMPLETION in usage or "total_tokens" in usage:
         prompt = _count(usage.get(PROMPT))
         completion = _count(usage.get(COMPLETION)) or 0
@@ -34,9 +41,6 @@ def normalize(usage: object) -> dict[str, int] | None:
             # Rerank answers report only a total.
             prompt = _count(usage.get("total_tokens"))
         return None if prompt is None else {PROMPT: prompt, COMPLETION: completion}
-    if "input_tokens" in usage or "output_tokens" in usage:
-        prompt = sum(_count(usage.get(k)) or 0 for k in _ANTHROPIC_INPUT)
-        return {PROMPT: prompt, COMPLETION: _count(usage.get("output_tokens")) or 0}
     return None
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import NoReturn
+from typing import NoReturn, Protocol
 
 from protocol.errors import ErrorCode, RouterError
 from router.forward_limit import ForwardLimit
@@ -26,16 +26,33 @@ from router.session import (
 
 log = logging.getLogger("policy")
 
-CHAT_PATH = "/v1/chat/completions"
+# The client endpoints a provider fallback can serve (router/providers/client.py).
+PROVIDER_PATHS = frozenset(
+    {"/v1/chat/completions", "/v1/messages", "/v1/completions", "/v1/responses"}
+)
+
+
+class ProviderStream(Protocol):
+    """The rest of a streamed provider answer: `next` is None at its end; `aclose` is
+    called on every path."""
+
+    @property
+    def usage(self) -> dict[str, int] | None: ...
+
+    async def next(self) -> bytes | None: ...
+
+    async def aclose(self) -> None: ...
 
 
 @dataclass
 class ProviderServed:
     status: int
     content_type: str
+    # The whole answer, or a stream's first event (the rest comes from `stream`).
     body: bytes
     engine: str
     headers: dict[str, str] = field(default_factory=dict)
+    stream: ProviderStream | None = None
 
 
 # Calls the external provider; raises RouterError when it fails.
@@ -67,7 +84,7 @@ class Dispatcher:
             provider is None
             or self.provider_call is None
             or req.capability != "llm"
-            or req.path != CHAT_PATH
+            or req.path not in PROVIDER_PATHS
             or not self.provider_available(provider.engine)
         ):
             return None

@@ -99,12 +99,14 @@ def charged(failure: ForwardFailure) -> bool:
     Not when the client caused it (a request-level code: the engine judged the request,
     and another agent would answer the same), nor when the link broke (the agent's
     session, not its backend; that has its own recovery), nor when the agent was full
-    with other routers' requests (`agent_full`: refused before any work).
+    with other routers' requests (`agent_full`: refused before any work), nor when its
+    engine lacks the endpoint (`endpoint_not_supported`: the engine was not asked).
     """
     return (
         not failure.connection_level
         and failure.code not in REQUEST_LEVEL
         and failure.code is not ErrorCode.AGENT_FULL
+        and failure.code is not ErrorCode.ENDPOINT_NOT_SUPPORTED
     )
 
 
@@ -457,6 +459,11 @@ class RoutingSession:
         )
         if result.code in REQUEST_LEVEL:
             raise BackendRejected(result)
+        if result.code is ErrorCode.ENDPOINT_NOT_SUPPORTED:
+            # Another agent's engine may serve it; this one is left out, no try used.
+            run.last_failure = result
+            run.failed.add(peer.peer_id)
+            return None
         if result.connection_level and peer.peer_id not in run.recovered:
             # The first connection failure per agent and request is free.
             run.recovered.add(peer.peer_id)
@@ -479,7 +486,9 @@ class RoutingSession:
     ) -> Exhausted:
         chain = [s.name for s in steps]
         reason = " | ".join(reasons)
-        if last_failure is not None:
+        if last_failure is not None and last_failure.code is ErrorCode.ENDPOINT_NOT_SUPPORTED:
+            error = RouterError(last_failure.code, f"{last_failure.message}; {reason}", "router")
+        elif last_failure is not None:
             error = RouterError(
                 last_failure.code, f"all local routing steps failed: {reason}", "router"
             )

@@ -91,6 +91,7 @@ class SimEngine:
             "/sim/state": {"GET": self._get_state, "POST": self._set_state},
             "/v1/chat/completions": {"POST": self._api(openai.prepare_chat, openai.error_body)},
             "/v1/completions": {"POST": self._api(openai.prepare_completion, openai.error_body)},
+            "/v1/responses": {"POST": self._api(openai.prepare_response, openai.error_body)},
             "/v1/embeddings": {"POST": self._api(openai.prepare_embeddings, openai.error_body)},
             "/v1/rerank": {"POST": self._api(vllm.prepare_rerank, openai.error_body)},
             "/tokenize": {"POST": self._api(vllm.prepare_tokenize, openai.error_body)},

@@ -1,4 +1,5 @@
-"""OpenAI's API as vLLM serves it: chat completions, legacy completions, embeddings.
+"""OpenAI's API as vLLM serves it: chat completions, legacy completions, responses,
+embeddings.
 
 Stream chunks are built from pre-encoded pieces: benchmarks use the sim as the baseline
 engine, so the request path does no per-chunk JSON encoding beyond the token's text.
@@ -14,7 +15,7 @@ import time
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
-from sim.asgi import SSE_DONE, SSE_HEADERS, Exchange, dumps
+from sim.asgi import SSE_DONE, SSE_HEADERS, Exchange, dumps, sse_event
 from sim.generation import (
     Job,
     RequestError,
@@ -255,3 +256,107 @@ async def _embeddings(
         "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
     }
     await exchange.reply(200, dumps(body))
+
+
+# Responses ----------------------------------------------------------------------------
+
+
+def prepare_response(engine: SimEngine, payload: dict[str, Any], started: float) -> Run:
+    """OpenAI's Responses API, stateless, as vLLM serves it: `input` is a string or a
+    list of message items; `instructions` is the system prompt."""
+    items = payload.get("input")
+    if isinstance(items, str):
+        items = [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise RequestError(400, "`input` must be a string or a non-empty list of items")
+    # Items without a role (a tool call's output) carry no text the sim generates from.
+    messages = [item for item in items if isinstance(item, dict) and "role" in item]
+    instructions = payload.get("instructions")
+    system = words(instructions) if isinstance(instructions, str) else None
+    prompt, last_user = conversation(messages, system)
+    limit = max_tokens(payload, "max_output_tokens")
+    job = engine.job(prompt, last_user, limit, payload, started)
+    response_id = f"resp_sim{engine.next_id()}"
+    if payload.get("stream") is True:
+        return partial(_response_stream, engine, job, response_id)
+    return partial(_response_full, engine, job, response_id)
+
+
+def _response_usage(job: Job) -> dict[str, Any]:
+    prompt, completion = job.prompt_tokens, len(job.pieces)
+    return {
+        "input_tokens": prompt,
+        "input_tokens_details": {"cached_tokens": job.cached_tokens},
+        "output_tokens": completion,
+        "output_tokens_details": {"reasoning_tokens": 0},
+        "total_tokens": prompt + completion,
+    }
+
+
+def _response_object(
+    engine: SimEngine, job: Job, response_id: str, status: str, text: str | None
+) -> dict[str, Any]:
+    output = []
+    if text is not None:
+        output.append(
+            {
+                "type": "message",
+                "id": f"msg_{response_id}",
+                "status": "completed",
+                "role": "assistant",
+                "content": [{"type": "output_text", "text": text, "annotations": []}],
+            }
+        )
+    done = status != "in_progress"
+    return {
+        "id": response_id,
+        "object": "response",
+        "created_at": int(time.time()),
+        "status": "incomplete" if done and job.finish == "length" else status,
+        "model": engine.model,
+        "output": output,
+        "parallel_tool_calls": True,
+        "tool_choice": "auto",
+        "tools": [],
+        "usage": _response_usage(job) if done else None,
+    }
+
+
+async def _response_full(engine: SimEngine, job: Job, response_id: str, exchange: Exchange) -> None:
+    await engine.generate(job, None)
+    body = _response_object(engine, job, response_id, "completed", "".join(job.pieces))
+    await exchange.reply(200, dumps(body))
+
+
+async def _response_stream(
+    engine: SimEngine, job: Job, response_id: str, exchange: Exchange
+) -> None:
+    item_id = f"msg_{response_id}"
+    sequence = 0
+
+    def event(kind: str, fields: dict[str, Any]) -> bytes:
+        nonlocal sequence
+        sequence += 1
+        return sse_event(kind, {"type": kind, "sequence_number": sequence - 1, **fields})
+
+    created = _response_object(engine, job, response_id, "in_progress", None)
+
+    async def emit(index: int, piece: str) -> None:
+        delta = event(
+            "response.output_text.delta",
+            {"item_id": item_id, "output_index": 0, "content_index": 0, "delta": piece},
+        )
+        await exchange.chunk(delta)
+
+    await exchange.start(200, SSE_HEADERS)
+    await exchange.chunk(event("response.created", {"response": created}))
+    await engine.generate(job, emit)
+    text = "".join(job.pieces)
+    done = _response_object(engine, job, response_id, "completed", text)
+    await exchange.finish(
+        event(
+            "response.output_text.done",
+            {"item_id": item_id, "output_index": 0, "content_index": 0, "text": text},
+        )
+        + event("response.completed", {"response": done})
+    )

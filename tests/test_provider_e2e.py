@@ -4,11 +4,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import anthropic
 import httpx
 import openai
+import pytest
 import trio
 
-from tests.fleet import Fleet, Router
+from router.tenants.config import hash_key
+from tests.fleet import Fleet, Router, wait_until
 from tests.provider_fakes import FakeAnthropic, FakeOpenAI
 
 POLICY = """
@@ -71,7 +74,7 @@ async def test_openai_provider_serves_after_the_local_chain(fleet: Fleet, tmp_pa
 
         streamed = await trio.to_thread.run_sync(lambda: chat(router, stream=True))
         assert streamed == "echo: hello provider"
-        assert fake.requests[-1].body.get("stream") is False
+        assert fake.requests[-1].body.get("stream") is True
 
         log = router.log()
         assert (
@@ -167,3 +170,135 @@ def test_a_provider_without_its_key_is_skipped_with_a_warning(fleet: Fleet, tmp_
     )
     assert r.status_code == 503
     assert r.json()["error"]["code"] == "no_agents_available"
+
+
+async def test_provider_streams_reach_the_sdks_as_they_arrive(fleet: Fleet, tmp_path: Path) -> None:
+    fake = FakeOpenAI("sk-test")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(fake.serve)
+        router = start_router(fleet, tmp_path, "openai", fake.base_url)
+        fleet.agent(router, "m1")
+        token = trio.lowlevel.current_trio_token()
+
+        def release() -> None:
+            gate = fake.knobs.gate
+            assert gate is not None
+            trio.from_thread.run_sync(gate.set, trio_token=token)
+
+        # An Anthropic client, an OpenAI provider: the provider holds its answer until
+        # the client has seen the first event, so that event came before the end.
+        fake.knobs.gate = trio.Event()
+
+        def claude_stream() -> tuple[str, list[str], object]:
+            client = anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0)
+            kinds: list[str] = []
+            with client.messages.stream(
+                model="m1", max_tokens=50, messages=[{"role": "user", "content": "hello there"}]
+            ) as stream:
+                for event in stream:
+                    if not kinds:
+                        release()
+                    kinds.append(event.type)
+                final = stream.get_final_message()
+            return final.content[0].text, kinds, final.usage
+
+        text, kinds, usage = await trio.to_thread.run_sync(claude_stream)
+        assert text == "echo: hello there"
+        assert kinds[0] == "message_start" and "content_block_delta" in kinds
+        assert getattr(usage, "output_tokens", 0) > 0
+        assert fake.requests[-1].path == "/v1/chat/completions"
+
+        # The Responses API, same format both sides, streamed the same way.
+        fake.knobs.gate = trio.Event()
+
+        def responses_stream() -> str:
+            client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+            text = ""
+            for event in client.responses.create(model="m1", input="hello there", stream=True):
+                if event.type == "response.created":
+                    release()
+                elif event.type == "response.output_text.delta":
+                    text += event.delta
+            return text
+
+        assert await trio.to_thread.run_sync(responses_stream) == "echo: hello there"
+        assert fake.requests[-1].path == "/v1/responses"
+
+        # The provider breaks off after its first event: the client's stream ends with
+        # an error event the SDK raises, not with a silent cut.
+        fake.knobs.gate = None
+        fake.knobs.break_stream = True
+
+        def broken_chat() -> None:
+            client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+            for _ in client.chat.completions.create(
+                model="m1", messages=[{"role": "user", "content": "x"}], stream=True
+            ):
+                pass
+
+        with pytest.raises(openai.APIError) as broken:
+            await trio.to_thread.run_sync(broken_chat)
+        assert "backend_error" in str(broken.value.body) or "stream" in str(broken.value)
+        assert "provider_stream_broken provider=openai" in router.log()
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_client_leaving_a_provider_stream_frees_everything(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """The tenant's one concurrent slot comes back and the provider's connection is
+    closed while the provider is still answering, when the client leaves."""
+    key = "hnr-test-provider-stream-key"
+    auth = tmp_path / "auth.yaml"
+    auth.write_text(f'tenants:\n  one:\n    keys: ["{hash_key(key)}"]\n    max_concurrent: 1\n')
+    fake = FakeOpenAI("sk-test")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(fake.serve)
+        router = start_router(fleet, tmp_path, "openai", fake.base_url, "--auth-file", str(auth))
+        fleet.agent(router, "m1")
+        headers = {"authorization": f"Bearer {key}"}
+        body = {"model": "m1", "messages": [{"role": "user", "content": "x"}], "stream": True}
+
+        # A whole stream first: its usage (asked of the provider by the router, left out
+        # of what the client sees) is charged to the tenant.
+        def whole() -> bytes:
+            url = router.url + "/v1/chat/completions"
+            return httpx.post(url, json=body, headers=headers, timeout=30).content
+
+        assert b'"usage"' not in await trio.to_thread.run_sync(whole)
+        expected = fake.reply(fake.requests[-1])["usage"]["total_tokens"]
+
+        def charged() -> bool:
+            return router.metric("hivenet_router_tenant_tokens_total", tenant="one") == expected
+
+        # The charge follows the answer's last byte (the ticket closes after it).
+        await trio.to_thread.run_sync(lambda: wait_until(charged, 10, "stream usage charged"))
+        fake.knobs.gate = trio.Event()
+
+        def leave_after_the_first_event() -> bytes:
+            with (
+                httpx.Client(timeout=30) as client,
+                client.stream(
+                    "POST", router.url + "/v1/chat/completions", json=body, headers=headers
+                ) as answer,
+            ):
+                return next(answer.iter_raw())
+
+        first = await trio.to_thread.run_sync(leave_after_the_first_event)
+        assert b"assistant" in first
+        with trio.fail_after(20):
+            await fake.stream_abandoned.wait()
+        assert not fake.knobs.gate.is_set()  # the provider had not finished
+
+        def second() -> int:
+            plain = {**body, "stream": False}
+            r = httpx.post(router.url + "/v1/chat/completions", json=plain, headers=headers)
+            return r.status_code
+
+        # The slot's release is the router's, after it noticed the client leave.
+        status = 0
+        with trio.fail_after(20):
+            while status != 200:
+                status = await trio.to_thread.run_sync(second)
+                assert status in (200, 429)
+        nursery.cancel_scope.cancel()

@@ -7,6 +7,7 @@ import json
 import socket
 from typing import Any
 
+import anthropic as anthropic_sdk
 import httpx2
 import openai as openai_sdk
 import pytest
@@ -21,8 +22,10 @@ from router.providers.anthropic import (
     completion_from_message,
     messages_request,
 )
-from router.providers.openai import chat_request
-from router.providers.sse import completion_to_sse
+from router.providers.anthropic_stream import AnthropicToOpenAI
+from router.providers.events import MAX_EVENT_BYTES, EventParser, PassThrough
+from router.providers.messages import OpenAIToAnthropic
+from router.providers.openai import request as openai_request
 from router.session import RouteRequest
 from tests.provider_fakes import FakeAnthropic, FakeOpenAI
 
@@ -83,7 +86,7 @@ def refused_field(exc: pytest.ExceptionInfo[RouterError]) -> str:
 # OpenAI request ---------------------------------------------------------------------
 
 
-def test_openai_request_replaces_model_and_never_streams() -> None:
+def test_openai_request_replaces_model_and_sets_streaming() -> None:
     payload = {
         "model": "local-model",
         "messages": HELLO,
@@ -92,7 +95,7 @@ def test_openai_request_replaces_model_and_never_streams() -> None:
         "temperature": 1.5,
         "seed": 7,
     }
-    body = chat_request(payload, "gpt-test-mini")
+    body = openai_request(payload, "gpt-test-mini", "/v1/chat/completions", False)
     assert body == {
         "model": "gpt-test-mini",
         "messages": HELLO,
@@ -101,6 +104,14 @@ def test_openai_request_replaces_model_and_never_streams() -> None:
         "seed": 7,
     }
     assert payload["model"] == "local-model"  # the client's payload is left alone
+    # A stream is asked for its usage chunk (the tenant's quota needs it).
+    plain = {"model": "m", "messages": HELLO, "stream_options": {"other": 1}}
+    streamed = openai_request(plain, "gpt-test-mini", "/v1/chat/completions", True)
+    assert streamed["stream"] is True
+    assert streamed["stream_options"] == {"other": 1, "include_usage": True}
+    # The Responses API has no stream_options: its usage is in response.completed.
+    answer = openai_request({"model": "m", "input": "x"}, "gpt-test-mini", "/v1/responses", True)
+    assert answer == {"model": "gpt-test-mini", "input": "x", "stream": True}
 
 
 # Anthropic request ------------------------------------------------------------------
@@ -552,48 +563,6 @@ def completion(message: dict[str, Any], finish_reason: str) -> dict[str, Any]:
     }
 
 
-def test_sse_replay_parses_with_the_openai_sdk() -> None:
-    body = completion_to_sse(completion({"role": "assistant", "content": "Hi there"}, "stop"), True)
-    assert body.endswith(b"data: [DONE]\n\n")
-    chunks = sdk_chunks(body)
-    assert chunks[0].choices[0].delta.role == "assistant"
-    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "Hi there"
-    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "stop"
-    assert chunks[-1].choices == []
-    assert chunks[-1].usage is not None and chunks[-1].usage.total_tokens == 6
-    assert all(c.model == "gpt-test-mini" and c.id == "chatcmpl-1" for c in chunks)
-
-
-def test_sse_replay_without_include_usage_has_no_usage_chunk() -> None:
-    body = completion_to_sse(completion({"role": "assistant", "content": "x"}, "stop"), False)
-    chunks = sdk_chunks(body)
-    assert all(c.choices for c in chunks)
-    assert all(c.usage is None for c in chunks)
-    assert b'"usage"' not in body
-
-
-def test_sse_replay_tool_calls_assemble_in_the_openai_sdk() -> None:
-    calls = [
-        {
-            "id": "call_1",
-            "type": "function",
-            "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
-        },
-        {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": "{}"}},
-    ]
-    body = completion_to_sse(
-        completion({"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls"), True
-    )
-    final = sdk_final(body)
-    choice = final.choices[0]
-    assert choice.finish_reason == "tool_calls"
-    assert [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls] == [
-        ("call_1", "weather", '{"city": "Paris"}'),
-        ("call_2", "now", "{}"),
-    ]
-    assert final.usage is not None and final.usage.prompt_tokens == 4
-
-
 # ProviderClient against the fakes ---------------------------------------------------
 
 
@@ -628,6 +597,27 @@ def client_for(
 async def call(client: ProviderClient, provider: ProviderFallback, payload: dict[str, Any]) -> Any:
     try:
         return await client(provider, route_request(payload))
+    finally:
+        await client.aclose()
+
+
+async def call_streaming(
+    client: ProviderClient, provider: ProviderFallback, payload: dict[str, Any], path: str = ""
+) -> tuple[Any, bytes]:
+    """The served answer and every byte of its stream, read to the end."""
+    try:
+        req = route_request(payload)
+        if path:
+            req.path = path
+        served = await client(provider, req)
+        assert served.stream is not None
+        body = served.body
+        try:
+            while (chunk := await served.stream.next()) is not None:
+                body += chunk
+        finally:
+            await served.stream.aclose()
+        return served, body
     finally:
         await client.aclose()
 
@@ -673,13 +663,13 @@ async def test_openai_streaming_client(openai_fake: FakeOpenAI) -> None:
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    served = await call(client_for(openai_fake), GPT, payload)
+    served, body = await call_streaming(client_for(openai_fake), GPT, payload)
     [got] = openai_fake.requests
-    assert got.body["stream"] is False
-    assert "stream_options" not in got.body
+    assert got.body["stream"] is True
+    assert got.body["stream_options"] == {"include_usage": True}
     assert served.content_type == "text/event-stream"
     assert served.headers[SERVED_BY_HEADER] == "provider:openai"
-    chunks = sdk_chunks(served.body)
+    chunks = sdk_chunks(body)
     assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == "echo: hello"
     assert chunks[-1].usage is not None
     assert chunks[-1].model == "gpt-test-mini"
@@ -728,12 +718,12 @@ async def test_anthropic_tool_use_to_a_streaming_client(anthropic_fake: FakeAnth
         "tool_choice": "required",
         "stream": True,
     }
-    served = await call(client_for(anthropic_fake=anthropic_fake), CLAUDE, payload)
+    served, body = await call_streaming(client_for(anthropic_fake=anthropic_fake), CLAUDE, payload)
     [got] = anthropic_fake.requests
-    assert "stream" not in got.body
+    assert got.body["stream"] is True
     assert got.body["tool_choice"] == {"type": "any"}
     assert served.content_type == "text/event-stream"
-    final = sdk_final(served.body)
+    final = sdk_final(body)
     [tool_call] = final.choices[0].message.tool_calls
     assert (tool_call.id, tool_call.function.name) == ("toolu_1", "weather")
     assert json.loads(tool_call.function.arguments) == {"city": "Paris"}
@@ -847,3 +837,308 @@ async def test_one_client_serves_several_calls(openai_fake: FakeOpenAI) -> None:
     finally:
         await client.aclose()
     assert len(openai_fake.requests) == 3
+
+
+# Streaming: each event relayed as it arrives, translated both ways ------------------
+
+
+def _anthropic_sdk(body: bytes) -> anthropic_sdk.Anthropic:
+    def answer(request: httpx2.Request) -> httpx2.Response:
+        return httpx2.Response(200, headers={"content-type": "text/event-stream"}, content=body)
+
+    return anthropic_sdk.Anthropic(
+        api_key="unused",
+        base_url="http://provider.invalid",
+        http_client=httpx2.Client(transport=httpx2.MockTransport(answer)),
+    )
+
+
+def anthropic_final(body: bytes) -> Any:
+    """The message the anthropic SDK's stream helper assembles from an SSE body."""
+    with _anthropic_sdk(body).messages.stream(model="m", max_tokens=10, messages=HELLO) as stream:
+        return stream.get_final_message()
+
+
+CLAUDE_HELLO = {"model": "local-model", "max_tokens": 64, "messages": HELLO}
+
+
+@pytest.mark.parametrize(("provider", "path"), [(GPT, ""), (CLAUDE, ""), (GPT, "/v1/messages")])
+async def test_first_event_reaches_the_client_before_the_provider_finishes(
+    openai_fake: FakeOpenAI,
+    anthropic_fake: FakeAnthropic,
+    provider: ProviderFallback,
+    path: str,
+) -> None:
+    fake: FakeOpenAI | FakeAnthropic = openai_fake if provider is GPT else anthropic_fake
+    fake.knobs.gate = trio.Event()
+    client = client_for(openai_fake, anthropic_fake)
+    payload = {**CLAUDE_HELLO, "stream": True}
+    req = route_request(payload)
+    req.path = path or req.path
+    try:
+        # The fake holds the rest of its answer until the gate opens: the call returns
+        # with the first event while the provider is still answering.
+        with trio.fail_after(10):
+            served = await client(provider, req)
+        assert served.stream is not None
+        if path == "/v1/messages":
+            assert served.body.startswith(b"event: message_start\n")
+        else:
+            assert b"assistant" in served.body and b"echo" not in served.body
+        fake.knobs.gate.set()
+        body = served.body
+        while (chunk := await served.stream.next()) is not None:
+            body += chunk
+        await served.stream.aclose()
+    finally:
+        await client.aclose()
+    if path == "/v1/messages":
+        assert anthropic_final(body).content[0].text == "echo: hello"
+    else:
+        text = "".join(c.choices[0].delta.content or "" for c in sdk_chunks(body) if c.choices)
+        assert text == "echo: hello"
+    assert served.stream.usage is not None and served.stream.usage["completion_tokens"] > 0
+
+
+async def test_anthropic_stream_tool_calls_and_usage_for_an_openai_client(
+    anthropic_fake: FakeAnthropic,
+) -> None:
+    anthropic_fake.knobs.answer = {
+        **anthropic_message(
+            [
+                {"type": "text", "text": "Let me look."},
+                {
+                    "type": "tool_use",
+                    "id": "toolu_1",
+                    "name": "weather",
+                    "input": {"city": "Paris"},
+                },
+                {"type": "tool_use", "id": "toolu_2", "name": "now", "input": {}},
+            ],
+            "tool_use",
+        ),
+        "usage": {"input_tokens": 20, "cache_read_input_tokens": 5, "output_tokens": 9},
+    }
+    payload = {
+        "model": "local-model",
+        "messages": HELLO,
+        "tools": [WEATHER_TOOL],
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    served, body = await call_streaming(client_for(anthropic_fake=anthropic_fake), CLAUDE, payload)
+    final = sdk_final(body)
+    choice = final.choices[0]
+    assert choice.message.content == "Let me look."
+    assert [
+        (c.id, c.function.name, json.loads(c.function.arguments)) for c in choice.message.tool_calls
+    ] == [
+        ("toolu_1", "weather", {"city": "Paris"}),
+        ("toolu_2", "now", {}),
+    ]
+    assert choice.finish_reason == "tool_calls"
+    assert final.usage is not None
+    assert (final.usage.prompt_tokens, final.usage.completion_tokens) == (25, 9)
+    assert served.stream.usage == {"prompt_tokens": 25, "completion_tokens": 9}
+    # The arguments came in fragments, as Anthropic sent them.
+    fragments = [
+        call.function.arguments
+        for chunk in sdk_chunks(body)
+        for choice in chunk.choices
+        for call in choice.delta.tool_calls or []
+        if call.function and call.function.arguments
+    ]
+    assert fragments == ['{"city":', ' "Paris"}', "{", "}"]
+    without = {**payload, "stream_options": None}
+    anthropic_fake.knobs.answer = anthropic_message([{"type": "text", "text": "x"}], "end_turn")
+    _, body = await call_streaming(client_for(anthropic_fake=anthropic_fake), CLAUDE, without)
+    assert b'"usage"' not in body  # not asked for, not sent
+
+
+async def test_openai_stream_tool_calls_and_usage_for_an_anthropic_client(
+    openai_fake: FakeOpenAI,
+) -> None:
+    calls = [
+        {
+            "id": "call_1",
+            "type": "function",
+            "function": {"name": "weather", "arguments": '{"city": "Paris"}'},
+        },
+    ]
+    answer = completion(
+        {"role": "assistant", "content": "Checking.", "tool_calls": calls}, "tool_calls"
+    )
+    answer["usage"]["prompt_tokens_details"] = {"cached_tokens": 3}
+    openai_fake.knobs.answer = answer
+    payload = {
+        **CLAUDE_HELLO,
+        "system": "Be brief.",
+        "tools": [{"name": "weather", "input_schema": {"type": "object"}}],
+        "tool_choice": {"type": "any"},
+        "stream": True,
+    }
+    served, body = await call_streaming(client_for(openai_fake), GPT, payload, "/v1/messages")
+    [got] = openai_fake.requests
+    assert got.path == "/v1/chat/completions"
+    assert got.body["messages"][0] == {"role": "system", "content": "Be brief."}
+    assert got.body["tool_choice"] == "required"
+    assert got.body["stream_options"] == {"include_usage": True}
+    message = anthropic_final(body)
+    assert [block.type for block in message.content] == ["text", "tool_use"]
+    assert message.content[0].text == "Checking."
+    assert (message.content[1].id, message.content[1].name) == ("call_1", "weather")
+    assert message.content[1].input == {"city": "Paris"}
+    assert message.stop_reason == "tool_use"
+    assert (message.usage.input_tokens, message.usage.output_tokens) == (1, 2)
+    assert message.usage.cache_read_input_tokens == 3
+    assert served.stream.usage == {"prompt_tokens": 4, "completion_tokens": 2}
+
+
+async def test_an_anthropic_client_and_an_openai_provider_without_streaming(
+    openai_fake: FakeOpenAI,
+) -> None:
+    payload = {**CLAUDE_HELLO, "stop_sequences": ["END"], "metadata": {"user_id": "u1"}}
+    req = route_request(payload)
+    req.path = "/v1/messages"
+    client = client_for(openai_fake)
+    try:
+        served = await client(GPT, req)
+    finally:
+        await client.aclose()
+    [got] = openai_fake.requests
+    assert got.body["stop"] == ["END"] and got.body["user"] == "u1"
+    assert "stream" not in got.body
+    message = json.loads(served.body)
+    assert message["type"] == "message"
+    assert message["content"] == [{"type": "text", "text": "echo: hello"}]
+    assert message["stop_reason"] == "end_turn"
+
+
+@pytest.mark.parametrize(
+    ("payload", "field"),
+    [
+        ({"top_k": 5}, "top_k"),
+        ({"thinking": {"type": "enabled"}}, "thinking"),
+        ({"messages": [{"role": "user", "content": [{"type": "image"}]}]}, "image"),
+    ],
+)
+async def test_messages_fields_the_openai_provider_cannot_carry_are_refused(
+    openai_fake: FakeOpenAI, payload: dict[str, Any], field: str
+) -> None:
+    req = route_request({**CLAUDE_HELLO, **payload})
+    req.path = "/v1/messages"
+    with pytest.raises(RouterError) as refused:
+        await client_for(openai_fake)(GPT, req)
+    assert refused.value.code is ErrorCode.INVALID_PARAMETER
+    assert field in refused.value.message
+    assert not openai_fake.requests  # refused before anything was sent
+
+
+async def test_anthropic_to_anthropic_is_a_pass_through(anthropic_fake: FakeAnthropic) -> None:
+    payload = {**CLAUDE_HELLO, "top_k": 5, "stream": True}
+    _, body = await call_streaming(
+        client_for(anthropic_fake=anthropic_fake), CLAUDE, payload, "/v1/messages"
+    )
+    [got] = anthropic_fake.requests
+    assert got.body == {**payload, "model": "claude-test-1"}
+    assert anthropic_final(body).content[0].text == "echo: hello"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_completions_and_responses_go_to_the_openai_provider(
+    openai_fake: FakeOpenAI, stream: bool
+) -> None:
+    for path, payload in (
+        ("/v1/completions", {"model": "m", "prompt": "say hi"}),
+        ("/v1/responses", {"model": "m", "input": "say hi"}),
+    ):
+        payload = {**payload, "stream": stream}
+        if stream:
+            served, body = await call_streaming(client_for(openai_fake), GPT, payload, path)
+            assert served.stream.usage is not None
+            assert b"echo:" in body
+            if path == "/v1/completions":
+                assert b'"usage"' not in body  # asked by the router, left out
+        else:
+            req = route_request(payload)
+            req.path = path
+            client = client_for(openai_fake)
+            try:
+                served = await client(GPT, req)
+            finally:
+                await client.aclose()
+            assert b"echo: say hi" in served.body
+        assert openai_fake.requests[-1].path == path
+        assert openai_fake.requests[-1].body["model"] == "gpt-test-mini"
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/responses"])
+async def test_completions_and_responses_to_anthropic_are_a_clear_error(
+    anthropic_fake: FakeAnthropic, path: str
+) -> None:
+    req = route_request({"model": "m", "prompt": "x", "input": "x"})
+    req.path = path
+    with pytest.raises(RouterError) as refused:
+        await client_for(anthropic_fake=anthropic_fake)(CLAUDE, req)
+    assert refused.value.code is ErrorCode.ENDPOINT_NOT_SUPPORTED
+    assert refused.value.http_status == 404
+    assert path in refused.value.message
+    assert not anthropic_fake.requests
+
+
+async def test_stream_errors_before_and_after_the_first_event(openai_fake: FakeOpenAI) -> None:
+    payload = {"model": "m", "messages": HELLO, "stream": True}
+    # Before: the call fails as a whole (the HTTP layer answers with its error).
+    openai_fake.knobs.fail_status = 503
+    with pytest.raises(RouterError) as before:
+        await call_streaming(client_for(openai_fake), GPT, payload)
+    assert before.value.code is ErrorCode.BACKEND_ERROR
+    assert "HTTP 503" in before.value.message
+    openai_fake.knobs.fail_status = None
+    # After: the stream's next read fails, to be told as an error event.
+    openai_fake.knobs.break_stream = True
+    with pytest.raises(RouterError) as after:
+        await call_streaming(client_for(openai_fake), GPT, payload)
+    assert after.value.code is ErrorCode.BACKEND_ERROR
+    assert "stream" in after.value.message
+
+
+@pytest.mark.parametrize(
+    "events",
+    [
+        b"data: not json\n\n",
+        b"data: [1, 2]\n\n",
+        b'data: {"choices": [{"delta": {"tool_calls": [{"index": [1]}]}}]}\n\ndata: [DONE',
+        b'event: message_start\ndata: {"type": "message_start"',
+    ],
+)
+def test_hostile_provider_events_are_errors_not_crashes(events: bytes) -> None:
+    for translator in (AnthropicToOpenAI("m", True), OpenAIToAnthropic("m"), PassThrough(True)):
+        parser = EventParser()
+        with pytest.raises(ValueError):
+            for name, data in parser.feed(events):
+                translator.event(name, data)
+            if parser.pending():
+                raise ValueError("broke off")
+            translator.end()
+
+
+async def test_a_stream_whose_first_event_never_comes_times_out(openai_fake: FakeOpenAI) -> None:
+    openai_fake.knobs.delay = 5
+    payload = {"model": "m", "messages": HELLO, "stream": True}
+    with pytest.raises(RouterError) as exc:
+        await call_streaming(client_for(openai_fake, timeout=0.3), GPT, payload)
+    err = exc.value
+    assert (err.code, err.source, err.http_status) == (ErrorCode.BACKEND_ERROR, "backend", 502)
+    assert err.message == "openai provider sent no event within 0.3s"
+
+
+def test_a_provider_event_too_large_or_too_deep_is_refused() -> None:
+    parser = EventParser()
+    with pytest.raises(ValueError, match="longer than"):
+        parser.feed(b"data: " + b"x" * (MAX_EVENT_BYTES + 1))
+    line = b"data: " + b"x" * (MAX_EVENT_BYTES // 4) + b"\n"
+    with pytest.raises(ValueError, match="an event larger than"):
+        EventParser().feed(line * 5)
+    with pytest.raises(ValueError, match="nested too deeply"):
+        PassThrough(False).event(None, "[" * 100_000 + "]" * 100_000)

@@ -24,6 +24,8 @@ CHAT = "/v1/chat/completions"
 MESSAGES = "/v1/messages"
 EMBEDDINGS = "/v1/embeddings"
 RERANK = "/v1/rerank"
+COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 HI = [{"role": "user", "content": "hi"}]
 
 
@@ -32,6 +34,10 @@ def valid_body(path: str) -> dict:
         return {"model": "emb", "input": "hi"}
     if path == RERANK:
         return {"model": "rr", "query": "q", "documents": ["d"]}
+    if path == COMPLETIONS:
+        return {"model": "m1", "prompt": "hi"}
+    if path == RESPONSES:
+        return {"model": "m1", "input": HI}
     body: dict[str, Any] = {"model": "m1", "messages": HI}
     if path == MESSAGES:
         body["max_tokens"] = 8
@@ -57,6 +63,15 @@ BAD = [
     (MESSAGES, "max_tokens", "16"),
     (MESSAGES, "max_tokens", -5),
     (CHAT, "model", "x" * (MAX_MODEL_NAME + 1)),
+    *((p, "stream", "yes") for p in (COMPLETIONS, RESPONSES)),
+    (COMPLETIONS, "prompt", None),
+    (COMPLETIONS, "prompt", {"text": "hi"}),
+    (COMPLETIONS, "max_tokens", "16"),
+    (COMPLETIONS, "stream_options", {"include_usage": 1}),
+    (RESPONSES, "input", None),
+    (RESPONSES, "input", 7),
+    (RESPONSES, "max_output_tokens", -1),
+    (RESPONSES, "model", None),
 ]
 
 
@@ -80,7 +95,8 @@ def test_each_bad_type_is_named_in_the_problem(path: str, name: str, value: obje
 
 @pytest.mark.parametrize("path", sorted(FIELDS))
 def test_valid_bodies_and_null_optional_fields_pass(path: str) -> None:
-    body = valid_body(path) if path in (CHAT, MESSAGES, EMBEDDINGS, RERANK) else {"model": "m"}
+    known = (CHAT, MESSAGES, EMBEDDINGS, RERANK, COMPLETIONS, RESPONSES)
+    body = valid_body(path) if path in known else {"model": "m"}
     assert problem(path, body) is None
     nulls = {"stream": None, "max_tokens": None, "stream_options": None}
     assert problem(path, {**body, **nulls}) is None

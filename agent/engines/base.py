@@ -19,6 +19,7 @@ from typing import ClassVar
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
+from agent.engines.endpoints import API_PATHS, lacks
 from protocol.fields import ENGINE_FIELDS
 
 # What the sampler reports: the policy's fields, and `preemptions_total` (the engine's
@@ -265,6 +266,11 @@ class EngineAdapter:
     health_path: ClassVar[str | None] = "/health"
     metrics_path: ClassVar[str | None] = "/metrics"
     metric_names: ClassVar[MetricNames] = MetricNames()
+    # The client API endpoints the engine serves (agent/engines/endpoints.py).
+    api_paths: ClassVar[frozenset[str]] = API_PATHS
+
+    def serves(self, path: str) -> bool:
+        return not lacks(self.api_paths, path)
 
     def endpoints(
         self, backend_url: str | None, health_url: str | None, metrics_url: str | None

@@ -5,6 +5,7 @@ from __future__ import annotations
 import httpx
 
 from agent.engines.base import EngineAdapter, EngineEndpoints, get_json, join_url
+from agent.engines.endpoints import API_PATHS, RERANK
 
 
 class OllamaAdapter(EngineAdapter):
@@ -12,6 +13,8 @@ class OllamaAdapter(EngineAdapter):
     default_backend_url = "http://localhost:11434"
     health_path = "/api/version"
     metrics_path = None
+    # No reranking API (agent/engines/endpoints.py).
+    api_paths = API_PATHS - {RERANK}
 
     async def discover_model(self, client: httpx.AsyncClient, ep: EngineEndpoints) -> str | None:
         # A loaded model (`/api/ps`) is the one already serving; otherwise the first

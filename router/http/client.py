@@ -40,6 +40,8 @@ TICKET = "hivenet.ticket"
 # endpoint -> (capability, error protocol)
 ENDPOINTS: dict[str, tuple[str, str]] = {
     "/v1/chat/completions": ("llm", "openai"),
+    "/v1/completions": ("llm", "openai"),
+    "/v1/responses": ("llm", "openai"),
     "/v1/messages": ("llm", "anthropic"),
     "/v1/embeddings": ("embedding", "openai"),
     "/v1/rerank": ("reranker", "openai"),
@@ -256,7 +258,7 @@ class ClientApi:
         if isinstance(served, ProviderServed):
             if state.ticket:
                 state.ticket.provider_answer(served.engine, served.body)
-            await self._send_provider(served, send, extra, state)
+            await self._send_provider(req, protocol, served, send, extra, state)
             return
         response = served.response
         assert isinstance(response, AgentResponse)
@@ -331,6 +333,8 @@ class ClientApi:
 
     async def _send_provider(
         self,
+        req: RouteRequest,
+        protocol: str,
         served: ProviderServed,
         send: Send,
         extra: list[tuple[str, str]],
@@ -339,7 +343,32 @@ class ClientApi:
         state.status = served.status
         state.started = True
         headers = [*served.headers.items(), *extra]
-        await send_bytes(send, served.status, served.body, served.content_type, headers)
+        stream = served.stream
+        if stream is None:
+            await send_bytes(send, served.status, served.body, served.content_type, headers)
+            return
+        # The provider's stream: each event goes out as it arrives (router/providers).
+        try:
+            content_type = ("content-type", served.content_type)
+            await start_response(send, served.status, [content_type, *headers])
+            chunk: bytes | None = served.body
+            while chunk is not None:
+                await send_body(send, chunk, more=True)
+                chunk = await stream.next()
+            await send_body(send, b"")
+        except RouterError as err:
+            log.warning(
+                "req=%s provider_stream_broken provider=%s reason=%s tenant=%s",
+                req.request_id,
+                served.engine,
+                quote(err.message),
+                quote(req.tenant),
+            )
+            await _end_stream_with_error(send, protocol, err, state)
+        finally:
+            await stream.aclose()
+            if state.ticket is not None:
+                state.ticket.usage = stream.usage
 
     def models(self) -> list[dict]:
         return [self.model_card(model) for model in self.table.models()]

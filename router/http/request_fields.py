@@ -25,6 +25,8 @@ from router.http import count_tokens
 MAX_MODEL_NAME = 1024
 
 CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"
 EMBEDDINGS = "/v1/embeddings"
 RERANK = "/v1/rerank"
@@ -60,6 +62,10 @@ def _is_object(value: object) -> bool:
     return isinstance(value, dict)
 
 
+def _is_text_or_list(value: object) -> bool:
+    return isinstance(value, str | list)
+
+
 MODEL = FieldType(
     "model", f"a non-empty string of at most {MAX_MODEL_NAME} characters", _is_model, required=True
 )
@@ -69,6 +75,11 @@ STREAM_OPTIONS = FieldType("stream_options", "an object", _is_object)
 INCLUDE_USAGE = FieldType("stream_options.include_usage", "a boolean", _is_bool)
 MAX_TOKENS = FieldType("max_tokens", "a non-negative integer", _is_count)
 MAX_COMPLETION_TOKENS = FieldType("max_completion_tokens", "a non-negative integer", _is_count)
+# A legacy completion's prompt: text, a list of texts, or token ids (the engine checks which).
+PROMPT = FieldType("prompt", "a string or a list", _is_text_or_list, required=True)
+# A response's input: text or a list of input items.
+INPUT = FieldType("input", "a string or a list", _is_text_or_list, required=True)
+MAX_OUTPUT_TOKENS = FieldType("max_output_tokens", "a non-negative integer", _is_count)
 
 # Per endpoint, in the order a client reads the errors: the first problem is answered.
 FIELDS: dict[str, tuple[FieldType, ...]] = {
@@ -81,6 +92,8 @@ FIELDS: dict[str, tuple[FieldType, ...]] = {
         MAX_TOKENS,
         MAX_COMPLETION_TOKENS,
     ),
+    COMPLETIONS: (MODEL, STREAM, PROMPT, STREAM_OPTIONS, INCLUDE_USAGE, MAX_TOKENS),
+    RESPONSES: (MODEL, STREAM, INPUT, MAX_OUTPUT_TOKENS),
     MESSAGES: (MODEL, STREAM, MESSAGE_LIST, MAX_TOKENS),
     EMBEDDINGS: (MODEL, STREAM),
     RERANK: (MODEL, STREAM),

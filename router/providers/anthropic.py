@@ -56,7 +56,7 @@ _NO_OP: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v == ["text"],
 }
 
-_FINISH_REASONS = {
+FINISH_REASONS = {
     "end_turn": "stop",
     "stop_sequence": "stop",
     "pause_turn": "stop",
@@ -177,14 +177,14 @@ def completion_from_message(answer: object, model: str) -> dict[str, Any]:
                 "index": 0,
                 "message": message,
                 "logprobs": None,
-                "finish_reason": _FINISH_REASONS.get(str(stop_reason), "stop"),
+                "finish_reason": FINISH_REASONS.get(str(stop_reason), "stop"),
             }
         ],
-        "usage": _usage(answer.get("usage")),
+        "usage": openai_usage(answer.get("usage")),
     }
 
 
-def _usage(usage: object) -> dict[str, Any]:
+def openai_usage(usage: object) -> dict[str, Any]:
     usage = usage if isinstance(usage, dict) else {}
 
     def count(key: str) -> int:

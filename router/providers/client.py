@@ -1,8 +1,15 @@
 """The external provider call behind `fallback_provider`: OpenAI or Anthropic over HTTPS.
 
-`ProviderClient` is the dispatcher's `ProviderCall`. The provider is always called
-without streaming; a client that asked for a stream gets the answer replayed as an
-OpenAI event stream. Every failure is a RouterError the HTTP layer answers with.
+`ProviderClient` is the dispatcher's `ProviderCall`. A client that streams gets the
+provider's stream, each event relayed (and translated between the OpenAI and Anthropic
+shapes, router/providers/anthropic_stream.py and messages.py) as it arrives, so the
+time to first token is the provider's. Until the first event has been translated the
+call can still fail as a whole, with a RouterError the HTTP layer answers with; after
+it, a failure ends the client's stream with an error event in its protocol.
+
+Which client endpoint goes to which provider endpoint (`_ROUTES`): chat completions to
+either provider; Anthropic's messages to either; legacy completions and responses to
+OpenAI only (Anthropic has neither, and a translation would lose most of their fields).
 """
 
 from __future__ import annotations
@@ -20,8 +27,9 @@ from protocol.errors import ErrorCode, RouterError
 from protocol.logs import quote
 from router.dispatch import ProviderServed
 from router.policy.schema import ProviderFallback
-from router.providers import anthropic, openai
-from router.providers.sse import completion_to_sse
+from router.providers import anthropic, messages, openai
+from router.providers.anthropic_stream import AnthropicToOpenAI
+from router.providers.events import EventParser, PassThrough, Translator
 from router.session import RouteRequest
 
 log = logging.getLogger("provider")
@@ -32,16 +40,143 @@ SERVED_BY_HEADER = "x-hivenet-served-by"
 # Enough of a provider's error text to say what went wrong, not a whole HTML page.
 _DETAIL_LIMIT = 300
 
+CHAT = "/v1/chat/completions"
+COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
+MESSAGES = "/v1/messages"
+
+
+@dataclass(frozen=True)
+class _Route:
+    """How one client endpoint is served by one provider."""
+
+    path: str  # the provider's path, after its base URL
+    # The provider's body for the client's payload and the policy's model; raises
+    # RouterError (invalid_parameter) for what it cannot carry.
+    build: Callable[[dict[str, Any], str, bool], dict[str, Any]]
+    # The client's whole answer for the provider's parsed one; ValueError when malformed.
+    # None: the provider's bytes are the answer (same format), once `check`ed.
+    read: Callable[[object, str], dict[str, Any]] | None
+    # The stream translator for a client that streams.
+    stream: Callable[[RouteRequest, str], Translator]
+    check: Callable[[object], dict[str, Any]] = openai.check_object
+
+
+def _same_openai(
+    path: str, check: Callable[[object], dict[str, Any]] = openai.check_object
+) -> _Route:
+    return _Route(
+        path=path.removeprefix("/v1"),
+        build=lambda payload, model, stream: openai.request(payload, model, path, stream),
+        read=None,
+        stream=lambda req, model: PassThrough(
+            strip_usage_chunk=path in openai.USAGE_ON_REQUEST
+            and not openai.client_asked_usage(req.payload)
+        ),
+        check=check,
+    )
+
+
+def _anthropic_messages(payload: dict[str, Any], model: str, stream: bool) -> dict[str, Any]:
+    body = anthropic.messages_request(payload, model)
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def _anthropic_passthrough(payload: dict[str, Any], model: str, stream: bool) -> dict[str, Any]:
+    body = {**payload, "model": model}
+    body.pop("stream", None)
+    if stream:
+        body["stream"] = True
+    return body
+
+
+def _openai_for_messages(payload: dict[str, Any], model: str, stream: bool) -> dict[str, Any]:
+    body = messages.chat_request(payload, model)
+    if stream:
+        body["stream"] = True
+        body["stream_options"] = {"include_usage": True}
+    return body
+
+
+_ROUTES: dict[tuple[str, str], _Route] = {
+    ("openai", CHAT): _same_openai(CHAT, openai.check_completion),
+    ("openai", COMPLETIONS): _same_openai(COMPLETIONS),
+    ("openai", RESPONSES): _same_openai(RESPONSES),
+    ("openai", MESSAGES): _Route(
+        path="/chat/completions",
+        build=_openai_for_messages,
+        read=messages.message_from_completion,
+        stream=lambda req, model: messages.OpenAIToAnthropic(model),
+    ),
+    ("anthropic", CHAT): _Route(
+        path="/v1/messages",
+        build=_anthropic_messages,
+        read=anthropic.completion_from_message,
+        stream=lambda req, model: AnthropicToOpenAI(model, openai.client_asked_usage(req.payload)),
+    ),
+    ("anthropic", MESSAGES): _Route(
+        path="/v1/messages",
+        build=_anthropic_passthrough,
+        read=None,
+        stream=lambda req, model: PassThrough(strip_usage_chunk=False),
+    ),
+}
+
 
 @dataclass(frozen=True)
 class _Engine:
-    url: str
+    base_url: str
     headers: dict[str, str]
-    build: Callable[[dict[str, Any], str], dict[str, Any]]
-    # The provider's parsed answer as a `chat.completion`; ValueError when malformed.
-    read: Callable[[object, str], dict[str, Any]]
-    # The answer bytes are already what the client expects (no translation back).
-    native: bool
+
+
+class ProviderStream:
+    """A provider's answer being streamed: `next` gives the client's next bytes, None
+    at the end; RouterError when the provider's stream fails. `aclose` on every path."""
+
+    def __init__(self, name: str, response: httpx.Response, translator: Translator) -> None:
+        self.name = name
+        self._response = response
+        self._chunks = response.aiter_bytes()
+        self._parser = EventParser()
+        self._translator = translator
+        self._ended = False
+        # The first translated event, read before the call returns (ProviderClient).
+        self.first = b""
+
+    @property
+    def usage(self) -> dict[str, int] | None:
+        return self._translator.usage
+
+    async def next(self) -> bytes | None:
+        while not self._ended:
+            try:
+                chunk = await self._chunks.__anext__()
+            except StopAsyncIteration:
+                self._ended = True
+                try:
+                    if self._parser.pending():
+                        raise ValueError("the stream broke off inside an event")
+                    out = self._translator.end()
+                except ValueError as exc:
+                    raise _backend(f"{self.name} provider stream: {exc}") from None
+                return out or None
+            except httpx.HTTPError as exc:
+                self._ended = True
+                raise _backend(f"{self.name} provider stream broke off: {_describe(exc)}") from None
+            try:
+                out = b"".join(self._translator.event(n, d) for n, d in self._parser.feed(chunk))
+            except ValueError as exc:
+                self._ended = True
+                raise _backend(f"{self.name} provider stream is malformed: {exc}") from None
+            if out:
+                return out
+        return None
+
+    async def aclose(self) -> None:
+        with trio.CancelScope(shield=True):
+            await self._response.aclose()
 
 
 class ProviderClient:
@@ -57,22 +192,16 @@ class ProviderClient:
         self._engines: dict[str, _Engine] = {}
         if openai_api_key:
             self._engines["openai"] = _Engine(
-                url=openai_base_url.rstrip("/") + "/chat/completions",
+                base_url=openai_base_url.rstrip("/"),
                 headers={"authorization": f"Bearer {openai_api_key}"},
-                build=openai.chat_request,
-                read=lambda answer, model: openai.check_completion(answer),
-                native=True,
             )
         if anthropic_api_key:
             self._engines["anthropic"] = _Engine(
-                url=anthropic_base_url.rstrip("/") + "/v1/messages",
+                base_url=anthropic_base_url.rstrip("/"),
                 headers={
                     "x-api-key": anthropic_api_key,
                     "anthropic-version": anthropic.ANTHROPIC_VERSION,
                 },
-                build=anthropic.messages_request,
-                read=anthropic.completion_from_message,
-                native=False,
             )
         self._http: httpx.AsyncClient | None = None
 
@@ -94,14 +223,25 @@ class ProviderClient:
                 f"provider fallback {name!r} has no API key configured",
                 source="router",
             )
+        route = _ROUTES.get((name, req.path))
+        if route is None:
+            raise RouterError(
+                ErrorCode.ENDPOINT_NOT_SUPPORTED,
+                f"the {name} provider fallback does not serve {req.path}"
+                " (it serves /v1/chat/completions and /v1/messages)",
+                source="router",
+            )
         # Refusals (invalid_parameter) happen here, before anything leaves the router.
-        body = engine.build(req.payload, provider.model)
+        body = route.build(req.payload, provider.model, req.stream)
+        headers = {SERVED_BY_HEADER: f"provider:{name}"}
+        url = engine.base_url + route.path
         try:
-            raw = await self._post(name, engine, body)
-            try:
-                completion = engine.read(json.loads(raw), provider.model)
-            except ValueError as exc:
-                raise _backend(f"{name} provider answered malformed JSON: {exc}") from None
+            if req.stream:
+                translator = route.stream(req, provider.model)
+                stream = await self._open_stream(name, engine, url, body, translator)
+            else:
+                raw = await self._post(name, engine, url, body)
+                answer = self._answer(name, route, raw, provider.model)
         except RouterError as err:
             log.warning(
                 "req=%s provider=%s model=%s provider_failed reason=%s tenant=%s",
@@ -112,30 +252,39 @@ class ProviderClient:
                 quote(req.tenant),
             )
             raise
-        headers = {SERVED_BY_HEADER: f"provider:{name}"}
         if req.stream:
-            options = req.payload.get("stream_options")
-            include_usage = isinstance(options, dict) and options.get("include_usage") is True
             return ProviderServed(
                 status=200,
                 content_type="text/event-stream",
-                body=completion_to_sse(completion, include_usage),
+                body=stream.first,
                 engine=name,
                 headers={**headers, "cache-control": "no-cache"},
+                stream=stream,
             )
-        answer = raw if engine.native else json.dumps(completion).encode()
         return ProviderServed(
             status=200, content_type="application/json", body=answer, engine=name, headers=headers
         )
 
-    async def _post(self, name: str, engine: _Engine, body: dict[str, Any]) -> bytes:
+    def _answer(self, name: str, route: _Route, raw: bytes, model: str) -> bytes:
+        try:
+            parsed = json.loads(raw)
+            if route.read is None:
+                route.check(parsed)
+                return raw
+            return json.dumps(route.read(parsed, model)).encode()
+        except ValueError as exc:
+            raise _backend(f"{name} provider answered malformed JSON: {exc}") from None
+
+    def _deadline(self) -> float:
         # The provider gets its own timeout, but never past the request's deadline. When
         # the request deadline comes first, the caller's scope catches the cancellation
         # (trio hands it to the outermost cancelled scope) and answers request_timeout.
-        own_deadline = trio.current_time() + self.timeout
-        with trio.move_on_at(min(own_deadline, trio.current_effective_deadline())) as scope:
+        return min(trio.current_time() + self.timeout, trio.current_effective_deadline())
+
+    async def _post(self, name: str, engine: _Engine, url: str, body: dict[str, Any]) -> bytes:
+        with trio.move_on_at(self._deadline()) as scope:
             try:
-                response = await self._client().post(engine.url, json=body, headers=engine.headers)
+                response = await self._client().post(url, json=body, headers=engine.headers)
             except httpx.ConnectError as exc:
                 raise _backend(f"{name} provider unreachable: {_describe(exc)}") from None
             except httpx.HTTPError as exc:
@@ -146,11 +295,56 @@ class ProviderClient:
             raise _status_error(name, response.status_code, response.content)
         return response.content
 
+    async def _open_stream(
+        self, name: str, engine: _Engine, url: str, body: dict[str, Any], translator: Translator
+    ) -> ProviderStream:
+        """The provider's stream, up to its first translated event.
+
+        The provider's timeout bounds the wait for that event, not the whole answer (a
+        long answer streams for longer than 30 s); the request's deadline bounds the rest.
+        """
+        response: httpx.Response | None = None
+        opened: ProviderStream | None = None
+        with trio.move_on_at(self._deadline()) as scope:
+            try:
+                request = self._client().build_request(
+                    "POST", url, json=body, headers=engine.headers
+                )
+                response = await self._client().send(request, stream=True)
+                if response.status_code != 200:
+                    content = await response.aread()
+                    raise _status_error(name, response.status_code, content)
+                stream = ProviderStream(name, response, translator)
+                first = await stream.next()
+                if first is None:
+                    raise _backend(f"{name} provider stream ended without an event")
+                stream.first = first
+                opened = stream
+            except httpx.ConnectError as exc:
+                await _close(response)
+                raise _backend(f"{name} provider unreachable: {_describe(exc)}") from None
+            except httpx.HTTPError as exc:
+                await _close(response)
+                raise _backend(f"{name} provider connection failed: {_describe(exc)}") from None
+            except BaseException:
+                await _close(response)
+                raise
+        if opened is None or scope.cancelled_caught:
+            await _close(response)
+            raise _backend(f"{name} provider sent no event within {self.timeout:g}s")
+        return opened
+
     def _client(self) -> httpx.AsyncClient:
         if self._http is None:
             # No httpx timeout: the trio deadline above bounds the whole call.
             self._http = httpx.AsyncClient(timeout=None)
         return self._http
+
+
+async def _close(response: httpx.Response | None) -> None:
+    if response is not None:
+        with trio.CancelScope(shield=True):
+            await response.aclose()
 
 
 def _backend(message: str) -> RouterError:
