@@ -393,10 +393,9 @@ def test_prefix_tree_counts_the_blocks_each_agent_holds() -> None:
     tree.insert(keys, "A", 100)
     tree.insert(keys, "A", 100)  # the same prompt again adds nothing
     tree.insert(keys[:2], "B", 100)
-    assert (tree.held("A"), tree.held("B"), tree.held("C")) == (4, 2, 0)
+    assert tree.held == {"A": 4, "B": 2}
     # Eviction takes the least recently used nodes and their holders' counts.
     tree.insert(block_keys([("user", "v" * 64)], 32), "C", 4)
-    assert (tree.held("A"), tree.held("B"), tree.held("C")) == (2, 2, 2)
+    assert tree.held == {"A": 2, "B": 2, "C": 2}
     tree.forget("B")
-    assert tree.held("B") == 0
-    assert tree.held("A") == 2
+    assert tree.held == {"A": 2, "C": 2}

@@ -114,9 +114,10 @@ class PrefixTree:
         agents = set().union(*self._nodes.values()) if self._nodes else set()
         return f"<PrefixTree {len(self._nodes)} nodes, {len(agents)} agents>"
 
-    def held(self, peer_id: str) -> int:
-        """How many remembered blocks name `peer_id`."""
-        return self._held.get(peer_id, 0)
+    @property
+    def held(self) -> dict[str, int]:
+        """Peer ID -> how many remembered blocks name it (absent: none). Read only."""
+        return self._held
 
     def match(self, keys: list[int]) -> dict[str, int]:
         """How many leading blocks of `keys` each agent was sent; absent agents: none.

@@ -70,14 +70,11 @@ class PrefixParams:
     cache_threshold: float = DEFAULT_CACHE_THRESHOLD  # a fraction of the prompt
 
 
-def overloaded(peer: Peer, floor: Peer, params: PrefixParams) -> bool:
-    """`peer` is busier than the lightest candidate by both thresholds."""
-    load = peer.active / peer.metadata.capacity
+def load_limit(floor: Peer, params: PrefixParams) -> float:
+    """The active/capacity above which an agent is *overloaded*: busier than the
+    lightest candidate, `floor`, by more than both thresholds."""
     lightest = floor.active / floor.metadata.capacity
-    return (
-        load - lightest > params.balance_threshold
-        and load > params.balance_rel_threshold * lightest
-    )
+    return max(lightest + params.balance_threshold, lightest * params.balance_rel_threshold)
 
 
 class PrefixAware:
@@ -107,18 +104,20 @@ class PrefixAware:
             for peer in candidates:
                 if depth.get(peer.peer_id) == top and (best is None or lighter(peer, best)):
                     best = peer
+        limit = load_limit(floor, params)
         if best is not None:
             covered = ends[top - 1] / ends[-1] if ends[-1] else 1.0
-            if covered >= params.cache_threshold and not overloaded(best, floor, params):
+            if covered >= params.cache_threshold and best.active / best.metadata.capacity <= limit:
                 return best
-        return self._roomiest(candidates, floor, tree, depth, params)
+        return self._roomiest(candidates, floor, tree.held, depth, limit, params)
 
     @staticmethod
     def _roomiest(
         candidates: Sequence[Peer],
         floor: Peer,
-        tree: PrefixTree,
+        held: dict[str, int],
         depth: dict[str, int],
+        limit: float,
         params: PrefixParams,
     ) -> Peer:
         """Where a prompt matching too little goes: among the agents not overloaded
@@ -126,22 +125,30 @@ class PrefixAware:
         longest match (a shared system prompt), then the fewest blocks, the lighter, the
         lowest peer ID; so new conversations spread by what the caches hold, not by the
         moment's load alone."""
-        held = {peer.peer_id: tree.held(peer.peer_id) for peer in candidates}
-        room = min(held.values()) * params.balance_rel_threshold
-        best = floor
-        best_key = (-depth.get(floor.peer_id, 0), held[floor.peer_id])
-        if best_key[1] > room:
-            best_key = (1, 0)
+        room = min(held.get(peer.peer_id, 0) for peer in candidates)
+        room *= params.balance_rel_threshold
+        best: Peer | None = None
+        best_depth = 0
+        best_blocks = 0
         for peer in candidates:
-            blocks = held[peer.peer_id]
+            peer_id = peer.peer_id
+            blocks = held.get(peer_id, 0)
             if blocks > room:
                 continue
-            key = (-depth.get(peer.peer_id, 0), blocks)
-            if key > best_key or (key == best_key and not lighter(peer, best)):
+            found = depth.get(peer_id, 0)
+            if best is not None and (
+                found < best_depth
+                or (
+                    found == best_depth
+                    and (
+                        blocks > best_blocks or (blocks == best_blocks and not lighter(peer, best))
+                    )
+                )
+            ):
                 continue
-            if not overloaded(peer, floor, params):
-                best, best_key = peer, key
-        return best
+            if peer.active / peer.metadata.capacity <= limit:
+                best, best_depth, best_blocks = peer, found, blocks
+        return floor if best is None else best
 
     def chosen(self, peer: Peer, request: RankRequest, params: PrefixParams) -> None:
         key = (request.model, params.block_chars)
