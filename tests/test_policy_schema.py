@@ -555,7 +555,7 @@ def test_prefix_aware_parameters_have_documented_defaults() -> None:
     assert params == PrefixParams(
         block_chars=1024,
         max_blocks=65_536,
-        balance_threshold=0.25,
+        balance_threshold=0.375,
         balance_rel_threshold=1.5,
         cache_threshold=0.7,
     )
