@@ -274,27 +274,30 @@ class _Compiled:
     wants: tuple[tuple[str, str], ...]
     # Its load is what waiting changes, so a full agent's capacity_utilization is moot.
     rules_when_free: tuple[Rule, ...]
-    # id(pool) -> (pool, capability, its agents that pass the static gates).
-    pools: dict[int, tuple[Sequence[Peer], str, Sequence[Peer]]] = field(default_factory=dict)
+    # (model, capability) -> (the model's latest pool, its agents that pass the static
+    # gates); one entry per model, so a replaced pool is let go at the next decision.
+    pools: dict[tuple[str, str], tuple[Sequence[Peer], Sequence[Peer]]] = field(
+        default_factory=dict
+    )
 
     def eligible(self, pool: Sequence[Peer], capability: str) -> Sequence[Peer]:
         """The agents of `pool` that pass gates 3 and 4, worked out once per pool.
 
         PeerTable's pools are tuples replaced whenever an agent joins or leaves and
-        metadata is frozen, so a tuple seen before has the same answer (the entry keeps
-        it alive, which stops its id being reused). Any other sequence may have changed
-        in place and is filtered every time.
+        metadata is frozen, so the same tuple has the same answer. Any other sequence
+        may have changed in place and is filtered every time. `pool` is not empty.
         """
         if type(pool) is not tuple:
             return self.static(pool, capability)
-        entry = self.pools.get(id(pool))
-        if entry is not None and entry[0] is pool and entry[1] == capability:
-            return entry[2]
+        key = (pool[0].metadata.model, capability)
+        entry = self.pools.get(key)
+        if entry is not None and entry[0] is pool:
+            return entry[1]
         passed = self.static(pool, capability)
         kept: Sequence[Peer] = pool if len(passed) == len(pool) else tuple(passed)
         if len(self.pools) >= _POOLS_PER_STEP:
             self.pools.clear()
-        self.pools[id(pool)] = (pool, capability, kept)
+        self.pools[key] = (pool, kept)
         return kept
 
 
@@ -303,8 +306,8 @@ class _Compiled:
 # hashing the nested frozen dataclasses on every request would cost more than the gates.
 _compiled_steps: dict[int, _Compiled] = {}
 _CACHE_SIZE = 64
-# A step's pools: one per model it serves, plus those replaced since (joins, leaves),
-# held until the next clear. Far above the models one fleet serves.
+# A step's pools, one per model and capability it serves: far above what one fleet
+# serves, so the clear is only a bound.
 _POOLS_PER_STEP = 1024
 
 
