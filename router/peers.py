@@ -7,8 +7,9 @@ least-loaded ranking fall to the lowest peer ID, as the seeds specify.
 A pool is a tuple, replaced (never changed in place) when an agent of the model joins
 or leaves, so its identity is its version: the gates keep what they work out from the
 agents' frozen metadata per pool and know it is still true while the pool is the same
-object (router/policy/gates.py). Copying a pool of 10,000 agents on a join costs about
-40 µs; joins are rare, decisions are not.
+object (router/policy/gates.py). A join or leave in a pool of 10,000 agents costs about
+0.3 ms (the sorted insert already walked the pool), seven decisions' worth; joins are
+rare, decisions are not.
 """
 
 from __future__ import annotations
