@@ -8,7 +8,7 @@ A pool is a tuple, replaced (never changed in place) when an agent of the model 
 or leaves, so its identity is its version: the gates keep what they work out from the
 agents' frozen metadata per pool and know it is still true while the pool is the same
 object (router/policy/gates.py). A join or leave in a pool of 10,000 agents costs about
-0.3 ms (the sorted insert already walked the pool), seven decisions' worth; joins are
+0.3 ms (the sorted insert already walked the pool), a seventh of one decision; joins are
 rare, decisions are not.
 """
 
