@@ -12,8 +12,8 @@ from libp2p import new_host
 from libp2p.network.config import ConnectionConfig
 
 from agent.capacity import SharedCapacity
+from agent.engine_http import EnginePool, EngineTimeouts
 from agent.engines import EngineEndpoints, HealthTracker, get_adapter
-from agent.forward import BackendClients
 from agent.hardware import HardwareSampler
 from agent.http_proxy import dial_through_http_proxy
 from agent.link import (
@@ -97,9 +97,7 @@ class AgentDaemon:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         s = self.settings
-        timeout = httpx.Timeout(s.http_timeout, connect=min(10.0, s.http_timeout))
         async with (
-            BackendClients(s.capacity, timeout) as client,
             httpx.AsyncClient(timeout=httpx.Timeout(5.0), trust_env=False) as probe,
             trio.open_nursery() as nursery,
         ):
@@ -107,6 +105,10 @@ class AgentDaemon:
             if s.engine == "sim":
                 backend_url = await self._start_sim(nursery)
             ep = self.endpoints = self.adapter.endpoints(backend_url, s.health_url, s.metrics_url)
+            timeouts = EngineTimeouts(connect=min(10.0, s.http_timeout), read=s.http_timeout)
+            # The engine is never asked through HTTP(S)_PROXY, which names the agent's way
+            # out to its routers (agent/http_proxy.py).
+            engine = EnginePool(ep.backend_url, timeouts, s.capacity)
             if not self.model:
                 self.model = await self._discover(probe, ep)
             await self._probe_health(probe, ep)
@@ -125,10 +127,10 @@ class AgentDaemon:
             )
             if websocket:
                 dial_through_http_proxy(host, s.proxy)
-            async with host.run(listen_addrs=[]):
+            async with host.run(listen_addrs=[]), engine:
 
                 def make_session(address: str) -> Any:
-                    return lambda stream: self._session(stream, client, ep, address)
+                    return lambda stream: self._session(stream, engine, ep, address)
 
                 self._dial = (host, nursery, make_session)
                 for address in s.routers:
@@ -151,7 +153,7 @@ class AgentDaemon:
                 nursery.cancel_scope.cancel()
 
     def _session(
-        self, stream: Any, client: BackendClients, ep: EngineEndpoints, address: str
+        self, stream: Any, engine: EnginePool, ep: EngineEndpoints, address: str
     ) -> RouterSession:
         s = self.settings
         pinned = parse_router_address(address).pinned
@@ -175,8 +177,7 @@ class AgentDaemon:
             stream,
             hello_for(s.jwt_secret, self.peer_id, self.metadata(), challenge),
             self.status,
-            client,
-            ep.backend_url,
+            engine,
             s.heartbeat_interval,
             s.stream_write_timeout,
             check_welcome,

@@ -143,6 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         for address in args.router:
             parse_router_address(address)
+        if args.backend_url:
+            from agent.engine_http import check_engine_url
+
+            check_engine_url(args.backend_url)
         if args.proxy:
             from agent.http_proxy import parse_proxy_url
 

@@ -16,7 +16,8 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from agent.capacity import SharedCapacity
 from agent.dial_errors import describe
-from agent.forward import BackendClients, forward
+from agent.engine_http import EnginePool
+from agent.forward import forward
 from agent.router_identity import RouterAddress, learn_peer_id, parse_router
 from protocol import messages as m
 from protocol.conversation import (
@@ -109,8 +110,7 @@ class RouterSession:
         stream: Any,
         hello: dict,
         status: Status,
-        client: BackendClients,
-        backend_url: str,
+        engine: EnginePool,
         heartbeat_interval: float,
         write_timeout: float,
         check_welcome: Callable[[dict], str | None] | None = None,
@@ -129,8 +129,7 @@ class RouterSession:
         limit_unacknowledged(stream, SILENT_PERIODS * heartbeat_interval)
         self.hello = hello
         self.status = status
-        self.client = client
-        self.backend_url = backend_url
+        self.engine = engine
         self.heartbeat_interval = heartbeat_interval
         self.welcomed = trio.Event()
         self.refusal: str | None = None
@@ -268,8 +267,7 @@ class RouterSession:
             span = self.tracer.root("agent.forward", msg.get("traceparent"), attributes)
         with served.scope, span:
             try:
-                client = self.client.for_request(req_id)
-                await forward(client, self.backend_url, msg, send, span)
+                await forward(self.engine, msg, send, span)
             except m.ProtocolError as exc:
                 # This agent's own answer broke the rules: the request fails, the
                 # session and its other requests go on.

@@ -14,7 +14,6 @@ import os
 import random
 import sys
 
-import httpx
 import multiaddr
 import trio
 from libp2p import new_host
@@ -22,7 +21,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.network.config import ConnectionConfig
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
-from agent.forward import BackendClients
+from agent.engine_http import EnginePool, EngineTimeouts
 from agent.link import RouterSession, Status, hello_for
 from protocol.messages import PROTOCOL_ID
 from protocol.p2p import peer_id_of, quiet_libp2p_logging, tune_libp2p
@@ -48,7 +47,8 @@ async def one_agent(address: str, secret: bytes, index: int, heartbeat: float) -
         "capacity": 8,
         "region": "bench",
     }
-    async with host.run(listen_addrs=[]), BackendClients(1, httpx.Timeout(5.0)) as client:
+    engine = EnginePool("http://127.0.0.1:9", EngineTimeouts(5.0, 5.0), 1)
+    async with host.run(listen_addrs=[]), engine:
         await trio.sleep(random.uniform(0, 2))
         while True:
             try:
@@ -59,8 +59,7 @@ async def one_agent(address: str, secret: bytes, index: int, heartbeat: float) -
                     stream,
                     hello_for(secret, peer_id, metadata),
                     status,
-                    client,
-                    "http://127.0.0.1:9",
+                    engine,
                     heartbeat,
                     60.0,
                 )

@@ -49,6 +49,8 @@ class ErrorCode(StrEnum):
     # Upstream's router-wide refusals: a top-level `shed_if` answers
     # concurrency_limit_exceeded; a full router-wide wait (--queue-size) `queue_full`.
     QUEUE_FULL = "queue_full"
+    # Upstream's B1 request caps (policy or key `max_input_tokens`, `images_max`).
+    INPUT_TOO_LONG = "input_too_long"
     # The agent refused a request before starting it: its capacity is held by requests
     # from this and other routers. Agent to router only; a client never sees it.
     AGENT_FULL = "agent_full"
@@ -60,6 +62,7 @@ class ErrorCode(StrEnum):
 STATUS: dict[ErrorCode, int] = {
     ErrorCode.REQUEST_INVALID: 400,
     ErrorCode.CONTEXT_LENGTH_EXCEEDED: 400,
+    ErrorCode.INPUT_TOO_LONG: 400,
     ErrorCode.INVALID_PARAMETER: 400,
     ErrorCode.UNAUTHORIZED: 401,
     ErrorCode.MODEL_NOT_FOUND: 404,

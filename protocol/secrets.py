@@ -8,6 +8,8 @@ from pathlib import Path
 from protocol.tokens import check_secret
 
 SECRET_ENV = "HIVENET_ROUTER_JWT_SECRET"
+# The secret being rotated out: a router accepts agents' tokens signed by either.
+PREVIOUS_ENV = "HIVENET_ROUTER_JWT_SECRET_PREVIOUS"
 
 
 def load_secret(path: str | None, environ: dict[str, str] | None = None) -> bytes:
@@ -18,5 +20,29 @@ def load_secret(path: str | None, environ: dict[str, str] | None = None) -> byte
         secret = env[SECRET_ENV].strip().encode()
     else:
         raise ValueError(f"a JWT secret is required: --jwt-secret-file or {SECRET_ENV}")
+    check_secret(secret)
+    return secret
+
+
+def load_previous_secret(
+    path: str | None, environ: dict[str, str] | None = None, missing_ok: bool = False
+) -> bytes:
+    """The previous secret (file first, then PREVIOUS_ENV); empty when there is none.
+    An empty file is none: emptying it (then SIGHUP) ends a rotation; so is a missing
+    one when `missing_ok` (a reload after the file was removed)."""
+    env = os.environ if environ is None else environ
+    if path:
+        try:
+            secret = Path(path).read_bytes().strip()
+        except FileNotFoundError:
+            if missing_ok:
+                return b""
+            raise
+        if not secret:
+            return b""
+    elif env.get(PREVIOUS_ENV):
+        secret = env[PREVIOUS_ENV].strip().encode()
+    else:
+        return b""
     check_secret(secret)
     return secret

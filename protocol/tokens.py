@@ -1,8 +1,14 @@
-"""HS256 agent tokens: the subject is the agent's libp2p peer ID."""
+"""HS256 agent tokens: the subject is the agent's libp2p peer ID.
+
+During a rotation a router accepts two secrets (`verify_with`): agents move to the new
+one one at a time, each reconnecting on its own, and no agent is ever refused for
+being early or late; the Go router needs every router and agent restarted together.
+"""
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import jwt
 
@@ -55,3 +61,22 @@ def verify_token(secret: bytes, token: str, peer_id: str) -> dict:
     if claims["sub"] != peer_id:
         raise TokenError(f"token subject {claims['sub']} is not the connecting peer {peer_id}")
     return claims
+
+
+def verify_with(secrets: Sequence[bytes], token: str, peer_id: str) -> bytes:
+    """The secret, of `secrets` (current first), that signed a valid token for `peer_id`;
+    TokenError with the current secret's reason when none did. Only a bad signature
+    moves on to the next secret: an expired or malformed token is refused as it is."""
+    first: TokenError | None = None
+    for secret in secrets:
+        if not secret:
+            continue
+        try:
+            verify_token(secret, token, peer_id)
+        except TokenError as exc:
+            if not str(exc).startswith("bad token signature"):
+                raise
+            first = first or exc
+            continue
+        return secret
+    raise first or TokenError("no JWT secret configured")

@@ -16,7 +16,11 @@ from protocol.logs import quote
 from protocol.messages import PROTOCOL_ID
 from protocol.p2p import load_or_create_identity, peer_id_of
 from protocol.sdnotify import sd_notify
+from protocol.secrets import load_previous_secret, load_secret
 from protocol.tracing import tracer_from_env
+from router.admission.control import Admission
+from router.admission.limits import AdmitSettings
+from router.admission.shared import SharedAdmission
 from router.agent_metrics import AgentCollector
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher
@@ -39,9 +43,10 @@ from router.policy.store import PolicyStore
 from router.providers import ProviderClient
 from router.registrations import RegistrationFeed
 from router.session import RoutingSession
-from router.settings import RouterSettings
+from router.settings import RouterSettings, read_admin_keys
 from router.tenants.gate import GateSettings, TenantGate
 from router.tenants.keys import ClientKeys
+from router.tenants.registry import KeyRegistry, RegistryFile, registry_path
 from router.tls import server_context
 from router.unjoined import UnjoinedLimits
 
@@ -109,6 +114,7 @@ class RouterDaemon:
                 health_check_interval=settings.health_check_interval,
                 unjoined=UnjoinedLimits(per_address=settings.max_unjoined_per_ip),
                 workers=settings.workers,
+                previous_secret=settings.jwt_secret_previous,
             ),
             self.registrations,
             self.lifetime,
@@ -148,6 +154,11 @@ class RouterDaemon:
             self.metrics,
             ClientSettings(settings.max_request_bytes, settings.request_timeout),
         )
+        self.client.admission = Admission(
+            AdmitSettings(settings.admit_fraction, settings.admit_park_timeout),
+            self.metrics,
+            self._healthy_replicas,
+        )
         self.tenants = TenantGate(
             GateSettings(
                 auth_file=settings.auth_file,
@@ -162,11 +173,26 @@ class RouterDaemon:
             self.metrics,
         )
         self.tenants.replicas = self._healthy_replicas
+        if self.tenants.state.client is not None:
+            lease = settings.request_timeout + 60.0
+            self.client.admission.shared = SharedAdmission(self.tenants.state, lease)
         auth = self.tenants.store.current
+        # Upstream's dynamic mode: the auth file says so, or the variable without a file.
+        dynamic = auth.dynamic if auth is not None else settings.auth_mode == "dynamic"
+        if dynamic:
+            if not settings.admin_api_keys:
+                raise ValueError(
+                    "dynamic mode needs HIVENET_ROUTER_ADMIN_API_KEYS: /admin/api-keys holds"
+                    " the client keys"
+                )
+            saved = RegistryFile(registry_path(history_path(settings)))
+            self.tenants.registry = KeyRegistry(self.metrics, saved, settings.rpm_burst_seconds)
+            self.tenants.registry.policies = self._admission_caps
         if auth is not None and auth.admin_mode == "api-key" and not settings.admin_api_keys:
             raise ValueError(
                 "the auth file sets admin.mode api-key but HIVENET_ROUTER_ADMIN_API_KEYS is empty"
             )
+        self.admin_keys = AdminKeys(settings.admin_api_keys, settings.allow_insecure_admin)
         self.config_sync: ConfigSync | None = None
         fleet_redis: redis.Redis | None = None
         if settings.state_url:
@@ -179,6 +205,9 @@ class RouterDaemon:
             self.config_sync.add(self.store)
             if settings.auth_file:
                 self.config_sync.add(self.tenants.store)
+            if self.tenants.registry is not None:
+                self.config_sync.add(self.tenants.registry)
+            self.config_sync.add_named_policies(self.store)
         self.fleet_redis = fleet_redis
         self.fleet = FleetView(self.table, self.peer_id, fleet_redis)
         self.app = RouterApp(
@@ -187,7 +216,7 @@ class RouterDaemon:
             self.queue,
             self.store,
             self.metrics,
-            AdminKeys(settings.admin_api_keys, settings.allow_insecure_admin),
+            self.admin_keys,
             self.tenants.client_keys,
             self.tenants,
             self.registrations,
@@ -213,6 +242,47 @@ class RouterDaemon:
                 quote(f"HIVENET_ROUTER_{provider.engine.upper()}_API_KEY is not set"),
             )
 
+    def _admission_caps(self) -> list[tuple[str | None, str, int]]:
+        """Each policy's serverless input cap, for the key registry's cross-check."""
+        limits = self.store.current.admission
+        caps: list[tuple[str | None, str, int]] = [(None, limits.mode, limits.max_input_tokens)]
+        for named in self.store.models.named.values():
+            own = named.policy.admission
+            caps += [(m, own.mode, own.max_input_tokens) for m in named.policy.models]
+        return caps
+
+    def _reload_credentials(self) -> bool:
+        """SIGHUP: the admin keys and JWT secrets that come from files are read again,
+        so both rotate without a restart. All or nothing: a file that cannot be read
+        keeps every running credential. False when rejected (logged)."""
+        s = self.settings
+        try:
+            admin = s.admin_api_keys
+            if s.admin_api_keys_file:
+                from_file = read_admin_keys(s.admin_api_keys_file)
+                if not from_file:
+                    raise ValueError(f"{s.admin_api_keys_file} holds no admin key")
+                admin = [*s.admin_api_keys_env, *from_file]
+            secret = load_secret(s.jwt_secret_file) if s.jwt_secret_file else s.jwt_secret
+            previous = s.jwt_secret_previous
+            if s.jwt_secret_previous_file:
+                previous = load_previous_secret(s.jwt_secret_previous_file, {}, missing_ok=True)
+        except (OSError, ValueError) as exc:
+            log.warning("credentials_reload_failed reason=%s", quote(str(exc)))
+            return False
+        if s.admin_api_keys_file:
+            self.admin_keys.replace(admin)
+        link = self.link.settings
+        link.secret, link.previous_secret = secret, b"" if previous == secret else previous
+        retired = self.link.retire_secrets()
+        log.info(
+            "credentials_reloaded admin_keys=%d jwt_secrets=%d sessions_retired=%d",
+            len(self.admin_keys.digests),
+            1 + bool(link.previous_secret),
+            retired,
+        )
+        return True
+
     def _released(self, peer: Peer) -> None:
         self.queue.notify(peer.metadata.model)
 
@@ -232,6 +302,8 @@ class RouterDaemon:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self.link.sweep)
                     nursery.start_soon(self.tenants.run)
+                    if self.tenants.registry is not None:
+                        nursery.start_soon(self.tenants.registry.run)
                     nursery.start_soon(self.lifetime.run)
                     if self.tracer.enabled:
                         nursery.start_soon(self.tracer.run)
@@ -306,6 +378,8 @@ class RouterDaemon:
                     status = "reload rejected, running policy kept" if errors else "reloaded"
                     if self.tenants.store.reload_file():
                         status += "; auth file reload rejected, running tenants kept"
+                    if not self._reload_credentials():
+                        status += "; credentials reload rejected, running ones kept"
                     sd_notify(f"READY=1\nSTATUS=serving, policy {status}")
                 elif self._stop.is_set():
                     log.warning("router_stop_now signal=%s", signal.Signals(signum).name)

@@ -11,7 +11,7 @@ from typing import Any
 
 from protocol.durations import parse_duration
 from protocol.logs import FORMATS, setup_logging
-from protocol.secrets import load_secret
+from protocol.secrets import load_previous_secret, load_secret
 from protocol.upstream_flags import Refused, add_refused, refused_environment
 from router.settings import RouterSettings, env_value, split_hostport
 
@@ -106,6 +106,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--failure-cooldown", type=parse_duration, default="30s")
     serve.add_argument("--stream-slot-release", choices=("head", "end"), default="head")
     serve.add_argument("--jwt-secret-file", default=None)
+    serve.add_argument(
+        "--jwt-secret-previous-file",
+        default=None,
+        help="a rotation's previous secret, still accepted (HIVENET_ROUTER_JWT_SECRET_PREVIOUS)",
+    )
     serve.add_argument(
         "--auth-file",
         default=os.environ.get("HIVENET_ROUTER_AUTH_FILE") or None,
@@ -233,6 +238,9 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         failure_cooldown=args.failure_cooldown,
         stream_slot_release=args.stream_slot_release,
         jwt_secret=load_secret(args.jwt_secret_file),
+        jwt_secret_previous=load_previous_secret(args.jwt_secret_previous_file),
+        jwt_secret_file=args.jwt_secret_file,
+        jwt_secret_previous_file=args.jwt_secret_previous_file,
         auth_file=args.auth_file or args.auth_config_file,
         disk_db_path=args.disk_db_path,
         disk_db_ttl=args.disk_db_ttl,
@@ -293,6 +301,15 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         raise ValueError(
             "HIVENET_ROUTER_AUTH_MODE=api-key needs keys: an auth file (--auth-config-file)"
             " or HIVENET_ROUTER_API_KEYS"
+        )
+    if s.jwt_secret_previous == s.jwt_secret:
+        s.jwt_secret_previous = b""
+    if s.auth_mode == "dynamic" and not s.auth_file and s.client_api_keys.strip():
+        raise ValueError("HIVENET_ROUTER_AUTH_MODE=dynamic but HIVENET_ROUTER_API_KEYS is set")
+    if s.auth_mode == "dynamic" and not s.auth_file and not s.admin_api_keys:
+        raise ValueError(
+            "HIVENET_ROUTER_AUTH_MODE=dynamic needs HIVENET_ROUTER_ADMIN_API_KEYS: the"
+            " /admin/api-keys endpoints hold the client keys"
         )
     if not s.admin_api_keys and not s.allow_insecure_admin:
         raise ValueError(

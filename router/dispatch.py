@@ -141,6 +141,8 @@ class Dispatcher:
         log.warning("%s", exhaustion_line(req, ex))
         provider = self.provider_for(req)
         if provider is not None and self.provider_call is not None:
+            if req.on_provider is not None:
+                await req.on_provider()
             try:
                 attributes = {"hivenet.provider": provider.engine}
                 with req.span.child("provider_fallback", attributes):

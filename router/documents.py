@@ -223,6 +223,8 @@ class DocumentStore(Generic[T]):
     # What the document and its file are called in messages ("policy", "policy file").
     noun: str
     title: str
+    # The largest text accepted from another router (router/fleet/config_sync.py).
+    max_bytes = 1024 * 1024
 
     def __init__(self, reloads: Counter, log: logging.Logger, path: str | None) -> None:
         self.reloads = reloads
@@ -259,6 +261,11 @@ class DocumentStore(Generic[T]):
             value = self.parse(text)
         except DocumentError as exc:
             return self.reject(exc.errors, origin)
+        self.commit(value, origin)
+        return []
+
+    def commit(self, value: T, origin: str) -> None:
+        """Install a parsed document, count, log and tell the listeners."""
         summary = self.install(value)
         self.reloads.labels("success").inc()
         self.log.info(
@@ -266,7 +273,11 @@ class DocumentStore(Generic[T]):
         )
         for listener in self.on_replaced:
             listener(origin)
-        return []
+
+    def supersedes(self, text: str) -> bool:
+        """Whether the running document should win over `text` from another router
+        (a registry whose own version is newer); the fleet then gets this one back."""
+        return False
 
     def reject(self, errors: list[str], origin: str) -> list[str]:
         """Count and log a reload that failed before or during validation; `errors`."""

@@ -37,7 +37,7 @@ from protocol.frames import MAX_FRAME_BYTES
 from protocol.logs import quote
 from protocol.p2p import FramedStream, SessionClosed
 from protocol.router_proof import MAX_CHALLENGE, router_proof
-from protocol.tokens import TokenError, verify_token
+from protocol.tokens import TokenError, verify_with
 from protocol.tracing import Span
 from protocol.usage import COMPLETION, PROMPT, valid_usage
 from router.agent_detail import gpus_of, memory_of, preemptions_of
@@ -81,6 +81,8 @@ class LinkSettings:
     unjoined: UnjoinedLimits = field(default_factory=UnjoinedLimits)
     # `--workers`: the host's other router processes, named in the welcome.
     workers: list[dict] = field(default_factory=list)
+    # --jwt-secret-previous-file: still accepted while agents move to `secret`.
+    previous_secret: bytes = b""
 
     @property
     def liveness_interval(self) -> float:
@@ -208,6 +210,8 @@ class AgentSession:
         self.hello_seen = trio.Event()
         self.refused: str | None = None
         self.remote_addr = ""
+        # The JWT secret the hello's token was signed with: retired, the session ends.
+        self.secret = b""
         self._handlers = {
             m.HELLO: self._on_hello,
             m.HEARTBEAT: self._on_heartbeat,
@@ -476,7 +480,8 @@ class AgentLink:
     def admit(self, session: AgentSession, msg: dict) -> None:
         """Check a hello; refuse with the reason, or put the agent in the table."""
         try:
-            verify_token(self.settings.secret, msg["token"], session.remote_peer)
+            secrets = (self.settings.secret, self.settings.previous_secret)
+            session.secret = verify_with(secrets, msg["token"], session.remote_peer)
             meta = parse_metadata(msg["metadata"])
             challenge = msg.get("challenge")
             if challenge is not None and len(challenge) > MAX_CHALLENGE:
@@ -520,7 +525,7 @@ class AgentLink:
         )
         if challenge is not None:
             welcome["proof"] = router_proof(
-                self.settings.secret, self.settings.router_peer_id, session.remote_peer, challenge
+                session.secret, self.settings.router_peer_id, session.remote_peer, challenge
             )
         session.fs.send_nowait(welcome)
         session.hello_seen.set()
@@ -628,6 +633,15 @@ class AgentLink:
     def _count(self) -> None:
         self.metrics.agents_connected.set(len(self.sessions))
         self.metrics.agents_healthy.set(sum(1 for p in self.table.all() if p.routable))
+
+    def retire_secrets(self) -> int:
+        """End the sessions whose token was signed by a secret no longer accepted (a
+        rotation's last step); their agents reconnect and are refused until re-keyed."""
+        accepted = {self.settings.secret, self.settings.previous_secret} - {b""}
+        retired = [s for s in self.sessions.values() if s.secret not in accepted]
+        for session in retired:
+            session.fs.close("JWT secret retired: restart the agent with the new secret")
+        return len(retired)
 
     def close_all(self, reason: str) -> None:
         for session in list(self.sessions.values()):

@@ -137,6 +137,38 @@ class RouterMetrics:
             ["store"],
             registry=r,
         )
+        # Upstream's admission-control metrics (hivenet_admission_*) under this prefix.
+        self.admission_rejections = Counter(
+            P + "admission_rejections_total",
+            "Requests refused by an admission gate (reason: b1, b2, b4_occupancy, b4_itpm,"
+            " b4_otpm)",
+            ["reason", "model"],
+            registry=r,
+        )
+        self.admission_occupancy = Gauge(
+            P + "admission_occupancy_tokens",
+            "Token-weighted occupancy in flight on the model (this router's admissions)",
+            ["model"],
+            registry=r,
+        )
+        self.admission_budget = Gauge(
+            P + "admission_budget_tokens",
+            "Effective occupancy budget: ADMIT_FRACTION * admit_budget_tokens * healthy replicas",
+            ["model"],
+            registry=r,
+        )
+        self.admission_inflight = Gauge(
+            P + "admission_inflight_requests",
+            "Requests holding occupancy on the model",
+            ["model"],
+            registry=r,
+        )
+        self.admission_max_inflight = Gauge(
+            P + "admission_max_inflight",
+            "Effective max_inflight * healthy replicas; 0: no count backstop",
+            ["model"],
+            registry=r,
+        )
 
 
 def _count_tasks() -> float:

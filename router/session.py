@@ -60,6 +60,9 @@ class RouteRequest:
     # off: the client's.
     span: Span = NULL_SPAN
     traceparent: str | None = None
+    # Called when routing leaves the local pool for the external provider (admission
+    # gives back the request's occupancy: the provider holds no local KV cache).
+    on_provider: Callable[[], Awaitable[None]] | None = None
 
 
 class Slot:

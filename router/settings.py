@@ -7,13 +7,15 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.durations import parse_duration
+from router.admission.limits import DEFAULT_ADMIT_FRACTION, DEFAULT_PARK_TIMEOUT, parse_fraction
 from router.peers import DEFAULT_FAILURE_COOLDOWN
 
 DEFAULT_MAX_REQUEST_BYTES = 10 * 1024 * 1024
 # HIVENET_ROUTER_MAX_REQUEST_BYTES=0 is the Go router's "no limit". A daemon reading
 # bodies into memory still needs a bound: 1 GiB, above any prompt an engine accepts.
 UNLIMITED_REQUEST_BYTES = 1024 * 1024 * 1024
-AUTH_MODES: tuple[str, ...] = ("none", "api-key")
+AUTH_MODES: tuple[str, ...] = ("none", "api-key", "dynamic")
 ENV_PREFIX = "HIVENET_ROUTER_"
 
 
@@ -77,7 +79,15 @@ class RouterSettings:
     failure_cooldown: float = DEFAULT_FAILURE_COOLDOWN
     stream_slot_release: str = "head"
     jwt_secret: bytes = b""
+    # A rotation's previous secret and the files both come from (re-read on SIGHUP).
+    jwt_secret_previous: bytes = b""
+    jwt_secret_file: str | None = None
+    jwt_secret_previous_file: str | None = None
     admin_api_keys: list[str] = field(default_factory=list)
+    # HIVENET_ROUTER_ADMIN_API_KEYS_FILE: admin keys re-read on SIGHUP (rotation),
+    # beside those of HIVENET_ROUTER_ADMIN_API_KEYS (read once).
+    admin_api_keys_file: str | None = None
+    admin_api_keys_env: list[str] = field(default_factory=list)
     allow_insecure_admin: bool = False
     client_api_keys: str = ""
     max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES
@@ -101,6 +111,9 @@ class RouterSettings:
     # others as worker 0's welcome names them ({"tcp_port", "peer_id"}).
     worker_index: int = 0
     worker_count: int = 1
+    # HIVENET_ROUTER_ADMIT_FRACTION and HIVENET_ROUTER_ADMIT_PARK_TIMEOUT (admission B2).
+    admit_fraction: float = DEFAULT_ADMIT_FRACTION
+    admit_park_timeout: float = DEFAULT_PARK_TIMEOUT
     workers: list[dict] = field(default_factory=list)
 
     def apply_environment(self, env: Mapping[str, str] | None = None) -> None:
@@ -109,6 +122,10 @@ class RouterSettings:
         self.admin_api_keys = [
             k.strip() for k in e.get("HIVENET_ROUTER_ADMIN_API_KEYS", "").split(",") if k.strip()
         ]
+        self.admin_api_keys_env = list(self.admin_api_keys)
+        self.admin_api_keys_file = e.get("HIVENET_ROUTER_ADMIN_API_KEYS_FILE") or None
+        if self.admin_api_keys_file:
+            self.admin_api_keys = [*self.admin_api_keys, *read_admin_keys(self.admin_api_keys_file)]
         self.allow_insecure_admin = e.get("HIVENET_ROUTER_ALLOW_INSECURE_ADMIN", "").lower() in (
             "1",
             "true",
@@ -128,13 +145,8 @@ class RouterSettings:
             raise ValueError("HIVENET_ROUTER_AUTH_MODE=none but HIVENET_ROUTER_API_KEYS is set")
         env_value(e, "QUOTA_BACKEND", _quota_backend, "memory")
         self.rpm_burst_seconds = env_value(e, "RPM_BURST_SECONDS", _burst_seconds, "0")
-        for name in ("ADMIT_FRACTION", "ADMIT_PARK_TIMEOUT"):
-            if e.get(ENV_PREFIX + name):
-                raise ValueError(
-                    f"{ENV_PREFIX}{name}: token-weighted occupancy admission"
-                    " (admit_budget_tokens) does not exist here; agents' --capacity, the"
-                    " capacity queue (--queue-depth) and a policy's shed_if bound the load"
-                )
+        self.admit_fraction = env_value(e, "ADMIT_FRACTION", parse_fraction, "0.90")
+        self.admit_park_timeout = env_value(e, "ADMIT_PARK_TIMEOUT", parse_duration, "250ms")
 
 
 def _non_negative(raw: str) -> int:
@@ -144,12 +156,20 @@ def _non_negative(raw: str) -> int:
     return value
 
 
+def read_admin_keys(path: str) -> list[str]:
+    """Admin keys from a file: comma- or line-separated, `#` starts a comment."""
+    try:
+        with open(path, encoding="utf-8") as file:
+            text = file.read()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"HIVENET_ROUTER_ADMIN_API_KEYS_FILE={path}: {exc}") from None
+    keys: list[str] = []
+    for line in text.splitlines():
+        keys += [k.strip() for k in line.split("#", 1)[0].split(",") if k.strip()]
+    return keys
+
+
 def _auth_mode(raw: str) -> str:
-    if raw == "dynamic":
-        raise ValueError(
-            "the dynamic key registry (/admin/api-keys) does not exist here; keep keys in"
-            " an auth file and replace it with PUT /admin/auth or SIGHUP"
-        )
     if raw not in AUTH_MODES:
         raise ValueError(f"must be one of {', '.join(AUTH_MODES)}")
     return raw

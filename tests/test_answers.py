@@ -5,14 +5,13 @@ from __future__ import annotations
 import gzip
 import json
 import zlib
-from collections.abc import AsyncIterator
 
-import httpx
 import pytest
 import trio
 import trio.testing
 
 from agent.answers import MalformedAnswer, SSEChecker, check_json_answer, is_event_stream
+from agent.engine_http import EnginePool, EngineTimeouts
 from agent.forward import forward
 from protocol import messages as m
 
@@ -149,15 +148,27 @@ def test_finished_at_the_last_event_only(stream: bytes) -> None:
     assert checker.finished
 
 
-class _Stalling(httpx.AsyncByteStream):
-    """An engine that sends a whole stream, then keeps its connection open."""
+class _Stalling:
+    """An engine connection that sends a whole stream, then keeps its connection open."""
 
     def __init__(self, body: bytes) -> None:
-        self.body = body
+        self.unread = (
+            b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(body), body)
+        )
 
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        yield self.body
-        await trio.sleep_forever()
+    async def send_all(self, data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        await trio.lowlevel.checkpoint()
+        if not self.unread:
+            await trio.sleep_forever()
+        data, self.unread = self.unread, b""
+        return data
+
+    def close(self) -> None:
+        self.unread = b""
 
 
 @pytest.mark.parametrize("stream", [OPENAI, ANTHROPIC])
@@ -167,9 +178,8 @@ def test_the_end_leaves_with_the_last_event(stream: bytes) -> None:
     the last event, and the router must have the end (with the usage) by then."""
     sent: list[tuple[float, str]] = []
 
-    def engine(request: httpx.Request) -> httpx.Response:
-        headers = {"content-type": "text/event-stream"}
-        return httpx.Response(200, headers=headers, stream=_Stalling(stream))
+    async def engine() -> _Stalling:
+        return _Stalling(stream)
 
     async def main() -> None:
         msg = {
@@ -180,14 +190,26 @@ def test_the_end_leaves_with_the_last_event(stream: bytes) -> None:
             "body": b"{}",
             "stream": True,
         }
-        async with httpx.AsyncClient(transport=httpx.MockTransport(engine)) as client:
+        timeouts = EngineTimeouts(5.0, 120.0)
+        async with EnginePool("http://engine", timeouts, 1, engine) as pool:
             with trio.fail_after(10):
-                await forward(
-                    client, "http://engine", msg, lambda f: sent.append((trio.current_time(), f))
-                )
+                await forward(pool, msg, lambda f: sent.append((trio.current_time(), f)))
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     kinds = [frame["type"] for _, frame in sent]
     assert kinds == [m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END]
     assert b"".join(f["data"] for _, f in sent if f["type"] == m.RESPONSE_CHUNK) == stream
     assert sent[-1][0] == sent[1][0], "the end waited for the engine"
+
+
+def test_json_only_pythons_parser_reads_still_passes_the_check() -> None:
+    """orjson refuses NaN, Infinity and integers past 64 bits; Python's json, which the
+    check used before, reads them, so an answer holding them is still relayed."""
+    for body in (b'{"logprob": NaN}', b'{"a": -Infinity}', b'{"seed": 123456789012345678901}'):
+        assert isinstance(check_json_answer(body), dict)
+        checker = SSEChecker()
+        assert checker.feed(b"data: " + body + b"\n\n")
+    with pytest.raises(MalformedAnswer, match="not JSON"):
+        check_json_answer(b'{"a": nan}')
+    with pytest.raises(MalformedAnswer, match="nested too deeply"):
+        check_json_answer(b"[" * 100_000)

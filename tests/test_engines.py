@@ -835,7 +835,7 @@ async def test_heartbeats_carry_changes_at_once_and_confirm_values_each_period(
     def handle(request: httpx.Request) -> httpx.Response:
         return httpx.Response(kv["status"], text=_kv_text(kv["value"]))
 
-    session = RouterSession(None, {}, daemon.status, None, "", 5.0, 60.0)  # type: ignore[arg-type]
+    session = RouterSession(None, {}, daemon.status, None, 5.0, 60.0)  # type: ignore[arg-type]
     frames = session.fs = _Frames()  # type: ignore[assignment]
     session.welcomed.set()
 

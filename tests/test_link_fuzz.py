@@ -2,7 +2,7 @@
 
 Most examples drive the pure parts: the conversation's rules against a reference of
 their own, and each daemon's session object fed decoded frames in-process (no libp2p,
-a mock clock, the agent's engine an httpx mock). Fewer drive the real daemons over real
+a mock clock, the agent's engine canned answers in memory). Fewer drive the real daemons over real
 libp2p: a hostile agent against a router process, a hostile router against an agent
 process. Invariants: a daemon never dies, its memory stays bounded, every request ends
 exactly once, and nothing of one request or session reaches another.
@@ -28,6 +28,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agent.engine_http import EnginePool, EngineTimeouts
 from agent.link import RouterSession, Status
 from protocol import messages as m
 from protocol.conversation import (
@@ -263,26 +264,42 @@ def test_a_router_session_ends_every_request_once_whatever_the_agent_sends(
 # --- an agent session, in process -------------------------------------------------
 
 
-def engine(request: httpx.Request) -> httpx.Response:
-    answer = {
+_ANSWER = json.dumps(
+    {
         "id": "x",
         "object": "chat.completion",
         "model": "m1",
         "choices": [{"index": 0, "message": {"role": "assistant", "content": "ok"}}],
     }
-    return httpx.Response(
-        200,
-        headers={"content-type": "application/json"},
-        stream=httpx.ByteStream(json.dumps(answer).encode()),
-    )
+).encode()
 
 
-class MockClients:
+class CannedEngine:
+    """One engine connection in memory: each request written gets the same answer."""
+
     def __init__(self) -> None:
-        self.client = httpx.AsyncClient(transport=httpx.MockTransport(engine))
+        self.unread = b""
 
-    def for_request(self, req_id: int) -> httpx.AsyncClient:
-        return self.client
+    async def send_all(self, data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        self.unread = (
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(_ANSWER), _ANSWER)
+        )
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        await trio.lowlevel.checkpoint()
+        if not self.unread:
+            await trio.sleep_forever()
+        data, self.unread = self.unread, b""
+        return data
+
+    def close(self) -> None:
+        self.unread = b""
+
+
+async def canned_engine() -> CannedEngine:
+    return CannedEngine()
 
 
 class NoStream:
@@ -299,10 +316,9 @@ def test_an_agent_session_answers_every_request_once_whatever_the_router_sends(
             NoStream(),
             m.hello("t", {}),
             Status(),
-            MockClients(),
-            "http://engine",
+            EnginePool("http://engine", EngineTimeouts(5.0, 5.0), 4, canned_engine),
             5.0,
-            5.0,  # type: ignore[arg-type]
+            5.0,
         )
         fs = session.fs = RecordingStream()  # type: ignore[assignment]
         session.state = next_session_state(Role.AGENT, session.state, m.HELLO)

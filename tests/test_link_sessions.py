@@ -8,6 +8,7 @@ import trio
 import trio.testing
 
 import agent.link as agent_link
+from agent.engine_http import EnginePool, EngineTimeouts
 from agent.link import RouterConnection, RouterSession, Status
 from protocol import messages as m
 from protocol.conversation import Role, next_session_state
@@ -18,7 +19,7 @@ from router.peers import PeerTable
 from router.session import Slot
 from tests.fleet import SECRET
 from tests.test_link import METADATA
-from tests.test_link_fuzz import PEER, MockClients, NoStream, RecordingStream
+from tests.test_link_fuzz import PEER, NoStream, RecordingStream, canned_engine
 
 
 async def test_link_objects_show_their_state_and_live_counts() -> None:
@@ -51,10 +52,9 @@ async def test_link_objects_show_their_state_and_live_counts() -> None:
         NoStream(),
         m.hello("t", {}),
         Status(),
-        MockClients(),
-        "http://e",
+        EnginePool("http://e", EngineTimeouts(5.0, 5.0), 1, canned_engine),
         5.0,
-        5.0,  # type: ignore[arg-type]
+        5.0,
     )
     assert repr(router_session) == "<RouterSession AWAITING_HELLO, 0 live requests, open>"
     connection = RouterConnection(
@@ -70,9 +70,7 @@ PEER_ID = "12D3KooWGQaEXi5zdK6sv4u1rjM8EQrfH3GnjJb8GrmyrXrU2yZ8"
 def test_an_agent_answer_out_of_order_fails_that_request_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    async def broken_forward(
-        client: object, url: str, msg: dict, send: object, span: object
-    ) -> None:
+    async def broken_forward(engine: object, msg: dict, send: object, span: object) -> None:
         send(m.response_chunk(msg["id"], b"before the head"))  # type: ignore[operator]
 
     monkeypatch.setattr(agent_link, "forward", broken_forward)
@@ -82,10 +80,9 @@ def test_an_agent_answer_out_of_order_fails_that_request_only(
             NoStream(),
             m.hello("t", {}),
             Status(),
-            MockClients(),
-            "http://e",
+            EnginePool("http://e", EngineTimeouts(5.0, 5.0), 1, canned_engine),
             5.0,
-            5.0,  # type: ignore[arg-type]
+            5.0,
         )
         fs = session.fs = RecordingStream()  # type: ignore[assignment]
         session.state = next_session_state(Role.AGENT, session.state, m.HELLO)

@@ -111,7 +111,8 @@ tenants:
     shared_b = f"tenants.c.keys: key {H2[:19]}… is also a key of tenant 'b'"
     assert errors == [
         "tenants.a.rpm: unknown tenant key (known: keys, models, requests_per_minute, burst,"
-        " tokens_per_day, max_concurrent, max_input_bytes, priority);"
+        " tokens_per_day, max_concurrent, max_input_bytes, priority, mode, max_occupancy_share,"
+        " input_tokens_per_minute, output_tokens_per_minute, max_input_tokens, images_max);"
         " did you mean 'requests_per_minute'?",
         "tenants.b.priority: must be an integer, got string 'high'",
         shared_a,
@@ -289,3 +290,11 @@ def test_audit_log_rotates_by_size(tmp_path: Path) -> None:
         assert len(text.encode()) <= 1024
         lines = [json.loads(line) for line in text.splitlines()]
         assert lines and all(x["total_tokens"] == 3 and x["tenant"] == "team" for x in lines)
+
+
+def test_the_usage_rewrite_keeps_every_value_as_it_came() -> None:
+    # orjson would read this integer as a float (1.2345678901234568e+20).
+    tap = UsageTap(request({"model": "m", "seed": 123456789012345678901}, stream=True))
+    assert b'"seed":123456789012345678901' in tap.body
+    tap = UsageTap({**request({"model": "m"}, stream=True), "body": b'{"t": NaN}'})
+    assert tap.body == b'{"t":NaN,"stream_options":{"include_usage":true}}'

@@ -187,9 +187,10 @@ def test_tenants_keys_models_and_every_limit(fleet: Fleet, tmp_path: Path) -> No
     assert chunks and all(c.choices and c.usage is None for c in chunks)
     counted += full.usage.prompt_tokens + full.usage.completion_tokens  # the same question
     wait_until(lambda: tokens_charged() == counted, 5, "streaming usage charged")
-    # An Anthropic stream: usage from message_start and message_delta.
+    # An Anthropic stream: usage from message_start and message_delta. (Its declared
+    # max_tokens must fit in what is left of the day's 40 tokens, with its input.)
     with claude(router, DELTA).messages.stream(
-        model="m2", max_tokens=50, messages=[{"role": "user", "content": "one two three"}]
+        model="m2", max_tokens=5, messages=[{"role": "user", "content": "one two three"}]
     ) as stream:
         final = stream.get_final_message()
     counted += final.usage.input_tokens + final.usage.output_tokens

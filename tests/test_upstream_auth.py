@@ -123,8 +123,16 @@ def test_the_example_placeholder_loads_with_a_warning() -> None:
             "api.keys[0].metadata.expires_at: must be a date as DD-MM-YYYY",
         ),
         (
-            doc(entry(extra="      quota: {input_tokens_per_minute: 5}\n")),
-            "serverless per-key caps need token-weighted occupancy admission",
+            doc(entry(extra="      quota: {input_tokens_per_minute: -5}\n")),
+            "api.keys[0].quota.input_tokens_per_minute: must be at least 0, got -5",
+        ),
+        (
+            doc(entry(extra="      max_occupancy_share: 1.5\n")),
+            "api.keys[0].max_occupancy_share: must be a number in (0, 1]",
+        ),
+        (
+            doc(entry(extra="      mode: spot\n")),
+            "api.keys[0].mode: must be one of reserved, serverless",
         ),
         (
             doc(entry(extra="      quota: {requests_per_minute: -1}\n")),
@@ -144,7 +152,7 @@ def test_the_example_placeholder_loads_with_a_warning() -> None:
             doc(entry(extra="      quota:\n        per_model: {m: {tokens_per_day: 1}}\n")),
             "per_model.m.requests_per_minute_per_replica: missing (required; 0 is unlimited)",
         ),
-        ("api:\n  mode: dynamic\n", "api.mode: dynamic (the /admin/api-keys registry)"),
+        ("api:\n  mode: dynamic\n  keys: [x]\n", "api.keys: not read in dynamic mode"),
         ("api:\n  mode: api-key\n", "api.keys: api.mode api-key needs a non-empty list"),
         ("api:\n  mode: none\n  keys: [x]\n", "api.keys: not read when api.mode is none"),
         ("api: {mode: api-key, keys: []}\nadmins: {}\n", "admins: unknown top-level key"),

@@ -131,14 +131,22 @@ ROUTER_BAD_ENV = [
     ({"HIVENET_ROUTER_P2P_MAX_CONNS_PER_IP": "0"}, "--p2p-max-conns-per-ip must be at least 1"),
     ({"HIVENET_ROUTER_MAX_REQUEST_BYTES": "-5"}, "HIVENET_ROUTER_MAX_REQUEST_BYTES="),
     ({"HIVENET_ROUTER_MAX_REQUEST_BYTES": "10MB"}, "HIVENET_ROUTER_MAX_REQUEST_BYTES="),
-    ({"HIVENET_ROUTER_AUTH_MODE": "dynamic"}, "PUT /admin/auth"),
+    (
+        {"HIVENET_ROUTER_AUTH_MODE": "dynamic", "HIVENET_ROUTER_ADMIN_API_KEYS": ""},
+        "dynamic needs HIVENET_ROUTER_ADMIN_API_KEYS",
+    ),
+    (
+        {"HIVENET_ROUTER_AUTH_MODE": "dynamic", "HIVENET_ROUTER_API_KEYS": "k:t"},
+        "dynamic but HIVENET_ROUTER_API_KEYS is set",
+    ),
     ({"HIVENET_ROUTER_AUTH_MODE": "open"}, "must be one of none, api-key"),
     ({"HIVENET_ROUTER_AUTH_MODE": "api-key"}, "needs keys"),
     ({"HIVENET_ROUTER_QUOTA_BACKEND": "badger"}, "--state-url"),
     ({"HIVENET_ROUTER_QUOTA_BACKEND": "etcd"}, "must be memory"),
     ({"HIVENET_ROUTER_RPM_BURST_SECONDS": "60"}, "from 0 to 59"),
-    ({"HIVENET_ROUTER_ADMIT_FRACTION": "0.9"}, "admit_budget_tokens"),
-    ({"HIVENET_ROUTER_ADMIT_PARK_TIMEOUT": "250ms"}, "admit_budget_tokens"),
+    ({"HIVENET_ROUTER_ADMIT_FRACTION": "1.5"}, "must be greater than 0 and at most 1"),
+    ({"HIVENET_ROUTER_ADMIT_FRACTION": "0"}, "HIVENET_ROUTER_ADMIT_FRACTION='0'"),
+    ({"HIVENET_ROUTER_ADMIT_PARK_TIMEOUT": "soon"}, "HIVENET_ROUTER_ADMIT_PARK_TIMEOUT="),
 ]
 
 

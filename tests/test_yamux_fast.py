@@ -11,7 +11,6 @@ import struct
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 import multiaddr
 import pytest
 import trio
@@ -28,7 +27,7 @@ from libp2p.stream_muxer.yamux.yamux import (
     YAMUX_HEADER_FORMAT,
 )
 
-from agent.forward import BackendClients
+from agent.engine_http import EnginePool, EngineTimeouts
 from agent.link import SILENT_PERIODS, RouterSession, Status
 from protocol import messages as m
 from protocol import p2p, yamux_fast
@@ -186,12 +185,12 @@ async def test_the_agent_has_the_kernel_watch_its_unacknowledged_heartbeats() ->
     async with (
         server.run(listen_addrs=listen),
         client.run(listen_addrs=[]),
-        BackendClients(1, httpx.Timeout(5.0)) as backend,
+        EnginePool("http://127.0.0.1:9", EngineTimeouts(5.0, 5.0), 1) as engine,
     ):
         info = info_from_p2p_addr(server.get_addrs()[0])
         await client.connect(info)
         stream = await client.new_stream(info.peer_id, ["/test/1.0.0"])
-        RouterSession(stream, {}, Status(), backend, "http://127.0.0.1:9", 2.0, 10.0)
+        RouterSession(stream, {}, Status(), engine, 2.0, 10.0)
         sock = p2p.tcp_socket_of(stream)
         assert sock is not None
         option = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT)
@@ -204,7 +203,7 @@ async def test_the_agent_has_the_kernel_watch_its_unacknowledged_heartbeats() ->
 async def test_the_agent_times_router_silence_by_the_welcomes_liveness_interval() -> None:
     def said_hello() -> RouterSession:
         ours, _ = trio.testing.memory_stream_pair()
-        session = RouterSession(ours, {}, Status(), None, "http://127.0.0.1:9", 0.1, 1.0)  # type: ignore[arg-type]
+        session = RouterSession(ours, {}, Status(), None, 0.1, 1.0)  # type: ignore[arg-type]
         session.state = next_session_state(Role.AGENT, session.state, m.HELLO)
         return session
 

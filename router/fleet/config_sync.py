@@ -1,7 +1,7 @@
 """One configuration for every router that shares a `--state-url`.
 
-Each reloadable document (the policy, the auth file; a per-model policy would be one
-more `DocumentStore` under its own kind) lives in Redis as a hash
+Each reloadable document (the policy, the auth file, the /admin/api-keys registry,
+each per-model policy as `policy/model/<name>`) lives in Redis as a hash
 `hivenet:config:<kind>` of `version` (router/documents.py `version_of`), `text` and
 `router`. A change made on one router (PUT, SIGHUP) is validated there first and
 written only once it runs; every router reads the versions each POLL_INTERVAL and
@@ -16,6 +16,14 @@ while a router reconnects is lost; a poll of one small key per document every 0.
 one HMGET per 0.2 s (about 30 µs of Redis time each) and never misses the last change.
 At start-up a router adopts the fleet's documents, or publishes its own when the fleet
 has none yet. Without `--state-url` nothing here runs.
+
+Per-model policies come and go, so their kinds are listed in the set
+`hivenet:config:kinds`, and a deleted one stays as an empty text (its tombstone), which
+deletes it on the routers that have it. A router finds its own changes to them (PUT,
+DELETE, a SIGHUP of --policy-model-dir) by comparing each poll what it runs with what
+it last had in step with the fleet (`NamedPolicies`), so no write path needs a hook.
+When two routers write the registry at once, the one whose registry version sorts
+higher wins everywhere (`DocumentStore.supersedes`).
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ import redis
 import trio
 
 from protocol.logs import quote
-from router.documents import DocumentStore
+from router.documents import DocumentStore, version_of
+from router.policy.models import ModelConflict
+from router.policy.store import PolicyStore
 
 log = logging.getLogger("fleet")
 
@@ -35,9 +45,41 @@ log = logging.getLogger("fleet")
 POLL_INTERVAL = 0.2
 CALL_TIMEOUT = 0.5
 KEY = "hivenet:config:"
+KINDS = KEY + "kinds"
+NAMED = "policy/model/"
 FLEET_ORIGIN = "fleet"
-# The same bound as a PUT body (router/http/admin.py): Redis is no way around it.
-MAX_DOCUMENT_BYTES = 1024 * 1024
+# A deleted per-model policy: no text.
+TOMBSTONE = version_of("")
+
+
+class NamedPolicies:
+    """The per-model policy documents of one PolicyStore, as kinds `policy/model/<name>`."""
+
+    def __init__(self, store: PolicyStore) -> None:
+        self.store = store
+        # Name → the version this router and the fleet last agreed on; an absent name
+        # agrees on "no document" (TOMBSTONE).
+        self.synced: dict[str, str] = {}
+        self._versions: dict[str, tuple[str, str]] = {}
+
+    def texts(self) -> dict[str, str]:
+        return {name: doc.policy.source for name, doc in self.store.models.named.items()}
+
+    def version(self, name: str) -> str:
+        named = self.store.models.named.get(name)
+        text = named.policy.source if named is not None else ""
+        cached = self._versions.get(name)
+        if cached is None or cached[0] is not text:
+            cached = self._versions[name] = (text, version_of(text))
+        return cached[1]
+
+    def install(self, name: str, text: str) -> list[str]:
+        """Run the fleet's `text` for `name` (empty: delete it); ModelConflict raised."""
+        if not text:
+            if self.store.models.delete(name):
+                self.store.log.info("policy_removed origin=fleet name=%s", quote(name))
+            return []
+        return self.store.put_named(name, text, FLEET_ORIGIN)
 
 
 class ConfigSync:
@@ -49,6 +91,10 @@ class ConfigSync:
         self.rejected: dict[str, str] = {}
         self._outbox_send, self._outbox = trio.open_memory_channel[str](64)
         self.available = True
+        self.named: NamedPolicies | None = None
+        # Per-model policy versions refused for a model another document claims: said
+        # once, tried again each poll (the other document may be deleted next).
+        self.conflicts: dict[str, str] = {}
 
     def __repr__(self) -> str:
         versions = ", ".join(f"{k}={s.version()}" for k, s in self.stores.items())
@@ -68,6 +114,10 @@ class ConfigSync:
 
         store.on_replaced.append(replaced)
 
+    def add_named_policies(self, store: PolicyStore) -> None:
+        """Keep `store`'s per-model policies the same on every router."""
+        self.named = NamedPolicies(store)
+
     async def run(self) -> None:
         await self._start()
         async with trio.open_nursery() as nursery:
@@ -75,12 +125,17 @@ class ConfigSync:
             while True:
                 await trio.sleep(POLL_INTERVAL)
                 await self._poll()
+                if self.named is not None:
+                    await self._poll_named()
 
     async def _start(self) -> None:
         published = await self._call(self._versions)
         for kind, version in (published or {}).items():
             if version is None:
                 await self._publish(kind)
+        if self.named is not None:
+            # What a router starts with counts as in step: the fleet's copy wins.
+            self.named.synced = {n: self.named.version(n) for n in self.named.texts()}
         await self._poll()
 
     async def _publish_loop(self) -> None:
@@ -89,11 +144,21 @@ class ConfigSync:
 
     async def _publish(self, kind: str) -> None:
         store = self.stores[kind]
-        version, text = store.version(), store.source()
+        await self._write(kind, store.version(), store.source())
+
+    async def _write(self, kind: str, version: str, text: str) -> bool:
         mapping = {"version": version, "text": text, "router": self.router_id}
-        done = await self._call(lambda: self.client.hset(KEY + kind, mapping=mapping))
-        if done is not None:
-            log.info("config_published kind=%s version=%s", kind, version)
+
+        def write() -> None:
+            with self.client.pipeline(transaction=True) as pipe:
+                pipe.hset(KEY + kind, mapping=mapping)
+                pipe.sadd(KINDS, kind)
+                pipe.execute()
+
+        done = await self._call(write) is not None or False
+        if done:
+            log.info("config_published kind=%s version=%s", quote(kind), version)
+        return done
 
     async def _poll(self) -> None:
         published = await self._call(self._versions)
@@ -107,12 +172,16 @@ class ConfigSync:
             if fetched is None or fetched[0] is None:
                 continue
             raw, source = fetched[0], (fetched[1] or b"?").decode("utf-8", "replace")
-            if len(raw) > MAX_DOCUMENT_BYTES:
+            if len(raw) > store.max_bytes:
                 errors = store.reject(
-                    [f"{kind} text in Redis is {len(raw)} bytes, over 1 MiB"], FLEET_ORIGIN
+                    [f"{kind} text in Redis is {len(raw)} bytes, over {store.max_bytes}"],
+                    FLEET_ORIGIN,
                 )
+            elif store.supersedes(text := raw.decode("utf-8", "replace")):
+                await self._publish(kind)
+                continue
             else:
-                errors = store.replace(raw.decode("utf-8", "replace"), FLEET_ORIGIN)
+                errors = store.replace(text, FLEET_ORIGIN)
             if errors:
                 self.rejected[kind] = version
                 log.warning(
@@ -122,6 +191,68 @@ class ConfigSync:
                     quote(source),
                     len(errors),
                 )
+
+    async def _poll_named(self) -> None:
+        named = self.named
+        assert named is not None
+
+        def read() -> dict[str, str | None]:
+            kinds = [k.decode() for k in self.client.smembers(KINDS)]
+            names = [k[len(NAMED) :] for k in kinds if k.startswith(NAMED)]
+            with self.client.pipeline(transaction=False) as pipe:
+                for name in names:
+                    pipe.hget(KEY + NAMED + name, "version")
+                values = pipe.execute()
+            return {n: v.decode() if v else None for n, v in zip(names, values, strict=True)}
+
+        fleet = await self._call(read)
+        if fleet is None:
+            return
+        names = set(fleet) | set(named.texts())
+        # Deletions first: a document may take a model another one just gave up.
+        for name in sorted(names, key=lambda n: (fleet.get(n) != TOMBSTONE, n)):
+            await self._sync_named(named, name, fleet.get(name))
+
+    async def _sync_named(self, named: NamedPolicies, name: str, fleet: str | None) -> None:
+        kind, mine = NAMED + name, named.version(name)
+        synced = named.synced.get(name, TOMBSTONE)
+        if fleet == mine:
+            named.synced[name] = mine
+            return
+        if mine != synced or fleet is None:
+            # Changed here since the last agreement (or new to the fleet): publish.
+            text = named.texts().get(name, "")
+            if await self._write(kind, mine, text):
+                named.synced[name] = mine
+            return
+        if self.rejected.get(kind) == fleet:
+            return
+        fetched = await self._call(lambda: self.client.hmget(KEY + kind, "text", "router"))
+        if fetched is None or fetched[0] is None:
+            return
+        raw, source = fetched[0], (fetched[1] or b"?").decode("utf-8", "replace")
+        try:
+            if len(raw) > named.store.max_bytes:
+                errors = named.store.reject([f"{kind} text in Redis is over 1 MiB"], FLEET_ORIGIN)
+            else:
+                errors = named.install(name, raw.decode("utf-8", "replace"))
+        except ModelConflict as exc:
+            if self.conflicts.get(kind) != fleet:
+                self.conflicts[kind] = fleet
+                named.store.reject([str(exc)], FLEET_ORIGIN)
+            return
+        if errors:
+            self.rejected[kind] = fleet
+            log.warning(
+                "config_rejected kind=%s version=%s from_router=%s errors=%d",
+                quote(kind),
+                fleet,
+                quote(source),
+                len(errors),
+            )
+            return
+        self.conflicts.pop(kind, None)
+        named.synced[name] = named.version(name)
 
     def _versions(self) -> dict[str, str | None]:
         kinds = list(self.stores)

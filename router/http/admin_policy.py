@@ -2,12 +2,15 @@
 serves them (GET the list or one, PUT to create or replace, DELETE idempotently).
 
 Like `PUT /admin/policy`, a change lasts until the next restart or directory reload;
-files under `--policy-model-dir` are what persists.
+files under `--policy-model-dir` are what persists. With `--state-url` a change reaches
+the other routers (router/fleet/config_sync.py); the list's `ETag` is then the same on
+every router once they agree.
 """
 
 from __future__ import annotations
 
 from protocol.errors import ErrorCode, RouterError, error_payload
+from router.documents import version_of
 from router.http.admin import MAX_DOCUMENT_BYTES, send_rejected
 from router.http.asgi import BodyTooLarge, ClientGone, Receive, Scope, Send, read_body, send_json
 from router.policy.models import ModelConflict, check_name
@@ -23,7 +26,9 @@ async def admin_policy_models(
     if path in (PREFIX, PREFIX + "/"):
         if method != "GET":
             return await _error(send, extra, ErrorCode.METHOD_NOT_ALLOWED, "use GET", 405)
-        await send_json(send, 200, store.models.view(), extra)
+        texts = sorted((n, d.policy.source) for n, d in store.models.named.items())
+        etag = ("etag", '"' + version_of("\0".join(f"{n}\0{t}" for n, t in texts)) + '"')
+        await send_json(send, 200, store.models.view(), [*extra, etag])
         return 200
     name = path[len(PREFIX) + 1 :]
     why = check_name(name)

@@ -16,6 +16,8 @@ from router.capacity import WaitQueue
 from router.fleet.view import FleetView
 from router.http import admin, cors, models
 from router.http.admin_auth import admin_auth
+from router.http.admin_keys import PREFIX as KEYS_PREFIX
+from router.http.admin_keys import admin_api_keys
 from router.http.admin_policy import PREFIX, admin_policy_models
 from router.http.asgi import (
     SPAN,
@@ -28,7 +30,7 @@ from router.http.asgi import (
     send_json,
 )
 from router.http.auth import AdminKeys, presented_keys
-from router.http.client import ENDPOINTS, TICKET, ClientApi, send_error
+from router.http.client import API_KEY, ENDPOINTS, TICKET, ClientApi, send_error
 from router.http.quota_headers import with_quota_headers
 from router.http.registration_stream import registration_stream
 from router.lifetime import LifetimeStore
@@ -36,6 +38,7 @@ from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.policy.store import PolicyStore
 from router.registrations import RegistrationFeed
+from router.tenants.audit import AdminRecord
 from router.tenants.gate import TenantGate, Ticket
 from router.tenants.keys import ClientKeys
 
@@ -132,6 +135,8 @@ class RouterApp:
                 await send_error(send, protocol, err, [("x-request-id", rid)], scope.get(TICKET))
         elapsed = trio.current_time() - started
         trace_id = span.trace_id
+        if path.startswith("/admin/") and _audited(path, method, status):
+            self._audit_admin(scope, rid, status)
         if path in ENDPOINTS:
             self.metrics.requests.labels(path, str(status), tenant).inc()
             self.metrics.duration.labels(path, tenant).observe(elapsed)
@@ -163,11 +168,20 @@ class RouterApp:
         protocol = protocol_of(path)
         extra = [("x-request-id", rid)]
         keys = presented_keys(scope, allow_x_api_key=True)
-        tenant = self.tenants.identify(keys) if self.tenants else self.client_keys.tenant(keys)
+        key = None
+        if self.tenants:
+            tenant, key = self.tenants.identify_key(keys)
+        else:
+            tenant = self.client_keys.tenant(keys)
+        scope[API_KEY] = key
         ticket = None
         if path in ENDPOINTS and self.tenants:
             # Refused requests have a ticket too: it holds the code their audit line shows.
             ticket = scope[TICKET] = self.tenants.open(rid, tenant or "-")
+            if ticket is not None:
+                ticket.key_id = key.id if key is not None else None
+                client = scope.get("client")
+                ticket.source_ip = client[0] if client else None
         if tenant is None:
             why = "missing or invalid API key (send Authorization: Bearer <key> or x-api-key)"
             if self.tenants and self.tenants.expired(keys):
@@ -276,11 +290,27 @@ class RouterApp:
             return await admin_policy_models(self.store, scope, receive, send, extra)
         elif path == "/admin/auth" and self.tenants:
             return await admin_auth(self.tenants, scope, receive, send, extra)
+        elif path == KEYS_PREFIX or path.startswith(KEYS_PREFIX + "/"):
+            registry = self.tenants.registry if self.tenants else None
+            return await admin_api_keys(registry, scope, receive, send, extra)
         elif path in _ADMIN_METHODS:
             return await _not_allowed(send, rid, "openai", _ADMIN_METHODS[path])
         else:
             return await _not_found(send, rid, "openai")
         return 200
+
+    def _audit_admin(self, scope: Scope, rid: str, status: int) -> None:
+        if self.tenants is not None and self.tenants.audit_log is not None:
+            client = scope.get("client") or ("", 0)
+            record = AdminRecord(
+                action=scope["method"],
+                target=scope["path"],
+                status=status,
+                key_id=self.admin_keys.key_id(scope),
+                source_ip=client[0],
+                request_id=rid,
+            )
+            self.tenants.audit_admin(record)
 
     def _admin_models(self) -> list[dict]:
         cards = []
@@ -303,6 +333,16 @@ def _with_traceparent(send: Send, span: Span) -> Send:
         await send(message)
 
     return traced_send
+
+
+def _audited(path: str, method: str, status: int) -> bool:
+    """Admin calls with an audit line: every change, every refused key, and every read
+    of the keys. Successful reads of the other views are left out: dashboards and
+    scripts poll them (80 of 99 lines in tests/test_tenants_e2e.py were such reads)."""
+    return method != "GET" or status in (401, 403) or path.startswith(_AUDITED_READS)
+
+
+_AUDITED_READS = ("/admin/api-keys", "/admin/auth")
 
 
 def _fleet_scope(scope: Scope) -> bool:

@@ -12,6 +12,8 @@ import trio
 from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
 from protocol.tracing import NULL_SPAN, Span, valid_traceparent
+from router.admission.control import Admission, AdmissionRefused, Admitted
+from router.admission.limits import NO_ADMISSION_LIMITS
 from router.dispatch import Dispatcher, ProviderServed
 from router.http import count_tokens, request_fields
 from router.http.asgi import (
@@ -31,12 +33,15 @@ from router.link import AgentResponse, StreamBroken
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.session import BackendRejected, RouteRequest
+from router.tenants.config import NO_LIMITS, ApiKey
 from router.tenants.gate import Ticket
 
 log = logging.getLogger("http")
 
 # Where the app keeps a request's tenant ticket in its ASGI scope.
 TICKET = "hivenet.ticket"
+# ... and the record of the client key that matched (router.tenants.config.ApiKey).
+API_KEY = "hivenet.api_key"
 # endpoint -> (capability, error protocol)
 ENDPOINTS: dict[str, tuple[str, str]] = {
     "/v1/chat/completions": ("llm", "openai"),
@@ -48,6 +53,8 @@ ENDPOINTS: dict[str, tuple[str, str]] = {
     count_tokens.COUNT_TOKENS_PATH: ("llm", "anthropic"),
 }
 _FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "anthropic-version", "anthropic-beta")
+# The endpoints admission control gates (B1, B2, B4).
+_GATED = frozenset(("/v1/chat/completions", "/v1/messages", "/v1/completions", "/v1/responses"))
 _DROPPED_RESPONSE_HEADERS = frozenset(
     {"content-length", "transfer-encoding", "connection", "date", "server", "keep-alive"}
 )
@@ -105,6 +112,8 @@ class ClientApi:
         self.table = table
         self.metrics = metrics
         self.settings = settings
+        # Admission control (router/admission); None: none (in-process tests).
+        self.admission: Admission | None = None
 
     async def inference(
         self, scope: Scope, receive: Receive, send: Send, rid: str, tenant: str, priority: int = 0
@@ -148,13 +157,85 @@ class ClientApi:
         model: str = payload["model"]
         ticket: Ticket | None = scope.get(TICKET)
         span: Span = scope.get(SPAN, NULL_SPAN)
+        key: ApiKey | None = scope.get(API_KEY)
+        gates = self.admission
+        # Upstream's gates model KV-cache-bound generation: not embeddings, rerank or
+        # token counting (the daily budget still charges embeddings and rerank). A
+        # request no check reads skips the estimate (7 µs for a short chat).
+        limits, own = NO_ADMISSION_LIMITS, NO_LIMITS
+        if gates is not None and capability == "llm" and path in _GATED:
+            limits = self.dispatcher.store.for_model(model).admission
+            own = key.limits_for(model) if key is not None else NO_LIMITS
+        gated = gates is not None and (limits.active or own.any)
+        estimate = None
+        if gates is not None and (gated or (ticket is not None and ticket.counts_tokens)):
+            estimate = gates.estimate(model, payload)
+        if gated and estimate is not None and gates is not None:
+            capped = gates.caps(model, limits, own, estimate)
+            if capped is not None:
+                return await fail(self._refused(rid, tenant, model, capped, ticket))
         if ticket is not None:
+            need = estimate.footprint if estimate is not None else 0
+            charge = estimate.tokens if estimate is not None else 0
             with span.child("admission", {"hivenet.tenant": tenant}) as admission:
-                refused = await ticket.admit(model, len(body))
+                refused = await ticket.admit(model, len(body), need, charge)
                 if refused is not None:
                     admission.fail(refused.code)
             if refused is not None:
                 return await fail(refused)
+        admitted: Admitted | None = None
+        if gated and estimate is not None and gates is not None:
+            outcome = await gates.reserve(model, limits, key, estimate)
+            if isinstance(outcome, AdmissionRefused):
+                return await fail(self._refused(rid, tenant, model, outcome, ticket))
+            admitted = outcome
+        try:
+            return await self._forward(
+                scope, receive, send, rid, tenant, priority, payload, body, received, admitted
+            )
+        finally:
+            if admitted is not None and gates is not None:
+                await gates.finish(admitted)
+
+    def _refused(
+        self,
+        rid: str,
+        tenant: str,
+        model: str,
+        refused: AdmissionRefused,
+        ticket: Ticket | None,
+    ) -> AdmissionRefused:
+        if ticket is not None:
+            ticket.refused_by = refused.gate
+        log.info(
+            "req=%s admission_refused gate=%s code=%s model=%s tenant=%s",
+            rid,
+            refused.gate,
+            refused.code,
+            quote(model),
+            quote(tenant),
+        )
+        return refused
+
+    async def _forward(
+        self,
+        scope: Scope,
+        receive: Receive,
+        send: Send,
+        rid: str,
+        tenant: str,
+        priority: int,
+        payload: dict,
+        body: bytes,
+        received: float,
+        admitted: Admitted | None,
+    ) -> int:
+        path = scope["path"]
+        capability, protocol = ENDPOINTS[path]
+        extra = [("x-request-id", rid)]
+        model: str = payload["model"]
+        ticket: Ticket | None = scope.get(TICKET)
+        span: Span = scope.get(SPAN, NULL_SPAN)
         stream = payload.get("stream") is True
         headers = {}
         traceparent = None
@@ -184,13 +265,17 @@ class ClientApi:
             # Tracing off, the client's trace context still reaches the engine.
             traceparent=valid_traceparent(traceparent),
         )
-        req.report_usage = ticket is not None and ticket.wants_usage
+        req.report_usage = (ticket is not None and ticket.wants_usage) or admitted is not None
+        if admitted is not None and self.admission is not None:
+            gates, held = self.admission, admitted
+            req.on_provider = lambda: gates.left_local(held)
         if path == count_tokens.COUNT_TOKENS_PATH:
             try:
                 count_tokens.to_tokenize(req, payload, self.table.for_model(model))
             except RouterError as err:
-                return await fail(err)
-        return await self._serve(req, protocol, receive, send, extra, ticket)
+                retry = [*extra, *err.retry_headers()]
+                return await send_error(send, protocol, err, retry, ticket)
+        return await self._serve(req, protocol, receive, send, extra, ticket, admitted)
 
     async def _serve(
         self,
@@ -200,9 +285,10 @@ class ClientApi:
         send: Send,
         extra: list[tuple[str, str]],
         ticket: Ticket | None = None,
+        admitted: Admitted | None = None,
     ) -> int:
         deadline = req.received_at + self.settings.request_timeout
-        state = _Progress(ticket=ticket)
+        state = _Progress(ticket=ticket, admitted=admitted)
 
         async def tracked_send(message: dict) -> None:
             # Once the last body part is on its way, a disconnect is the client's
@@ -305,8 +391,16 @@ class ClientApi:
                 return
             state.started = True
             await start_response(send, response.status, headers)
-            async for chunk in response.chunks():
-                await send_body(send, chunk, more=True)
+            admitted, gates = state.admitted, self.admission
+            if admitted is not None and gates is not None and admitted.grows:
+                # No declared output limit: the footprint grows by what streams, one
+                # token per delta event (OpenAI's `delta`, Anthropic's content_block_delta).
+                async for chunk in response.chunks():
+                    await gates.grow(admitted, chunk.count(b'"delta"'))
+                    await send_body(send, chunk, more=True)
+            else:
+                async for chunk in response.chunks():
+                    await send_body(send, chunk, more=True)
             await send_body(send, b"")
         except StreamBroken as exc:
             code = (
@@ -330,6 +424,8 @@ class ClientApi:
             response.close()
             if state.ticket:
                 state.ticket.usage = response.usage
+            if state.admitted is not None:
+                state.admitted.usage = response.usage
 
     async def _send_provider(
         self,
@@ -402,6 +498,7 @@ class _Progress:
     done: bool = False
     response: AgentResponse | None = None
     ticket: Ticket | None = None
+    admitted: Admitted | None = None
 
 
 async def _watch(

@@ -13,6 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
+from router.admission.limits import NO_ADMISSION_LIMITS, AdmissionLimits, check_policy_limits
+from router.admission.limits import POLICY_FIELDS as ADMISSION_FIELDS
 from router.documents import (
     DocumentError,
     Validator,
@@ -57,7 +59,7 @@ TOP_LEVEL_KEYS: tuple[str, ...] = ("routing_policy", "fallback_chain", "fallback
 # Upstream's top-level fields: `models` names the models of a per-model file
 # (--policy-model-dir), `shed_if` is the front-door check. Not in the `known:` list of
 # the message above, which tests and operators' notes pin.
-UPSTREAM_TOP_LEVEL_KEYS: tuple[str, ...] = ("models", "shed_if")
+UPSTREAM_TOP_LEVEL_KEYS: tuple[str, ...] = ("models", "shed_if", *ADMISSION_FIELDS)
 PROVIDER_ENGINES: tuple[str, ...] = ("openai", "anthropic")
 PROVIDER_KEYS: tuple[str, ...] = ("engine", "model")
 PRIMARY = "routing_policy"
@@ -148,6 +150,8 @@ class Policy:
     models: tuple[str, ...] = ()
     # Front door: checked once, before the first step (429 concurrency_limit_exceeded).
     shed_if: Shed | None = None
+    # Upstream's top-level admission fields (router/admission/limits.py).
+    admission: AdmissionLimits = NO_ADMISSION_LIMITS
 
     @property
     def steps(self) -> tuple[Step, ...]:
@@ -200,10 +204,11 @@ class _Validator(Validator):
         primary = self.primary(document)
         chain = self.chain(document.get("fallback_chain"))
         provider = self.provider(document)
+        admission = check_policy_limits(self, document)
         if primary is None or chain is None:
             return None
         self.unique_names((primary, *chain))
-        return Policy(primary, chain, provider, source, models, front)
+        return Policy(primary, chain, provider, source, models, front, admission)
 
     def models(self, raw: object) -> tuple[str, ...]:
         if raw is None:

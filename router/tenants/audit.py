@@ -1,7 +1,9 @@
 """The audit log: one JSON line per client inference request, rotated by size.
 
-It records who asked for what and how it ended (time, request id, tenant, model, step,
-agent, status, tokens, duration) and never any prompt or answer text.
+It records who asked for what and how it ended (time, request id, tenant, key id, source
+address, model, step, agent, status, the admission gate that refused, tokens, duration)
+and never any prompt or answer text, nor a key. Admin calls that change the router's
+keys or settings get a line too (`audit_admin`), marked `"kind":"admin"`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,24 @@ class AuditRecord:
     duration_s: float
     code: str | None = None  # the error code the client got; None on success
     trace_id: str | None = None  # with tracing on (OTEL_EXPORTER_OTLP_ENDPOINT)
+    key_id: str | None = None  # the key's id (never the key); None: no key needed
+    source_ip: str | None = None
+    # The admission gate that refused (b1, b2, b4_occupancy, ...; see router/admission).
+    gate: str | None = None
+
+
+@dataclass(frozen=True)
+class AdminRecord:
+    """One admin call that changed something: who (`key_id` of the admin key), from
+    where, what (`action`, e.g. `api_key.put`) on which `target`, and how it ended."""
+
+    action: str
+    target: str | None
+    status: int
+    key_id: str | None = None
+    source_ip: str | None = None
+    request_id: str | None = None
+    detail: str | None = None
 
 
 class AuditLog:
@@ -41,18 +61,19 @@ class AuditLog:
         self.logger.propagate = False
 
     def write(self, record: AuditRecord) -> None:
-        now = time.time()
         line = {
-            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now))
-            + f".{int(now % 1 * 1000):03d}Z",
+            "time": _now(),
             "request_id": record.request_id,
             "tenant": record.tenant,
+            "key_id": record.key_id,
+            "source_ip": record.source_ip,
             "endpoint": record.endpoint,
             "model": record.model,
             "step": record.step,
             "agent": record.agent,
             "status": record.status,
             "code": record.code,
+            "gate": record.gate,
             "prompt_tokens": record.prompt_tokens,
             "completion_tokens": record.completion_tokens,
             "total_tokens": (
@@ -65,5 +86,30 @@ class AuditLog:
         }
         self.logger.info("%s", json.dumps(line, separators=(",", ":")))
 
+    def write_admin(self, record: AdminRecord) -> None:
+        line = {
+            "time": _now(),
+            "kind": "admin",
+            "request_id": record.request_id,
+            "action": record.action,
+            "target": record.target,
+            "status": record.status,
+            "key_id": record.key_id,
+            "source_ip": record.source_ip,
+            "detail": record.detail,
+        }
+        self.logger.info("%s", json.dumps(line, separators=(",", ":")))
+
     def close(self) -> None:
         self.handler.close()
+
+
+def audit_admin(log: AuditLog | None, record: AdminRecord) -> None:
+    """Write an admin call's line when the router keeps an audit log (--audit-log)."""
+    if log is not None:
+        log.write_admin(record)
+
+
+def _now() -> str:
+    now = time.time()
+    return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(now)) + f".{int(now % 1 * 1000):03d}Z"

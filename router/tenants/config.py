@@ -16,8 +16,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from router.documents import DocumentError, Validator, kind, parse_document, read_document
+from router.documents import (
+    DocumentError,
+    Validator,
+    is_number,
+    kind,
+    parse_document,
+    read_document,
+)
 
+# A key's own admission limits (`KeyLimits`), the same names in every document that
+# describes a key: a `tenants:` entry (for all its keys), an upstream `api.keys` entry,
+# and the /admin/api-keys registry.
+KEY_LIMIT_FIELDS: tuple[str, ...] = (
+    "mode",
+    "max_occupancy_share",
+    "input_tokens_per_minute",
+    "output_tokens_per_minute",
+    "max_input_tokens",
+    "images_max",
+)
+KEY_MODES: tuple[str, ...] = ("reserved", "serverless")
+SERVERLESS = "serverless"
 TENANT_KEYS: tuple[str, ...] = (
     "keys",
     "models",
@@ -27,6 +47,7 @@ TENANT_KEYS: tuple[str, ...] = (
     "max_concurrent",
     "max_input_bytes",
     "priority",
+    *KEY_LIMIT_FIELDS,
 )
 KEY_PREFIX = "hnr-"
 HASH_PREFIX = "sha256:"
@@ -53,6 +74,96 @@ def hash_key(key: str) -> str:
 
 def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def key_id_of(digest: str) -> str:
+    """The id of a key that names none (a static key): 12 hex digits of its hash, so
+    that every static key has its own admission state and audit identity, and the id
+    reveals nothing of the key (48 bits of a SHA-256 of 256 random bits)."""
+    return "key-" + digest.removeprefix(HASH_PREFIX)[:12]
+
+
+@dataclass(frozen=True)
+class KeyLimits:
+    """What one key may put on the fleet, beside its tenant's shared counts.
+
+    Upstream's serverless fields: `max_occupancy_share` bounds the key's token-weighted
+    in-flight footprint to that share of `admit_budget_tokens * healthy replicas`; the
+    two per-minute buckets are kept per key and model. They apply when the key's `mode`
+    or the model's policy `mode` is `serverless`. `max_input_tokens` and `images_max`
+    are the key's B1 caps, checked beside the model policy's in every mode. 0 is
+    unlimited everywhere, as upstream.
+    """
+
+    mode: str = ""  # "" follows the model policy's `mode`; else one of KEY_MODES
+    max_occupancy_share: float = 0.0
+    input_tokens_per_minute: int = 0
+    output_tokens_per_minute: int = 0
+    max_input_tokens: int = 0
+    images_max: int = 0
+
+    def serverless(self, policy_mode: str) -> bool:
+        return (self.mode or policy_mode) == SERVERLESS
+
+    @property
+    def any(self) -> bool:
+        return self != NO_LIMITS
+
+    def public(self) -> dict[str, Any]:
+        return {
+            "mode": self.mode or None,
+            "max_occupancy_share": self.max_occupancy_share,
+            "input_tokens_per_minute": self.input_tokens_per_minute,
+            "output_tokens_per_minute": self.output_tokens_per_minute,
+            "max_input_tokens": self.max_input_tokens,
+            "images_max": self.images_max,
+        }
+
+
+NO_LIMITS = KeyLimits()
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One client key as admission sees it: who it is (`id`, never the key), whose
+    counts it shares (`tenant`), and its own limits, per model where `per_model` names
+    the model (upstream's `quota.per_model` entries may carry the serverless fields)."""
+
+    id: str
+    key_hash: str
+    tenant: str
+    name: str = ""
+    preview: str = ""
+    limits: KeyLimits = NO_LIMITS
+    per_model: tuple[tuple[str, KeyLimits], ...] = ()
+
+    def limits_for(self, model: str) -> KeyLimits:
+        for name, limits in self.per_model:
+            if name == model:
+                return limits
+        return self.limits
+
+
+def check_key_limits(validator: Validator, path: str, raw: dict[Any, Any]) -> KeyLimits:
+    """The `KEY_LIMIT_FIELDS` of `raw` (a key, tenant or per_model entry), every
+    problem reported on `validator` with its path."""
+    mode = raw.get("mode")
+    if mode is not None and mode not in KEY_MODES:
+        validator.error(f"{path}mode", f"must be one of {', '.join(KEY_MODES)}, got {kind(mode)}")
+        mode = None
+    share = raw.get("max_occupancy_share")
+    if share is None:
+        share = 0.0
+    elif not is_number(share) or not 0.0 <= float(share) <= 1.0:
+        validator.error(
+            f"{path}max_occupancy_share",
+            f"must be a number in (0, 1] (0: unset), got {kind(share)}",
+        )
+        share = 0.0
+    ints = {
+        name: validator.integer(f"{path}{name}", raw.get(name), 0) for name in KEY_LIMIT_FIELDS[2:]
+    }
+    return KeyLimits(mode=mode or "", max_occupancy_share=float(share), **ints)
 
 
 @dataclass(frozen=True)
@@ -90,6 +201,9 @@ class Tenant:
 
     # HIVENET_ROUTER_RPM_BURST_SECONDS for per-model buckets (their rate moves).
     burst_seconds: int = 0
+    # A `tenants:` entry's KEY_LIMIT_FIELDS, for each of its keys (each with its own
+    # counts: a key's limits are never pooled with another key's).
+    key_limits: KeyLimits = NO_LIMITS
 
     def allows_model(self, model: str) -> bool:
         if self.per_model:
@@ -132,10 +246,22 @@ class AuthConfig:
     expires: dict[str, float] = field(default_factory=dict)
     # Upstream's `api.mode: none`: /v1/* open to every caller (tenant `default`).
     api_open: bool = False
+    # Upstream's `api.mode: dynamic`: the client keys are the /admin/api-keys registry's.
+    dynamic: bool = False
     # Upstream's `admin.mode` ("none", "api-key"); empty for a `tenants:` file.
     admin_mode: str = ""
     # Valid but probably wrong (a placeholder key hash); check-auth prints them.
     warnings: tuple[str, ...] = ()
+    # Key hash → the key's record (its id and own limits); every hash of `by_hash`.
+    keys: dict[str, ApiKey] = field(default_factory=dict)
+
+    def key_for(self, key: str, now: float | None = None) -> ApiKey | None:
+        """The record of a presented key that is valid now."""
+        digest = hash_key(key)
+        until = self.expires.get(digest)
+        if until is not None and (time.time() if now is None else now) >= until:
+            return None
+        return self.keys.get(digest)
 
     def tenant_for_key(self, key: str, now: float | None = None) -> Tenant | None:
         digest = hash_key(key)
@@ -190,6 +316,7 @@ class _Validator(Validator):
             return None
         tenants: dict[str, Tenant] = {}
         by_hash: dict[str, Tenant] = {}
+        keys: dict[str, ApiKey] = {}
         owner: dict[str, str] = {}
         for name, body in raw.items():
             tenant = self.tenant(str(name), body, owner)
@@ -197,7 +324,11 @@ class _Validator(Validator):
                 continue
             tenants[tenant.name] = tenant
             by_hash.update(dict.fromkeys(tenant.key_hashes, tenant))
-        return AuthConfig(tenants, by_hash, source)
+            for digest in tenant.key_hashes:
+                keys[digest] = ApiKey(
+                    key_id_of(digest), digest, tenant.name, limits=tenant.key_limits
+                )
+        return AuthConfig(tenants, by_hash, source, keys=keys)
 
     def tenant(self, name: str, raw: object, owner: dict[str, str]) -> Tenant | None:
         """The tenant, or None when it has errors. `owner` maps each key hash seen so
@@ -223,6 +354,7 @@ class _Validator(Validator):
             )
         }
         priority = self.integer(f"{path}.priority", raw.get("priority"), -1000, 1000)
+        limits = check_key_limits(self, f"{path}.", raw)
         if ints["burst"] and not ints["requests_per_minute"]:
             self.error(f"{path}.burst", "needs requests_per_minute (the bucket's refill rate)")
         for digest in keys:
@@ -243,6 +375,7 @@ class _Validator(Validator):
             tokens_per_day=ints["tokens_per_day"],
             max_concurrent=ints["max_concurrent"],
             max_input_bytes=ints["max_input_bytes"],
+            key_limits=limits,
         )
 
     def key_hashes(self, path: str, raw: object) -> tuple[str, ...]:

@@ -7,6 +7,7 @@ counts in Redis with the same rules, so several routers enforce one quota.
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,8 +32,14 @@ class Verdict:
 ADMITTED = Verdict(None)
 
 
+@functools.lru_cache(maxsize=4)
+def _day_name(day: int) -> str:
+    return time.strftime("%Y-%m-%d", time.gmtime(day * DAY))
+
+
 def utc_day(now: float) -> str:
-    return time.strftime("%Y-%m-%d", time.gmtime(now))
+    # strftime costs 3 µs, a quarter of a request's admission: once per day instead.
+    return _day_name(int(now // DAY))
 
 
 def until_midnight(now: float) -> float:
@@ -71,15 +78,19 @@ class LocalCounters:
             counts = self.counts[tenant] = _TenantCounts()
         return counts
 
-    def admit(self, tenant: Tenant, ticket_id: str) -> Verdict:
-        """Checked in this order, and nothing is taken unless all pass."""
+    def admit(self, tenant: Tenant, ticket_id: str, need: int = 0, charge: int = 0) -> Verdict:
+        """Checked in this order, and nothing is taken unless all pass. `need` is what
+        the request may cost (input estimate + declared output), which must fit in the
+        day's budget; `charge` (its input estimate) is taken now, the rest trued up by
+        `release` with the exact usage."""
         counts = self._of(tenant.name)
         wall = self.wall()
         if tenant.tokens_per_day:
             day = utc_day(wall)
             if counts.day != day:
                 counts.day, counts.tokens = day, 0
-            if counts.tokens >= tenant.tokens_per_day:
+            used = counts.tokens
+            if used >= tenant.tokens_per_day or used + need > tenant.tokens_per_day:
                 return Verdict(ErrorCode.QUOTA_EXCEEDED, until_midnight(wall))
         if tenant.max_concurrent and len(counts.inflight) >= tenant.max_concurrent:
             return Verdict(ErrorCode.TOO_MANY_CONCURRENT, MIN_RETRY_AFTER)
@@ -98,14 +109,18 @@ class LocalCounters:
             requests_left = int(bucket.tokens)
         if tenant.max_concurrent:
             counts.inflight.add(ticket_id)
+        # What the day has left before this request's charge, as upstream's header says.
         tokens_left = (
             max(0, tenant.tokens_per_day - counts.tokens) if tenant.tokens_per_day else None
         )
+        if tenant.tokens_per_day:
+            counts.tokens += charge
         if requests_left is None and tokens_left is None:
             return ADMITTED
         return Verdict(None, 0.0, requests_left, tokens_left)
 
     def release(self, tenant: str, ticket_id: str, tokens: int) -> None:
+        """`tokens`: the usage still to charge (negative: the admission charged more)."""
         counts = self._of(tenant)
         counts.inflight.discard(ticket_id)
         if tokens:

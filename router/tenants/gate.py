@@ -22,9 +22,18 @@ from protocol.logs import quote
 from protocol.usage import COMPLETION, PROMPT, usage_of_body
 from router.documents import DocumentStore
 from router.metrics import RouterMetrics
-from router.tenants.audit import AuditLog, AuditRecord
-from router.tenants.config import AuthConfig, Tenant, load_auth, load_auth_file
+from router.tenants.audit import AdminRecord, AuditLog, AuditRecord, audit_admin
+from router.tenants.config import (
+    ApiKey,
+    AuthConfig,
+    Tenant,
+    hash_key,
+    key_id_of,
+    load_auth,
+    load_auth_file,
+)
 from router.tenants.keys import DEFAULT_TENANT, ClientKeys
+from router.tenants.registry import KeyRegistry
 from router.tenants.shared import TenantState
 
 log = logging.getLogger("tenant")
@@ -90,38 +99,66 @@ class TenantGate:
         # points it at its table; alone, a gate counts one replica.
         self.replicas: Callable[[str], int] = lambda model: 1
         self.state = TenantState(settings.state_url, metrics, settings.lease)
+        # Dynamic mode: the /admin/api-keys registry holds the client keys.
+        self.registry: KeyRegistry | None = None
+        # HIVENET_ROUTER_API_KEYS keys seen so far → their records (at most one per key).
+        self._static: dict[str, ApiKey] = {}
         self.audit_log = (
             AuditLog(settings.audit_log, settings.audit_log_max_bytes, settings.audit_log_backups)
             if settings.audit_log
             else None
         )
 
+    @property
+    def config(self) -> AuthConfig | None:
+        """The keys in force: the registry's in dynamic mode, else the auth file's."""
+        return self.registry.current.config if self.registry is not None else self.store.current
+
     def identify(self, keys: list[str]) -> str | None:
         """The tenant of the presented `keys`, or None when a key is required and none
         matches."""
-        config = self.store.current
+        return self.identify_key(keys)[0]
+
+    def identify_key(self, keys: list[str]) -> tuple[str | None, ApiKey | None]:
+        """The tenant and the record of the key that matched; no record when no key is
+        needed. A key of HIVENET_ROUTER_API_KEYS gets a record of its own too (its id
+        from its hash), so no two keys ever share admission state or an audit identity."""
+        config = self.config
         if config is None:
-            return self.client_keys.tenant(keys)
+            tenant = self.client_keys.tenant(keys)
+            if tenant is None or not self.client_keys.required:
+                return tenant, None
+            for key in keys:
+                if self.client_keys.tenant([key]) is not None:
+                    return tenant, self._static_key(key, tenant)
+            return tenant, None
         if config.api_open:
-            return DEFAULT_TENANT
+            return DEFAULT_TENANT, None
         for key in keys:
-            tenant = config.tenant_for_key(key)
-            if tenant is not None:
-                return tenant.name
-        return None
+            record = config.key_for(key)
+            if record is not None:
+                return record.tenant, record
+        return None, None
+
+    def _static_key(self, key: str, tenant: str) -> ApiKey:
+        record = self._static.get(key)
+        if record is None or record.tenant != tenant:
+            digest = hash_key(key)
+            record = self._static[key] = ApiKey(key_id_of(digest), digest, tenant)
+        return record
 
     def expired(self, keys: list[str]) -> bool:
         """Whether a presented key is one of the file's, past its `expires_at`."""
-        config = self.store.current
+        config = self.config
         return config is not None and any(config.expired(key) for key in keys)
 
     def tenant(self, name: str) -> Tenant | None:
-        config = self.store.current
+        config = self.config
         return None if config is None else config.tenants.get(name)
 
     def open(self, request_id: str, tenant: str) -> Ticket | None:
         """A ticket for an inference request; None when nothing counts."""
-        if self.store.current is None and self.audit_log is None:
+        if self.config is None and self.audit_log is None:
             return None
         return Ticket(self, request_id, tenant, self.tenant(tenant), trio.current_time())
 
@@ -152,8 +189,15 @@ class TenantGate:
                 duration_s=duration,
                 code=ticket.code if ticket else None,
                 trace_id=trace_id,
+                key_id=ticket.key_id if ticket else None,
+                source_ip=ticket.source_ip if ticket else None,
+                gate=ticket.refused_by if ticket else None,
             )
         )
+
+    def audit_admin(self, record: AdminRecord) -> None:
+        """An admin call's audit line (the /admin/api-keys writes, key rotations)."""
+        audit_admin(self.audit_log, record)
 
     def health(self) -> dict[str, Any]:
         """`/health` fields: where the tenant counts live, when Redis is configured."""
@@ -182,16 +226,21 @@ class TenantGate:
 class Ticket:
     __slots__ = (
         "agent",
+        "charged",
         "closed",
         "code",
         "gate",
         "id",
+        "key_id",
         "model",
         "record",
+        "refused_by",
         "remaining",
         "request_id",
+        "served",
         "shared",
         "slot_taken",
+        "source_ip",
         "started",
         "step",
         "tenant",
@@ -218,6 +267,21 @@ class Ticket:
         self.slot_taken = False
         self.shared = False
         self.closed = False
+        # Tokens of the day taken at admission (the input estimate), trued up at close.
+        self.charged = 0
+        self.served = False
+        self.key_id: str | None = None
+        self.source_ip: str | None = None
+        # The admission gate that refused the request (b1, b2, b4_*), for the audit line.
+        self.refused_by: str | None = None
+
+    @property
+    def counts_tokens(self) -> bool:
+        """Whether a daily token budget applies (it needs the input estimate)."""
+        record = self.record
+        return record is not None and bool(
+            record.tokens_per_day or any(tokens for _, _, tokens in record.per_model)
+        )
 
     @property
     def wants_usage(self) -> bool:
@@ -225,7 +289,11 @@ class Ticket:
             self.record is not None and self.record.tokens_per_day
         )
 
-    async def admit(self, model: str, body_bytes: int) -> TenantRefused | None:
+    async def admit(
+        self, model: str, body_bytes: int, need: int = 0, charge: int = 0
+    ) -> TenantRefused | None:
+        """The tenant's checks; `need` (the input estimate and declared output) must fit
+        in the day's tokens, and `charge` (the input estimate) is taken now."""
         self.model = model
         tenant = self.record
         if tenant is None:
@@ -244,13 +312,14 @@ class Ticket:
             )
         elif (tenant := tenant.for_model(model, self.gate.replicas(model))).limited:
             self.record = tenant
-            verdict, self.shared = await self.gate.state.admit(tenant, self.id)
+            verdict, self.shared = await self.gate.state.admit(tenant, self.id, need, charge)
             if verdict.code is not None:
                 refusal = TenantRefused(
                     verdict.code, _MESSAGES[verdict.code](tenant), retry_after=verdict.retry_after
                 )
             else:
                 self.slot_taken = bool(tenant.max_concurrent)
+                self.charged = charge if tenant.tokens_per_day else 0
                 self.remaining = (verdict.requests_left, verdict.tokens_left)
         if refusal is not None:
             self.code = str(refusal.code)
@@ -271,10 +340,12 @@ class Ticket:
 
     def served_by(self, step: str, agent: str) -> None:
         self.step, self.agent = step, agent
+        self.served = True
 
     def provider_answer(self, engine: str, body: bytes) -> None:
         self.step, self.agent = "fallback_provider", f"provider:{engine}"
         self.usage = usage_of_body(body)
+        self.served = True
 
     async def close(self) -> None:
         """Give back the concurrent slot and charge the tokens; exactly once."""
@@ -282,7 +353,11 @@ class Ticket:
             return
         self.closed = True
         usage = self.usage
-        tokens = usage[PROMPT] + usage[COMPLETION] if usage else 0
+        # Without the engine's count, a served request keeps its estimate's charge and
+        # one that never reached an engine gives it back.
+        exact = usage[PROMPT] + usage[COMPLETION] if usage else None
+        spent = exact if exact is not None else (self.charged if self.served else 0)
+        tokens = spent - self.charged
         if usage:
             tokens_total = self.gate.metrics.tenant_tokens
             tokens_total.labels(self.tenant, "prompt").inc(usage[PROMPT])

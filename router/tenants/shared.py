@@ -39,7 +39,8 @@ PING_INTERVAL = 1.0
 
 # KEYS: bucket hash, in-flight sorted set, tokens-of-the-day counter.
 # ARGV: rate (requests/s, 0: none), burst, max concurrent (0: none), tokens per day
-# (0: none), ticket id, lease seconds, seconds to midnight.
+# (0: none), ticket id, lease seconds, seconds to midnight, tokens the request may need,
+# tokens charged now (its input estimate).
 # Server time (TIME) keeps routers with skewed clocks on one bucket.
 _ADMIT = """
 local t = redis.call('TIME')
@@ -50,7 +51,9 @@ local lease = tonumber(ARGV[6])
 local left_requests, left_tokens = -1, -1
 if quota > 0 then
   local used = tonumber(redis.call('GET', KEYS[3]) or '0')
-  if used >= quota then return {'token_limit_exceeded', ARGV[7]} end
+  if used >= quota or used + tonumber(ARGV[8]) > quota then
+    return {'token_limit_exceeded', ARGV[7]}
+  end
   left_tokens = quota - used
 end
 if maxc > 0 then
@@ -74,14 +77,20 @@ if maxc > 0 then
   redis.call('ZADD', KEYS[2], now + lease, ARGV[5])
   redis.call('EXPIRE', KEYS[2], math.ceil(lease) + 60)
 end
+local charge = tonumber(ARGV[9])
+if quota > 0 and charge > 0 then
+  redis.call('INCRBY', KEYS[3], charge)
+  redis.call('EXPIRE', KEYS[3], 172800)
+end
 return {'', '0', left_requests, left_tokens}
 """
 
-# KEYS: in-flight sorted set, tokens-of-the-day counter. ARGV: ticket id, tokens.
+# KEYS: in-flight sorted set, tokens-of-the-day counter. ARGV: ticket id, tokens still
+# to charge (negative when the admission's estimate was more than the usage).
 _RELEASE = """
 redis.call('ZREM', KEYS[1], ARGV[1])
 local n = tonumber(ARGV[2])
-if n > 0 then
+if n ~= 0 then
   redis.call('INCRBY', KEYS[2], n)
   redis.call('EXPIRE', KEYS[2], 172800)
 end
@@ -157,16 +166,20 @@ class TenantState:
         self.up = False
         self.metrics.state_store_up.labels("redis").set(0)
 
-    async def admit(self, tenant: Tenant, ticket_id: str) -> tuple[Verdict, bool]:
+    async def admit(
+        self, tenant: Tenant, ticket_id: str, need: int = 0, charge: int = 0
+    ) -> tuple[Verdict, bool]:
         """The verdict, and whether it was taken in Redis (release it there too)."""
         if self.up:
             try:
-                verdict = await trio.to_thread.run_sync(self._admit_shared, tenant, ticket_id)
+                verdict = await trio.to_thread.run_sync(
+                    self._admit_shared, tenant, ticket_id, need, charge
+                )
             except redis.RedisError as exc:
                 self._down(exc)
             else:
                 return verdict, True
-        return self.local.admit(tenant, ticket_id), False
+        return self.local.admit(tenant, ticket_id, need, charge), False
 
     async def release(self, tenant: str, ticket_id: str, tokens: int, shared: bool) -> None:
         if shared and self.up:
@@ -180,7 +193,7 @@ class TenantState:
         # after the lease; the tokens are counted here so they are not lost entirely.
         self.local.release(tenant, ticket_id, tokens)
 
-    def _admit_shared(self, tenant: Tenant, ticket_id: str) -> Verdict:
+    def _admit_shared(self, tenant: Tenant, ticket_id: str, need: int, charge: int) -> Verdict:
         now = time.time()
         code, retry, *left = self._admit(
             keys=_keys(tenant.name, utc_day(now)),
@@ -192,6 +205,8 @@ class TenantState:
                 ticket_id,
                 self.lease,
                 math.ceil(until_midnight(now)),
+                need,
+                charge,
             ],
         )
         if not code:

@@ -17,12 +17,35 @@ from dataclasses import replace
 from typing import Any
 
 from router.documents import Validator, kind
-from router.tenants.config import HASH_PREFIX, AuthConfig, Tenant, burst_of
+from router.tenants.config import (
+    HASH_PREFIX,
+    ApiKey,
+    AuthConfig,
+    KeyLimits,
+    Tenant,
+    burst_of,
+    check_key_limits,
+    key_id_of,
+)
 
 TOP_KEYS: tuple[str, ...] = ("api", "admin")
 API_KEYS: tuple[str, ...] = ("mode", "keys")
 ADMIN_KEYS: tuple[str, ...] = ("mode",)
-KEY_KEYS: tuple[str, ...] = ("key_hash", "key_preview", "metadata", "models", "quota")
+# `max_occupancy_share` is upstream's; `mode`, `max_input_tokens` and `images_max` this
+# router's (KEY_LIMIT_FIELDS), so a key can be serverless or capped on its own.
+KEY_KEYS: tuple[str, ...] = (
+    "key_hash",
+    "key_preview",
+    "metadata",
+    "models",
+    "quota",
+    "mode",
+    "max_occupancy_share",
+    "max_input_tokens",
+    "images_max",
+)
+# The per-minute token buckets sit in `quota` upstream, beside the key's other rates.
+KEY_QUOTA_LIMITS: tuple[str, ...] = ("input_tokens_per_minute", "output_tokens_per_minute")
 METADATA_KEYS: tuple[str, ...] = ("name", "owner", "description", "created_at", "expires_at")
 # The flat quota, and this router's own limits accepted beside it.
 QUOTA_KEYS: tuple[str, ...] = (
@@ -32,18 +55,11 @@ QUOTA_KEYS: tuple[str, ...] = (
     "burst",
     "max_concurrent",
     "max_input_bytes",
+    *KEY_QUOTA_LIMITS,
 )
 PER_MODEL_KEYS: tuple[str, ...] = ("requests_per_minute_per_replica", "tokens_per_day")
-# Upstream's serverless admission (`mode: serverless` policies), which does not exist here.
-_SERVERLESS = (
-    "; serverless per-key caps need token-weighted occupancy admission, which this router"
-    " does not have: use requests_per_minute, tokens_per_day and max_concurrent"
-)
-_NOT_HERE = {
-    "input_tokens_per_minute": _SERVERLESS,
-    "output_tokens_per_minute": _SERVERLESS,
-    "max_occupancy_share": _SERVERLESS,
-}
+# Optional in a per_model entry: that model's serverless limits for this key.
+PER_MODEL_LIMITS: tuple[str, ...] = ("max_occupancy_share", *KEY_QUOTA_LIMITS)
 _HEX = re.compile(r"^(sha256:)?[0-9a-f]{64}$")
 _DATE = re.compile(r"^(\d{2})-(\d{2})-(\d{4})$")
 KEY_PREFIX = "sk-hivenet-"
@@ -62,6 +78,14 @@ def upstream_config(
     document: dict[Any, Any], source: str, errors: list[str], burst_seconds: int
 ) -> AuthConfig | None:
     return _Upstream(errors, burst_seconds).config(document, source)
+
+
+def upstream_key(
+    errors: list[str], burst_seconds: int, path: str, raw: dict[Any, Any]
+) -> tuple[Any, ...] | None:
+    """One `api.keys` entry checked as an auth file's are (the /admin/api-keys registry
+    writes its entries in this shape): the key's hash and tenant first, or None."""
+    return _Upstream(errors, burst_seconds).key(path, raw)
 
 
 def end_of_day(text: str) -> float | None:
@@ -136,8 +160,13 @@ class _Upstream(Validator):
             self.error("api", f"must be a mapping with `mode` and `keys`, got {kind(api)}")
             return None
         self.unknown_keys("api.", api, API_KEYS, "unknown api key")
-        mode = self.mode("api.mode", api.get("mode"), ("none", "api-key"))
+        mode = self.mode("api.mode", api.get("mode"), ("none", "api-key", "dynamic"))
         raw_keys = api.get("keys")
+        if mode == "dynamic":
+            if raw_keys:
+                self.error("api.keys", "not read in dynamic mode: /admin/api-keys holds the keys")
+            # The registry holds the keys, so the admin API must be protected.
+            return AuthConfig({}, {}, source, admin_mode="api-key", dynamic=True)
         if mode == "none":
             if raw_keys:
                 self.error("api.keys", "not read when api.mode is none: remove them or use api-key")
@@ -152,12 +181,13 @@ class _Upstream(Validator):
         tenants: dict[str, Tenant] = {}
         first_key: dict[str, int] = {}
         by_hash: dict[str, Tenant] = {}
+        keys: dict[str, ApiKey] = {}
         expires: dict[str, float] = {}
         for i, raw in enumerate(raw_keys):
             entry = self.key(f"api.keys[{i}]", raw)
             if entry is None:
                 continue
-            digest, tenant, until = entry
+            digest, tenant, until, key = entry
             if digest in by_hash:
                 self.error(f"api.keys[{i}].key_hash", "listed twice (each key once)")
                 continue
@@ -175,6 +205,7 @@ class _Upstream(Validator):
                 known = tenants[tenant.name] = tenant
             known = tenants[tenant.name] = _with_key(known, digest)
             by_hash[digest] = known
+            keys[digest] = key
             if until is not None:
                 expires[digest] = until
         # Each key's record must be the tenant's final one (with every key hash).
@@ -186,27 +217,21 @@ class _Upstream(Validator):
             expires=expires,
             admin_mode=admin_mode,
             warnings=tuple(self.warnings),
+            keys=keys,
         )
 
     def mode(self, path: str, raw: object, allowed: tuple[str, ...]) -> str:
-        if raw == "dynamic":
-            self.error(
-                path,
-                "dynamic (the /admin/api-keys registry) does not exist here; list the keys"
-                " under api.keys and replace the file with PUT /admin/auth or SIGHUP",
-            )
-            return ""
         if not isinstance(raw, str) or raw not in allowed:
             self.error(path, f"must be one of {', '.join(allowed)}, got {kind(raw)}")
             return ""
         return raw
 
-    def key(self, path: str, raw: object) -> tuple[str, Tenant, float | None] | None:
+    def key(self, path: str, raw: object) -> tuple[str, Tenant, float | None, ApiKey] | None:
         if not isinstance(raw, dict):
             self.error(path, f"must be a mapping with key_hash and metadata, got {kind(raw)}")
             return None
         before = len(self.errors)
-        self.unknown_keys(f"{path}.", raw, KEY_KEYS, "unknown key field", _NOT_HERE)
+        self.unknown_keys(f"{path}.", raw, KEY_KEYS, "unknown key field")
         digest = self.key_hash(f"{path}.key_hash", raw.get("key_hash"))
         preview_value = raw.get("key_preview")
         if preview_value is not None and not isinstance(preview_value, str):
@@ -214,6 +239,15 @@ class _Upstream(Validator):
         owner, until = self.metadata(f"{path}.metadata", raw.get("metadata"))
         models = self.models(f"{path}.models", raw.get("models"))
         quota = self.quota(f"{path}.quota", raw.get("quota"))
+        limits = check_key_limits(self, f"{path}.", {k: raw[k] for k in KEY_KEYS[5:] if k in raw})
+        if isinstance(raw.get("quota"), dict):
+            rates = {k: raw["quota"][k] for k in KEY_QUOTA_LIMITS if k in raw["quota"]}
+            own = check_key_limits(self, f"{path}.quota.", rates)
+            limits = replace(
+                limits,
+                input_tokens_per_minute=own.input_tokens_per_minute,
+                output_tokens_per_minute=own.output_tokens_per_minute,
+            )
         if len(self.errors) > before or quota is None:
             return None
         rpm = quota["requests_per_minute"]
@@ -228,7 +262,31 @@ class _Upstream(Validator):
             per_model=quota["per_model"],
             burst_seconds=self.burst_seconds,
         )
-        return digest, tenant, until
+        name = raw["metadata"].get("name", "")
+        per_model = tuple(
+            (
+                model,
+                KeyLimits(
+                    limits.mode,
+                    share or limits.max_occupancy_share,
+                    itpm,
+                    otpm,
+                    limits.max_input_tokens,
+                    limits.images_max,
+                ),
+            )
+            for model, share, itpm, otpm in quota["per_model_limits"]
+        )
+        key = ApiKey(
+            key_id_of(digest),
+            digest,
+            owner,
+            name=name,
+            preview=preview_value or "",
+            limits=limits,
+            per_model=per_model,
+        )
+        return digest, tenant, until, key
 
     def key_hash(self, path: str, raw: object) -> str:
         if not isinstance(raw, str) or not raw:
@@ -288,12 +346,13 @@ class _Upstream(Validator):
         )
         out["max_input_bytes"] = 0
         out["per_model"] = ()
+        out["per_model_limits"] = ()
         if raw is None:
             return out
         if not isinstance(raw, dict):
             self.error(path, f"must be a mapping of limits, got {kind(raw)}")
             return None
-        self.unknown_keys(f"{path}.", raw, QUOTA_KEYS, "unknown quota field", _NOT_HERE)
+        self.unknown_keys(f"{path}.", raw, QUOTA_KEYS, "unknown quota field")
         # Upstream's 0 is "unlimited", as an absent field.
         for name in ("requests_per_minute", "tokens_per_day"):
             out[name] = self.integer(f"{path}.{name}", raw.get(name), 0)
@@ -308,20 +367,27 @@ class _Upstream(Validator):
                     f"{path}.per_model",
                     "cannot be combined with the flat requests_per_minute/tokens_per_day",
                 )
-            out["per_model"] = self.per_model(f"{path}.per_model", per_model)
+            out["per_model"], out["per_model_limits"] = self.per_model(
+                f"{path}.per_model", per_model
+            )
         return out
 
-    def per_model(self, path: str, raw: object) -> tuple[tuple[str, int, int], ...]:
+    def per_model(
+        self, path: str, raw: object
+    ) -> tuple[tuple[tuple[str, int, int], ...], tuple[tuple[str, float, int, int], ...]]:
+        """The quota entries, and the models whose entry carries serverless limits."""
         if not isinstance(raw, dict) or not raw:
             self.error(path, f"must be a mapping of model names to limits, got {kind(raw)}")
-            return ()
+            return (), ()
         out: list[tuple[str, int, int]] = []
+        limits: list[tuple[str, float, int, int]] = []
         for model, body in raw.items():
             where = f"{path}.{model}"
             if not isinstance(body, dict):
                 self.error(where, f"must be a mapping of {', '.join(PER_MODEL_KEYS)}")
                 continue
-            self.unknown_keys(f"{where}.", body, PER_MODEL_KEYS, "unknown per_model field")
+            known = (*PER_MODEL_KEYS, *PER_MODEL_LIMITS)
+            self.unknown_keys(f"{where}.", body, known, "unknown per_model field")
             for name in PER_MODEL_KEYS:
                 if name not in body:
                     self.error(f"{where}.{name}", "missing (required; 0 is unlimited)")
@@ -330,7 +396,17 @@ class _Upstream(Validator):
             )
             tokens = self.integer(f"{where}.tokens_per_day", body.get("tokens_per_day"), 0)
             out.append((str(model), rpm, tokens))
-        return tuple(out)
+            if any(name in body for name in PER_MODEL_LIMITS):
+                own = check_key_limits(self, f"{where}.", body)
+                limits.append(
+                    (
+                        str(model),
+                        own.max_occupancy_share,
+                        own.input_tokens_per_minute,
+                        own.output_tokens_per_minute,
+                    )
+                )
+        return tuple(out), tuple(limits)
 
 
 def _limits(tenant: Tenant) -> tuple[object, ...]:

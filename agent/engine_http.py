@@ -1,0 +1,441 @@
+"""The agent's HTTP/1.1 client for its one engine, on the request path.
+
+httpx cost the agent more CPU per request than the whole router (README, *Router
+overhead*): its pool, h11's pure-Python parsing, and per-request machinery the agent
+never uses (cookies alone were 5% of the agent's samples, redirects, proxies, auth,
+content decoding). The agent talks to one origin over a handful of keep-alive
+connections, so this is all it needs: a LIFO pool of trio streams, responses parsed by
+llhttp (`httptools`, the parser uvicorn uses, hardened against request smuggling), the
+body handed on as it arrives, every chunk of one socket read together.
+
+Failures are two exceptions. `EngineUnavailable`: no answer head came (refused,
+unreachable, timed out, a head that is not HTTP/1.1 or larger than `MAX_HEAD_BYTES`);
+nothing of the answer exists, so another agent can be tried. `EngineBrokeOff`: the head
+came and the body did not arrive whole (closed early, a bad chunk, silent for the read
+timeout, larger than the caller's limit).
+
+Timeouts, from `--http-timeout`: connecting gets `connect`; the request write and the
+whole head get one `read` from the moment the connection is ready (so an engine that
+dribbles its head a byte at a time cannot hold the request longer than that), as does a
+whole answer read with `read_all`; a streamed body may go on as long as each read brings
+something within `read`.
+"""
+
+from __future__ import annotations
+
+import math
+import select
+import ssl
+from collections import deque
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Protocol
+from urllib.parse import SplitResult, urlsplit
+
+import httptools
+import trio
+
+RECEIVE_BYTES = 64 * 1024
+# An engine's head is a few hundred bytes; h11 (httpx) refused any over 16 KiB. A
+# head still unfinished after this much is not an answer.
+MAX_HEAD_BYTES = 64 * 1024
+# uvicorn (vLLM, SGLang) and hypercorn (the sim) close a connection idle for 5 s; the
+# agent drops its own a second earlier, so it never writes into one being closed.
+KEEPALIVE_EXPIRY = 4.0
+# Bodies smaller than this are written with their head, in one send.
+_JOIN_BODY_BYTES = 64 * 1024
+# Set by the client itself; a header of the router's by these names is left out.
+_OWN_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
+_NO_BODY_STATUS = frozenset({204, 304})
+
+
+class EngineError(Exception):
+    """The engine call failed; the message says how."""
+
+
+class EngineUnavailable(EngineError):
+    """No answer head arrived: nothing of an answer exists."""
+
+    def __init__(self, message: str, timed_out: bool = False) -> None:
+        super().__init__(message)
+        self.timed_out = timed_out
+
+
+class EngineBrokeOff(EngineError):
+    """The head arrived, the body did not arrive whole."""
+
+
+@dataclass(frozen=True)
+class EngineTimeouts:
+    connect: float
+    read: float
+
+
+class ClosableStream(Protocol):
+    """A stream with a synchronous close, as tests hand in instead of a socket."""
+
+    async def send_all(self, data: bytes) -> None: ...
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes: ...
+
+    def close(self) -> None: ...
+
+
+OpenStream = Callable[[], Awaitable[ClosableStream]]
+
+
+class _Connection:
+    __slots__ = ("idle_since", "sock", "stream")
+
+    def __init__(
+        self, stream: trio.abc.Stream | ClosableStream, sock: trio.socket.SocketType | None
+    ) -> None:
+        self.stream = stream
+        # The socket under the stream, to look at while idle and to close; None for a
+        # stream handed in by a test.
+        self.sock = sock
+        self.idle_since = 0.0
+
+    def closed_by_engine(self) -> bool:
+        """An idle connection with anything to read has been closed by the engine (or
+        carries bytes no request asked for): one poll, no read."""
+        if self.sock is None:
+            return False
+        # poll, not select: an agent with a thousand sessions has descriptors past
+        # select's limit of 1,024.
+        poller = select.poll()
+        poller.register(self.sock, select.POLLIN)
+        return bool(poller.poll(0))
+
+    def close(self) -> None:
+        # Synchronous, so it runs in any `finally`, cancelled or not: the engine sees the
+        # connection end, which is how it notices an abandoned request.
+        if self.sock is not None:
+            self.sock.close()
+        else:
+            self.stream.close()  # type: ignore[union-attr]
+
+
+def check_engine_url(url: str) -> SplitResult:
+    """The parts of an engine URL; ValueError says what is wrong with it."""
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"--backend-url must be an http:// or https:// URL: {url!r}")
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError as exc:
+        raise ValueError(f"--backend-url {url!r}: {exc}") from None
+    return parts
+
+
+class EnginePool:
+    """Keep-alive connections to one engine origin, most recently used first.
+
+    Taking a connection looks at one socket (`closed_by_engine`), not at every pooled
+    one as httpcore did; connections idle for `KEEPALIVE_EXPIRY` are dropped as others
+    come back. At most `max_idle` wait; every connection in use is one request in
+    flight, which the agent's `--capacity` bounds.
+    """
+
+    def __init__(
+        self,
+        backend_url: str,
+        timeouts: EngineTimeouts,
+        max_idle: int,
+        open_stream: OpenStream | None = None,
+    ) -> None:
+        parts = check_engine_url(backend_url)
+        self._tls = parts.scheme == "https"
+        self._host = parts.hostname
+        self._port = parts.port or (443 if self._tls else 80)
+        self.origin = f"{parts.scheme}://{parts.netloc}"
+        self._host_header = parts.netloc
+        self._prefix = parts.path.rstrip("/")
+        self.timeouts = timeouts
+        self._max_idle = max(1, max_idle)
+        self._open_stream = open_stream
+        self._idle: deque[_Connection] = deque()
+        self.connections_opened = 0
+
+    def __repr__(self) -> str:
+        idle, opened = len(self._idle), self.connections_opened
+        return f"<EnginePool {self.origin}, {idle} idle, {opened} opened>"
+
+    async def __aenter__(self) -> EnginePool:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        while self._idle:
+            self._idle.pop().close()
+
+    async def send(
+        self, method: str, path: str, headers: dict[str, str], body: bytes
+    ) -> EngineResponse:
+        """Send one request and read its head; raises EngineUnavailable.
+
+        The caller must `close()` the response, read or not.
+        """
+        head = self._head(method, path, headers, len(body))
+        conn = self._take()
+        if conn is None:
+            conn = await self._connect()
+        response = EngineResponse(self, conn, method == "HEAD")
+        try:
+            with trio.move_on_after(self.timeouts.read) as scope:
+                try:
+                    if len(body) < _JOIN_BODY_BYTES:
+                        await conn.stream.send_all(head + body)
+                    else:
+                        await conn.stream.send_all(head)
+                        await conn.stream.send_all(body)
+                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+                    raise EngineUnavailable(f"engine closed the connection: {_why(exc)}") from None
+                await response.read_head()
+            if scope.cancelled_caught:
+                raise EngineUnavailable(
+                    f"no answer head within {self.timeouts.read:g} s", timed_out=True
+                )
+        except BaseException:
+            conn.close()
+            raise
+        return response
+
+    def _head(self, method: str, path: str, headers: dict[str, str], length: int) -> bytes:
+        lines = [f"{method} {self._prefix}{path} HTTP/1.1", f"host: {self._host_header}"]
+        if length or method not in ("GET", "HEAD"):
+            lines.append(f"content-length: {length}")
+        lines += [f"{k}: {v}" for k, v in headers.items() if k.lower() not in _OWN_HEADERS]
+        text = "\r\n".join(lines) + "\r\n\r\n"
+        # A CR or LF inside a name, value or the path would start a line of its own: a
+        # header (or a request) nobody asked for.
+        if text.count("\n") != len(lines) + 1 or text.count("\r") != len(lines) + 1:
+            raise EngineUnavailable("request line or header holds a line break; not sent")
+        try:
+            return text.encode("latin-1")
+        except UnicodeEncodeError:
+            raise EngineUnavailable("request header is not Latin-1 text; not sent") from None
+
+    def _take(self) -> _Connection | None:
+        now = trio.current_time()
+        idle = self._idle
+        while idle:
+            conn = idle.pop()
+            if now - conn.idle_since < KEEPALIVE_EXPIRY and not conn.closed_by_engine():
+                return conn
+            conn.close()
+        return None
+
+    def _put_back(self, conn: _Connection) -> None:
+        now = conn.idle_since = trio.current_time()
+        idle = self._idle
+        # The oldest are at the left: drop the expired ones, and the surplus.
+        while idle and (
+            now - idle[0].idle_since >= KEEPALIVE_EXPIRY or len(idle) >= self._max_idle
+        ):
+            idle.popleft().close()
+        idle.append(conn)
+
+    async def _connect(self) -> _Connection:
+        with trio.move_on_after(self.timeouts.connect) as scope:
+            try:
+                if self._open_stream is not None:
+                    stream = await self._open_stream()
+                    self.connections_opened += 1
+                    return _Connection(stream, None)
+                tcp = await trio.open_tcp_stream(self._host, self._port)
+                stream = tcp
+                if self._tls:
+                    # https_compatible: an HTTPS server may end a close-delimited
+                    # body without TLS's close_notify.
+                    stream = trio.SSLStream(
+                        tcp,
+                        ssl.create_default_context(),
+                        server_hostname=self._host,
+                        https_compatible=True,
+                    )
+                    try:
+                        await stream.do_handshake()
+                    except BaseException:
+                        tcp.socket.close()
+                        raise
+                self.connections_opened += 1
+                return _Connection(stream, tcp.socket)
+            except (trio.BrokenResourceError, OSError) as exc:
+                raise EngineUnavailable(f"cannot connect to {self.origin}: {_why(exc)}") from None
+        raise EngineUnavailable(
+            f"no connection to {self.origin} within {self.timeouts.connect:g} s",
+            timed_out=scope.cancelled_caught,
+        )
+
+
+class EngineResponse:
+    """One answer: status and headers once `send` returns, then the body as it comes.
+
+    It is its own llhttp protocol object: the parser's callbacks land on it.
+    """
+
+    __slots__ = (
+        "_body",
+        "_complete",
+        "_conn",
+        "_error",
+        "_extra",
+        "_head_only",
+        "_keep_alive",
+        "_parser",
+        "_pool",
+        "_raw",
+        "headers",
+        "status",
+    )
+
+    def __init__(self, pool: EnginePool, conn: _Connection, head_only: bool) -> None:
+        self._pool = pool
+        self._conn: _Connection | None = conn
+        self._head_only = head_only
+        self._parser = httptools.HttpResponseParser(self)
+        self._raw: list[tuple[bytes, bytes]] = []
+        self._body: list[bytes] = []
+        self._complete = False
+        self._extra = False
+        self._keep_alive = False
+        self._error = ""
+        self.status = 0
+        # Lower-case names; a repeated header's values joined with ", " (as httpx did).
+        self.headers: dict[str, str] = {}
+
+    def __repr__(self) -> str:
+        state = "complete" if self._complete else "open" if self._conn else "closed"
+        return f"<EngineResponse {self.status}, {state}>"
+
+    # --- llhttp callbacks ------------------------------------------------------------
+
+    def on_message_begin(self) -> None:
+        if self._complete:
+            self._extra = True  # bytes after the answer: the connection is not reused
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._raw.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if status < 200:
+            self._raw = []  # an informational answer; the real one follows
+            return
+        self.status = status
+        self._keep_alive = self._parser.should_keep_alive()
+        headers = self.headers
+        for name, value in self._raw:
+            key = name.decode("latin-1").lower()
+            text = value.decode("latin-1")
+            headers[key] = f"{headers[key]}, {text}" if key in headers else text
+        if self._head_only or status in _NO_BODY_STATUS:
+            self._complete = True
+
+    def on_body(self, body: bytes) -> None:
+        self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        if self.status:
+            self._complete = True
+
+    # --- reading ---------------------------------------------------------------------
+
+    async def read_head(self) -> None:
+        fed = 0
+        while not self.status:
+            data = await self._read()
+            if not data:
+                raise EngineUnavailable("engine closed the connection without an answer")
+            fed += len(data)
+            self._feed(data)
+            if self._error and not self.status:
+                raise EngineUnavailable(f"answer head is not HTTP/1.1: {self._error}")
+            if not self.status and fed > MAX_HEAD_BYTES:
+                raise EngineUnavailable(f"answer head larger than {MAX_HEAD_BYTES} bytes")
+
+    async def receive(self, deadline: float = math.inf) -> bytes:
+        """The next body bytes, all that one socket read brought; b"" at the end."""
+        while True:
+            if self._body:
+                parts = self._body
+                self._body = []
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            if self._error:
+                raise EngineBrokeOff(f"answer is not valid HTTP/1.1: {self._error}")
+            if self._complete:
+                return b""
+            with trio.move_on_at(min(deadline, trio.current_time() + self._pool.timeouts.read)):
+                data = await self._read()
+                if not data:
+                    if self._close_delimited():
+                        self._complete = True
+                        self._keep_alive = False
+                        return b""
+                    raise EngineBrokeOff("engine closed the connection inside the answer")
+                self._feed(data)
+                continue
+            if trio.current_time() >= deadline:
+                raise EngineBrokeOff(f"answer not whole within {self._pool.timeouts.read:g} s")
+            raise EngineBrokeOff(f"no answer data for {self._pool.timeouts.read:g} s")
+
+    async def read_all(self, limit: int) -> bytes:
+        """The whole body, within one read timeout; EngineBrokeOff past `limit` bytes."""
+        declared = self.headers.get("content-length")
+        if declared is not None and int(declared) > limit:
+            raise EngineBrokeOff(f"answer of {declared} bytes exceeds {limit}")
+        deadline = trio.current_time() + self._pool.timeouts.read
+        parts: list[bytes] = []
+        size = 0
+        while chunk := await self.receive(deadline):
+            size += len(chunk)
+            if size > limit:
+                raise EngineBrokeOff(f"answer larger than {limit} bytes")
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
+
+    def close(self) -> None:
+        """Give the connection back when the answer was read whole, else close it."""
+        conn, self._conn = self._conn, None
+        if conn is None:
+            return
+        if self._complete and self._keep_alive and not self._extra and not self._error:
+            self._pool._put_back(conn)
+        else:
+            conn.close()
+
+    async def _read(self) -> bytes:
+        assert self._conn is not None
+        try:
+            return await self._conn.stream.receive_some(RECEIVE_BYTES)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            if not self.status:
+                raise EngineUnavailable(f"engine connection failed: {_why(exc)}") from None
+            raise EngineBrokeOff(f"engine connection failed: {_why(exc)}") from None
+
+    def _feed(self, data: bytes) -> None:
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._error = "the engine switched protocols"
+        except httptools.HttpParserError as exc:
+            if not self._complete:
+                self._error = str(exc) or type(exc).__name__
+            else:
+                self._extra = True  # junk after a whole answer: not reused, not an error
+
+    def _close_delimited(self) -> bool:
+        """Whether this answer's body ends with the connection (no length, not chunked)."""
+        return (
+            bool(self.status)
+            and "content-length" not in self.headers
+            and "chunked" not in self.headers.get("transfer-encoding", "").lower()
+        )
+
+
+def _why(exc: BaseException) -> str:
+    """The error, or what trio's BrokenResourceError wraps (a TLS failure, a reset)."""
+    return repr(exc.__cause__ if exc.__cause__ is not None else exc)

@@ -1,0 +1,149 @@
+"""`/admin/api-keys[…]`: the dynamic client-key registry, with upstream's paths, bodies
+and answers (router/tenants/registry.py holds the registry itself).
+
+Errors are upstream's simple `{"error": "…"}`, plus `errors` with each reason: a 400
+lists every problem of the write, a stale version is 409 with `current_version`, a
+router not in dynamic mode answers 501.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import parse_qs
+
+from router.http.asgi import BodyTooLarge, ClientGone, Receive, Scope, Send, read_body, send_json
+from router.tenants.registry import (
+    MAX_ENTRY_BYTES,
+    MAX_REGISTRY_BYTES,
+    KeyRegistry,
+    RegistryError,
+    StaleVersion,
+)
+
+PREFIX = "/admin/api-keys"
+ORIGIN = "admin_api"
+
+
+@dataclass(frozen=True)
+class _Answered:
+    """A body that could not be read: the status already sent."""
+
+    status: int
+
+
+async def admin_api_keys(
+    registry: KeyRegistry | None,
+    scope: Scope,
+    receive: Receive,
+    send: Send,
+    extra: list[tuple[str, str]],
+) -> int:
+    if registry is None:
+        why = (
+            "dynamic key registry not active (start the router with"
+            " HIVENET_ROUTER_AUTH_MODE=dynamic or api.mode: dynamic in the auth file)"
+        )
+        return await _answer(send, extra, 501, {"error": why})
+    path, method = scope["path"], scope["method"]
+    rest = path[len(PREFIX) :].strip("/")
+    current = registry.current
+    if rest == "":
+        if method != "GET":
+            return await _not_allowed(send, extra, "GET")
+        keys = [current.public(k) for k in sorted(current.entries)]
+        return await _answer(send, extra, 200, {"count": len(keys), "keys": keys})
+    if rest == "version":
+        if method != "GET":
+            return await _not_allowed(send, extra, "GET")
+        body = {"version": current.version, "count": len(current.entries)}
+        return await _answer(send, extra, 200, body)
+    if rest == "replace":
+        if method != "POST":
+            return await _not_allowed(send, extra, "POST")
+        raw = await _json_body(scope, receive, send, extra, MAX_REGISTRY_BYTES)
+        if isinstance(raw, _Answered):
+            return raw.status
+        return await _write(registry, send, extra, lambda: registry.replaced_by(raw), count=True)
+    key_id = rest
+    if method == "GET":
+        if key_id not in current.entries:
+            return await _answer(send, extra, 404, {"error": f"key not found: {key_id}"})
+        return await _answer(send, extra, 200, {"key": current.public(key_id)})
+    if method == "DELETE":
+        query = parse_qs(scope.get("query_string", b"").decode("latin-1"))
+        version = query.get("version", [None])[-1]
+        if version is None:
+            why = "the version query parameter is required (?version=rev_00000043)"
+            return await _answer(send, extra, 400, {"error": why, "errors": [why]})
+        return await _write(registry, send, extra, lambda: registry.without_entry(key_id, version))
+    if method != "PUT":
+        return await _not_allowed(send, extra, "GET, PUT, DELETE")
+    raw = await _json_body(scope, receive, send, extra, MAX_ENTRY_BYTES)
+    if isinstance(raw, _Answered):
+        return raw.status
+    if not isinstance(raw, dict):
+        why = "body: must be a JSON object (a key entry with its version)"
+        return await _answer(send, extra, 400, {"error": why, "errors": [why]})
+    at = len([k for k in current.entries if k != key_id])
+    return await _write(
+        registry, send, extra, lambda: registry.with_entry(key_id, raw), entry_at=at
+    )
+
+
+async def _write(
+    registry: KeyRegistry,
+    send: Send,
+    extra: list[tuple[str, str]],
+    build: Any,
+    count: bool = False,
+    entry_at: int | None = None,
+) -> int:
+    try:
+        document = build()
+    except StaleVersion as exc:
+        body = {"error": "stale version", "current_version": exc.current}
+        return await _answer(send, extra, 409, body)
+    except RegistryError as exc:
+        errors = exc.errors
+    else:
+        errors = await registry.write(document, ORIGIN)
+    if errors:
+        if entry_at is not None:
+            # One key's write: its reasons name its fields, not its place in the registry.
+            at = f"keys[{entry_at}]"
+            errors = [e.replace(f"{at}.", "").replace(f"{at}:", "entry:") for e in errors]
+        return await _answer(send, extra, 400, {"error": "; ".join(errors), "errors": errors})
+    body: dict[str, Any] = {"ok": True}
+    if count:
+        body["count"] = len(registry.current.entries)
+    return await _answer(send, extra, 200, body)
+
+
+async def _json_body(
+    scope: Scope, receive: Receive, send: Send, extra: list[tuple[str, str]], limit: int
+) -> object:
+    """The JSON body, or what was answered instead."""
+    try:
+        raw = await read_body(scope, receive, limit)
+    except BodyTooLarge:
+        why = f"request body over {limit} bytes"
+        return _Answered(await _answer(send, extra, 400, {"error": why, "errors": [why]}))
+    except ClientGone:
+        return _Answered(499)
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as exc:
+        why = f"body: invalid JSON ({exc})"
+        return _Answered(await _answer(send, extra, 400, {"error": why, "errors": [why]}))
+
+
+async def _not_allowed(send: Send, extra: list[tuple[str, str]], allow: str) -> int:
+    body = {"error": f"method not allowed; use {allow}"}
+    return await _answer(send, [*extra, ("allow", allow)], 405, body)
+
+
+async def _answer(send: Send, extra: list[tuple[str, str]], status: int, body: dict) -> int:
+    await send_json(send, status, body, extra)
+    return status

@@ -1,0 +1,175 @@
+"""Admission control in process (issue 20): the estimate, B1, B2 parking, B4 buckets."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from protocol.errors import ErrorCode
+from router.admission.control import B1, B2, B4_ITPM, B4_OCCUPANCY, B4_OTPM, Admission, Admitted
+from router.admission.estimate import (
+    DEFAULT_TOKENS_PER_CHAR,
+    MAX_TOKENS_PER_CHAR,
+    MESSAGE_OVERHEAD,
+    Estimator,
+)
+from router.admission.limits import AdmissionLimits, AdmitSettings
+from router.metrics import RouterMetrics
+from router.tenants.config import ApiKey, KeyLimits
+
+TEXT = "x" * 320  # 100 tokens at the default 3.2 characters per token
+
+
+def chat(text: str = TEXT, **extra: object) -> dict:
+    return {"model": "m", "messages": [{"role": "user", "content": text}], **extra}
+
+
+def test_the_estimate_counts_every_part_of_the_prompt_in_both_protocols() -> None:
+    est = Estimator()
+    plain = est.estimate("m", chat())
+    assert plain.tokens == 100 + MESSAGE_OVERHEAD and plain.messages == 1
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"a": "b" * 300}}}]
+    assert est.estimate("m", chat(tools=tools)).tokens > plain.tokens + 90
+    anthropic = {
+        "model": "m",
+        "system": [{"type": "text", "text": TEXT}],
+        "max_tokens": 50,
+        "messages": [
+            {"role": "user", "content": [{"type": "text", "text": TEXT}, {"type": "image"}]},
+            {"role": "assistant", "content": []},
+        ],
+    }
+    both = est.estimate("m", anthropic)
+    assert both.tokens == 200 + 3 * MESSAGE_OVERHEAD and both.images == 1
+    assert both.declared_output == 50 and both.footprint == both.tokens + 50
+    openai_image = chat([{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {}}])
+    assert est.estimate("m", openai_image).images == 1
+    # max_completion_tokens first; a negative limit is undeclared, not a discount.
+    assert est.estimate("m", chat(max_completion_tokens=7, max_tokens=9)).declared_output == 7
+    assert est.estimate("m", chat(max_tokens=-5)).declared_output == 0
+    assert est.estimate("m", {"model": "e", "input": ["a" * 32, [1, 2, 3]]}).tokens == 13
+    assert (
+        est.estimate("m", {"model": "r", "query": "q" * 32, "documents": ["d" * 32]}).tokens == 20
+    )
+
+
+def test_the_ratio_learns_from_exact_usage_and_is_clamped() -> None:
+    est = Estimator()
+    first = est.estimate("m", chat())
+    # The engine counted twice as many tokens: the ratio moves a fifth of the way.
+    est.learn("m", first, 200 + MESSAGE_OVERHEAD)
+    assert est.ratio("m") > DEFAULT_TOKENS_PER_CHAR
+    assert est.ratio("other") == DEFAULT_TOKENS_PER_CHAR
+    for _ in range(100):
+        est.learn("m", first, 10**9)  # a hostile or broken report
+    assert 0.99 < est.ratio("m") <= MAX_TOKENS_PER_CHAR
+    image = est.estimate("n", chat([{"type": "text", "text": TEXT}, {"type": "image_url"}]))
+    est.learn("n", image, 5000)
+    assert est.ratio("n") == DEFAULT_TOKENS_PER_CHAR
+
+
+def test_b1_caps_of_the_policy_and_of_the_key() -> None:
+    admission = Admission(AdmitSettings(), RouterMetrics())
+    estimate = admission.estimate("m", chat())
+    limits = AdmissionLimits(max_input_tokens=50)
+    refused = admission.caps("m", limits, KeyLimits(), estimate)
+    assert refused is not None and refused.code == ErrorCode.INPUT_TOO_LONG and refused.gate == B1
+    assert refused.http_status == 400 and "over the model limit of 50" in refused.message
+    assert admission.caps("m", AdmissionLimits(), KeyLimits(max_input_tokens=50), estimate)
+    assert admission.caps("m", AdmissionLimits(max_input_tokens=500), KeyLimits(), estimate) is None
+    two = admission.estimate("m", chat([{"type": "image_url"}, {"type": "image_url"}]))
+    assert admission.caps("m", AdmissionLimits(images_max=1), KeyLimits(), two) is not None
+
+
+async def test_b2_parks_until_occupancy_leaves_then_refuses_with_retry_after() -> None:
+    metrics = RouterMetrics()
+    admission = Admission(AdmitSettings(fraction=1.0, park_timeout=0.25), metrics, lambda m: 2)
+    limits = AdmissionLimits(admit_budget_tokens=150)  # 300 over two replicas
+    est = admission.estimate("m", chat(max_tokens=46))  # 104 + 46 = 150
+    first = await admission.reserve("m", limits, None, est)
+    second = await admission.reserve("m", limits, None, est)
+    assert isinstance(first, Admitted) and isinstance(second, Admitted)
+    assert admission.statistics()["m"]["occupancy_tokens"] == 300
+    got: list[object] = []
+
+    async def third() -> None:
+        got.append(await admission.reserve("m", limits, None, est))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(third)
+        await trio.testing.wait_all_tasks_blocked()
+        assert admission.statistics()["m"]["parked"] == 1
+        await admission.finish(first)  # room: the parked request goes in
+    assert isinstance(got[0], Admitted)
+    refused = await admission.reserve("m", limits, None, est)
+    assert not isinstance(refused, Admitted) and refused.gate == B2
+    assert refused.code == ErrorCode.TOO_MANY_CONCURRENT and refused.retry_headers()
+    await admission.finish(second)
+    await admission.finish(got[0])  # type: ignore[arg-type]
+    await admission.finish(got[0])  # type: ignore[arg-type]  # twice is once
+    assert admission.statistics()["m"] == {
+        "occupancy_tokens": 0,
+        "budget_tokens": 300,
+        "inflight": 0,
+        "max_inflight": 0,
+        "parked": 0,
+    }
+    sample = metrics.registry.get_sample_value
+    assert sample("hivenet_router_admission_occupancy_tokens", {"model": "m"}) == 0
+    assert sample("hivenet_router_admission_rejections_total", {"reason": "b2", "model": "m"}) == 1
+
+
+async def test_b2_max_inflight_and_an_undeclared_output_grows() -> None:
+    admission = Admission(AdmitSettings(park_timeout=0), RouterMetrics())
+    limits = AdmissionLimits(max_inflight=1)
+    est = admission.estimate("m", chat())
+    first = await admission.reserve("m", limits, None, est)
+    assert isinstance(first, Admitted) and first.grows
+    await admission.grow(first, 30)
+    assert admission.statistics()["m"]["occupancy_tokens"] == est.tokens + 30
+    assert not isinstance(await admission.reserve("m", limits, None, est), Admitted)
+    await admission.finish(first)
+    assert admission.statistics()["m"]["occupancy_tokens"] == 0
+
+
+async def test_b4_serverless_keys_each_have_their_own_buckets() -> None:
+    admission = Admission(AdmitSettings(park_timeout=0), RouterMetrics())
+    limits = AdmissionLimits(mode="serverless", admit_budget_tokens=1000)
+    own = KeyLimits(input_tokens_per_minute=250, output_tokens_per_minute=10)
+    a, b = ApiKey("key-a", "h1", "t", limits=own), ApiKey("key-b", "h2", "t", limits=own)
+    est = admission.estimate("m", chat())  # 104 tokens
+    one = await admission.reserve("m", limits, a, est)
+    two = await admission.reserve("m", limits, a, est)
+    assert isinstance(one, Admitted) and isinstance(two, Admitted)
+    refused = await admission.reserve("m", limits, a, est)
+    assert not isinstance(refused, Admitted) and refused.gate == B4_ITPM
+    assert refused.code == ErrorCode.RATE_LIMITED
+    # Another key, even of the same tenant, has its own bucket.
+    other = await admission.reserve("m", limits, b, est)
+    assert isinstance(other, Admitted)
+    other.usage = {"prompt_tokens": 104, "completion_tokens": 500}
+    await admission.finish(other)
+    refused = await admission.reserve("m", limits, b, admission.estimate("m", chat("hi")))
+    assert not isinstance(refused, Admitted) and refused.gate == B4_OTPM
+    for held in (one, two):
+        await admission.finish(held)
+
+
+async def test_b4_occupancy_share_refuses_at_once() -> None:
+    admission = Admission(AdmitSettings(park_timeout=5), RouterMetrics())
+    limits = AdmissionLimits(mode="serverless", admit_budget_tokens=1000)
+    key = ApiKey("key-a", "h", "t", limits=KeyLimits(max_occupancy_share=0.2))
+    est = admission.estimate("m", chat(max_tokens=46))  # 150
+    first = await admission.reserve("m", limits, key, est)
+    assert isinstance(first, Admitted)
+    with trio.fail_after(1):  # immediate, not parked
+        refused = await admission.reserve("m", limits, key, est)
+    assert not isinstance(refused, Admitted) and refused.gate == B4_OCCUPANCY
+    await admission.finish(first)
+    again = await admission.reserve("m", limits, key, est)
+    assert isinstance(again, Admitted)
+    await admission.finish(again)
+    # Reserved mode: the share is not this key's limit.
+    reserved = AdmissionLimits(admit_budget_tokens=1000)
+    keys = [await admission.reserve("m", reserved, key, est) for _ in range(3)]
+    assert all(isinstance(k, Admitted) for k in keys)

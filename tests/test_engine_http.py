@@ -1,0 +1,583 @@
+"""The agent's engine client against hostile and ordinary engines on loopback.
+
+Each engine here is a raw TCP server written for the test, so it can do what a real
+engine only does when broken: an endless head, a bad chunk size, a close in the middle,
+a head dribbled a byte at a time. `forward` is driven as the agent's session drives
+it, its frames recorded; the outcome is the frame the router would get.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import ipaddress
+import json
+import os
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
+from pathlib import Path
+
+import pytest
+import trio
+from cryptography import x509
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import ec
+from cryptography.x509.oid import NameOID
+
+from agent import forward as forward_module
+from agent.engine_http import (
+    MAX_HEAD_BYTES,
+    EngineBrokeOff,
+    EnginePool,
+    EngineTimeouts,
+    EngineUnavailable,
+)
+from agent.forward import forward
+from protocol import messages as m
+
+Handler = Callable[["Conn"], Awaitable[None]]
+ANSWER = json.dumps({"id": "x", "object": "chat.completion", "choices": []}).encode()
+
+
+class Engine:
+    """A raw engine on a loopback port: every connection runs `handler`."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.closed = trio.Event()  # a connection ended from the agent's side
+
+
+class Conn:
+    """One connection of an engine, as its handler sees it."""
+
+    def __init__(self, stream: trio.SocketStream, engine: Engine) -> None:
+        self.stream = stream
+        self.engine = engine
+
+    async def send_all(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def receive_some(self) -> bytes:
+        return await self.stream.receive_some(65536)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def read_request(conn: Conn, buf: bytearray) -> bool:
+    """One request (head and Content-Length body) off the connection; False at its end."""
+    while b"\r\n\r\n" not in buf:
+        data = await conn.receive_some()
+        if not data:
+            conn.engine.closed.set()
+            return False
+        buf += data
+    end = buf.index(b"\r\n\r\n") + 4
+    head = bytes(buf[:end]).lower()
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    while len(buf) < end + length:
+        buf += await conn.receive_some()
+    conn.engine.requests.append(bytes(buf[: end + length]))
+    del buf[: end + length]
+    return True
+
+
+def json_answer(body: bytes = ANSWER, extra: bytes = b"") -> bytes:
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n%scontent-length: %d\r\n\r\n%s"
+        % (extra, len(body), body)
+    )
+
+
+def answering(*answers: bytes) -> Handler:
+    """Answer each request on a connection with the next of `answers`, then wait."""
+
+    async def handler(conn: Conn) -> None:
+        buf = bytearray()
+        for answer in answers:
+            if not await read_request(conn, buf):
+                return
+            await conn.send_all(answer)
+        await read_request(conn, buf)
+
+    return handler
+
+
+@pytest.fixture
+async def serve(nursery: trio.Nursery) -> AsyncIterator[Callable[[Handler], Awaitable[Engine]]]:
+    async def start(handler: Handler) -> Engine:
+        engine = Engine(0)
+
+        async def counted(stream: Conn) -> None:
+            engine.connections += 1
+            try:
+                await handler(Conn(stream, engine))
+            except trio.BrokenResourceError:
+                engine.closed.set()
+
+        serve_tcp = partial(trio.serve_tcp, host="127.0.0.1")
+        listeners = await nursery.start(serve_tcp, counted, 0)
+        engine.port = listeners[0].socket.getsockname()[1]
+        return engine
+
+    yield start
+
+
+def pool(engine: Engine, read: float = 5.0) -> EnginePool:
+    return EnginePool(f"http://127.0.0.1:{engine.port}", EngineTimeouts(2.0, read), 8)
+
+
+def request(stream: bool = False, req_id: int = 1, **headers: str) -> dict:
+    body = json.dumps({"model": "m1", "stream": stream}).encode()
+    return m.request(
+        req_id,
+        "POST",
+        "/v1/chat/completions",
+        {"content-type": "application/json", **headers},
+        body,
+        stream,
+    )
+
+
+async def run(engine_pool: EnginePool, msg: dict) -> list[dict]:
+    sent: list[dict] = []
+    await forward(engine_pool, msg, sent.append)
+    return sent
+
+
+def only_error(sent: list[dict]) -> dict:
+    assert [f["type"] for f in sent] == [m.ERROR], sent
+    return sent[0]
+
+
+# --- ordinary answers --------------------------------------------------------------
+
+
+async def test_requests_share_one_kept_alive_connection(serve: Callable) -> None:
+    engine = await serve(answering(json_answer(), json_answer(), json_answer()))
+    async with pool(engine) as p:
+        for i in range(3):
+            sent = await run(p, request(req_id=i))
+            assert [f["type"] for f in sent] == [m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END]
+            assert sent[1]["data"] == ANSWER
+    assert engine.connections == 1
+    assert len(engine.requests) == 3
+    head = engine.requests[0].split(b"\r\n\r\n")[0].lower()
+    assert b"host: 127.0.0.1:%d" % engine.port in head
+    # None of what httpx added: no cookies, no user agent, no compression asked for.
+    assert b"cookie" not in head and b"user-agent" not in head and b"accept-encoding" not in head
+
+
+async def test_chunked_and_close_delimited_bodies_arrive_whole(serve: Callable) -> None:
+    chunked = (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n"
+        b"\r\n5\r\n"
+        + ANSWER[:5]
+        + b"\r\n%x\r\n" % (len(ANSWER) - 5)
+        + ANSWER[5:]
+        + b"\r\n0\r\n\r\n"
+    )
+
+    async def close_delimited(stream: Conn) -> None:
+        await read_request(stream, bytearray())
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n\r\n")
+        await stream.send_all(ANSWER)
+        await stream.aclose()
+
+    engine = await serve(answering(chunked, chunked))
+    async with pool(engine) as p:
+        for _ in range(2):
+            assert (await run(p, request()))[1]["data"] == ANSWER
+    assert engine.connections == 1
+    engine = await serve(close_delimited)
+    async with pool(engine) as p:
+        for _ in range(2):
+            assert (await run(p, request()))[1]["data"] == ANSWER
+    assert engine.connections == 2  # a body that ends with its connection ends it
+
+
+async def test_headers_repeated_are_joined_and_hop_by_hop_ones_dropped(serve: Callable) -> None:
+    extra = b"x-a: 1\r\nX-A: 2\r\nconnection: keep-alive\r\ndate: today\r\nserver: sim\r\n"
+    informational = b"HTTP/1.1 100 Continue\r\nx-early: 1\r\n\r\n"
+    engine = await serve(answering(informational + json_answer(extra=extra)))
+    async with pool(engine) as p:
+        head = (await run(p, request()))[0]
+    assert head["status"] == 200
+    assert head["headers"] == {"content-type": "application/json", "x-a": "1, 2"}
+
+
+async def test_events_read_together_leave_in_one_frame_and_none_waits(
+    serve: Callable,
+) -> None:
+    events = [b'data: {"choices":[{"delta":{"content":"%d"}}]}\n\n' % i for i in range(5)]
+    together = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
+    step = trio.Event()
+
+    async def handler(stream: Conn) -> None:
+        await read_request(stream, bytearray())
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
+        await stream.send_all(head + b"\r\n\r\n" + together)
+        await step.wait()
+        last = b"data: [DONE]\n\n"
+        await stream.send_all(b"%x\r\n%s\r\n0\r\n\r\n" % (len(last), last))
+
+    engine = await serve(handler)
+    sent: list[dict] = []
+
+    def record(frame: dict) -> None:
+        sent.append(frame)
+        if frame["type"] == m.RESPONSE_CHUNK:
+            step.set()  # the first events left before the engine sent the last one
+
+    async with pool(engine) as p:
+        await forward(p, request(stream=True), record)
+    chunks = [f["data"] for f in sent if f["type"] == m.RESPONSE_CHUNK]
+    assert chunks == [b"".join(events), b"data: [DONE]\n\n"]
+    assert sent[-1]["type"] == m.RESPONSE_END
+
+
+# --- hostile engines ---------------------------------------------------------------
+
+
+async def test_an_endless_head_is_refused_as_unavailable(serve: Callable) -> None:
+    async def handler(stream: Conn) -> None:
+        await read_request(stream, bytearray())
+        await stream.send_all(b"HTTP/1.1 200 OK\r\n")
+        with trio.move_on_after(10):
+            while True:
+                await stream.send_all(b"x-pad: " + b"a" * 1000 + b"\r\n")
+
+    engine = await serve(handler)
+    async with pool(engine) as p:
+        error = only_error(await run(p, request()))
+    assert error["code"] == "backend_unavailable"
+    assert error["message"] == f"engine unreachable: answer head larger than {MAX_HEAD_BYTES} bytes"
+
+
+@pytest.mark.parametrize(
+    ("answer", "code", "says"),
+    [
+        (b"SMTP ready\r\n\r\n", "backend_unavailable", "engine unreachable: answer head is not"),
+        (
+            b"HTTP/1.1 200 OK\r\ncontent-length: 3\r\ncontent-length: 4\r\n\r\nabc",
+            "backend_unavailable",
+            "engine unreachable: answer head is not HTTP/1.1: Duplicate Content-Length",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nzz\r\n",
+            "backend_error",
+            "engine answer broke off: answer is not valid HTTP/1.1: Invalid character in chunk",
+        ),
+        (
+            b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\nFFFFFFFFFFFFFFFFFFFF\r\n",
+            "backend_error",
+            "engine answer broke off: answer is not valid HTTP/1.1: Chunk size overflow",
+        ),
+    ],
+)
+async def test_answers_that_are_not_http_fail_in_the_routers_terms(
+    serve: Callable, answer: bytes, code: str, says: str
+) -> None:
+    engine = await serve(answering(answer))
+    async with pool(engine) as p:
+        error = only_error(await run(p, request()))
+    assert error["code"] == code
+    assert error["message"].startswith(says), error["message"]
+
+
+async def test_a_close_before_or_inside_the_answer(serve: Callable) -> None:
+    async def before(stream: Conn) -> None:
+        await read_request(stream, bytearray())
+        await stream.aclose()
+
+    async def inside(stream: Conn) -> None:
+        await read_request(stream, bytearray())
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: 100\r\n\r\n" + ANSWER[:10])
+        await stream.aclose()
+
+    async def inside_chunked(stream: Conn) -> None:
+        await read_request(stream, bytearray())
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
+        await stream.send_all(head + b'\r\n\r\n12\r\ndata: {"a": 1}\n\n\r\n')
+        await stream.aclose()
+
+    engine = await serve(before)
+    async with pool(engine) as p:
+        error = only_error(await run(p, request()))
+    assert error == {
+        **error,
+        "code": "backend_unavailable",
+        "message": "engine unreachable: engine closed the connection without an answer",
+    }
+    engine = await serve(inside)
+    async with pool(engine) as p:
+        error = only_error(await run(p, request()))
+    assert error["code"] == "backend_error"
+    assert error["message"] == (
+        "engine answer broke off: engine closed the connection inside the answer"
+    )
+    engine = await serve(inside_chunked)
+    async with pool(engine) as p:
+        sent = await run(p, request(stream=True))
+    # The checked event already left; the stream then fails.
+    assert [f["type"] for f in sent] == [m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.ERROR]
+    assert sent[-1]["message"].startswith("engine answer broke off: engine closed")
+
+
+async def test_a_slowloris_head_times_out_within_the_read_timeout(serve: Callable) -> None:
+    async def handler(stream: Conn) -> None:
+        await read_request(stream, bytearray())
+        for byte in json_answer():
+            await stream.send_all(bytes([byte]))
+            await trio.sleep(0.05)  # each byte well within the read timeout
+
+    engine = await serve(handler)
+    async with pool(engine, read=0.3) as p:
+        error = only_error(await run(p, request()))
+    assert error["code"] == "backend_unavailable"
+    assert error["message"] == "engine timed out: no answer head within 0.3 s"
+
+
+async def test_a_silent_stream_and_a_dribbled_whole_answer_break_off(serve: Callable) -> None:
+    async def silent(stream: Conn) -> None:
+        await read_request(stream, bytearray())
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
+        await stream.send_all(head + b'\r\n\r\n12\r\ndata: {"a": 1}\n\n\r\n')
+        await read_request(stream, bytearray())  # until the agent hangs up
+
+    async def dribbled(stream: Conn) -> None:
+        await read_request(stream, bytearray())
+        await stream.send_all(b"HTTP/1.1 200 OK\r\ncontent-length: %d\r\n\r\n" % len(ANSWER))
+        for byte in ANSWER:
+            await stream.send_all(bytes([byte]))
+            await trio.sleep(0.05)
+
+    engine = await serve(silent)
+    async with pool(engine, read=0.3) as p:
+        sent = await run(p, request(stream=True))
+    assert sent[-1]["message"] == "engine answer broke off: no answer data for 0.3 s"
+    assert await _closed_soon(engine)
+    engine = await serve(dribbled)
+    async with pool(engine, read=0.3) as p:
+        error = only_error(await run(p, request()))
+    assert error["message"] == "engine answer broke off: answer not whole within 0.3 s"
+
+
+async def _closed_soon(engine: Engine) -> bool:
+    with trio.move_on_after(5):
+        await engine.closed.wait()
+    return engine.closed.is_set()
+
+
+async def test_answers_larger_than_a_frame_are_refused(
+    serve: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(forward_module, "MAX_ANSWER_BYTES", 1000)
+    declared = b"HTTP/1.1 200 OK\r\ncontent-length: 5000\r\n\r\n"
+    chunked = (
+        b"HTTP/1.1 200 OK\r\ntransfer-encoding: chunked\r\n\r\n"
+        + b"100\r\n%s\r\n" % (b"a" * 256) * 5
+    )
+    for answer, says in ((declared, "answer of 5000 bytes exceeds 1000"), (chunked, "larger")):
+        engine = await serve(answering(answer))
+        async with pool(engine) as p:
+            error = only_error(await run(p, request()))
+        assert error["code"] == "backend_error"
+        assert error["message"].startswith("engine answer broke off: "), error
+        assert says in error["message"]
+
+
+async def test_unreachable_and_connect_timeout(serve: Callable) -> None:
+    with trio.socket.socket() as unused:
+        await unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+        async with EnginePool(f"http://127.0.0.1:{port}", EngineTimeouts(2.0, 2.0), 1) as p:
+            error = only_error(await run(p, request()))
+    assert error["code"] == "backend_unavailable"
+    assert error["message"].startswith(
+        f"engine unreachable: cannot connect to http://127.0.0.1:{port}"
+    )
+
+    async def never() -> trio.SocketStream:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    async with EnginePool("http://engine", EngineTimeouts(0.2, 2.0), 1, never) as p:
+        error = only_error(await run(p, request()))
+    assert error["message"] == "engine timed out: no connection to http://engine within 0.2 s"
+
+
+async def test_a_header_with_a_line_break_is_never_sent(serve: Callable) -> None:
+    engine = await serve(answering(json_answer()))
+    async with pool(engine) as p:
+        error = only_error(await run(p, request(**{"x-request-id": "a\r\nx-evil: 1"})))
+        assert error["message"] == (
+            "engine unreachable: request line or header holds a line break; not sent"
+        )
+        error = only_error(await run(p, request(**{"x-request-id": "\u20ac"})))
+        assert "not Latin-1" in error["message"]
+    assert engine.requests == []
+
+
+async def test_junk_after_an_answer_and_an_engine_closing_idle_connections(
+    serve: Callable,
+) -> None:
+    engine = await serve(answering(json_answer() + b"HTTP/1.1 200 OK\r\n", json_answer()))
+    async with pool(engine) as p:
+        for _ in range(2):
+            assert (await run(p, request()))[1]["data"] == ANSWER
+    assert engine.connections == 2  # the connection that carried junk was not reused
+
+    async def one_each(stream: Conn) -> None:
+        # Closes after one answer without saying so (no `connection: close`).
+        await read_request(stream, bytearray())
+        await stream.send_all(json_answer())
+        await stream.aclose()
+
+    engine = await serve(one_each)
+    async with pool(engine) as p:
+        for _ in range(3):
+            assert (await run(p, request()))[1]["data"] == ANSWER
+            await trio.sleep(0.05)  # the engine's FIN arrives while the connection idles
+    assert engine.connections == 3
+
+
+async def test_a_cancelled_request_closes_its_engine_connection(serve: Callable) -> None:
+    async def endless(stream: Conn) -> None:
+        await read_request(stream, bytearray())
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
+        await stream.send_all(head + b"\r\n\r\n")
+        event = b'data: {"a": 1}\n\n'
+        while True:
+            await stream.send_all(b"%x\r\n%s\r\n" % (len(event), event))
+            await trio.sleep(0.01)
+
+    engine = await serve(endless)
+    sent: list[dict] = []
+    async with pool(engine) as p:
+        with trio.move_on_after(0.3):
+            await forward(p, request(stream=True), sent.append)
+        assert await _closed_soon(engine)
+        assert repr(p).endswith("0 idle, 1 opened>")
+    assert sent[0]["type"] == m.RESPONSE_HEAD
+
+
+async def test_the_response_object_reads_and_limits(serve: Callable) -> None:
+    engine = await serve(answering(json_answer()))
+    async with pool(engine) as p:
+        response = await p.send("POST", "/x", {}, b"{}")
+        with pytest.raises(EngineBrokeOff, match="exceeds 3"):
+            await response.read_all(3)
+        response.close()
+        with pytest.raises(EngineUnavailable):
+            await p.send("GET", "/x\r\nevil: 1", {}, b"")
+
+
+def test_an_engine_url_the_client_cannot_use_stops_the_agent_at_start(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from agent.cli import main
+
+    router = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGQaEXi5zdK6sv4u1rjM8EQrfH3GnjJb8GrmyrXrU2yZ8"
+    for url, says in (("unix:///tmp/x", "http:// or https://"), ("http://h:port", "port")):
+        assert main(["--router", router, "--model", "m", "--backend-url", url]) == 2
+        assert says in capsys.readouterr().err
+        with pytest.raises(ValueError, match=says):
+            EnginePool(url, EngineTimeouts(1.0, 1.0), 1)
+
+
+def _self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for localhost and 127.0.0.1 and its key, as PEM files."""
+    key = ec.generate_private_key(ec.SECP256R1())
+    name = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, "localhost")])
+    now = datetime.datetime.now(datetime.UTC)
+    cert = (
+        x509.CertificateBuilder()
+        .subject_name(name)
+        .issuer_name(name)
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=1))
+        .not_valid_after(now + datetime.timedelta(hours=1))
+        .add_extension(
+            x509.SubjectAlternativeName(
+                [x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))]
+            ),
+            critical=False,
+        )
+        .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+        .sign(key, hashes.SHA256())
+    )
+    cert_path, key_path = directory / "cert.pem", directory / "key.pem"
+    cert_path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
+    key_path.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    return cert_path, key_path
+
+
+async def test_an_https_engine_is_verified_and_its_connection_kept(
+    nursery: trio.Nursery, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    cert, key = _self_signed(tmp_path)
+    server = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    server.load_cert_chain(cert, key)
+    connections = 0
+
+    async def handler(stream: trio.SSLStream) -> None:
+        nonlocal connections
+        connections += 1
+        buf = bytearray()
+        with contextlib.suppress(trio.BrokenResourceError):
+            for body in (ANSWER, ANSWER):
+                while b"}" not in buf:  # the request's JSON body has ended
+                    buf += await stream.receive_some(65536)
+                buf.clear()
+                await stream.send_all(json_answer(body))
+            await stream.receive_some(65536)
+
+    serve_tls = partial(trio.serve_ssl_over_tcp, host="127.0.0.1")
+    listeners = await nursery.start(serve_tls, handler, 0, server)
+    port = listeners[0].transport_listener.socket.getsockname()[1]
+    timeouts = EngineTimeouts(2.0, 5.0)
+    # Not trusted: the client verifies the engine's certificate.
+    async with EnginePool(f"https://localhost:{port}", timeouts, 2) as p:
+        error = only_error(await run(p, request()))
+    assert error["message"].startswith("engine unreachable: cannot connect")
+    assert "CERTIFICATE_VERIFY_FAILED" in error["message"]
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    async with EnginePool(f"https://localhost:{port}", timeouts, 2) as p:
+        for _ in range(2):
+            assert (await run(p, request()))[1]["data"] == ANSWER
+    assert connections == 2  # the refused one, then one kept for two requests
+
+
+async def test_idle_connections_are_looked_at_past_1024_descriptors(serve: Callable) -> None:
+    """An agent with many router sessions holds descriptors past select()'s limit."""
+    held = [os.dup(0) for _ in range(1100)]
+    try:
+
+        async def one_each(stream: Conn) -> None:
+            await read_request(stream, bytearray())
+            await stream.send_all(json_answer())
+            await stream.aclose()
+
+        engine = await serve(one_each)
+        async with pool(engine) as p:
+            for _ in range(2):
+                assert (await run(p, request()))[1]["data"] == ANSWER
+                await trio.sleep(0.05)
+        assert engine.connections == 2
+    finally:
+        for fd in held:
+            os.close(fd)
