@@ -1,6 +1,6 @@
 """Hivenet against the routers an operator would pick instead, in one run on one machine.
 
-    python -m bench.peers [--duration 4] [--concurrency 1,16,64] [--setup]
+    python -m bench.peers [--duration 4] [--concurrency 1,16,64] [--peers vllm-router] [--setup]
 
 The same simulated engine (zero token latency, 16-token answers) is reached directly,
 through hivenet (router -> agent -> engine), through the LiteLLM proxy and through
@@ -215,9 +215,15 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=4.0)
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--setup", action="store_true", help="only install the peers")
+    parser.add_argument(
+        "--peers", default=",".join(PEER_PACKAGES), help="which peers, comma-separated"
+    )
     args = parser.parse_args()
+    chosen = [name for name in args.peers.split(",") if name]
+    if unknown := set(chosen) - set(PEER_PACKAGES):
+        parser.error(f"unknown peers {sorted(unknown)}; known: {sorted(PEER_PACKAGES)}")
     if args.setup:
-        for name in PEER_PACKAGES:
+        for name in chosen:
             print(f"{name}: {setup(name) or 'ready'}", flush=True)
         return
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -228,8 +234,10 @@ def main() -> None:
         engine = free_port()
         procs.sim(MODEL, engine)
         targets.append(Target("direct", engine, []))
-        for start in (start_hivenet, start_litellm, start_vllm_router):
-            targets.append(start(procs, engine))
+        targets.append(start_hivenet(procs, engine))
+        starters = {"litellm": start_litellm, "vllm-router": start_vllm_router}
+        for name in chosen:
+            targets.append(starters[name](procs, engine))
         cells = run_cells(targets, [False, True], levels, args.duration)
     finally:
         procs.close()

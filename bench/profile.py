@@ -30,6 +30,7 @@ MODEL = "bench-model"
 
 def summarize(raw: Path, top: int, callers_of: str | None) -> None:
     inclusive: Counter[str] = Counter()
+    own: Counter[str] = Counter()
     callers: Counter[str] = Counter()
     total = idle = 0
     for line in raw.read_text().splitlines():
@@ -41,6 +42,7 @@ def summarize(raw: Path, top: int, callers_of: str | None) -> None:
             idle += n
             continue
         seen = set()
+        key = "-"
         for parent, frame in zip(["-", *frames], frames, strict=False):
             if callers_of and frame.startswith(callers_of + " "):
                 callers[parent.partition(" (")[0]] += n
@@ -50,9 +52,13 @@ def summarize(raw: Path, top: int, callers_of: str | None) -> None:
             if key not in seen:
                 seen.add(key)
                 inclusive[key] += n
+        own[key] += n
     busy = total - idle
     print(f"samples: {total}, idle {idle}, busy {busy}")
     for key, n in inclusive.most_common(top):
+        print(f"{n / max(busy, 1) * 100:5.1f}%  {key}")
+    print("self (the function itself, not what it calls):")
+    for key, n in own.most_common(top):
         print(f"{n / max(busy, 1) * 100:5.1f}%  {key}")
     for key, n in callers.most_common(15):
         print(f"caller of {callers_of}: {n / max(busy, 1) * 100:5.1f}%  {key}")
@@ -87,9 +93,10 @@ def main() -> None:
     parser.add_argument("--stream", action="store_true")
     parser.add_argument("--top", type=int, default=45)
     parser.add_argument("--callers", default=None, help="also list who calls this function")
+    parser.add_argument("--keep", type=Path, default=None, help="write py-spy's raw stacks here")
     args = parser.parse_args()
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
-    raw = Path(tempfile.mkdtemp()) / "profile.txt"
+    raw = args.keep or Path(tempfile.mkdtemp()) / "profile.txt"
     if args.target == "fleet":
         profile_fleet(spy, raw, args.agents, args.seconds)
         summarize(raw, args.top, args.callers)

@@ -355,12 +355,26 @@ class AgentResponse:
             f"{'done' if self.done else 'open'}>"
         )
 
-    async def chunks(self) -> AsyncIterator[bytes]:
+    async def parts(self) -> AsyncIterator[tuple[bytes, bool]]:
+        """The body as it arrives, and whether its end has arrived too (`last`).
+
+        Chunks that arrive together leave together: the body frames already queued
+        behind the one awaited (one socket read from the agent often brings several)
+        are joined into one part, so the client's socket takes one write for them, and
+        `last` lets the caller end its answer in that same write.
+        """
         try:
+            frames = self.pending.frames
             while True:
                 state, frame = await self.pending.get()
                 if state is _BODY:
-                    yield frame["data"]
+                    data = frame["data"]
+                    if frames and frames[0][0] is _BODY:
+                        joined = [data]
+                        while frames and frames[0][0] is _BODY:
+                            joined.append(frames.popleft()[1]["data"])
+                        data = b"".join(joined)
+                    yield data, bool(frames) and frames[0][0] is _DONE
                 elif state is _DONE:
                     self.done = True
                     self._ended(frame)
@@ -380,7 +394,7 @@ class AgentResponse:
             peer.stats.record_tokens(usage[PROMPT], usage[COMPLETION])
 
     async def read_all(self) -> bytes:
-        return b"".join([chunk async for chunk in self.chunks()])
+        return b"".join([data async for data, _ in self.parts()])
 
     def close(self) -> None:
         """Release the slot and, if the answer is unfinished, tell the agent to stop."""

@@ -11,7 +11,7 @@ body, after a wait that watches for the client leaving, or by failing).
 Invariants, checked on every example:
 - the server never dies: no connection ends in `http_connection_error` (a bug), every
   connection task returns, and the only app errors logged are the app's own failures;
-- memory stays bounded: h11's buffer never holds more than BUFFER_BOUND bytes;
+- memory stays bounded: the request reader never holds more than BUFFER_BOUND bytes;
 - every request the app saw gets exactly one answer, in order, or is the last one on a
   connection that ended; an answer the server makes itself (a 500 for an app that
   failed, a refusal) stands for exactly one request, a refusal only last;
@@ -392,7 +392,7 @@ async def drive(
 
 def check_buffers(server: HttpServer) -> None:
     for conn in server.connections:
-        assert len(conn.h11.trailing_data[0]) <= BUFFER_BOUND, conn
+        assert conn.reader.buffered <= BUFFER_BOUND, conn
 
 
 def check_all(

@@ -628,3 +628,87 @@ async def test_the_router_frees_the_slot_of_a_client_that_never_reads(fleet: Fle
         stuck.close()
     log = router.log()
     assert "http_write_timeout" in log and "client_disconnected" in log, log[-3000:]
+
+
+# --- what llhttp does differently from h11, held to h11's behaviour -------------------------
+
+
+async def headers_of(scope: dict, receive: Receive, send: Send) -> None:
+    while (await receive()).get("more_body"):
+        pass
+    answer = json.dumps([[k.decode(), v.decode()] for k, v in scope["headers"]]).encode()
+    headers = [(b"content-length", b"%d" % len(answer))]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": answer})
+
+
+async def streams_two(scope: dict, receive: Receive, send: Send) -> None:
+    await send({"type": "http.response.start", "status": 200, "headers": []})
+    await send({"type": "http.response.body", "body": b"one", "more_body": True})
+    await send({"type": "http.response.body", "body": b"two"})
+
+
+async def test_an_http11_request_without_host_is_refused() -> None:
+    async with serving(echo) as (_, port):
+        answer = await exchange(port, b"GET /v1/models HTTP/1.1\r\n\r\n" + SECOND)
+    assert "Host" in refusal(answer, 400, "request_invalid")["error"]["message"]
+
+
+async def test_header_names_arrive_lowercased_and_values_without_surrounding_spaces() -> None:
+    request = b"GET / HTTP/1.1\r\nHost: t\r\nX-Spaces:   padded   \r\nX-Tight:v\r\n\r\n"
+    _, received = await writes_of(headers_of, request)
+    headers = json.loads(received.partition(b"\r\n\r\n")[2])
+    assert headers == [["host", "t"], ["x-spaces", "padded"], ["x-tight", "v"]]
+
+
+async def test_an_http10_client_gets_its_stream_up_to_the_close_and_no_keep_alive() -> None:
+    # HTTP/1.0 has no chunks; as h11, its keep-alive is not kept (the server closes).
+    request = b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n" + SECOND
+    _, received = await writes_of(streams_two, request)
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert b"transfer-encoding" not in head.lower() and b"connection: close" in head.lower()
+    assert body == b"onetwo" and received.count(b"HTTP/1.1 200") == 1
+
+
+async def test_a_head_request_gets_the_head_only() -> None:
+    request = b"HEAD /h HTTP/1.1\r\nHost: t\r\n\r\n" + SECOND
+    _, received = await writes_of(echo, request)
+    first, _, rest = received.partition(b"\r\n\r\n")
+    assert b"content-length: 8" in first.lower(), first  # "HEAD /h "
+    assert rest.startswith(b"HTTP/1.1 200 "), rest  # the next answer follows the head at once
+
+
+async def test_a_request_asking_for_an_upgrade_is_served_as_http_and_ends_the_connection() -> None:
+    request = (
+        b"GET /u HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n\r\n"
+        + b"\x81\x05hello"  # a WebSocket frame: not HTTP
+    )
+    _, received = await writes_of(echo, request)
+    assert received.startswith(b"HTTP/1.1 200 ") and received.endswith(b"GET /u "), received
+    assert received.count(b"HTTP/1.1 ") == 1 and b"connection: close" in received.lower()
+
+
+async def test_a_malformed_request_behind_a_good_one_is_refused_after_its_answer() -> None:
+    # llhttp parses the whole read at once; the refusal waits its turn in the queue.
+    good = b"POST /a HTTP/1.1\r\nHost: t\r\nContent-Length: 1\r\n\r\nx"
+    _, received = await writes_of(echo, good + b"NOT HTTP AT ALL\r\n\r\n" + SECOND)
+    first, _, rest = received.partition(b"POST /a x")
+    assert first.startswith(b"HTTP/1.1 200 "), received
+    refusal(rest, 400, "request_invalid")
+
+
+@pytest.mark.parametrize("body", [b"abc", b"a"], ids=["too-much", "too-little"])
+async def test_a_body_that_breaks_its_content_length_is_a_502_and_send_raises(body: bytes) -> None:
+    raised: list[BaseException] = []
+
+    async def wrong_length(scope: dict, receive: Receive, send: Send) -> None:
+        headers = [(b"content-length", b"2")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        try:
+            await send({"type": "http.response.body", "body": body})
+        except UnsendableHead as exc:
+            raised.append(exc)
+
+    _, received = await writes_of(wrong_length, b"GET / HTTP/1.1\r\nHost: t\r\n\r\n" + SECOND)
+    refusal(received, 502, "backend_error")
+    assert len(raised) == 1, raised

@@ -7,6 +7,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import orjson
 import trio
 
 from protocol.errors import ErrorCode, RouterError, error_payload
@@ -68,6 +69,20 @@ class ClientSettings:
 
 def parse_json_object(body: bytes) -> tuple[dict | None, str]:
     """The body as a JSON object, or None and what is wrong with it."""
+    try:
+        # orjson takes 3 µs where json takes 15 on a 140-byte chat body (loaded host).
+        # What orjson refuses and json takes (NaN, 1e999, lone surrogates, a BOM,
+        # nesting past 1,024) goes to json, so the answer is json's as before; one
+        # difference stays: an integer past 64 bits reads as a float.
+        payload = orjson.loads(body)
+    except orjson.JSONDecodeError:
+        return _parse_with_json(body)
+    if not isinstance(payload, dict):
+        return None, "body must be a JSON object"
+    return payload, ""
+
+
+def _parse_with_json(body: bytes) -> tuple[dict | None, str]:
     try:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -392,16 +407,18 @@ class ClientApi:
             state.started = True
             await start_response(send, response.status, headers)
             admitted, gates = state.admitted, self.admission
+            last = False
             if admitted is not None and gates is not None and admitted.grows:
                 # No declared output limit: the footprint grows by what streams, one
                 # token per delta event (OpenAI's `delta`, Anthropic's content_block_delta).
-                async for chunk in response.chunks():
+                async for chunk, last in response.parts():
                     await gates.grow(admitted, chunk.count(b'"delta"'))
-                    await send_body(send, chunk, more=True)
+                    await send_body(send, chunk, more=not last)
             else:
-                async for chunk in response.chunks():
-                    await send_body(send, chunk, more=True)
-            await send_body(send, b"")
+                async for chunk, last in response.parts():
+                    await send_body(send, chunk, more=not last)
+            if not last:
+                await send_body(send, b"")
         except StreamBroken as exc:
             code = (
                 ErrorCode.AGENT_DISCONNECTED

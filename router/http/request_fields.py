@@ -17,7 +17,7 @@ absent optional field, as the engines' own schemas do.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from router.http import count_tokens
 
@@ -40,6 +40,11 @@ class FieldType:
     want: str  # what the error message says it must be
     valid: Callable[[object], bool]
     required: bool = False
+    # `path` split once: splitting it on every request was a third of `problem`.
+    keys: tuple[str, ...] = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "keys", tuple(self.path.split(".")))
 
 
 def _is_bool(value: object) -> bool:
@@ -107,7 +112,8 @@ _MISSING = object()
 def problem(path: str, payload: dict) -> str | None:
     """What is wrong with `payload`'s types for `path`, or None when nothing is."""
     for rule in FIELDS[path]:
-        value = _lookup(payload, rule.path)
+        keys = rule.keys
+        value = payload.get(keys[0], _MISSING) if len(keys) == 1 else _lookup(payload, keys)
         if value is _MISSING or value is None:
             if rule.required:
                 return f"field '{rule.path}' is required ({rule.want})"
@@ -117,9 +123,9 @@ def problem(path: str, payload: dict) -> str | None:
     return None
 
 
-def _lookup(payload: dict, path: str) -> object:
+def _lookup(payload: dict, keys: tuple[str, ...]) -> object:
     value: object = payload
-    for key in path.split("."):
+    for key in keys:
         if not isinstance(value, dict):
             return _MISSING
         value = value.get(key, _MISSING)

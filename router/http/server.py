@@ -1,4 +1,4 @@
-"""A small HTTP/1.1 server for ASGI apps on trio, built on h11.
+"""A small HTTP/1.1 server for ASGI apps on trio; llhttp parses the requests.
 
 It replaced Hypercorn in the router because Hypercorn's per-request machinery (a task
 and several cancel scopes per request, a shielded socket write per ASGI message, a
@@ -11,6 +11,9 @@ keep no state that needs it), no HTTP/2 and no WebSocket.
 Per connection: one task and one cancel scope, whose deadline is the keep-alive
 timeout while the connection waits for a request. A response head whose length is
 known is held until the first body part, so a whole answer leaves in one write.
+Requests are parsed by llhttp (`request_reader.py`); answers are framed here (by
+Content-Length, by chunks, or to the close for HTTP/1.0) as h11 framed them: h11's
+pure-Python parsing and writing were about 15% of the router's CPU at 64 clients.
 
 Hostile input ends in an answer in the caller's error format and a close, never in a
 connection left usable for bytes the server did not frame itself: a head over 16 KiB
@@ -32,25 +35,33 @@ import http
 import json
 import logging
 import math
+import re
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterable
 from enum import Enum
 from typing import Any, NoReturn
 from urllib.parse import unquote
 
-import h11
 import trio
 
 from protocol.errors import ErrorCode, RouterError, anthropic_error_body, openai_error_body
 from protocol.logs import quote
+from router.http.request_reader import (
+    END,
+    MAX_HEAD_BYTES,
+    NEED_DATA,
+    Head,
+    Refusal,
+    RequestReader,
+)
 
 log = logging.getLogger("http")
 
 App = Callable[[dict, Callable[[], Awaitable[dict]], Callable[[dict], Awaitable[None]]], Any]
 
+__all__ = ["MAX_HEAD_BYTES", "HttpServer", "UnsendableHead"]
+
 READ_BYTES = 64 * 1024
-# Request heads larger than this are refused with 431 (h11's own default).
-MAX_HEAD_BYTES = 16 * 1024
 # A request answered before its body was read: how long and how much of the rest is
 # read and dropped so the connection can serve the next request.
 DISCARD_TIMEOUT = 5.0
@@ -74,11 +85,38 @@ WATCH_PERIOD = 1.0
 ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 ACCEPT_RETRY_DELAY = 0.1
 
+_KNOWN_STATUSES = frozenset(s.value for s in http.HTTPStatus)
 _DISCONNECT = {"type": "http.disconnect"}
 # What the app hears after the server refused the body (malformed chunking) and answered
 # for it: not a client that left, so its log and audit line can say 400, not 499.
 _BODY_REFUSED = {"type": "http.disconnect", "status": 400}
 _GONE = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+
+# Each final status's line, built once: b"HTTP/1.1 200 OK\r\n".
+_STATUS_LINES = {
+    code: b"HTTP/1.1 %d %s\r\n"
+    % (code, http.HTTPStatus(code).phrase.encode() if code in _KNOWN_STATUSES else b"")
+    for code in range(200, 600)
+}
+# The header lines an answer may carry (RFC 9110 §5.1, §5.5: a token, then a value with
+# no control character but HTAB), checked by one match over all of them: a CR, LF or
+# NUL in an engine's header value would split the answer.
+_TOKEN = re.compile(rb"[!#$%&'*+\-.^_`|~0-9a-z]+")
+# Header names already found to be tokens (lowercased), so that a name is checked once
+# per server rather than once per answer; bounded against an engine that invents names.
+MAX_KNOWN_NAMES = 1024
+_HEADER_BLOCK = re.compile(rb"(?:[!#$%&'*+\-.^_`|~0-9A-Za-z]+: [^\x00-\x08\x0a-\x1f\x7f]*\r\n)*")
+
+
+class _Framing(Enum):
+    LENGTH = "content-length"
+    CHUNKED = "chunked"
+    UNTIL_CLOSE = "until-close"  # an HTTP/1.0 client: the body ends at the close
+    NO_BODY = "no-body"  # HEAD, 204, 304
+
+
+_LENGTH, _CHUNKED = _Framing.LENGTH, _Framing.CHUNKED
+_UNTIL_CLOSE, _NO_BODY = _Framing.UNTIL_CLOSE, _Framing.NO_BODY
 
 
 class ConnectionState(Enum):
@@ -133,6 +171,7 @@ class HttpServer:
         self.stopping = False
         self.connections: set[_Connection] = set()
         self._all_closed = trio.Event()
+        self.header_names: set[bytes] = set()
         self._date_second = -1
         self._date = b""
 
@@ -235,16 +274,21 @@ class _Connection:
     def __init__(self, server: HttpServer, stream: trio.abc.Stream) -> None:
         self.server = server
         self.stream = stream
-        self.h11 = h11.Connection(h11.SERVER, max_incomplete_event_size=MAX_HEAD_BYTES)
+        self.reader = RequestReader()
         self.scope = trio.CancelScope()
         self.state = ACTIVE
         self.requests = 0
         # When the write in progress began (inf: none), for the write watchdog.
         self.write_began = math.inf
         # Per request:
-        self.request: h11.Request | None = None
+        self.request: Head | None = None
+        self.body_done = True  # the request's body has been read to its END
         self.answer = READING
-        self.head: h11.Response | None = None
+        self.head: bytes | None = None  # a response head held for the first body part
+        self.framing = _CHUNKED
+        self.length_left = 0  # what a Content-Length answer still owes
+        self.close_after = False  # the answer said `connection: close`
+        self.expects_continue = False  # a 100 Continue is owed before the body is read
         self.client = self.server_addr = None
         sock = getattr(stream, "socket", None)
         if sock is not None:
@@ -286,64 +330,60 @@ class _Connection:
         finally:
             await self._close()
 
-    async def _next_request(self) -> h11.Request | None:
+    async def _next_request(self) -> Head | None:
         self.state = IDLE
         self.scope.deadline = trio.current_time() + self.server.keep_alive_timeout
-        first_read = b""
         try:
             while True:
-                try:
-                    event = self.h11.next_event()
-                except h11.RemoteProtocolError as exc:
-                    await self._refuse_head(exc, first_read)
-                    return None
-                if event is h11.NEED_DATA:
-                    data = await self._read()
-                    if not data:
+                event = self.reader.next_event()
+                if event is NEED_DATA:
+                    if not await self._read():
                         return None
-                    first_read = first_read or data
                     continue
-                return event if isinstance(event, h11.Request) else None
+                if type(event) is Head:
+                    return event
+                if type(event) is Refusal:
+                    path = _path_of(event.target)
+                    await self._refuse(event.status, ErrorCode.REQUEST_INVALID, event.message, path)
+                return None  # body events between requests: nothing left to serve
         finally:
             if self.state is IDLE:
                 self.state = ACTIVE
             self.scope.deadline = math.inf
 
     async def _read(self) -> bytes:
-        """Feed h11 one read from the socket; b"" when the client is gone."""
+        """Feed the reader one read from the socket; b"" when the client is gone."""
         try:
             data = await self.stream.receive_some(READ_BYTES)
         except _GONE:
             data = b""
-        self.h11.receive_data(data)
-        if not data:
+        if data:
+            self.reader.feed(data)
+        else:
             self.state = CLOSED
         return data
 
-    async def _serve(self, request: h11.Request) -> None:
+    async def _serve(self, request: Head) -> None:
         self.request = request
         self.requests += 1
         self.head = None
         self.answer = READING
-        target = bytes(request.target)
-        raw_path, _, query = target.partition(b"?")
+        self.body_done = False
+        self.close_after = False
+        self.expects_continue = request.expects_continue
+        raw_path, _, query = request.target.partition(b"?")
         path = unquote(raw_path.decode("ascii", "replace"))
-        headers = list(request.headers)
-        problem = _head_problem(request, headers)
-        if problem is not None:
-            await self._refuse(problem[0], ErrorCode.REQUEST_INVALID, problem[1], path)
-            return
         scope = {
             "type": "http",
             "asgi": {"version": "3.0", "spec_version": "2.3"},
-            "http_version": request.http_version.decode(),
-            "method": request.method.decode(),
+            "http_version": request.http_version,
+            "method": request.method,
             "scheme": "http",
             "path": path,
             "raw_path": raw_path,
             "query_string": query,
             "root_path": "",
-            "headers": headers,
+            "headers": request.headers,
             "client": self.client,
             "server": self.server_addr,
         }
@@ -360,37 +400,40 @@ class _Connection:
             self.answer = BROKEN
 
     async def receive(self) -> dict:
-        if self.state is CLOSED or self.h11.their_state is not h11.SEND_BODY:
+        if self.state is CLOSED or self.body_done:
             if self.answer is REFUSED:
                 return _BODY_REFUSED
             return await self._wait_for_disconnect()
-        if self.h11.they_are_waiting_for_100_continue:
-            await self._write(self.h11.send(h11.InformationalResponse(status_code=100, headers=[])))
+        if self.expects_continue and self.answer is READING and not self.reader.events:
+            # RFC 9110 §10.1.1: the client waits for this before it sends the body.
+            self.expects_continue = False
+            await self._write(b"HTTP/1.1 100 Continue\r\n\r\n")
         parts: list[bytes] = []
+        reader = self.reader
         while True:
-            try:
-                event = self.h11.next_event()
-            except h11.RemoteProtocolError as exc:
-                # Bad chunked framing (a body cut short ends at the empty read below).
-                if self.answer is READING and self.state is not CLOSED:
-                    message = f"malformed request body: {exc}"
-                    await self._refuse(400, ErrorCode.REQUEST_INVALID, message, self._path())
-                    return _BODY_REFUSED
-                if self.answer is not REFUSED:
-                    self.answer = BROKEN
-                return _DISCONNECT
-            if isinstance(event, h11.Data):
-                parts.append(bytes(event.data))
+            event = reader.next_event()
+            if type(event) is bytes:
+                parts.append(event)
                 continue
-            if isinstance(event, h11.EndOfMessage):
+            if event is END:
+                self.body_done = True
                 return {"type": "http.request", "body": b"".join(parts), "more_body": False}
-            if event is h11.NEED_DATA and not parts:
+            if event is NEED_DATA:
+                if parts:
+                    return {"type": "http.request", "body": b"".join(parts), "more_body": True}
                 if not await self._read():
                     return _DISCONNECT
                 continue
-            if parts:
-                return {"type": "http.request", "body": b"".join(parts), "more_body": True}
-            self.state = CLOSED
+            # A Refusal: bad chunked framing (a body cut short ends at the empty read).
+            self.body_done = True
+            if self.answer is READING and self.state is not CLOSED:
+                assert type(event) is Refusal
+                await self._refuse(
+                    event.status, ErrorCode.REQUEST_INVALID, event.message, self._path()
+                )
+                return _BODY_REFUSED
+            if self.answer is not REFUSED:
+                self.answer = BROKEN
             return _DISCONNECT
 
     async def _wait_for_disconnect(self) -> dict:
@@ -407,31 +450,12 @@ class _Connection:
                 self.state = CLOSED
                 break
             ahead += len(data)
-            self.h11.receive_data(data)  # a pipelined request, kept for later
+            self.reader.feed(data)  # a pipelined request, kept for later
         return _DISCONNECT
 
     async def send(self, message: dict) -> None:
         kind = message["type"]
-        if kind == "http.response.start":
-            if self.answer is not READING:
-                if self.answer is REFUSED:
-                    return
-                raise RuntimeError("http.response.start sent twice")
-            status = message["status"]
-            headers = [(b"date", self.server.date()), *message.get("headers", ())]
-            if self.server.stopping:  # this connection ends after this answer: say so
-                headers.append((b"connection", b"close"))
-            try:
-                if type(status) is not int or not 200 <= status <= 599:
-                    raise ValueError(f"status {status!r} is outside 200-599")
-                self.head = h11.Response(status_code=status, headers=headers)
-            except (h11.LocalProtocolError, ValueError, TypeError) as exc:
-                await self._unsendable(exc)
-            self.answer = RESPONDING
-            if any(name.lower() == b"content-length" for name, _ in headers):
-                return  # held until the body, so both leave in one write
-            await self._flush_head()
-        elif kind == "http.response.body":
+        if kind == "http.response.body":
             if self.answer is not RESPONDING:
                 if self.answer is REFUSED:
                     return
@@ -439,35 +463,116 @@ class _Connection:
                     raise RuntimeError("http.response.body outside a response")
             body = message.get("body", b"")
             more = message.get("more_body", False)
-            parts = []
-            held = self.head is not None
-            try:
-                if held:
-                    parts.append(self.h11.send(self.head))
-                    self.head = None
-                if body and self.request is not None and self.request.method != b"HEAD":
-                    parts.append(self.h11.send(h11.Data(data=body)))
-                if not more:
-                    parts.append(self.h11.send(h11.EndOfMessage()))
-            except h11.LocalProtocolError as exc:  # more body than its Content-Length, say
+            framing = self.framing
+            if framing is _LENGTH and body:
+                self.length_left -= len(body)
+                if self.length_left < 0:
+                    await self._bad_length("more body than its Content-Length")
+            if not more:
+                if framing is _LENGTH and self.length_left > 0:
+                    await self._bad_length("less body than its Content-Length")
+                if self.answer is RESPONDING:
+                    self.answer = DONE
+            if framing is _CHUNKED:
+                if body:
+                    data = b"%x\r\n%s\r\n" % (len(body), body)
+                    if not more:
+                        data += b"0\r\n\r\n"
+                else:
+                    data = b"" if more else b"0\r\n\r\n"
+            elif framing is _NO_BODY:
+                data = b""
+            else:  # _LENGTH, or HTTP/1.0's body up to the close
+                data = body
+            if self.head is not None:
+                data = self.head + data
                 self.head = None
-                if held:
-                    await self._unsendable(exc)
-                self.answer = BROKEN
-                raise
-            if not more and self.answer is RESPONDING:
-                self.answer = DONE
-            if parts:
-                await self._write(b"".join(parts))
-
-    async def _flush_head(self) -> None:
-        if self.head is not None:
-            head, self.head = self.head, None
-            try:
-                data = self.h11.send(head)
-            except h11.LocalProtocolError as exc:
-                await self._unsendable(exc)
             await self._write(data)
+        elif kind == "http.response.start":
+            if self.answer is not READING:
+                if self.answer is REFUSED:
+                    return
+                raise RuntimeError("http.response.start sent twice")
+            try:
+                head, length = self._response_head(message["status"], message.get("headers", ()))
+            except ValueError as exc:
+                await self._unsendable(exc)
+            self.answer = RESPONDING
+            if length is None:
+                await self._write(head)
+            else:
+                self.head = head  # held until the body, so both leave in one write
+
+    def _response_head(
+        self, status: Any, headers: Iterable[tuple[bytes, bytes]]
+    ) -> tuple[bytes, int | None]:
+        """The head's bytes, and the Content-Length when there is one (the head then
+        waits for the body); sets the answer's framing. ValueError: unsendable."""
+        line = _STATUS_LINES.get(status) if type(status) is int else None
+        if line is None:
+            raise ValueError(f"status {status!r} is outside 200-599")
+        request = self.request
+        assert request is not None
+        length: int | None = None
+        chunked = False
+        lines = []
+        tokens = self.server.header_names
+        for name, value in headers:
+            lname = name.lower()
+            if lname == b"content-length":
+                if not value.isdigit() or (length is not None and int(value) != length):
+                    raise ValueError(f"bad Content-Length {value[:40]!r}")
+                length = int(value)
+                continue  # written once, below
+            elif lname == b"transfer-encoding":
+                chunked = True  # the server frames it: its own header goes out instead
+                continue
+            elif lname == b"connection":
+                continue  # the server decides (below), one header
+            if lname not in tokens:
+                if _TOKEN.fullmatch(lname) is None:
+                    raise ValueError(f"header name {name[:80]!r} is not a token")
+                if len(tokens) < MAX_KNOWN_NAMES:
+                    tokens.add(lname)
+            lines.append(b"%s: %s\r\n" % (name, value))
+        block = b"".join(lines)
+        # A CR or LF inside a value would add a line of its own.
+        if block.count(b"\n") != len(lines) or _HEADER_BLOCK.fullmatch(block) is None:
+            bad = next(x for x in lines if x.count(b"\n") != 1 or not _HEADER_BLOCK.fullmatch(x))
+            raise ValueError(f"header line {bad[:80]!r} has a control character")
+        close = not request.keep_alive or self.server.stopping
+        if chunked:
+            length = None
+        if request.method == "HEAD" or status in (204, 304):
+            self.framing = _NO_BODY
+            self.length_left = 0
+            if length is None and status not in (204, 304):
+                block += b"transfer-encoding: chunked\r\n"  # what a GET would have got
+        elif length is not None:
+            self.framing = _LENGTH
+            self.length_left = length
+        elif request.http_version == "1.1":
+            self.framing = _CHUNKED
+            block += b"transfer-encoding: chunked\r\n"
+        else:  # an HTTP/1.0 client: the body ends at the close
+            self.framing = _UNTIL_CLOSE
+            close = True
+        if length is not None:
+            block += b"content-length: %d\r\n" % length
+        if close:
+            self.close_after = True
+            block += b"connection: close\r\n"
+        head = b"%sdate: %s\r\n%s\r\n" % (line, self.server.date(), block)
+        return head, length
+
+    async def _bad_length(self, what: str) -> NoReturn:
+        """The app's body does not match its Content-Length: nothing may follow."""
+        held = self.head is not None
+        self.head = None
+        self.answer = BROKEN
+        if held:  # nothing went out yet: the client gets a 502
+            await self._unsendable(ValueError(what))
+        raise RuntimeError(f"the answer has {what}")
 
     async def _unsendable(self, exc: Exception) -> NoReturn:
         """Nothing of the app's answer went out and none can: a 502 goes instead, and
@@ -476,7 +581,7 @@ class _Connection:
         await self._refuse(502, ErrorCode.BACKEND_ERROR, message, self._path(), "backend")
         raise UnsendableHead(str(exc)) from exc
 
-    async def _write(self, data: bytes | None) -> None:
+    async def _write(self, data: bytes) -> None:
         # A client that left gets nothing more; the app learns it from receive(). The
         # checkpoint lets an app that keeps writing in a loop still be cancelled.
         if self.state is CLOSED:
@@ -509,44 +614,29 @@ class _Connection:
     async def _ready_for_next(self) -> bool:
         if self.answer is not DONE or self.state is CLOSED or self.server.stopping:
             return False
-        if self.h11.their_state is h11.SEND_BODY:
+        if self.close_after:
+            return False
+        if not self.body_done:
             await self._discard_body()
-        if self.h11.our_state is h11.DONE and self.h11.their_state is h11.DONE:
-            self.h11.start_next_cycle()
-            return True
-        return False
+        return self.body_done
 
     async def _discard_body(self) -> None:
         """The app answered without reading the whole body: drop the rest."""
         dropped = 0
+        reader = self.reader
         with trio.move_on_after(DISCARD_TIMEOUT):
             while dropped <= DISCARD_BYTES:
-                try:
-                    event = self.h11.next_event()
-                except h11.RemoteProtocolError:
+                event = reader.next_event()
+                if type(event) is bytes:
+                    dropped += len(event)
+                elif event is END:
+                    self.body_done = True
                     return
-                if isinstance(event, h11.Data):
-                    dropped += len(event.data)
-                elif event is h11.NEED_DATA:
+                elif event is NEED_DATA:
                     if not await self._read():
                         return
-                else:
+                else:  # the body broke: the connection ends with this answer
                     return
-
-    async def _refuse_head(self, exc: h11.RemoteProtocolError, first_read: bytes) -> None:
-        """A request head h11 cannot take: 400, or 431 when it is too large."""
-        status = exc.error_status_hint
-        if status == 431:
-            message = f"request head larger than {MAX_HEAD_BYTES} bytes"
-            # Nothing of the head was consumed: it starts the buffer.
-            first_read = self.h11.trailing_data[0]
-        elif status == 501:  # h11's answer to a transfer coding other than `chunked`
-            status, message = 400, "only Transfer-Encoding: chunked is supported"
-        else:
-            message = f"malformed request: {exc}"
-        # The path chooses the error format; a head that began in an earlier read (a
-        # pipelined one) is answered in the default format.
-        await self._refuse(status, ErrorCode.REQUEST_INVALID, message, _path_of(first_read))
 
     async def _refuse(
         self, status: int, code: ErrorCode, message: str, path: str, source: str = "router"
@@ -577,7 +667,7 @@ class _Connection:
     def _path(self) -> str:
         if self.request is None:
             return ""
-        return unquote(bytes(self.request.target).partition(b"?")[0].decode("ascii", "replace"))
+        return _path_of(self.request.target)
 
     async def _close(self) -> None:
         try:
@@ -592,33 +682,9 @@ class _Connection:
             await self.stream.aclose()
 
 
-def _head_problem(
-    request: h11.Request, headers: list[tuple[bytes, bytes]]
-) -> tuple[int, str] | None:
-    """Why a parsed head must be refused (status, message), or None.
-
-    h11 bounds a head only while it is incomplete, so one read of up to 64 KiB can
-    bring a whole head of any size: it is measured here, as its request line and
-    `name: value` lines. h11 frames a request with both Content-Length and
-    Transfer-Encoding by its chunks; a proxy in front may frame it by its length.
-    """
-    size = len(request.method) + len(request.target) + 14
-    size += sum(len(name) + len(value) + 4 for name, value in headers)
-    if size > MAX_HEAD_BYTES:
-        return 431, f"request head larger than {MAX_HEAD_BYTES} bytes"
-    names = dict(headers)
-    if b"transfer-encoding" in names and b"content-length" in names:
-        return 400, "a request may not have both Content-Length and Transfer-Encoding"
-    return None
-
-
-def _path_of(head: bytes) -> str:
-    """The path of the request line that starts `head`, or "" when there is none."""
-    line = head[:MAX_HEAD_BYTES].partition(b"\r\n")[0]
-    parts = line.split(b" ")
-    if len(parts) != 3 or not parts[2].startswith(b"HTTP/"):
-        return ""
-    return unquote(parts[1].partition(b"?")[0].decode("ascii", "replace"))
+def _path_of(target: bytes) -> str:
+    """The percent-decoded path of a request target ("" when there is none)."""
+    return unquote(target.partition(b"?")[0].decode("ascii", "replace"))
 
 
 def _addr(value: Any) -> tuple[str, int] | None:

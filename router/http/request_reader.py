@@ -1,0 +1,229 @@
+"""Request bytes in, request events out: llhttp (through httptools) behind a pull API.
+
+Pure, no I/O, in the manner of h11's `Connection.receive_data/next_event`, which this
+replaced: h11's pure-Python parsing was about 15% of the router's CPU at 64 clients
+(README, *Router overhead*). llhttp is a push parser: one `feed` runs every callback
+for the bytes it is given, a pipelined request's included, so the events wait in a
+queue until the server asks for them. The server feeds only what it reads, and reads
+ahead at most MAX_AHEAD_BYTES while it answers, so the queue stays bounded.
+
+What llhttp accepts and the server must not, this refuses (a `Refusal` event, after
+which nothing more is parsed): a head over MAX_HEAD_BYTES (431), a transfer coding other
+than a lone `chunked` (llhttp takes `gzip, chunked` as chunked), Transfer-Encoding with
+Content-Length (RFC 9112 §6.1, request smuggling) and an HTTP/1.1 request with no Host
+(RFC 9112 §3.2). What llhttp refuses (bad framing, bad chunk sizes, control characters
+in a header) becomes a Refusal with llhttp's reason. A request that asks for a protocol
+upgrade is served as plain HTTP, as h11 did, and is the connection's last: the bytes
+after it are not HTTP.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Final
+
+import httptools
+
+# Request heads larger than this are refused with 431 (h11's default, kept).
+MAX_HEAD_BYTES = 16 * 1024
+# A request line plus the CRLFs around it: "METHOD SP target SP HTTP/1.1 CRLF" and the
+# blank line, as `head_size` counts a head.
+_LINE_OVERHEAD = 14
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """A request's head, parsed and checked."""
+
+    method: str
+    target: bytes
+    http_version: str
+    headers: list[tuple[bytes, bytes]]  # names lowercased, values stripped of OWS
+    keep_alive: bool
+    expects_continue: bool
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """Input the server must answer with `status` and a close; nothing after it is
+    parsed. `in_body`: the head was accepted and the body broke (the app may be reading
+    it). `target`: the request line's target when it was read, for the error format."""
+
+    status: int
+    message: str
+    in_body: bool
+    target: bytes
+
+
+class _End:
+    def __repr__(self) -> str:
+        return "END"
+
+
+class _NeedData:
+    def __repr__(self) -> str:
+        return "NEED_DATA"
+
+
+# The last event of a request (its body is complete); no more events until more input.
+END: Final = _End()
+NEED_DATA: Final = _NeedData()
+
+Event = Head | bytes | _End | Refusal
+
+
+class _Stop(Exception):
+    """Raised in a callback to stop llhttp at once: the refusal is queued."""
+
+
+class RequestReader:
+    """Feed it what the socket gave; take events with `next_event`: a Head, body bytes
+    (never empty), END, a Refusal, or NEED_DATA."""
+
+    __slots__ = (
+        "_body",
+        "_chunked",
+        "_expects",
+        "_head_read",
+        "_headers",
+        "_host",
+        "_in_head",
+        "_parser",
+        "_size",
+        "_target",
+        "buffered",
+        "events",
+        "stopped",
+    )
+
+    def __init__(self) -> None:
+        self._parser = httptools.HttpRequestParser(self)
+        self.events: deque[Event] = deque()
+        # Bytes held in queued body events, for the server's bound on reading ahead.
+        self.buffered = 0
+        self.stopped = False
+        self._in_head = False
+        self._head_read = 0
+        self._target = b""
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._size = _LINE_OVERHEAD
+        self._chunked = False
+        self._host = False
+        self._expects = False
+        self._body = False
+
+    def __repr__(self) -> str:
+        return f"<RequestReader {len(self.events)} events, {self.buffered} body bytes>"
+
+    def feed(self, data: bytes) -> None:
+        if self.stopped or not data:
+            return
+        if self._in_head:
+            # llhttp keeps a header line it has not finished inside httptools, where
+            # `_size` cannot see it; whole reads into an unfinished head bound it.
+            self._head_read += len(data)
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            # Its head and END are queued, with keep_alive False; what follows is not HTTP.
+            self.stopped = True
+        except httptools.HttpParserError as exc:
+            if not self.stopped:  # llhttp's own verdict (a _Stop queued its refusal)
+                self._refuse(400, _reason(str(exc), self._body))
+            return
+        if self._in_head and self._head_read > MAX_HEAD_BYTES:
+            self._refuse(431, f"request head larger than {MAX_HEAD_BYTES} bytes")
+
+    def next_event(self) -> Event | _NeedData:
+        if not self.events:
+            return NEED_DATA
+        event = self.events.popleft()
+        if type(event) is bytes:
+            self.buffered -= len(event)
+        return event
+
+    def _refuse(self, status: int, message: str) -> None:
+        self.stopped = True
+        self.events.append(Refusal(status, message, self._body, self._target))
+
+    def _stop(self, status: int, message: str) -> _Stop:
+        self._refuse(status, message)
+        return _Stop()
+
+    # llhttp's callbacks (httptools calls them by these names).
+
+    def on_message_begin(self) -> None:
+        self._in_head = True
+        self._head_read = 0
+        self._target = b""
+        self._headers = []
+        self._size = _LINE_OVERHEAD
+        self._chunked = self._host = self._body = self._expects = False
+
+    def on_url(self, url: bytes) -> None:
+        self._target += url
+        self._size += len(url)
+        if self._size > MAX_HEAD_BYTES:
+            raise self._stop(431, f"request head larger than {MAX_HEAD_BYTES} bytes")
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        name = name.lower()
+        value = value.rstrip(b" \t")
+        self._size += len(name) + len(value) + 4
+        if self._size > MAX_HEAD_BYTES:
+            raise self._stop(431, f"request head larger than {MAX_HEAD_BYTES} bytes")
+        if name == b"transfer-encoding":
+            if self._chunked or value.lower() != b"chunked":
+                raise self._stop(400, "only Transfer-Encoding: chunked is supported")
+            self._chunked = True
+        elif name == b"host":
+            self._host = True
+        elif name == b"expect" and value.lower() == b"100-continue":
+            self._expects = True
+        self._headers.append((name, value))
+
+    def on_headers_complete(self) -> None:
+        parser = self._parser
+        self._in_head = False
+        version = parser.get_http_version()
+        method = parser.get_method().decode("ascii")
+        size = len(method) + len(self._target) + self._size
+        if size > MAX_HEAD_BYTES:
+            raise self._stop(431, f"request head larger than {MAX_HEAD_BYTES} bytes")
+        if version == "1.1" and not self._host:
+            raise self._stop(400, "malformed request: missing mandatory Host header")
+        # As h11: only HTTP/1.1 keeps a connection alive (1.0's keep-alive is not kept).
+        keep_alive = version == "1.1" and parser.should_keep_alive()
+        if parser.should_upgrade():
+            keep_alive = False
+        self._body = True
+        self.events.append(
+            Head(
+                method,
+                self._target,
+                version,
+                self._headers,
+                keep_alive,
+                self._expects and version == "1.1",
+            )
+        )
+
+    def on_body(self, body: bytes) -> None:
+        self.buffered += len(body)
+        self.events.append(body)
+
+    def on_message_complete(self) -> None:
+        self._body = False
+        self.events.append(END)
+
+
+def _reason(llhttp: str, in_body: bool) -> str:
+    """What to tell the client about a request llhttp refused."""
+    if "Content-Length" in llhttp and "Transfer-Encoding" in llhttp:
+        return "a request may not have both Content-Length and Transfer-Encoding"
+    if "Transfer-Encoding" in llhttp:
+        return "only Transfer-Encoding: chunked is supported"
+    if in_body:
+        return f"malformed request body: {llhttp}"
+    return f"malformed request: {llhttp}"
