@@ -40,6 +40,19 @@ def test_a_completions_prompt_is_one_turn() -> None:
     assert prompt_text({"prompt": "once upon"}) == [("prompt", "once upon")]
 
 
+def test_responses_input_reads_like_chat_turns() -> None:
+    assert prompt_text({"instructions": "rules", "input": "hi"}) == [
+        ("system", "rules"),
+        ("user", "hi"),
+    ]
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "look"}]},
+        {"type": "function_call", "name": "f", "arguments": "{}"},
+        {"role": "assistant", "content": "seen"},
+    ]
+    assert prompt_text({"input": items}) == [("user", "look"), ("assistant", "seen")]
+
+
 def test_hostile_shapes_add_nothing_instead_of_failing() -> None:
     payload = {"messages": ["x", 3, None, {"content": 7}], "prompt": ["a"], "system": 5}
     assert prompt_text(payload) == [("system", ""), ("None", "")]

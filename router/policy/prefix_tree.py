@@ -34,12 +34,14 @@ from typing import Any
 def prompt_text(payload: dict[str, Any]) -> list[tuple[str, str]]:
     """(role, content) of each turn the engine will see, in order.
 
-    OpenAI chat `messages`, Anthropic's top-level `system` before its `messages`, and a
-    completions `prompt` (one `prompt` turn). Content parts contribute their text; what
-    has no text (images, tool calls) adds nothing.
+    OpenAI chat `messages`, Anthropic's top-level `system` before its `messages`, a
+    completions `prompt` (one `prompt` turn), and the Responses API's `instructions` (a
+    system turn) before its `input` (a string is one user turn; a list holds chat-like
+    items). Content parts contribute their text; what has no text (images, tool calls)
+    adds nothing.
     """
     turns: list[tuple[str, str]] = []
-    system = payload.get("system")
+    system = payload.get("system", payload.get("instructions"))
     if system is not None:
         turns.append(("system", _text(system)))
     messages = payload.get("messages")
@@ -47,6 +49,13 @@ def prompt_text(payload: dict[str, Any]) -> list[tuple[str, str]]:
         for message in messages:
             if isinstance(message, dict):
                 turns.append((str(message.get("role")), _text(message.get("content"))))
+    items = payload.get("input")
+    if isinstance(items, str):
+        turns.append(("user", items))
+    elif isinstance(items, list):
+        for item in items:
+            if isinstance(item, dict) and "role" in item:
+                turns.append((str(item["role"]), _text(item.get("content"))))
     prompt = payload.get("prompt")
     if isinstance(prompt, str):
         turns.append(("prompt", prompt))
