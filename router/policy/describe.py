@@ -125,7 +125,9 @@ def _step(step: Step, default_max_tries: int) -> list[str]:
         params = step.strategy_params
         lines.append(
             f"              block_chars {params.block_chars}, max_blocks {params.max_blocks},"
-            f" balance_threshold {_number(params.balance_threshold)}"
+            f" balance_threshold {_number(params.balance_threshold)},"
+            f" balance_rel_threshold {_number(params.balance_rel_threshold)},"
+            f" cache_threshold {_number(params.cache_threshold)}"
         )
     lines.append(f"  max_tries:  {budget}")
     return lines

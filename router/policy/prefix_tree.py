@@ -34,12 +34,14 @@ from typing import Any
 def prompt_text(payload: dict[str, Any]) -> list[tuple[str, str]]:
     """(role, content) of each turn the engine will see, in order.
 
-    OpenAI chat `messages`, Anthropic's top-level `system` before its `messages`, and a
-    completions `prompt` (one `prompt` turn). Content parts contribute their text; what
-    has no text (images, tool calls) adds nothing.
+    OpenAI chat `messages`, Anthropic's top-level `system` before its `messages`, a
+    completions `prompt` (one `prompt` turn), and the Responses API's `instructions` (a
+    system turn) before its `input` (a string is one user turn; a list holds chat-like
+    items). Content parts contribute their text; what has no text (images, tool calls)
+    adds nothing.
     """
     turns: list[tuple[str, str]] = []
-    system = payload.get("system")
+    system = payload.get("system", payload.get("instructions"))
     if system is not None:
         turns.append(("system", _text(system)))
     messages = payload.get("messages")
@@ -47,6 +49,13 @@ def prompt_text(payload: dict[str, Any]) -> list[tuple[str, str]]:
         for message in messages:
             if isinstance(message, dict):
                 turns.append((str(message.get("role")), _text(message.get("content"))))
+    items = payload.get("input")
+    if isinstance(items, str):
+        turns.append(("user", items))
+    elif isinstance(items, list):
+        for item in items:
+            if isinstance(item, dict) and "role" in item:
+                turns.append((str(item["role"]), _text(item.get("content"))))
     prompt = payload.get("prompt")
     if isinstance(prompt, str):
         turns.append(("prompt", prompt))
@@ -65,33 +74,47 @@ def _text(content: object) -> str:
     return ""
 
 
-def block_keys(turns: Iterable[tuple[str, str]], block_chars: int) -> list[int]:
-    """The hash chain of the prompt's blocks; each turn's role is folded into its first.
+def blocks(turns: Iterable[tuple[str, str]], block_chars: int) -> tuple[list[int], list[int]]:
+    """The hash chain of the prompt's blocks, each turn's role folded into its first, and
+    the characters of content up to the end of each block (what a match of that many
+    blocks covers, so a match can be weighed against the whole prompt).
 
     A tuple's hash over (previous key, text) is the cheapest chain Python offers: 47 µs
     for an 8k-token prompt in 256-character blocks, where folding the string hashes
     into one integer by hand took 101 µs (loaded 2-core machine).
     """
     keys: list[int] = []
+    ends: list[int] = []
     key = 0
+    total = 0
     for role, content in turns:
         key = hash((key, role))
         if not content:
             keys.append(key)
+            ends.append(total)
             continue
         for start in range(0, len(content), block_chars):
-            key = hash((key, content[start : start + block_chars]))
+            text = content[start : start + block_chars]
+            key = hash((key, text))
             keys.append(key)
-    return keys
+            total += len(text)
+            ends.append(total)
+    return keys, ends
 
 
 class PrefixTree:
-    """One model's prefix tree: block key -> the agents that were sent that prefix."""
+    """One model's prefix tree: block key -> the agents that were sent that prefix.
 
-    __slots__ = ("_nodes",)
+    `held` counts the nodes each agent is in: the router's picture of how much of that
+    agent's cache its remembered prompts fill, which places a prompt that matches
+    nowhere (as SGLang's router sends it to the worker with the smallest tree).
+    """
+
+    __slots__ = ("_held", "_nodes")
 
     def __init__(self) -> None:
         self._nodes: OrderedDict[int, set[str]] = OrderedDict()
+        self._held: dict[str, int] = {}
 
     def __len__(self) -> int:
         return len(self._nodes)
@@ -99,6 +122,11 @@ class PrefixTree:
     def __repr__(self) -> str:
         agents = set().union(*self._nodes.values()) if self._nodes else set()
         return f"<PrefixTree {len(self._nodes)} nodes, {len(agents)} agents>"
+
+    @property
+    def held(self) -> dict[str, int]:
+        """Peer ID -> how many remembered blocks name it (absent: none). Read only."""
+        return self._held
 
     def match(self, keys: list[int]) -> dict[str, int]:
         """How many leading blocks of `keys` each agent was sent; absent agents: none.
@@ -130,15 +158,26 @@ class PrefixTree:
     def insert(self, keys: list[int], peer_id: str, max_blocks: int) -> None:
         """Record that `peer_id` was sent this prefix, then evict down to `max_blocks`."""
         nodes = self._nodes
+        added = 0
         for key in reversed(keys):
             holders = nodes.get(key)
             if holders is None:
                 nodes[key] = {peer_id}
+                added += 1
             else:
-                holders.add(peer_id)
+                if peer_id not in holders:
+                    holders.add(peer_id)
+                    added += 1
                 nodes.move_to_end(key)
+        held = self._held
+        held[peer_id] = held.get(peer_id, 0) + added
         while len(nodes) > max_blocks:
-            nodes.popitem(last=False)
+            for gone in nodes.popitem(last=False)[1]:
+                left = held[gone] - 1
+                if left:
+                    held[gone] = left
+                else:
+                    del held[gone]
 
     def forget(self, peer_id: str) -> None:
         """Drop an agent that left: its engine's cache left with it."""
@@ -148,3 +187,4 @@ class PrefixTree:
             holders.discard(peer_id)
             if not holders:
                 del nodes[key]
+        self._held.pop(peer_id, None)

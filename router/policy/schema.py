@@ -454,17 +454,28 @@ class _Validator(Validator):
         defaults = PrefixParams()
         block = self.integer(f"{path}.block_chars", body.get("block_chars"), *_BLOCK_CHARS)
         blocks = self.integer(f"{path}.max_blocks", body.get("max_blocks"), *_MAX_BLOCKS)
-        threshold = defaults.balance_threshold
-        if "balance_threshold" in body:
-            value = body["balance_threshold"]
-            if not is_number(value) or not math.isfinite(value) or value < 0:
-                self.error(
-                    f"{path}.balance_threshold",
-                    f"must be a finite number of at least 0 (a capacity fraction), got {value!r}",
-                )
-            else:
-                threshold = float(value)
-        return PrefixParams(block or defaults.block_chars, blocks or defaults.max_blocks, threshold)
+        return PrefixParams(
+            block or defaults.block_chars,
+            blocks or defaults.max_blocks,
+            self.fraction(body, path, "balance_threshold", defaults, "a capacity fraction"),
+            self.fraction(body, path, "balance_rel_threshold", defaults, "a ratio of loads"),
+            self.fraction(body, path, "cache_threshold", defaults, "a fraction of the prompt"),
+        )
+
+    def fraction(
+        self, body: dict[Any, Any], path: str, name: str, defaults: PrefixParams, unit: str
+    ) -> float:
+        """A finite non-negative number under `name`, or its default."""
+        default: float = getattr(defaults, name)
+        if name not in body:
+            return default
+        value = body[name]
+        if not is_number(value) or not math.isfinite(value) or value < 0:
+            self.error(
+                f"{path}.{name}", f"must be a finite number of at least 0 ({unit}), got {value!r}"
+            )
+            return default
+        return float(value)
 
     def max_tries(self, path: str, raw: object) -> int:
         if raw is None:
@@ -512,7 +523,13 @@ class _Validator(Validator):
 
 
 _KNOWN: tuple[str, ...] = tuple(STRATEGIES)
-PREFIX_PARAM_KEYS: tuple[str, ...] = ("block_chars", "max_blocks", "balance_threshold")
+PREFIX_PARAM_KEYS: tuple[str, ...] = (
+    "block_chars",
+    "max_blocks",
+    "balance_threshold",
+    "balance_rel_threshold",
+    "cache_threshold",
+)
 # A block under 16 characters (4 tokens) costs a dict lookup per word; over 64 KiB a
 # long prompt would share no block with its own next turn.
 _BLOCK_CHARS = (16, 65_536)

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from router.peers import Peer
-from router.policy.prefix_tree import block_keys, prompt_text
+from router.policy.prefix_tree import blocks, prompt_text
 
 
 @dataclass(slots=True)
@@ -27,13 +27,14 @@ class RankRequest:
 
     model: str
     payload: dict[str, Any]
-    _keys: dict[int, list[int]] = field(default_factory=dict)
+    _blocks: dict[int, tuple[list[int], list[int]]] = field(default_factory=dict)
 
-    def block_keys(self, block_chars: int) -> list[int]:
-        keys = self._keys.get(block_chars)
-        if keys is None:
-            keys = self._keys[block_chars] = block_keys(prompt_text(self.payload), block_chars)
-        return keys
+    def blocks(self, block_chars: int) -> tuple[list[int], list[int]]:
+        """The prompt's block keys and where each block ends (prefix_tree.blocks)."""
+        cut = self._blocks.get(block_chars)
+        if cut is None:
+            cut = self._blocks[block_chars] = blocks(prompt_text(self.payload), block_chars)
+        return cut
 
 
 class Strategy(Protocol):
