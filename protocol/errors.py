@@ -54,6 +54,8 @@ class ErrorCode(StrEnum):
     # The agent refused a request before starting it: its capacity is held by requests
     # from this and other routers. Agent to router only; a client never sees it.
     AGENT_FULL = "agent_full"
+    # An Idempotency-Key (or X-Request-ID) reused with another body (router/idempotency.py).
+    IDEMPOTENCY_CONFLICT = "idempotency_conflict"
     # The agent's engine does not serve the endpoint (its adapter's capability check):
     # the engine was not asked, and the agent is not at fault.
     ENDPOINT_NOT_SUPPORTED = "endpoint_not_supported"
@@ -86,6 +88,7 @@ STATUS: dict[ErrorCode, int] = {
     ErrorCode.TOO_MANY_CONCURRENT: 429,
     ErrorCode.MODEL_NOT_ALLOWED: 403,
     ErrorCode.AGENT_FULL: 503,
+    ErrorCode.IDEMPOTENCY_CONFLICT: 409,
     ErrorCode.ENDPOINT_NOT_SUPPORTED: 404,
 }
 
@@ -116,6 +119,7 @@ _OPENAI_TYPE: dict[int, str] = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "invalid_request_error",
     422: "invalid_request_error",
     429: "rate_limit_error",
@@ -132,6 +136,7 @@ _ANTHROPIC_TYPE: dict[int, str] = {
     403: "permission_error",
     404: "not_found_error",
     405: "invalid_request_error",
+    409: "invalid_request_error",
     413: "request_too_large",
     422: "invalid_request_error",
     429: "rate_limit_error",

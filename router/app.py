@@ -152,7 +152,9 @@ class RouterDaemon:
             self.dispatcher,
             self.table,
             self.metrics,
-            ClientSettings(settings.max_request_bytes, settings.request_timeout),
+            ClientSettings(
+                settings.max_request_bytes, settings.request_timeout, settings.idempotency_window
+            ),
         )
         self.client.admission = Admission(
             AdmitSettings(settings.admit_fraction, settings.admit_park_timeout),

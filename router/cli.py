@@ -81,6 +81,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.add_argument("--request-timeout", type=parse_duration, default=None, help="default 60s")
     serve.add_argument(
+        "--idempotency-window",
+        type=parse_duration,
+        default=None,
+        help="replay an answer to a retry with its Idempotency-Key for this long; 0s: off"
+        " (default 60s)",
+    )
+    serve.add_argument(
         "--health-check-interval",
         type=parse_duration,
         default="1s",
@@ -227,6 +234,9 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         queue_size=pick(args.queue_size, "QUEUE_SIZE", int, "100"),
         max_concurrent=args.max_concurrent,
         request_timeout=pick(args.request_timeout, "REQUEST_TIMEOUT", parse_duration, "60s"),
+        idempotency_window=pick(
+            args.idempotency_window, "IDEMPOTENCY_WINDOW", parse_duration, "60s"
+        ),
         health_check_interval=args.health_check_interval,
         p2p_max_conns_per_ip=pick(args.p2p_max_conns_per_ip, "P2P_MAX_CONNS_PER_IP", int, "32"),
         http_write_timeout=args.http_write_timeout,

@@ -118,6 +118,15 @@ class Dispatcher:
             self._shed(req, outcome)
         return await self._after_chain(req, outcome)
 
+    async def continuation(self, req: RouteRequest) -> Served | None:
+        """Route a broken stream's continuation (router/continuation_relay.py) through
+        the local chain only: a provider cannot go on from another engine's text. The
+        request was counted as routed once; its continuation is counted on its own."""
+        policy = self.store.for_model(req.model)
+        async with self.limit.slot():
+            outcome = await self.session.route(policy, req)
+        return outcome if isinstance(outcome, Served) else None
+
     def _shed(self, req: RouteRequest, shed: LoadShed) -> NoReturn:
         """Refused under load: no provider (shedding is meant to cut work), no exhaustion."""
         log.info("%s", shed_line(req, shed))

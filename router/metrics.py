@@ -49,6 +49,13 @@ class RouterMetrics:
             ["model", "tenant"],
             registry=r,
         )
+        self.stream_continuations = Counter(
+            P + "stream_continuations_total",
+            "Broken streams by what followed: continued on another agent, ended whole,"
+            " or ended with the error event (unsupported, no_agent)",
+            ["model", "tenant", "outcome"],
+            registry=r,
+        )
         self.forward_failures = Counter(
             P + "forward_failures_total",
             "Failed forwards to agents by error code",

@@ -55,6 +55,9 @@ class RouteRequest:
     # A hard constraint like the model: only agents running one of these engines
     # (empty: any engine). Token counting needs an engine with a tokenizer endpoint.
     engines: frozenset[str] = frozenset()
+    # Agents never tried for this request: a stream's continuation excludes the agents
+    # whose stream broke (router/continuation_relay.py).
+    exclude: frozenset[str] = frozenset()
     # The request's innermost open span, under which the next one goes (NULL_SPAN with
     # tracing off), and the W3C traceparent the agent and its engine get with tracing
     # off: the client's.
@@ -287,7 +290,9 @@ class RoutingSession:
     def _pool(self, req: RouteRequest) -> Sequence[Peer]:
         pool = self.table.for_model(req.model)
         if req.engines:
-            return [p for p in pool if p.metadata.engine in req.engines]
+            pool = [p for p in pool if p.metadata.engine in req.engines]
+        if req.exclude:
+            pool = [p for p in pool if p.peer_id not in req.exclude]
         return pool
 
     def _shed(self, step: Step, req: RouteRequest) -> ShedHit | None:

@@ -62,6 +62,8 @@ class RouterSettings:
     max_concurrent: int = 0
     queue_size: int = 100
     request_timeout: float = 60.0
+    # How long a successful answer is replayed to a retry with its key (0: off).
+    idempotency_window: float = 60.0
     health_check_interval: float = 1.0
     # --disk-db-path: the directory of the per-agent history file (router/lifetime.py).
     disk_db_path: str | None = None

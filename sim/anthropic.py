@@ -6,7 +6,16 @@ from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from sim.asgi import SSE_HEADERS, Exchange, dumps, sse_event
-from sim.generation import Job, RequestError, Run, content_text, conversation, max_tokens, words
+from sim.generation import (
+    Job,
+    RequestError,
+    Run,
+    content_text,
+    conversation,
+    max_tokens,
+    prefilled,
+    words,
+)
 
 if TYPE_CHECKING:
     from sim.app import SimEngine
@@ -24,7 +33,8 @@ def prepare_messages(engine: SimEngine, payload: dict[str, Any], started: float)
         raise RequestError(400, "max_tokens: Field required")
     system = words(content_text(payload.get("system")))
     prompt, last_user = conversation(payload.get("messages"), system)
-    job = engine.job(prompt, last_user, limit, payload, started)
+    # A final assistant message is a prefill: the answer goes on from it.
+    job = engine.job(prompt, last_user, limit, payload, started, prefilled(payload["messages"]))
     if payload.get("stream") is True:
         return partial(_messages_stream, engine, job)
     return partial(_messages_full, engine, job)

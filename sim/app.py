@@ -226,12 +226,14 @@ class SimEngine:
         max_tokens: int | None,
         payload: dict[str, Any],
         started: float,
+        skip: int = 0,
     ) -> Job:
-        """The generation a request asks for, checked against the context limit."""
+        """The generation a request asks for, checked against the context limit; `skip`
+        answer words are already in a prefilled assistant turn."""
         prompt_tokens = len(prompt)
         check_context(self.max_context, prompt_tokens, max_tokens)
         limit = max_tokens if max_tokens is not None else self.max_context - prompt_tokens
-        pieces, finish = answer(last_user, limit, payload.get("ignore_eos") is True)
+        pieces, finish = answer(last_user, limit, payload.get("ignore_eos") is True, skip)
         return Job(prompt, pieces, finish, started)
 
     async def prefill(self, prompt_tokens: int) -> None:

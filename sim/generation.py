@@ -86,19 +86,51 @@ def template(role: str, turn: list[str]) -> list[str]:
     return [f"{role}\x01{word}" if i == 0 else f"{role}\x00{word}" for i, word in enumerate(turn)]
 
 
-def answer(prompt: list[str], limit: int | None, ignore_eos: bool) -> tuple[list[str], str]:
-    """Deterministic answer pieces for the prompt words, and the finish reason."""
+def answer(
+    prompt: list[str], limit: int | None, ignore_eos: bool, skip: int = 0
+) -> tuple[list[str], str]:
+    """Deterministic answer pieces for the prompt words, and the finish reason.
+
+    Each piece is a function of its position alone, so an answer continued from its
+    first `skip` pieces (a prefilled assistant turn) goes on with exactly the pieces
+    the whole answer has there: a stream spliced from two engines can be checked.
+    """
     echo = ["Echo:", *prompt]
     if ignore_eos and limit is not None:
         # vLLM's ignore_eos generates until max_tokens: benchmarks use it for fixed lengths.
-        echo = list(itertools.islice(itertools.cycle(echo), limit))
+        echo = list(itertools.islice(itertools.cycle(echo), skip, skip + limit))
         finish = "length"
-    elif limit is not None and len(echo) > limit:
+        return _spaced(echo, skip), finish
+    echo = echo[skip:]
+    if limit is not None and len(echo) > limit:
         echo = echo[:limit]
         finish = "length"
     else:
         finish = "stop"
-    return [echo[0], *(" " + w for w in echo[1:])] if echo else [], finish
+    return _spaced(echo, skip), finish
+
+
+def _spaced(echo: list[str], skip: int) -> list[str]:
+    """Words as pieces: each after the answer's first one starts with its space."""
+    if not echo:
+        return []
+    if skip:
+        return [" " + w for w in echo]
+    return [echo[0], *(" " + w for w in echo[1:])]
+
+
+def prefilled(messages: Any) -> int:
+    """How many answer words a final assistant message already holds (0: none).
+
+    vLLM and SGLang continue that message with `continue_final_message`, Anthropic's
+    Messages API and llama.cpp always (a prefill); the engine then generates only the
+    rest, and its usage counts only those new tokens.
+    """
+    if isinstance(messages, list) and messages:
+        last = messages[-1]
+        if isinstance(last, dict) and last.get("role") == "assistant":
+            return len(words(content_text(last.get("content"))))
+    return 0
 
 
 def conversation(messages: Any, system: list[str] | None = None) -> tuple[list[str], list[str]]:

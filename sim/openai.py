@@ -22,6 +22,7 @@ from sim.generation import (
     Run,
     conversation,
     max_tokens,
+    prefilled,
     template,
     words,
 )
@@ -56,10 +57,27 @@ def _include_usage(payload: dict[str, Any]) -> bool:
 # Chat ---------------------------------------------------------------------------------
 
 
+def continued(payload: dict[str, Any]) -> int:
+    """The answer words a `continue_final_message` request already holds, checked as
+    vLLM checks it; without the flag a final assistant message starts a new turn."""
+    if payload.get("continue_final_message") is not True:
+        return 0
+    if payload.get("add_generation_prompt", True) is not False:
+        raise RequestError(
+            400, "Cannot set both `continue_final_message` and `add_generation_prompt` to True."
+        )
+    messages = payload.get("messages")
+    if not (isinstance(messages, list) and messages and isinstance(messages[-1], dict)):
+        raise RequestError(400, "`messages` must be a non-empty list")
+    if messages[-1].get("role") != "assistant":
+        raise RequestError(400, "continue_final_message needs a final assistant message")
+    return prefilled(messages)
+
+
 def prepare_chat(engine: SimEngine, payload: dict[str, Any], started: float) -> Run:
     prompt, last_user = conversation(payload.get("messages"))
     limit = max_tokens(payload, "max_completion_tokens", "max_tokens")
-    job = engine.job(prompt, last_user, limit, payload, started)
+    job = engine.job(prompt, last_user, limit, payload, started, continued(payload))
     if payload.get("stream") is True:
         return partial(_chat_stream, engine, job, _include_usage(payload))
     return partial(_chat_full, engine, job)
@@ -88,11 +106,11 @@ async def _chat_full(engine: SimEngine, job: Job, exchange: Exchange) -> None:
 async def _chat_stream(
     engine: SimEngine, job: Job, include_usage: bool, exchange: Exchange
 ) -> None:
-    request_id = f"chatcmpl-sim{engine.next_id()}"
+    request_id, created = f"chatcmpl-sim{engine.next_id()}", int(time.time())
     head = (
         b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,'
         b'"choices":[{"index":0,"delta":{'
-    ) % (request_id.encode(), int(time.time()), engine.model_json)
+    ) % (request_id.encode(), created, engine.model_json)
     open_tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
     role = head + b'"role":"assistant","content":""' + open_tail
 
@@ -103,9 +121,8 @@ async def _chat_stream(
     await exchange.start(200, SSE_HEADERS)
     await engine.generate(job, emit)
     end = head + b'},"logprobs":null,"finish_reason":"%s"}]}\n\n' % job.finish.encode()
-    await _finish_stream(
-        engine, exchange, end, request_id, "chat.completion.chunk", job, include_usage
-    )
+    kind = "chat.completion.chunk"
+    await _finish_stream(engine, exchange, end, request_id, created, kind, job, include_usage)
 
 
 async def _finish_stream(
@@ -113,6 +130,7 @@ async def _finish_stream(
     exchange: Exchange,
     end: bytes,
     request_id: str,
+    created: int,
     kind: str,
     job: Job,
     include_usage: bool,
@@ -122,7 +140,7 @@ async def _finish_stream(
         usage = {
             "id": request_id,
             "object": kind,
-            "created": int(time.time()),
+            "created": created,  # every chunk of a stream has the same, as vLLM's
             "model": engine.model,
             "choices": [],
             "usage": job.usage(),
@@ -172,11 +190,11 @@ async def _completion_full(engine: SimEngine, job: Job, exchange: Exchange) -> N
 async def _completion_stream(
     engine: SimEngine, job: Job, include_usage: bool, exchange: Exchange
 ) -> None:
-    request_id = f"cmpl-sim{engine.next_id()}"
+    request_id, created = f"cmpl-sim{engine.next_id()}", int(time.time())
     head = (
         b'data: {"id":"%s","object":"text_completion","created":%d,"model":%s,'
         b'"choices":[{"index":0,"text":'
-    ) % (request_id.encode(), int(time.time()), engine.model_json)
+    ) % (request_id.encode(), created, engine.model_json)
 
     async def emit(index: int, piece: str) -> None:
         await exchange.chunk(head + dumps(piece) + b',"logprobs":null,"finish_reason":null}]}\n\n')
@@ -184,7 +202,8 @@ async def _completion_stream(
     await exchange.start(200, SSE_HEADERS)
     await engine.generate(job, emit)
     end = head + b'"","logprobs":null,"finish_reason":"%s"}]}\n\n' % job.finish.encode()
-    await _finish_stream(engine, exchange, end, request_id, "text_completion", job, include_usage)
+    kind = "text_completion"
+    await _finish_stream(engine, exchange, end, request_id, created, kind, job, include_usage)
 
 
 # Embeddings ---------------------------------------------------------------------------

@@ -5,7 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
+from functools import partial
 
 import orjson
 import trio
@@ -15,6 +17,7 @@ from protocol.logs import quote
 from protocol.tracing import NULL_SPAN, Span, valid_traceparent
 from router.admission.control import Admission, AdmissionRefused, Admitted
 from router.admission.limits import NO_ADMISSION_LIMITS
+from router.continuation_relay import StreamContinuer, StreamRelay, broken_code, record_break
 from router.dispatch import Dispatcher, ProviderServed
 from router.http import count_tokens, request_fields
 from router.http.asgi import (
@@ -30,6 +33,7 @@ from router.http.asgi import (
     send_json,
     start_response,
 )
+from router.idempotency import DEFAULT_WINDOW, IdempotencyTable, request_key
 from router.link import AgentResponse, StreamBroken
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
@@ -65,6 +69,7 @@ _DROPPED_RESPONSE_HEADERS = frozenset(
 class ClientSettings:
     max_request_bytes: int
     request_timeout: float
+    idempotency_window: float = DEFAULT_WINDOW
 
 
 def parse_json_object(body: bytes) -> tuple[dict | None, str]:
@@ -127,6 +132,8 @@ class ClientApi:
         self.table = table
         self.metrics = metrics
         self.settings = settings
+        self.continuer = StreamContinuer(dispatcher, table, metrics)
+        self.idempotency = IdempotencyTable(settings.idempotency_window)
         # Admission control (router/admission); None: none (in-process tests).
         self.admission: Admission | None = None
 
@@ -290,7 +297,25 @@ class ClientApi:
             except RouterError as err:
                 retry = [*extra, *err.retry_headers()]
                 return await send_error(send, protocol, err, retry, ticket)
-        return await self._serve(req, protocol, receive, send, extra, ticket, admitted)
+        if self.idempotency.window <= 0 or request_key(scope) is None:
+            return await self._serve(req, protocol, receive, send, extra, ticket, admitted)
+        conflict = RouterError(
+            ErrorCode.IDEMPOTENCY_CONFLICT,
+            "this idempotency key was used with another request body; use a new key",
+        )
+        failed = RouterError(
+            ErrorCode.BACKEND_ERROR, "the first request with this idempotency key failed"
+        )
+        return await self.idempotency.once(
+            scope,
+            tenant,
+            body,
+            send,
+            rid,
+            partial(send_error, send, protocol, conflict, extra, ticket),
+            sse_error(protocol, failed),
+            lambda recorded: self._serve(req, protocol, receive, recorded, extra, ticket, admitted),
+        )
 
     async def _serve(
         self,
@@ -396,6 +421,7 @@ class ClientApi:
         ]
         headers += extra
         state.status = response.status
+        relay: StreamRelay | None = None
         try:
             if not req.stream:
                 body = await response.read_all()
@@ -407,42 +433,29 @@ class ClientApi:
             state.started = True
             await start_response(send, response.status, headers)
             admitted, gates = state.admitted, self.admission
-            last = False
+            grow: Callable[[bytes], Awaitable[None]] | None = None
             if admitted is not None and gates is not None and admitted.grows:
                 # No declared output limit: the footprint grows by what streams, one
                 # token per delta event (OpenAI's `delta`, Anthropic's content_block_delta).
-                async for chunk, last in response.parts():
-                    await gates.grow(admitted, chunk.count(b'"delta"'))
-                    await send_body(send, chunk, more=not last)
-            else:
-                async for chunk, last in response.parts():
-                    await send_body(send, chunk, more=not last)
-            if not last:
-                await send_body(send, b"")
+                grow = partial(_grow_by_deltas, gates, admitted)
+            relay = StreamRelay(
+                self.continuer, req, response, partial(setattr, state, "response"), grow
+            )
+            await relay.run(send)
         except StreamBroken as exc:
-            code = (
-                ErrorCode.AGENT_DISCONNECTED
-                if str(exc).startswith("agent_disconnected")
-                else ErrorCode.BACKEND_ERROR
-            )
-            err = RouterError(code, f"answer interrupted: {exc}")
-            self.metrics.forward_failures.labels(req.model, str(code), req.tenant).inc()
-            log.warning(
-                "req=%s stream_broken reason=%s tenant=%s",
-                req.request_id,
-                quote(str(exc)),
-                quote(req.tenant),
-            )
+            err = RouterError(broken_code(exc), f"answer interrupted: {exc}")
+            if relay is None:  # a stream's relay has counted and logged its breaks
+                record_break(self.metrics, req, exc)
             if state.started and req.stream:
                 await _end_stream_with_error(send, protocol, err, state)
             else:
                 state.status = await send_error(send, protocol, err, extra, state.ticket)
         finally:
-            response.close()
+            (relay.response if relay else response).close()
             if state.ticket:
-                state.ticket.usage = response.usage
+                state.ticket.usage = relay.usage if relay else response.usage
             if state.admitted is not None:
-                state.admitted.usage = response.usage
+                state.admitted.usage = relay.usage if relay else response.usage
 
     async def _send_provider(
         self,
@@ -537,6 +550,10 @@ async def _watch(
                 return
     if state.response is not None:
         state.response.close()
+
+
+async def _grow_by_deltas(gates: Admission, admitted: Admitted, chunk: bytes) -> None:
+    await gates.grow(admitted, chunk.count(b'"delta"'))
 
 
 async def _end_stream_with_error(

@@ -60,6 +60,9 @@ TOP_LEVEL_KEYS: tuple[str, ...] = ("routing_policy", "fallback_chain", "fallback
 # (--policy-model-dir), `shed_if` is the front-door check. Not in the `known:` list of
 # the message above, which tests and operators' notes pin.
 UPSTREAM_TOP_LEVEL_KEYS: tuple[str, ...] = ("models", "shed_if", *ADMISSION_FIELDS)
+# This router's own top-level options, also outside that list; a close misspelling
+# still gets its did-you-mean.
+ROUTER_TOP_LEVEL_KEYS: tuple[str, ...] = ("stream_continuation",)
 PROVIDER_ENGINES: tuple[str, ...] = ("openai", "anthropic")
 PROVIDER_KEYS: tuple[str, ...] = ("engine", "model")
 PRIMARY = "routing_policy"
@@ -152,6 +155,8 @@ class Policy:
     shed_if: Shed | None = None
     # Upstream's top-level admission fields (router/admission/limits.py).
     admission: AdmissionLimits = NO_ADMISSION_LIMITS
+    # A stream whose agent breaks goes on from another agent (router/continuation.py).
+    stream_continuation: bool = True
 
     @property
     def steps(self) -> tuple[Step, ...]:
@@ -196,8 +201,16 @@ class _Validator(Validator):
                 f" got {kind(document)}",
             )
             return None
-        others = {k: v for k, v in document.items() if k not in UPSTREAM_TOP_LEVEL_KEYS}
-        self.unknown_keys("", others, TOP_LEVEL_KEYS, "unknown top-level key", _MISPLACED_TOP)
+        own = (*UPSTREAM_TOP_LEVEL_KEYS, *ROUTER_TOP_LEVEL_KEYS)
+        others = {k: v for k, v in document.items() if k not in own}
+        typos = {str(k): o for k in others for o in ROUTER_TOP_LEVEL_KEYS if hint(str(k), (o,))}
+        self.unknown_keys(
+            "", others, TOP_LEVEL_KEYS, "unknown top-level key", _MISPLACED_TOP, typos
+        )
+        continuation = document.get("stream_continuation", True)
+        if not isinstance(continuation, bool):
+            self.error("stream_continuation", f"must be true or false, got {kind(continuation)}")
+            continuation = True
 
         models = self.models(document.get("models"))
         front = self.shed_if("shed_if", document.get("shed_if"), POLICY_SHED_FIELDS)
@@ -208,7 +221,7 @@ class _Validator(Validator):
         if primary is None or chain is None:
             return None
         self.unique_names((primary, *chain))
-        return Policy(primary, chain, provider, source, models, front, admission)
+        return Policy(primary, chain, provider, source, models, front, admission, continuation)
 
     def models(self, raw: object) -> tuple[str, ...]:
         if raw is None:

@@ -1,0 +1,167 @@
+"""Safe client retries: the same Idempotency-Key (or client X-Request-ID) gets the same
+answer, generated once; the table's window and bounds with a mock clock."""
+
+from __future__ import annotations
+
+import uuid
+
+import anthropic
+import httpx
+import openai
+import pytest
+import trio
+import trio.testing
+
+from router import idempotency
+from router.idempotency import Conflict, EntryState, IdempotencyTable, Join
+from tests.fleet import Agent, Fleet
+
+MESSAGES = [{"role": "user", "content": "a b c d e f g h"}]
+
+
+def _generations(agent: Agent) -> int:
+    return agent.sim_state()["requests_total"]
+
+
+def test_retries_with_one_key_are_answered_once(fleet: Fleet) -> None:
+    router = fleet.router()
+    agent = fleet.agent(router, "m1", "--sim-token-latency", "50ms")
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="key-a", max_retries=0)
+    key = {"Idempotency-Key": str(uuid.uuid4())}
+
+    async def stream(out: list[tuple[set[str], str]]) -> None:
+        async_client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="key-a")
+        chunks = await async_client.chat.completions.create(
+            model="m1", messages=MESSAGES, stream=True, extra_headers=key
+        )
+        ids, text = set(), ""
+        async for chunk in chunks:
+            ids.add(chunk.id)
+            text += "".join(c.delta.content or "" for c in chunk.choices)
+        out.append((ids, text))
+        await async_client.close()
+
+    async def two_at_once() -> list[tuple[set[str], str]]:
+        out: list[tuple[set[str], str]] = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(stream, out)
+            await trio.sleep(0.2)  # the second joins the running stream part way
+            nursery.start_soon(stream, out)
+        return out
+
+    before = _generations(agent)
+    first, second = trio.run(two_at_once)
+    assert first == second and len(first[0]) == 1 and first[1] == "Echo: a b c d e f g h"
+    assert _generations(agent) == before + 1
+    # After it finished: replayed, same id and text, marked as a replay.
+    raw = client.chat.completions.with_raw_response.create(
+        model="m1", messages=MESSAGES, stream=True, extra_headers=key
+    )
+    assert raw.headers["idempotent-replayed"] == "true"
+    replay = list(raw.parse())
+    assert {c.id for c in replay} == first[0]
+    assert "".join(c.choices[0].delta.content or "" for c in replay if c.choices) == first[1]
+    assert _generations(agent) == before + 1
+
+    # Another body under the key: 409 in each caller's protocol.
+    with pytest.raises(openai.ConflictError) as conflict:
+        client.chat.completions.create(
+            model="m1", messages=[{"role": "user", "content": "other"}], extra_headers=key
+        )
+    assert conflict.value.body["code"] == "idempotency_conflict"  # type: ignore[index]
+    messages = anthropic.Anthropic(base_url=router.url, api_key="key-a", max_retries=0)
+    one = messages.messages.create(
+        model="m1", max_tokens=20, messages=MESSAGES, extra_headers=key
+    )  # another path: its own answer
+    again = messages.messages.create(
+        model="m1", max_tokens=20, messages=MESSAGES, extra_headers=key
+    )
+    assert again.id == one.id
+    with pytest.raises(anthropic.ConflictError):
+        messages.messages.create(model="m1", max_tokens=5, messages=MESSAGES, extra_headers=key)
+    generated = _generations(agent)
+
+    # Another client key never gets this one's answer.
+    other = openai.OpenAI(base_url=router.url + "/v1", api_key="key-b", max_retries=0)
+    theirs = other.chat.completions.with_raw_response.create(
+        model="m1", messages=MESSAGES, stream=True, extra_headers=key
+    )
+    assert "idempotent-replayed" not in theirs.headers
+    assert {c.id for c in theirs.parse()} != first[0]
+    assert _generations(agent) == generated + 1
+
+    # A client's own X-Request-ID is a key too; a failed answer is not kept.
+    rid = {"X-Request-ID": str(uuid.uuid4())}
+    a = client.chat.completions.create(model="m1", messages=MESSAGES, extra_headers=rid)
+    b = client.chat.completions.create(model="m1", messages=MESSAGES, extra_headers=rid)
+    assert a.id == b.id and _generations(agent) == generated + 2
+    too_long = {"Idempotency-Key": str(uuid.uuid4())}
+    for _ in range(2):
+        with pytest.raises(openai.BadRequestError):
+            client.chat.completions.create(
+                model="m1", messages=MESSAGES, max_tokens=5000, extra_headers=too_long
+            )
+    assert _generations(agent) == generated + 4
+    # A hostile key (over 255 characters) is no key: the request is served as usual.
+    huge = httpx.post(
+        router.url + "/v1/chat/completions",
+        json={"model": "m1", "messages": MESSAGES},
+        headers={"Idempotency-Key": "k" * 10_000},
+        timeout=10,
+    )
+    assert huge.status_code == 200 and "idempotent-replayed" not in huge.headers
+    assert "idempotent_replay of=" in router.log()
+
+
+def _scope(key: str, auth: bytes = b"Bearer a") -> dict:
+    headers = [(b"idempotency-key", key.encode()), (b"authorization", auth)]
+    return {"headers": headers, "path": "/v1/chat/completions"}
+
+
+async def _record(table: IdempotencyTable, entry: object, body: bytes, status: int = 200) -> None:
+    assert isinstance(entry, idempotency.Entry)
+
+    async def sink(message: dict) -> None:
+        pass
+
+    send = table.recorder(entry, sink)
+    await send({"type": "http.response.start", "status": status, "headers": []})
+    await send({"type": "http.response.body", "body": body})
+    table.finish(entry, status)
+
+
+async def test_answers_are_kept_for_the_window_and_within_the_bounds(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    table = IdempotencyTable(window=60)
+    entry = table.claim(_scope("k1"), "t", "/v1/chat/completions", b"{}")
+    await _record(table, entry, b"answer")
+    assert isinstance(table.claim(_scope("k1"), "t", "/v1/chat/completions", b"{}"), Join)
+    assert isinstance(table.claim(_scope("k1"), "t", "/v1/chat/completions", b"{1}"), Conflict)
+    # Scoped: another tenant or credentials is another key.
+    assert isinstance(
+        table.claim(_scope("k1"), "u", "/v1/chat/completions", b"{}"), idempotency.Entry
+    )
+    other = table.claim(_scope("k1", b"Bearer b"), "t", "/v1/chat/completions", b"{}")
+    assert isinstance(other, idempotency.Entry)
+    await trio.sleep(61)
+    fresh = table.claim(_scope("k1"), "t", "/v1/chat/completions", b"{}")
+    assert isinstance(fresh, idempotency.Entry)  # expired: generated again
+    # Failures and oversize answers are not kept.
+    await _record(table, fresh, b"boom", status=500)
+    assert isinstance(
+        table.claim(_scope("k1"), "t", "/v1/chat/completions", b"{}"), idempotency.Entry
+    )
+    big = table.claim(_scope("k2"), "t", "/v1/chat/completions", b"{}")
+    await _record(table, big, b"x" * (idempotency.MAX_ANSWER_BYTES + 1))
+    assert isinstance(big, idempotency.Entry) and big.state is EntryState.DROPPED
+    # Past the entry bound the oldest finished answers go first.
+    # (Three entries above are still running: they are never dropped.)
+    monkeypatch.setattr(idempotency, "MAX_ENTRIES", 5)
+    for i in range(5):
+        await _record(table, table.claim(_scope(f"n{i}"), "t", "/p", b"{}"), b"a")
+    assert len(table.entries) == 5
+    assert isinstance(table.claim(_scope("n4"), "t", "/p", b"{}"), Join)
+    assert isinstance(table.claim(_scope("n0"), "t", "/p", b"{}"), idempotency.Entry)
+    off = IdempotencyTable(window=0)
+    assert off.claim(_scope("k1"), "t", "/p", b"{}") is None
