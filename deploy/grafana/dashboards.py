@@ -192,6 +192,16 @@ FLEET = Dashboard(
                     ),
                     description="Stale agent connections discarded: agents reconnecting",
                 ),
+                series(
+                    "Broken streams, by what followed",
+                    t(
+                        rate("hivenet_router_stream_continuations_total", M, "model, outcome"),
+                        "{{model}} {{outcome}}",
+                    ),
+                    unit="reqps",
+                    description="continued: spliced on another agent; unsupported, no_agent: "
+                    "ended with the error event",
+                ),
                 stat(
                     "Primary, this range",
                     f"sum(increase(hivenet_router_policy_primary_routed_total{{{M}}}"
@@ -610,6 +620,39 @@ TENANTS = Dashboard(
                     "Exhausted, by tenant",
                     t(rate("hivenet_router_policy_exhausted_total", MT, "tenant"), "{{tenant}}"),
                     unit="reqps",
+                ),
+                series(
+                    "Token admission refusals, by gate",
+                    t(
+                        rate("hivenet_router_admission_rejections_total", M, "model, reason"),
+                        "{{model}} {{reason}}",
+                    ),
+                    unit="reqps",
+                    description="b1: request caps; b2: pool occupancy; b4_*: serverless keys",
+                ),
+                series(
+                    "Token occupancy and budget",
+                    t(
+                        f"sum by (model) (hivenet_router_admission_occupancy_tokens{{{M}}})",
+                        "{{model}} occupancy",
+                    ),
+                    t(
+                        f"max by (model) (hivenet_router_admission_budget_tokens{{{M}}})",
+                        "{{model}} budget",
+                    ),
+                    description="Occupancy summed over routers (each reports its own "
+                    "admissions); budget: the largest any router applies",
+                ),
+                series(
+                    "Admitted in flight and the cap",
+                    t(
+                        f"sum by (model) (hivenet_router_admission_inflight_requests{{{M}}})",
+                        "{{model}} in flight",
+                    ),
+                    t(
+                        f"max by (model) (hivenet_router_admission_max_inflight{{{M}}})",
+                        "{{model}} max",
+                    ),
                 ),
             ),
         ),
