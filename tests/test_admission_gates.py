@@ -173,3 +173,18 @@ async def test_b4_occupancy_share_refuses_at_once() -> None:
     reserved = AdmissionLimits(admit_budget_tokens=1000)
     keys = [await admission.reserve("m", reserved, key, est) for _ in range(3)]
     assert all(isinstance(k, Admitted) for k in keys)
+
+
+async def test_a_providers_answer_charges_the_output_bucket_and_teaches_nothing() -> None:
+    admission = Admission(AdmitSettings(park_timeout=0), RouterMetrics())
+    limits = AdmissionLimits(mode="serverless", max_inflight=4)
+    key = ApiKey("key-a", "h1", "t", limits=KeyLimits(output_tokens_per_minute=600))
+    held = await admission.reserve("m", limits, key, admission.estimate("m", chat()))
+    assert isinstance(held, Admitted)
+    await admission.left_local(held)
+    assert admission.statistics()["m"]["inflight"] == 0
+    # The provider's tokenizer says 30 prompt tokens for the 104 estimated.
+    held.usage = {"prompt_tokens": 30, "completion_tokens": 500}
+    await admission.finish(held)
+    assert admission.estimator.ratios == {}
+    assert admission.buckets[("key-a", "m")].output.level == 100  # type: ignore[union-attr]

@@ -358,10 +358,15 @@ class Admission:
 
     async def finish(self, admitted: Admitted) -> None:
         """The request ended, however: learn, charge the key's output, release. Only
-        the shared counts await (shielded: a cancelled request still gives back)."""
+        the shared counts await (shielded: a cancelled request still gives back).
+
+        A provider's answer is charged to the key's output bucket like an engine's
+        (its output is the key's all the same) but teaches the estimator nothing: the
+        provider counts with another tokenizer than the model's engines."""
         usage = admitted.usage
-        if usage is not None and admitted.local:
-            self.estimator.learn(admitted.model, admitted.estimate, usage[PROMPT])
+        if usage is not None:
+            if admitted.local:
+                self.estimator.learn(admitted.model, admitted.estimate, usage[PROMPT])
             if admitted.output_limit and admitted.key_id is not None:
                 await self._spend(admitted, usage[COMPLETION])
         await self._release(admitted)
