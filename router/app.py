@@ -174,7 +174,7 @@ class RouterDaemon:
             ClientKeys(settings.client_api_keys),
             self.metrics,
         )
-        self.tenants.replicas = self._healthy_replicas
+        self.tenants.replicas = self._quota_replicas
         if self.tenants.state.client is not None:
             lease = settings.request_timeout + 60.0
             self.client.admission.shared = SharedAdmission(self.tenants.state, lease)
@@ -231,6 +231,17 @@ class RouterDaemon:
 
     def _healthy_replicas(self, model: str) -> int:
         return sum(1 for peer in self.table.for_model(model) if peer.routable)
+
+    def _quota_replicas(self, model: str) -> int:
+        """The replicas `requests_per_minute_per_replica` scales by. None healthy skips
+        the rate check (upstream), unless the model's fallback provider will answer:
+        it then counts as one replica, or a provider-only model would have no rate
+        limit at all, at the provider's price."""
+        healthy = self._healthy_replicas(model)
+        if healthy:
+            return healthy
+        provider = self.store.for_model(model).fallback_provider
+        return 1 if provider is not None and self.providers.available(provider.engine) else 0
 
     def _warn_about_policy(self, policy: Policy) -> None:
         """A provider without its key is skipped, not fatal: say so at load."""

@@ -188,3 +188,19 @@ async def test_a_providers_answer_charges_the_output_bucket_and_teaches_nothing(
     await admission.finish(held)
     assert admission.estimator.ratios == {}
     assert admission.buckets[("key-a", "m")].output.level == 100  # type: ignore[union-attr]
+
+
+async def test_b2_stays_a_limit_without_healthy_replicas() -> None:
+    admission = Admission(AdmitSettings(fraction=1.0, park_timeout=0), RouterMetrics(), lambda m: 0)
+    limits = AdmissionLimits(admit_budget_tokens=200)  # floored at one replica: 200
+    # Over the whole budget: refused at once, even by the empty pool.
+    huge = await admission.reserve("m", limits, None, admission.estimate("m", chat(max_tokens=97)))
+    assert not isinstance(huge, Admitted) and huge.gate == B2
+    assert "whole budget of 200" in huge.message
+    est = admission.estimate("m", chat(max_tokens=50))  # 104 + 50
+    first = await admission.reserve("m", limits, None, est)
+    assert isinstance(first, Admitted)
+    second = await admission.reserve("m", limits, None, est)
+    assert not isinstance(second, Admitted) and second.gate == B2
+    await admission.finish(first)
+    assert admission.statistics()["m"]["inflight"] == 0

@@ -161,9 +161,25 @@ class Admission:
         """B4's checks (immediate), then B2 (parking), then B4's input charge."""
         own = key.limits_for(model) if key is not None else NO_LIMITS
         serverless = key is not None and own.serverless(limits.mode)
+        pooled = limits.pooled or (serverless and bool(own.max_occupancy_share))
+        pool = self._pool(model, limits) if pooled else None
+        if pool is not None and pool.budget:
+            budget = pool.budget
+            if estimate.footprint > budget:
+                # Not even an empty pool holds it: waiting would only delay the 429.
+                return self._refuse(
+                    model,
+                    B2,
+                    ErrorCode.TOO_MANY_CONCURRENT,
+                    f"this request's footprint ({estimate.tokens} input tokens estimated"
+                    f" + {estimate.declared_output} declared output) is over model"
+                    f" {model!r}'s whole budget of {budget} tokens; lower max_tokens or"
+                    " the input",
+                    RETRY_AFTER,
+                )
         if self.shared is not None and self.shared.up:
             admitted = await self._reserve_shared(
-                model, limits, key if serverless else None, own, estimate
+                model, limits, pool, key if serverless else None, own, estimate
             )
             if admitted is not None:
                 return admitted
@@ -176,8 +192,7 @@ class Admission:
             if refused is not None:
                 return refused
         reservation = None
-        if limits.pooled or (serverless and own.max_occupancy_share):
-            pool = self._pool(model, limits)
+        if pool is not None:
             pool.fleet = None  # counting alone (no --state-url, or Redis away)
             if not pool.fits(footprint):
                 if self.settings.park_timeout > 0:
@@ -280,6 +295,7 @@ class Admission:
         self,
         model: str,
         limits: AdmissionLimits,
+        pool: Pool | None,
         key: ApiKey | None,
         own: KeyLimits,
         estimate: InputEstimate,
@@ -287,7 +303,8 @@ class Admission:
         """B4 and B2 in Redis; None when Redis failed (the local counts decide)."""
         shared = self.shared
         assert shared is not None
-        pool = self._pool(model, limits)
+        if pool is None:
+            pool = self._pool(model, limits)
         share = 0
         if key is not None and own.max_occupancy_share:
             replicas = max(1, self.replicas(model))
