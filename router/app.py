@@ -19,6 +19,7 @@ from protocol.sdnotify import sd_notify
 from protocol.secrets import load_previous_secret, load_secret
 from protocol.tracing import tracer_from_env
 from router.admission.control import Admission
+from router.admission.idle import sweep_idle
 from router.admission.limits import AdmitSettings
 from router.admission.shared import SharedAdmission
 from router.agent_metrics import AgentCollector
@@ -156,11 +157,12 @@ class RouterDaemon:
                 settings.max_request_bytes, settings.request_timeout, settings.idempotency_window
             ),
         )
-        self.client.admission = Admission(
+        self.admission = Admission(
             AdmitSettings(settings.admit_fraction, settings.admit_park_timeout),
             self.metrics,
             self._healthy_replicas,
         )
+        self.client.admission = self.admission
         self.tenants = TenantGate(
             GateSettings(
                 auth_file=settings.auth_file,
@@ -177,7 +179,7 @@ class RouterDaemon:
         self.tenants.replicas = self._quota_replicas
         if self.tenants.state.client is not None:
             lease = settings.request_timeout + 60.0
-            self.client.admission.shared = SharedAdmission(self.tenants.state, lease)
+            self.admission.shared = SharedAdmission(self.tenants.state, lease)
         auth = self.tenants.store.current
         # Upstream's dynamic mode: the auth file says so, or the variable without a file.
         dynamic = auth.dynamic if auth is not None else settings.auth_mode == "dynamic"
@@ -315,6 +317,7 @@ class RouterDaemon:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self.link.sweep)
                     nursery.start_soon(self.tenants.run)
+                    nursery.start_soon(sweep_idle, self.admission, self.tenants.state.local)
                     if self.tenants.registry is not None:
                         nursery.start_soon(self.tenants.registry.run)
                     nursery.start_soon(self.lifetime.run)

@@ -20,6 +20,7 @@ from protocol.errors import ErrorCode, RouterError
 from protocol.usage import COMPLETION, PROMPT
 from router.admission.buckets import KeyModelBuckets, TokenBucket
 from router.admission.estimate import Estimator, InputEstimate
+from router.admission.idle import IDLE_POOL
 from router.admission.limits import AdmissionLimits, AdmitSettings
 from router.admission.occupancy import Pool, Reservation
 from router.admission.shared import GROW_STEP, PARK_POLL, SharedAdmission, SharedVerdict, entry_id
@@ -57,6 +58,7 @@ class Admitted:
         "model",
         "output_limit",
         "pending",
+        "pool",
         "reservation",
         "undeclared",
         "usage",
@@ -83,6 +85,9 @@ class Admitted:
         self.undeclared = not estimate.declared_output
         # Streamed tokens not yet added to the shared entry (sent GROW_STEP at a time).
         self.pending = 0
+        # The pool whose gauges the shared counts update (the sweep may drop it from
+        # `Admission.pools` while a long request still runs).
+        self.pool: Pool | None = None
 
     @property
     def grows(self) -> bool:
@@ -138,7 +143,7 @@ class Admission:
     def _pool(self, model: str, limits: AdmissionLimits) -> Pool:
         pool = self.pools.get(model)
         if pool is None:
-            pool = self.pools[model] = Pool(model)
+            pool = self.pools[model] = Pool(model, quiet_since=trio.current_time())
             # Read at scrape time: a gauge set per change costs about 1.5 µs, and a
             # request changes its pool at least twice.
             m = self.metrics
@@ -352,6 +357,8 @@ class Admission:
             own.output_tokens_per_minute if key is not None else 0,
         )
         admitted.entry = entry if pooled else None
+        admitted.pool = pool
+        pool.served += 1
         return admitted
 
     async def grow(self, admitted: Admitted, n: int) -> None:
@@ -365,8 +372,8 @@ class Admission:
                 totals = await self.shared.call(
                     self.shared.change, admitted.model, admitted.entry, n
                 )
-                if isinstance(totals, tuple):
-                    self._shared_gauges(self.pools[admitted.model], *totals)
+                if isinstance(totals, tuple) and admitted.pool is not None:
+                    self._shared_gauges(admitted.pool, *totals)
 
     async def left_local(self, admitted: Admitted) -> None:
         """Routing went to the external provider: no local KV cache is held any more."""
@@ -401,12 +408,19 @@ class Admission:
                 )
             if done is not None:
                 return
+        now = trio.current_time()
         buckets = self.buckets.get((admitted.key_id, admitted.model))
-        if buckets is not None and buckets.output is not None:
-            bucket = buckets.output
-            bucket.refill(trio.current_time(), admitted.output_limit)
-            # One answer drains at most the bucket (a minute of output).
-            bucket.level = max(0.0, bucket.level - tokens)
+        if buckets is None:
+            # Swept while the request ran (its buckets were full): it starts full again.
+            buckets = self.buckets[(admitted.key_id, admitted.model)] = KeyModelBuckets()
+        bucket = buckets.output
+        if bucket is None:
+            bucket = buckets.output = TokenBucket(
+                admitted.output_limit, float(admitted.output_limit), now
+            )
+        bucket.refill(now, admitted.output_limit)
+        # One answer drains at most the bucket (a minute of output).
+        bucket.level = max(0.0, bucket.level - tokens)
 
     async def _release(self, admitted: Admitted) -> None:
         reservation = admitted.reservation
@@ -417,8 +431,8 @@ class Admission:
             # Redis away: the entry expires after its lease.
             with trio.CancelScope(shield=True):
                 totals = await self.shared.call(self.shared.change, admitted.model, entry, -1)
-            if isinstance(totals, tuple):
-                self._shared_gauges(self.pools[admitted.model], *totals)
+            if isinstance(totals, tuple) and admitted.pool is not None:
+                self._shared_gauges(admitted.pool, *totals)
 
     def _shared_gauges(self, pool: Pool, occupancy: int, count: int) -> None:
         """Shared counts: the gauges show the fleet's occupancy, as every router sees it."""
@@ -429,6 +443,32 @@ class Admission:
     ) -> AdmissionRefused:
         self.metrics.admission_rejections.labels(gate, model).inc()
         return AdmissionRefused(code, message, retry_after=retry_after, gate=gate)
+
+    def sweep(self, now: float) -> tuple[int, int]:
+        """Upstream's idle-state cleanup, every `SWEEP_INTERVAL`: key buckets that are
+        full, pools that held no request for `IDLE_POOL` seconds (with their gauges).
+        Returns how many of each went."""
+        full = [pair for pair, buckets in self.buckets.items() if buckets.idle(now)]
+        for pair in full:
+            del self.buckets[pair]
+        quiet = []
+        for model, pool in self.pools.items():
+            if pool.inflight or pool.lot or pool.served != pool.seen:
+                pool.seen, pool.quiet_since = pool.served, now
+            elif now - pool.quiet_since >= IDLE_POOL:
+                quiet.append(model)
+        m = self.metrics
+        gauges = (
+            m.admission_occupancy,
+            m.admission_inflight,
+            m.admission_budget,
+            m.admission_max_inflight,
+        )
+        for model in quiet:
+            del self.pools[model]
+            for gauge in gauges:
+                gauge.remove(model)
+        return len(full), len(quiet)
 
     def statistics(self) -> dict[str, dict[str, int]]:
         """Per model: occupancy, budget, in flight, backstop, parked (/admin views, tests)."""

@@ -35,6 +35,11 @@ class Pool:
     backstop: int = 0
     # The fleet's (occupancy, in flight) as Redis last said, while the counts are shared.
     fleet: tuple[int, int] | None = None
+    # Requests admitted here, ever; the idle sweep compares it between its passes
+    # rather than the hot path reading a clock.
+    served: int = 0
+    seen: int = 0
+    quiet_since: float = 0.0
 
     def shown_occupancy(self) -> float:
         return float(self.fleet[0] if self.fleet is not None else self.occupancy)
@@ -71,6 +76,7 @@ class Reservation:
         self.grows = grows
         self.released = False
         pool.inflight += 1
+        pool.served += 1
         self._add(input_tokens + output)
 
     @property
