@@ -19,6 +19,7 @@ from protocol.sdnotify import sd_notify
 from protocol.secrets import load_previous_secret, load_secret
 from protocol.tracing import tracer_from_env
 from router.admission.control import Admission
+from router.admission.crosscheck import below_serverless_cap
 from router.admission.idle import sweep_idle
 from router.admission.limits import AdmitSettings
 from router.admission.shared import SharedAdmission
@@ -191,7 +192,15 @@ class RouterDaemon:
                 )
             saved = RegistryFile(registry_path(history_path(settings)))
             self.tenants.registry = KeyRegistry(self.metrics, saved, settings.rpm_burst_seconds)
-            self.tenants.registry.policies = self._admission_caps
+            self.tenants.registry.policies = self.store.caps
+        # Upstream's cross-config check, now and on every change of either side.
+        self.store.cross_check = lambda caps: below_serverless_cap(self.tenants.config, caps)
+        self.tenants.store.cross_check = lambda config: below_serverless_cap(
+            config, self.store.caps()
+        )
+        broken = below_serverless_cap(self.tenants.config, self.store.caps())
+        if broken:
+            raise ValueError("keys and policies disagree: " + "; ".join(broken))
         if auth is not None and auth.admin_mode == "api-key" and not settings.admin_api_keys:
             raise ValueError(
                 "the auth file sets admin.mode api-key but HIVENET_ROUTER_ADMIN_API_KEYS is empty"
@@ -256,15 +265,6 @@ class RouterDaemon:
                 provider.engine,
                 quote(f"HIVENET_ROUTER_{provider.engine.upper()}_API_KEY is not set"),
             )
-
-    def _admission_caps(self) -> list[tuple[str | None, str, int]]:
-        """Each policy's serverless input cap, for the key registry's cross-check."""
-        limits = self.store.current.admission
-        caps: list[tuple[str | None, str, int]] = [(None, limits.mode, limits.max_input_tokens)]
-        for named in self.store.models.named.values():
-            own = named.policy.admission
-            caps += [(m, own.mode, own.max_input_tokens) for m in named.policy.models]
-        return caps
 
     def _reload_credentials(self) -> bool:
         """SIGHUP: the admin keys and JWT secrets that come from files are read again,
