@@ -77,3 +77,52 @@ async def test_provider_output_drains_the_keys_output_bucket(
         rejections = "hivenet_router_admission_rejections_total"
         assert router.metric(rejections, reason="b4_otpm", model="m1") == 2
         nursery.cancel_scope.cancel()
+
+
+RPM_KEY = "sk-hivenet-" + "r" * 64
+PER_REPLICA_AUTH = f"""
+api:
+  mode: api-key
+  keys:
+    - key_hash: "{hashlib.sha256(RPM_KEY.encode()).hexdigest()}"
+      metadata: {{name: r, owner: acme}}
+      quota:
+        per_model:
+          m1: {{requests_per_minute_per_replica: 1, tokens_per_day: 0}}
+"""
+
+
+async def test_no_healthy_replica_skips_the_per_replica_rate_unless_a_provider_answers(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    fake = FakeOpenAI("sk-test")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(fake.serve)
+        auth = tmp_path / "auth.yaml"
+        auth.write_text(PER_REPLICA_AUTH)
+        policy = tmp_path / "policy.yaml"
+        policy.write_text(
+            "routing_policy:\n  strategy: least-loaded\n"
+            "fallback_provider:\n  engine: openai\n  model: provider-model\n"
+        )
+        env = {
+            "HIVENET_ROUTER_OPENAI_API_KEY": "sk-test",
+            "HIVENET_ROUTER_OPENAI_BASE_URL": fake.base_url,
+        }
+        # No agent at all. Without a provider, routing's own error answers every
+        # request: the rate (1 a minute per replica) is not what refuses the second.
+        alone = fleet.router("--auth-config-file", str(auth))
+        for _ in range(2):
+            answer = await trio.to_thread.run_sync(_post, alone.url, RPM_KEY, False)
+            assert answer.status_code != 429, answer.text
+        # The provider serves the model: it counts as one replica, so the second
+        # request in the minute is over the rate.
+        served = fleet.router(
+            "--auth-config-file", str(auth), "--policy-file", str(policy), env=env
+        )
+        first = await trio.to_thread.run_sync(_post, served.url, RPM_KEY, False)
+        assert first.status_code == 200, first.text
+        second = await trio.to_thread.run_sync(_post, served.url, RPM_KEY, False)
+        assert second.status_code == 429, second.text
+        assert second.json()["error"]["code"] == "rate_limit_exceeded"
+        nursery.cancel_scope.cancel()
