@@ -17,10 +17,11 @@ from __future__ import annotations
 
 import json
 
+from protocol.paths import CHAT, COMPLETIONS
 from protocol.usage import COMPLETION, PROMPT, normalize, usage_of_answer, usage_of_body
 
 # OpenAI endpoints whose streams need `stream_options` to carry usage.
-_INCLUDE_USAGE_PATHS = ("/v1/chat/completions", "/v1/completions")
+_INCLUDE_USAGE_PATHS = (CHAT, COMPLETIONS)
 
 
 class UsageTap:

@@ -15,10 +15,10 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from protocol.paths import CHAT as CHAT_PATH
+from protocol.paths import MESSAGES as MESSAGES_PATH
 from protocol.usage import COMPLETION, PROMPT
 
-CHAT_PATH = "/v1/chat/completions"
-MESSAGES_PATH = "/v1/messages"
 # A stream is kept for continuation up to this size: 8 MiB holds a 32k-token OpenAI
 # stream (about 150 bytes an event, 4.8 MB); past it the stream ends as before.
 MAX_TRANSCRIPT_BYTES = 8 << 20
@@ -258,11 +258,8 @@ class Splice:
     def _chat(self, data: str) -> bytes:
         if data == "[DONE]":
             return b"data: [DONE]\n\n"
-        try:
-            event = json.loads(data)
-        except ValueError:
-            return b""
-        if not isinstance(event, dict):
+        event = _json_object(data)
+        if event is None:
             return b""
         sent = self.sent
         if sent.id is not None:
@@ -290,11 +287,8 @@ class Splice:
         return _data(event)
 
     def _messages(self, name: str | None, data: str) -> bytes:
-        try:
-            event = json.loads(data)
-        except ValueError:
-            return b""
-        if not isinstance(event, dict):
+        event = _json_object(data)
+        if event is None:
             return b""
         kind = event.get("type")
         if kind == "message_start" and self.sent.started:
@@ -316,6 +310,15 @@ class Splice:
                 if "input_tokens" in usage and self.sent.input_tokens is not None:
                     usage["input_tokens"] = self.sent.input_tokens
         return _event(name or str(kind), event)
+
+
+def _json_object(data: str) -> dict[str, Any] | None:
+    """An event's JSON object; anything else is dropped from the spliced stream."""
+    try:
+        event = json.loads(data)
+    except ValueError:
+        return None
+    return event if isinstance(event, dict) else None
 
 
 def _data(event: dict[str, Any]) -> bytes:

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import NoReturn, Protocol
 
 from protocol.errors import ErrorCode, RouterError
+from protocol.paths import GENERATIVE
 from router.forward_limit import ForwardLimit
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
@@ -27,9 +28,7 @@ from router.session import (
 log = logging.getLogger("policy")
 
 # The client endpoints a provider fallback can serve (router/providers/client.py).
-PROVIDER_PATHS = frozenset(
-    {"/v1/chat/completions", "/v1/messages", "/v1/completions", "/v1/responses"}
-)
+PROVIDER_PATHS = GENERATIVE
 
 
 class ProviderStream(Protocol):

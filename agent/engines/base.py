@@ -19,8 +19,9 @@ from typing import ClassVar
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from agent.engines.endpoints import API_PATHS, lacks
+from agent.engines.endpoints import lacks
 from protocol.fields import ENGINE_FIELDS
+from protocol.paths import API_PATHS
 
 # What the sampler reports: the policy's fields, and `preemptions_total` (the engine's
 # lifetime count of requests preempted for lack of KV cache), which the routing table

@@ -20,14 +20,7 @@ Paths outside this list (`/tokenize`) are not checked here.
 
 from __future__ import annotations
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-RESPONSES = "/v1/responses"
-MESSAGES = "/v1/messages"
-EMBEDDINGS = "/v1/embeddings"
-RERANK = "/v1/rerank"
-
-API_PATHS = frozenset({CHAT, COMPLETIONS, RESPONSES, MESSAGES, EMBEDDINGS, RERANK})
+from protocol.paths import API_PATHS
 
 
 def lacks(endpoints: frozenset[str], path: str) -> bool:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import httpx
 
 from agent.engines.base import EngineAdapter, EngineEndpoints, get_json, join_url
-from agent.engines.endpoints import API_PATHS, RERANK
+from protocol.paths import API_PATHS, RERANK
 
 
 class OllamaAdapter(EngineAdapter):

@@ -14,6 +14,7 @@ import trio
 
 from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
+from protocol.paths import GENERATIVE
 from protocol.tracing import NULL_SPAN, Span, valid_traceparent
 from protocol.usage import usage_of_body
 from router.admission.control import Admission, AdmissionRefused, Admitted
@@ -60,7 +61,7 @@ ENDPOINTS: dict[str, tuple[str, str]] = {
 }
 _FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "anthropic-version", "anthropic-beta")
 # The endpoints admission control gates (B1, B2, B4).
-_GATED = frozenset(("/v1/chat/completions", "/v1/messages", "/v1/completions", "/v1/responses"))
+_GATED = GENERATIVE
 _DROPPED_RESPONSE_HEADERS = frozenset(
     {"content-length", "transfer-encoding", "connection", "date", "server", "keep-alive"}
 )

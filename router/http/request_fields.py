@@ -19,17 +19,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from protocol.paths import CHAT, COMPLETIONS, EMBEDDINGS, MESSAGES, RERANK, RESPONSES
 from router.http import count_tokens
 
 # Model names are short; a longer one is an error, not a multi-megabyte log line.
 MAX_MODEL_NAME = 1024
-
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-RESPONSES = "/v1/responses"
-MESSAGES = "/v1/messages"
-EMBEDDINGS = "/v1/embeddings"
-RERANK = "/v1/rerank"
 
 
 @dataclass(frozen=True, slots=True)

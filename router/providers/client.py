@@ -25,6 +25,7 @@ import trio
 
 from protocol.errors import ErrorCode, RouterError
 from protocol.logs import quote
+from protocol.paths import CHAT, COMPLETIONS, RESPONSES
 from router.dispatch import ProviderServed
 from router.policy.schema import ProviderFallback
 from router.providers import anthropic, messages, openai
@@ -40,9 +41,6 @@ SERVED_BY_HEADER = "x-hivenet-served-by"
 # Enough of a provider's error text to say what went wrong, not a whole HTML page.
 _DETAIL_LIMIT = 300
 
-CHAT = "/v1/chat/completions"
-COMPLETIONS = "/v1/completions"
-RESPONSES = "/v1/responses"
 MESSAGES = "/v1/messages"
 
 

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from protocol.paths import CHAT, COMPLETIONS
+
 # The endpoints whose streams carry usage only when asked.
-USAGE_ON_REQUEST = ("/v1/chat/completions", "/v1/completions")
+USAGE_ON_REQUEST = (CHAT, COMPLETIONS)
 
 
 def request(payload: dict[str, Any], model: str, path: str, stream: bool) -> dict[str, Any]:
