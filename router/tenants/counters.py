@@ -54,6 +54,9 @@ class _Bucket:
     burst: float = 0.0
     rate: float = 0.0
 
+    def full(self, now: float) -> bool:
+        return self.tokens + (now - self.stamp) * self.rate >= self.burst
+
 
 @dataclass
 class _TenantCounts:
@@ -141,9 +144,7 @@ class LocalCounters:
         gone = []
         for name, counts in self.counts.items():
             bucket = counts.bucket
-            if bucket is not None and bucket.tokens + (now - bucket.stamp) * bucket.rate >= (
-                bucket.burst
-            ):
+            if bucket is not None and bucket.full(now):
                 counts.bucket = None
             if counts.day and counts.day != today:
                 counts.day, counts.tokens = "", 0
