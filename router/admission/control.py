@@ -126,7 +126,8 @@ class Admission:
                     B1,
                     ErrorCode.INPUT_TOO_LONG,
                     f"input is {estimate.tokens} tokens, over the {what} limit of {cap}"
-                    " (reduce the messages, tools or system prompt; max_tokens does not count)",
+                    " (reduce the messages, tools, system prompt or images; max_tokens does"
+                    " not count)",
                     None,
                 )
         for cap, what in ((limits.images_max, "model"), (key.images_max, "key")):
