@@ -19,6 +19,8 @@ from protocol.sdnotify import sd_notify
 from protocol.secrets import load_previous_secret, load_secret
 from protocol.tracing import tracer_from_env
 from router.admission.control import Admission
+from router.admission.crosscheck import below_serverless_cap
+from router.admission.idle import sweep_idle
 from router.admission.limits import AdmitSettings
 from router.admission.shared import SharedAdmission
 from router.agent_metrics import AgentCollector
@@ -156,11 +158,12 @@ class RouterDaemon:
                 settings.max_request_bytes, settings.request_timeout, settings.idempotency_window
             ),
         )
-        self.client.admission = Admission(
+        self.admission = Admission(
             AdmitSettings(settings.admit_fraction, settings.admit_park_timeout),
             self.metrics,
             self._healthy_replicas,
         )
+        self.client.admission = self.admission
         self.tenants = TenantGate(
             GateSettings(
                 auth_file=settings.auth_file,
@@ -174,10 +177,10 @@ class RouterDaemon:
             ClientKeys(settings.client_api_keys),
             self.metrics,
         )
-        self.tenants.replicas = self._healthy_replicas
+        self.tenants.replicas = self._quota_replicas
         if self.tenants.state.client is not None:
             lease = settings.request_timeout + 60.0
-            self.client.admission.shared = SharedAdmission(self.tenants.state, lease)
+            self.admission.shared = SharedAdmission(self.tenants.state, lease)
         auth = self.tenants.store.current
         # Upstream's dynamic mode: the auth file says so, or the variable without a file.
         dynamic = auth.dynamic if auth is not None else settings.auth_mode == "dynamic"
@@ -189,7 +192,15 @@ class RouterDaemon:
                 )
             saved = RegistryFile(registry_path(history_path(settings)))
             self.tenants.registry = KeyRegistry(self.metrics, saved, settings.rpm_burst_seconds)
-            self.tenants.registry.policies = self._admission_caps
+            self.tenants.registry.policies = self.store.caps
+        # Upstream's cross-config check, now and on every change of either side.
+        self.store.cross_check = lambda caps: below_serverless_cap(self.tenants.config, caps)
+        self.tenants.store.cross_check = lambda config: below_serverless_cap(
+            config, self.store.caps()
+        )
+        broken = below_serverless_cap(self.tenants.config, self.store.caps())
+        if broken:
+            raise ValueError("keys and policies disagree: " + "; ".join(broken))
         if auth is not None and auth.admin_mode == "api-key" and not settings.admin_api_keys:
             raise ValueError(
                 "the auth file sets admin.mode api-key but HIVENET_ROUTER_ADMIN_API_KEYS is empty"
@@ -232,6 +243,17 @@ class RouterDaemon:
     def _healthy_replicas(self, model: str) -> int:
         return sum(1 for peer in self.table.for_model(model) if peer.routable)
 
+    def _quota_replicas(self, model: str) -> int:
+        """The replicas `requests_per_minute_per_replica` scales by. None healthy skips
+        the rate check (upstream), unless the model's fallback provider will answer:
+        it then counts as one replica, or a provider-only model would have no rate
+        limit at all, at the provider's price."""
+        healthy = self._healthy_replicas(model)
+        if healthy:
+            return healthy
+        provider = self.store.for_model(model).fallback_provider
+        return 1 if provider is not None and self.providers.available(provider.engine) else 0
+
     def _warn_about_policy(self, policy: Policy) -> None:
         """A provider without its key is skipped, not fatal: say so at load."""
         for warning in policy_warnings(policy):
@@ -243,15 +265,6 @@ class RouterDaemon:
                 provider.engine,
                 quote(f"HIVENET_ROUTER_{provider.engine.upper()}_API_KEY is not set"),
             )
-
-    def _admission_caps(self) -> list[tuple[str | None, str, int]]:
-        """Each policy's serverless input cap, for the key registry's cross-check."""
-        limits = self.store.current.admission
-        caps: list[tuple[str | None, str, int]] = [(None, limits.mode, limits.max_input_tokens)]
-        for named in self.store.models.named.values():
-            own = named.policy.admission
-            caps += [(m, own.mode, own.max_input_tokens) for m in named.policy.models]
-        return caps
 
     def _reload_credentials(self) -> bool:
         """SIGHUP: the admin keys and JWT secrets that come from files are read again,
@@ -304,6 +317,7 @@ class RouterDaemon:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self.link.sweep)
                     nursery.start_soon(self.tenants.run)
+                    nursery.start_soon(sweep_idle, self.admission, self.tenants.state.local)
                     if self.tenants.registry is not None:
                         nursery.start_soon(self.tenants.registry.run)
                     nursery.start_soon(self.lifetime.run)

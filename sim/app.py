@@ -67,6 +67,8 @@ class SimEngine:
         self.prefix_cache = PrefixCache()
         # The engine's scheduler: at most `capacity` requests run, the rest wait.
         self._slots = trio.Semaphore(capacity)
+        # Set when `hold` turns false: the held requests go on.
+        self._released = trio.Event()
         self._ids = itertools.count(1)
         self._models_body = dumps(
             {
@@ -153,6 +155,13 @@ class SimEngine:
     def update_state(self, changes: Any) -> None:
         """Apply `/sim/state` changes all or nothing; ValueError names the bad key."""
         self.state.update(changes)
+        if not self.state.hold:
+            self._released.set()
+            self._released = trio.Event()
+
+    async def _held(self) -> None:
+        while self.state.hold:
+            await self._released.wait()
 
     def render_metrics(self) -> str:
         running = self.capacity - self._slots.value
@@ -239,6 +248,7 @@ class SimEngine:
     async def prefill(self, prompt_tokens: int) -> None:
         """A pooling request (embeddings, rerank): a slot for the prefill alone."""
         async with self._slots:
+            await self._held()
             self.metrics.prompt_tokens += prompt_tokens
             if self.state.ttft > 0:
                 await trio.sleep(self.state.ttft)
@@ -254,6 +264,7 @@ class SimEngine:
 
     async def _prefill_prompt(self, job: Job) -> None:
         """Look the prompt up in the prefix cache, prefill what is missing, cache it all."""
+        await self._held()
         state, metrics = self.state, self.metrics
         block = state.prefix_block_tokens
         hashes = block_hashes(job.prompt, block)

@@ -42,6 +42,9 @@ class SimState:
     malformed: str | None = None
     # A stream stops after this many tokens and hangs; a non-streamed answer never comes.
     stall_after_tokens: int | None = None
+    # Requests wait before their prefill while this is true: a test holds them in the
+    # engine for as long as it needs, not for a guessed time.
+    hold: bool = False
     requests_total: int = 0
     cancelled_total: int = 0
     in_flight: int = 0
@@ -118,4 +121,5 @@ SETTERS: dict[str, Callable[[Any], Any]] = {
     "prefix_block_tokens": _integer(1, MAX_PREFIX_BLOCK_TOKENS),
     "prefix_cache_blocks": _integer(0, MAX_PREFIX_CACHE_BLOCKS),
     "stall_after_tokens": _optional(_integer(0)),
+    "hold": _boolean,
 }

@@ -57,7 +57,9 @@ def test_a_low_priority_tenant_is_shed_while_the_other_is_served_and_queued(
         str(policy),
         env={"HIVENET_ROUTER_API_KEYS": KEYS, "GOLOG_LOG_LEVEL": "policy=debug"},
     )
-    agent = fleet.agent(router, "m1", "--capacity", "1", "--sim-ttft", "1s")
+    agent = fleet.agent(router, "m1", "--capacity", "1")
+    # The engine holds the first web request until the batch tenant has been shed.
+    agent.sim_state(hold=True)
     answers: dict[str, httpx.Response] = {}
     first, queued = str(uuid.uuid4()), str(uuid.uuid4())
     threads = [threading.Thread(target=chat, args=(router, WEB_KEY, first, answers))]
@@ -93,6 +95,7 @@ def test_a_low_priority_tenant_is_shed_while_the_other_is_served_and_queued(
     assert refused.value.body["error"]["type"] == "overloaded_error"  # type: ignore[index]
     assert refused.value.body["error"]["code"] == "load_shed"  # type: ignore[index]
 
+    agent.sim_state(hold=False)
     for thread in threads:
         thread.join(60)
     assert answers[first].status_code == 200

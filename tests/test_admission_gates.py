@@ -8,9 +8,12 @@ import trio.testing
 from protocol.errors import ErrorCode
 from router.admission.control import B1, B2, B4_ITPM, B4_OCCUPANCY, B4_OTPM, Admission, Admitted
 from router.admission.estimate import (
+    DEFAULT_IMAGE_TOKENS,
     DEFAULT_TOKENS_PER_CHAR,
+    MAX_IMAGE_TOKENS,
     MAX_TOKENS_PER_CHAR,
     MESSAGE_OVERHEAD,
+    MIN_IMAGE_TOKENS,
     Estimator,
 )
 from router.admission.limits import AdmissionLimits, AdmitSettings
@@ -40,7 +43,9 @@ def test_the_estimate_counts_every_part_of_the_prompt_in_both_protocols() -> Non
         ],
     }
     both = est.estimate("m", anthropic)
-    assert both.tokens == 200 + 3 * MESSAGE_OVERHEAD and both.images == 1
+    # The image counts too, at the default per-image estimate.
+    assert both.tokens == 200 + 3 * MESSAGE_OVERHEAD + DEFAULT_IMAGE_TOKENS
+    assert both.images == 1 and both.image_tokens == DEFAULT_IMAGE_TOKENS
     assert both.declared_output == 50 and both.footprint == both.tokens + 50
     openai_image = chat([{"type": "text", "text": "hi"}, {"type": "image_url", "image_url": {}}])
     assert est.estimate("m", openai_image).images == 1
@@ -66,6 +71,26 @@ def test_the_ratio_learns_from_exact_usage_and_is_clamped() -> None:
     image = est.estimate("n", chat([{"type": "text", "text": TEXT}, {"type": "image_url"}]))
     est.learn("n", image, 5000)
     assert est.ratio("n") == DEFAULT_TOKENS_PER_CHAR
+
+
+def test_the_per_image_estimate_learns_from_exact_usage_and_is_clamped() -> None:
+    est = Estimator()
+    two = chat([{"type": "text", "text": TEXT}, {"type": "image_url"}, {"type": "image_url"}])
+    first = est.estimate("m", two)
+    assert first.tokens == 100 + MESSAGE_OVERHEAD + 2 * DEFAULT_IMAGE_TOKENS
+    # The engine counted 1,000 tokens per image once the text's 104 are taken off.
+    for _ in range(50):
+        est.learn("m", est.estimate("m", two), 104 + 2000)
+    assert abs(est.per_image("m") - 1000) < 1
+    assert est.estimate("m", two).tokens == 104 + 2000
+    assert est.ratio("m") == DEFAULT_TOKENS_PER_CHAR  # the text ratio is untouched
+    assert est.per_image("other") == DEFAULT_IMAGE_TOKENS
+    for _ in range(100):
+        est.learn("m", first, 10**9)
+    assert MAX_IMAGE_TOKENS - 1 < est.per_image("m") <= MAX_IMAGE_TOKENS
+    for _ in range(100):
+        est.learn("m", first, 0)
+    assert MIN_IMAGE_TOKENS <= est.per_image("m") < MIN_IMAGE_TOKENS + 1
 
 
 def test_b1_caps_of_the_policy_and_of_the_key() -> None:
@@ -173,3 +198,34 @@ async def test_b4_occupancy_share_refuses_at_once() -> None:
     reserved = AdmissionLimits(admit_budget_tokens=1000)
     keys = [await admission.reserve("m", reserved, key, est) for _ in range(3)]
     assert all(isinstance(k, Admitted) for k in keys)
+
+
+async def test_a_providers_answer_charges_the_output_bucket_and_teaches_nothing() -> None:
+    admission = Admission(AdmitSettings(park_timeout=0), RouterMetrics())
+    limits = AdmissionLimits(mode="serverless", max_inflight=4)
+    key = ApiKey("key-a", "h1", "t", limits=KeyLimits(output_tokens_per_minute=600))
+    held = await admission.reserve("m", limits, key, admission.estimate("m", chat()))
+    assert isinstance(held, Admitted)
+    await admission.left_local(held)
+    assert admission.statistics()["m"]["inflight"] == 0
+    # The provider's tokenizer says 30 prompt tokens for the 104 estimated.
+    held.usage = {"prompt_tokens": 30, "completion_tokens": 500}
+    await admission.finish(held)
+    assert admission.estimator.ratios == {}
+    assert admission.buckets[("key-a", "m")].output.level == 100  # type: ignore[union-attr]
+
+
+async def test_b2_stays_a_limit_without_healthy_replicas() -> None:
+    admission = Admission(AdmitSettings(fraction=1.0, park_timeout=0), RouterMetrics(), lambda m: 0)
+    limits = AdmissionLimits(admit_budget_tokens=200)  # floored at one replica: 200
+    # Over the whole budget: refused at once, even by the empty pool.
+    huge = await admission.reserve("m", limits, None, admission.estimate("m", chat(max_tokens=97)))
+    assert not isinstance(huge, Admitted) and huge.gate == B2
+    assert "whole budget of 200" in huge.message
+    est = admission.estimate("m", chat(max_tokens=50))  # 104 + 50
+    first = await admission.reserve("m", limits, None, est)
+    assert isinstance(first, Admitted)
+    second = await admission.reserve("m", limits, None, est)
+    assert not isinstance(second, Admitted) and second.gate == B2
+    await admission.finish(first)
+    assert admission.statistics()["m"]["inflight"] == 0

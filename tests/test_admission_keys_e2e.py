@@ -12,7 +12,7 @@ import httpx
 from tests.fleet import Fleet, wait_until
 
 KEY_A, KEY_B, KEY_C = (f"sk-hivenet-{n * 64}" for n in ("a", "b", "c"))
-WORDS = "word " * 100  # 500 characters: about 160 tokens estimated, 100 for the sim
+WORDS = "word " * 100  # 500 characters: 160 tokens estimated at first, 100 for the sim
 
 
 def _hex(key: str) -> str:
@@ -26,11 +26,11 @@ api:
     - key_hash: "{_hex(KEY_A)}"
       metadata: {{name: a, owner: acme}}
       mode: serverless
-      quota: {{input_tokens_per_minute: 300}}
+      quota: {{input_tokens_per_minute: 160}}
     - key_hash: "{_hex(KEY_B)}"
       metadata: {{name: b, owner: acme}}
       mode: serverless
-      quota: {{input_tokens_per_minute: 300}}
+      quota: {{input_tokens_per_minute: 160}}
     - key_hash: "{_hex(KEY_C)}"
       metadata: {{name: c, owner: budget}}
       quota: {{tokens_per_day: 300}}
@@ -58,8 +58,20 @@ def test_keys_buckets_budget_and_audit(fleet: Fleet, tmp_path: Path) -> None:
     fleet.agent(router, "e1", "--capability", "embedding")
     chat_path, embed_path = "/v1/chat/completions", "/v1/embeddings"
 
-    # B4: key A's input tokens per minute (300) hold one 160-token prompt, not two.
+    def audited() -> list[dict]:
+        return [json.loads(line) for line in audit.read_text().splitlines()]
+
+    def ended(n: int) -> None:
+        """The router is done with the first `n` requests: a request's audit line is
+        written after its estimate was corrected and its day's tokens trued up, and it
+        may lag the answer the client already has."""
+        wait_until(lambda: audit.exists() and len(audited()) == n, 10, f"{n} audit lines")
+
+    # B4: key A's input tokens per minute (160) hold one prompt, not two: the first
+    # empties the bucket, and the second (148 tokens, once the estimate learned from
+    # the first) could pass only after 55 seconds of refill.
     assert post(router.url, KEY_A, chat_path, chat()).status_code == 200
+    ended(1)
     refused = post(router.url, KEY_A, chat_path, chat())
     assert refused.status_code == 429, refused.text
     assert refused.json()["error"]["code"] == "rate_limit_exceeded"
@@ -75,19 +87,17 @@ def test_keys_buckets_budget_and_audit(fleet: Fleet, tmp_path: Path) -> None:
     big = post(router.url, KEY_C, chat_path, chat("hi", max_tokens=1000))
     assert big.status_code == 429 and big.json()["error"]["code"] == "token_limit_exceeded"
     assert agent.sim_state()["requests_total"] == served
-    # Embeddings are charged what the engine counted (100 each), not the estimate: two
-    # fit, the third's estimate does not.
+    # Embeddings are charged what the engine counted (100 each), not the estimate (160):
+    # two fit, once each is trued up, and the third's estimate does not.
     embed = {"model": "e1", "input": WORDS}
+    ended(4)
     assert post(router.url, KEY_C, embed_path, embed).status_code == 200
+    ended(5)
     assert post(router.url, KEY_C, embed_path, embed).status_code == 200
+    ended(6)
     third = post(router.url, KEY_C, embed_path, embed)
     assert third.status_code == 429 and third.json()["error"]["code"] == "token_limit_exceeded"
-
-    def audited() -> list[dict]:
-        return [json.loads(line) for line in audit.read_text().splitlines()]
-
-    # An audit line is written once its answer is sent: the last may lag the answer.
-    wait_until(lambda: len([x for x in audited() if x["status"] == 429]) == 3, 10, "audit")
+    ended(7)
     lines = audited()
     by_key = {line["key_id"] for line in lines if line["tenant"] == "acme"}
     assert len(by_key) == 2 and all(k.startswith("key-") for k in by_key)

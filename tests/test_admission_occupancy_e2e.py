@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from functools import partial
 from pathlib import Path
 
 import anthropic
@@ -63,11 +64,13 @@ def hold(router: Router, client_timeout: float | None, content: str = "hello") -
     return thread
 
 
-def test_caps_occupancy_and_every_release_path(fleet: Fleet, tmp_path: Path) -> None:
+async def test_caps_occupancy_and_every_release_path(fleet: Fleet, tmp_path: Path) -> None:
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY)
-    router = fleet.router("--policy-file", str(policy), "--request-timeout", "5s", env=ENV)
-    agent = fleet.agent(router, "m1")
+    router = fleet.router("--policy-file", str(policy), env=ENV)
+    # The same agent behind a router whose deadline ends what the engine holds.
+    short = fleet.router("--policy-file", str(policy), "--request-timeout", "1s", env=ENV)
+    agent = fleet.agent([router, short], "m1")
     client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
 
     # B1, in each caller's protocol: 8,000 characters are about 2,500 tokens.
@@ -94,35 +97,43 @@ def test_caps_occupancy_and_every_release_path(fleet: Fleet, tmp_path: Path) -> 
     assert answer.choices[0].message.content
     drained(router)
 
-    # B2: two requests hold the pool (max_inflight 2, one replica); the third parks
-    # 300 ms, then hears 429 with Retry-After. The two end at the router's deadline
-    # (--request-timeout 5s), then one more by its client leaving: each gives its
-    # occupancy back.
+    # B2: two requests hold the pool (max_inflight 2, one replica) until the test lets
+    # their clients go (the engine would take 30 s); the third parks 300 ms, then hears
+    # 429 with Retry-After. The two clients leaving give their occupancy back.
     agent.sim_state(ttft=30.0)
-    held = [hold(router, client_timeout=None) for _ in range(2)]
-    wait_until(lambda: inflight(router) == 2, 10, "two requests in flight")
-    assert occupancy(router) > 0
-    refused = httpx.post(router.url + CHAT, json=body(), timeout=10)
-    assert refused.status_code == 429, refused.text
-    assert refused.json()["error"]["code"] == "concurrency_limit_exceeded"
-    assert refused.headers["retry-after"] == "1"
-    assert router.metric("hivenet_router_admission_rejections_total", reason="b2") == 1
-    for thread in held:
-        thread.join(15)
-    drained(router)
-    assert "request_timeout" in router.log()
-    hold(router, client_timeout=1.0).join(10)
+    async with httpx.AsyncClient(timeout=None) as client, trio.open_nursery() as nursery:
+        for _ in range(2):
+            nursery.start_soon(partial(client.post, router.url + CHAT, json=body()))
+        await trio.to_thread.run_sync(
+            lambda: wait_until(lambda: inflight(router) == 2, 10, "two requests in flight")
+        )
+        assert occupancy(router) > 0
+        refused = await trio.to_thread.run_sync(
+            lambda: httpx.post(router.url + CHAT, json=body(), timeout=10)
+        )
+        assert refused.status_code == 429, refused.text
+        assert refused.json()["error"]["code"] == "concurrency_limit_exceeded"
+        assert refused.headers["retry-after"] == "1"
+        assert router.metric("hivenet_router_admission_rejections_total", reason="b2") == 1
+        nursery.cancel_scope.cancel()
     router.wait_log("client_disconnected")
     drained(router)
+    # The router's deadline (--request-timeout 1s) ends one the engine still holds.
+    hold(short, client_timeout=None).join(15)
+    short.wait_log("request_timeout")
+    drained(short)
 
     # An engine error.
     agent.sim_state(ttft=0.0, fail_status=500, fail_count=1)
-    failed = httpx.post(router.url + CHAT, json=body(), timeout=10)
+    failed = await trio.to_thread.run_sync(
+        lambda: httpx.post(router.url + CHAT, json=body(), timeout=10)
+    )
     assert failed.status_code >= 500
     drained(router)
 
     # An undeclared output grows the footprint as it streams; then the agent dies.
-    agent.sim_state(token_latency=0.05)
+    # 0.2 s a token: the stream outlives the test's wait for it by far.
+    agent.sim_state(token_latency=0.2)
     stream = hold(router, client_timeout=None, content="word " * 200)
     wait_until(lambda: inflight(router) == 1, 10, "one stream in flight")
     start = occupancy(router)

@@ -112,8 +112,14 @@ def test_keys_written_at_run_time_authenticate_survive_a_restart_and_are_audited
 
     # Every admin call has an audit line: which admin key, from where, what, the status.
     httpx.get(router.url + "/admin/api-keys", headers={"Authorization": "Bearer wrong"})
-    lines = [json.loads(line) for line in audit.read_text().splitlines()]
-    admin = [line for line in lines if line.get("kind") == "admin"]
+
+    def admin_lines() -> list[dict]:
+        lines = [json.loads(line) for line in audit.read_text().splitlines()]
+        return [line for line in lines if line.get("kind") == "admin"]
+
+    # A call's audit line is written once its answer is sent: it may lag the answer.
+    wait_until(lambda: admin_lines()[-1]["status"] == 401, 10, "the refused call's line")
+    admin = admin_lines()
     key_id = "admin-" + digest(ADMIN_KEY)[:8]
     assert {
         "key_id": key_id,

@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 import trio
+import trio.testing
 
 from agent.engines import get_adapter
 from protocol.p2p import load_or_create_identity, peer_id_of
@@ -75,6 +76,27 @@ async def test_health_models_and_state_control(nursery: trio.Nursery) -> None:
 
         assert (await client.get("/nope")).status_code == 404
         assert (await client.get("/v1/chat/completions")).status_code == 405
+
+
+async def test_hold_keeps_requests_in_the_engine_until_it_is_lifted(
+    nursery: trio.Nursery,
+) -> None:
+    app, url = await _start(nursery)
+    async with httpx.AsyncClient(base_url=url) as client:
+        await client.post("/sim/state", json={"hold": True})
+        answers: list[httpx.Response] = []
+
+        async def ask() -> None:
+            answers.append(await client.post("/v1/chat/completions", json=_chat("hi")))
+
+        async with trio.open_nursery() as asking:
+            for _ in range(2):
+                asking.start_soon(ask)
+            await _eventually(lambda: app.state.in_flight == 2)
+            await trio.testing.wait_all_tasks_blocked()
+            assert answers == []
+            await client.post("/sim/state", json={"hold": False})
+        assert [a.status_code for a in answers] == [200, 200]
 
 
 async def test_chat_with_openai_sdk(nursery: trio.Nursery) -> None:

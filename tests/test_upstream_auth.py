@@ -73,6 +73,9 @@ def test_per_model_quotas_are_the_allowlist_and_scale_with_replicas() -> None:
     assert counters.admit(big, "t31").code is not None
     other = tenant.for_model("big", replicas=1)
     assert other.requests_per_minute == 10
+    # No healthy replica: the rate check is skipped, the daily budget still holds.
+    none = tenant.for_model("big", replicas=0)
+    assert none.requests_per_minute == 0 and none.tokens_per_day == 100 and none.limited
 
 
 def test_remaining_counts_after_an_admitted_request() -> None:

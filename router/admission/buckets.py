@@ -29,3 +29,11 @@ class TokenBucket:
 class KeyModelBuckets:
     input: TokenBucket | None = None
     output: TokenBucket | None = None
+
+    def idle(self, now: float) -> bool:
+        """Both buckets full (or off): dropping the record changes nothing, as a new
+        one starts full."""
+        return all(
+            bucket is None or bucket.refill(now, bucket.per_minute) >= bucket.per_minute
+            for bucket in (self.input, self.output)
+        )

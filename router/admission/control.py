@@ -20,6 +20,7 @@ from protocol.errors import ErrorCode, RouterError
 from protocol.usage import COMPLETION, PROMPT
 from router.admission.buckets import KeyModelBuckets, TokenBucket
 from router.admission.estimate import Estimator, InputEstimate
+from router.admission.idle import IDLE_POOL
 from router.admission.limits import AdmissionLimits, AdmitSettings
 from router.admission.occupancy import Pool, Reservation
 from router.admission.shared import GROW_STEP, PARK_POLL, SharedAdmission, SharedVerdict, entry_id
@@ -57,6 +58,7 @@ class Admitted:
         "model",
         "output_limit",
         "pending",
+        "pool",
         "reservation",
         "undeclared",
         "usage",
@@ -83,6 +85,9 @@ class Admitted:
         self.undeclared = not estimate.declared_output
         # Streamed tokens not yet added to the shared entry (sent GROW_STEP at a time).
         self.pending = 0
+        # The pool whose gauges the shared counts update (the sweep may drop it from
+        # `Admission.pools` while a long request still runs).
+        self.pool: Pool | None = None
 
     @property
     def grows(self) -> bool:
@@ -121,7 +126,8 @@ class Admission:
                     B1,
                     ErrorCode.INPUT_TOO_LONG,
                     f"input is {estimate.tokens} tokens, over the {what} limit of {cap}"
-                    " (reduce the messages, tools or system prompt; max_tokens does not count)",
+                    " (reduce the messages, tools, system prompt or images; max_tokens does"
+                    " not count)",
                     None,
                 )
         for cap, what in ((limits.images_max, "model"), (key.images_max, "key")):
@@ -138,7 +144,7 @@ class Admission:
     def _pool(self, model: str, limits: AdmissionLimits) -> Pool:
         pool = self.pools.get(model)
         if pool is None:
-            pool = self.pools[model] = Pool(model)
+            pool = self.pools[model] = Pool(model, quiet_since=trio.current_time())
             # Read at scrape time: a gauge set per change costs about 1.5 µs, and a
             # request changes its pool at least twice.
             m = self.metrics
@@ -161,9 +167,25 @@ class Admission:
         """B4's checks (immediate), then B2 (parking), then B4's input charge."""
         own = key.limits_for(model) if key is not None else NO_LIMITS
         serverless = key is not None and own.serverless(limits.mode)
+        pooled = limits.pooled or (serverless and bool(own.max_occupancy_share))
+        pool = self._pool(model, limits) if pooled else None
+        if pool is not None and pool.budget:
+            budget = pool.budget
+            if estimate.footprint > budget:
+                # Not even an empty pool holds it: waiting would only delay the 429.
+                return self._refuse(
+                    model,
+                    B2,
+                    ErrorCode.TOO_MANY_CONCURRENT,
+                    f"this request's footprint ({estimate.tokens} input tokens estimated"
+                    f" + {estimate.declared_output} declared output) is over model"
+                    f" {model!r}'s whole budget of {budget} tokens; lower max_tokens or"
+                    " the input",
+                    RETRY_AFTER,
+                )
         if self.shared is not None and self.shared.up:
             admitted = await self._reserve_shared(
-                model, limits, key if serverless else None, own, estimate
+                model, limits, pool, key if serverless else None, own, estimate
             )
             if admitted is not None:
                 return admitted
@@ -176,8 +198,7 @@ class Admission:
             if refused is not None:
                 return refused
         reservation = None
-        if limits.pooled or (serverless and own.max_occupancy_share):
-            pool = self._pool(model, limits)
+        if pool is not None:
             pool.fleet = None  # counting alone (no --state-url, or Redis away)
             if not pool.fits(footprint):
                 if self.settings.park_timeout > 0:
@@ -280,6 +301,7 @@ class Admission:
         self,
         model: str,
         limits: AdmissionLimits,
+        pool: Pool | None,
         key: ApiKey | None,
         own: KeyLimits,
         estimate: InputEstimate,
@@ -287,7 +309,8 @@ class Admission:
         """B4 and B2 in Redis; None when Redis failed (the local counts decide)."""
         shared = self.shared
         assert shared is not None
-        pool = self._pool(model, limits)
+        if pool is None:
+            pool = self._pool(model, limits)
         share = 0
         if key is not None and own.max_occupancy_share:
             replicas = max(1, self.replicas(model))
@@ -335,6 +358,8 @@ class Admission:
             own.output_tokens_per_minute if key is not None else 0,
         )
         admitted.entry = entry if pooled else None
+        admitted.pool = pool
+        pool.served += 1
         return admitted
 
     async def grow(self, admitted: Admitted, n: int) -> None:
@@ -348,8 +373,8 @@ class Admission:
                 totals = await self.shared.call(
                     self.shared.change, admitted.model, admitted.entry, n
                 )
-                if isinstance(totals, tuple):
-                    self._shared_gauges(self.pools[admitted.model], *totals)
+                if isinstance(totals, tuple) and admitted.pool is not None:
+                    self._shared_gauges(admitted.pool, *totals)
 
     async def left_local(self, admitted: Admitted) -> None:
         """Routing went to the external provider: no local KV cache is held any more."""
@@ -358,10 +383,15 @@ class Admission:
 
     async def finish(self, admitted: Admitted) -> None:
         """The request ended, however: learn, charge the key's output, release. Only
-        the shared counts await (shielded: a cancelled request still gives back)."""
+        the shared counts await (shielded: a cancelled request still gives back).
+
+        A provider's answer is charged to the key's output bucket like an engine's
+        (its output is the key's all the same) but teaches the estimator nothing: the
+        provider counts with another tokenizer than the model's engines."""
         usage = admitted.usage
-        if usage is not None and admitted.local:
-            self.estimator.learn(admitted.model, admitted.estimate, usage[PROMPT])
+        if usage is not None:
+            if admitted.local:
+                self.estimator.learn(admitted.model, admitted.estimate, usage[PROMPT])
             if admitted.output_limit and admitted.key_id is not None:
                 await self._spend(admitted, usage[COMPLETION])
         await self._release(admitted)
@@ -379,12 +409,19 @@ class Admission:
                 )
             if done is not None:
                 return
+        now = trio.current_time()
         buckets = self.buckets.get((admitted.key_id, admitted.model))
-        if buckets is not None and buckets.output is not None:
-            bucket = buckets.output
-            bucket.refill(trio.current_time(), admitted.output_limit)
-            # One answer drains at most the bucket (a minute of output).
-            bucket.level = max(0.0, bucket.level - tokens)
+        if buckets is None:
+            # Swept while the request ran (its buckets were full): it starts full again.
+            buckets = self.buckets[(admitted.key_id, admitted.model)] = KeyModelBuckets()
+        bucket = buckets.output
+        if bucket is None:
+            bucket = buckets.output = TokenBucket(
+                admitted.output_limit, float(admitted.output_limit), now
+            )
+        bucket.refill(now, admitted.output_limit)
+        # One answer drains at most the bucket (a minute of output).
+        bucket.level = max(0.0, bucket.level - tokens)
 
     async def _release(self, admitted: Admitted) -> None:
         reservation = admitted.reservation
@@ -395,8 +432,8 @@ class Admission:
             # Redis away: the entry expires after its lease.
             with trio.CancelScope(shield=True):
                 totals = await self.shared.call(self.shared.change, admitted.model, entry, -1)
-            if isinstance(totals, tuple):
-                self._shared_gauges(self.pools[admitted.model], *totals)
+            if isinstance(totals, tuple) and admitted.pool is not None:
+                self._shared_gauges(admitted.pool, *totals)
 
     def _shared_gauges(self, pool: Pool, occupancy: int, count: int) -> None:
         """Shared counts: the gauges show the fleet's occupancy, as every router sees it."""
@@ -407,6 +444,32 @@ class Admission:
     ) -> AdmissionRefused:
         self.metrics.admission_rejections.labels(gate, model).inc()
         return AdmissionRefused(code, message, retry_after=retry_after, gate=gate)
+
+    def sweep(self, now: float) -> tuple[int, int]:
+        """Upstream's idle-state cleanup, every `SWEEP_INTERVAL`: key buckets that are
+        full, pools that held no request for `IDLE_POOL` seconds (with their gauges).
+        Returns how many of each went."""
+        full = [pair for pair, buckets in self.buckets.items() if buckets.idle(now)]
+        for pair in full:
+            del self.buckets[pair]
+        quiet = []
+        for model, pool in self.pools.items():
+            if pool.inflight or pool.lot or pool.served != pool.seen:
+                pool.seen, pool.quiet_since = pool.served, now
+            elif now - pool.quiet_since >= IDLE_POOL:
+                quiet.append(model)
+        m = self.metrics
+        gauges = (
+            m.admission_occupancy,
+            m.admission_inflight,
+            m.admission_budget,
+            m.admission_max_inflight,
+        )
+        for model in quiet:
+            del self.pools[model]
+            for gauge in gauges:
+                gauge.remove(model)
+        return len(full), len(quiet)
 
     def statistics(self) -> dict[str, dict[str, int]]:
         """Per model: occupancy, budget, in flight, backstop, parked (/admin views, tests)."""

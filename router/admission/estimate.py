@@ -12,6 +12,12 @@ difference) and move toward each exact `prompt_tokens` the model's engines repor
 an EWMA of weight 0.2, clamped to 0.05-1.0 tokens per character so that one odd report
 (a cached prompt, a tokenizer bug) cannot poison later estimates. Requests with images
 do not train the ratio: image tokens are not proportional to any text.
+
+Each image part counts a per-model number of tokens instead, 768 to start (a 448-672
+pixel tile in today's vision encoders), learned from the exact `prompt_tokens` of
+requests with images once their text estimate is taken off (same EWMA, clamped to
+64-16384 tokens per image), so that images weigh on occupancy, key buckets and the
+daily budget, not only on `images_max`.
 """
 
 from __future__ import annotations
@@ -31,6 +37,9 @@ MESSAGE_OVERHEAD = 4
 # A text shorter than this teaches nothing: the overhead dominates it.
 MIN_LEARNING_CHARS = 64
 _IMAGE_TYPES = frozenset(("image_url", "image", "input_image"))
+DEFAULT_IMAGE_TOKENS = 768.0
+MIN_IMAGE_TOKENS = 64.0
+MAX_IMAGE_TOKENS = 16384.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +53,8 @@ class InputEstimate:
     declared_output: int
     # Token ids sent as such (embeddings' `input` as integer arrays): exact already.
     exact_tokens: int = 0
+    # The part of `tokens` counted for the images (per-image estimate times images).
+    image_tokens: int = 0
 
     @property
     def footprint(self) -> int:
@@ -168,24 +179,44 @@ class Estimator:
     def __init__(self) -> None:
         # Reset by a restart, as upstream: a few answers relearn it.
         self.ratios: dict[str, float] = {}
+        self.image_tokens: dict[str, float] = {}
 
     def ratio(self, model: str) -> float:
         return self.ratios.get(model, DEFAULT_TOKENS_PER_CHAR)
 
+    def per_image(self, model: str) -> float:
+        return self.image_tokens.get(model, DEFAULT_IMAGE_TOKENS)
+
     def estimate(self, model: str, payload: dict[str, Any]) -> InputEstimate:
         tally = measure(payload)
+        images = int(tally.images * self.per_image(model) + 0.5) if tally.images else 0
         tokens = (
             int(tally.chars * self.ratio(model) + 0.5)
             + tally.messages * MESSAGE_OVERHEAD
             + tally.exact
+            + images
         )
         return InputEstimate(
-            tokens, tally.images, tally.chars, tally.messages, _declared(payload), tally.exact
+            tokens,
+            tally.images,
+            tally.chars,
+            tally.messages,
+            _declared(payload),
+            tally.exact,
+            images,
         )
 
     def learn(self, model: str, estimate: InputEstimate, prompt_tokens: int) -> None:
-        """Move the model's ratio toward what the engine counted for `estimate`'s text."""
-        if estimate.images or estimate.chars < MIN_LEARNING_CHARS:
+        """Move the model's ratio toward what the engine counted for `estimate`'s text,
+        or, with images, its per-image count toward what the text leaves."""
+        if estimate.images:
+            text_tokens = estimate.tokens - estimate.image_tokens
+            observed = (prompt_tokens - text_tokens) / estimate.images
+            observed = min(MAX_IMAGE_TOKENS, max(MIN_IMAGE_TOKENS, observed))
+            per_image = self.per_image(model) * (1 - EWMA_WEIGHT) + observed * EWMA_WEIGHT
+            self.image_tokens[model] = per_image
+            return
+        if estimate.chars < MIN_LEARNING_CHARS:
             return
         text_tokens = prompt_tokens - estimate.messages * MESSAGE_OVERHEAD - estimate.exact_tokens
         observed = min(MAX_TOKENS_PER_CHAR, max(MIN_TOKENS_PER_CHAR, text_tokens / estimate.chars))

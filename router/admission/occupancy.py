@@ -5,7 +5,8 @@ limit its share grows with the output it streams. The pool's budget is
 `fraction * admit_budget_tokens * healthy replicas` and its backstop
 `max_inflight * healthy replicas`, both recomputed per request (replicas floored at 1,
 so the gate holds while no replica is healthy and routing says why). A request that
-does not fit parks until one that holds occupancy leaves, at most the park timeout.
+does not fit parks until one that holds occupancy leaves, at most the park timeout;
+one larger than the whole budget is refused at once (no release makes room for it).
 
 Everything here is synchronous and this router's own; a `Reservation` is released
 exactly once whatever ends the request, and `release` never awaits, so a cancelled
@@ -34,6 +35,11 @@ class Pool:
     backstop: int = 0
     # The fleet's (occupancy, in flight) as Redis last said, while the counts are shared.
     fleet: tuple[int, int] | None = None
+    # Requests admitted here, ever; the idle sweep compares it between its passes
+    # rather than the hot path reading a clock.
+    served: int = 0
+    seen: int = 0
+    quiet_since: float = 0.0
 
     def shown_occupancy(self) -> float:
         return float(self.fleet[0] if self.fleet is not None else self.occupancy)
@@ -42,10 +48,8 @@ class Pool:
         return float(self.fleet[1] if self.fleet is not None else self.inflight)
 
     def fits(self, tokens: int) -> bool:
-        """Whether `tokens` more fit. An empty pool takes any request: one larger than
-        the whole budget would otherwise never run (B1 is the cap for that)."""
-        if not self.inflight:
-            return True
+        """Whether `tokens` more fit. No exception for an empty pool (upstream): the
+        floored budget of a pool without healthy replicas stays a limit."""
         if self.backstop and self.inflight >= self.backstop:
             return False
         return not self.budget or self.occupancy + tokens <= self.budget
@@ -72,6 +76,7 @@ class Reservation:
         self.grows = grows
         self.released = False
         pool.inflight += 1
+        pool.served += 1
         self._add(input_tokens + output)
 
     @property

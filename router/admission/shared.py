@@ -80,7 +80,7 @@ if key ~= '' then
 end
 if pooled then
   local full = (backstop > 0 and count >= backstop) or (budget > 0 and occ + tokens > budget)
-  if count > 0 and full then
+  if full then
     return {'b2', tostring(occ), tostring(count), '1'}
   end
   redis.call('HSET', KEYS[1], id, tokens .. ':' .. key)

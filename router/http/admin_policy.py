@@ -40,8 +40,9 @@ async def admin_policy_models(
         await send_json(send, 200, {"name": name, **store.models.describe(name)}, extra)
         return 200
     if method == "DELETE":
-        if store.models.delete(name):
-            store.log.info("policy_removed origin=admin_api name=%s", name)
+        errors = store.delete_named(name, "admin_api")
+        if errors:
+            return await send_rejected(send, extra, "policy", errors)
         await send_json(send, 200, {"status": "policy deleted", "name": name}, extra)
         return 200
     if method != "PUT":

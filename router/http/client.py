@@ -16,6 +16,7 @@ from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
 from protocol.paths import GENERATIVE
 from protocol.tracing import NULL_SPAN, Span, valid_traceparent
+from protocol.usage import usage_of_body
 from router.admission.control import Admission, AdmissionRefused, Admitted
 from router.admission.limits import NO_ADMISSION_LIMITS
 from router.continuation_relay import StreamContinuer, StreamRelay, broken_code, record_break
@@ -472,6 +473,10 @@ class ClientApi:
         headers = [*served.headers.items(), *extra]
         stream = served.stream
         if stream is None:
+            if state.admitted is not None:
+                # The provider answered, and spent the output, whether or not the
+                # client is still there to read it.
+                state.admitted.usage = usage_of_body(served.body)
             await send_bytes(send, served.status, served.body, served.content_type, headers)
             return
         # The provider's stream: each event goes out as it arrives (router/providers).
@@ -496,6 +501,8 @@ class ClientApi:
             await stream.aclose()
             if state.ticket is not None:
                 state.ticket.usage = stream.usage
+            if state.admitted is not None:
+                state.admitted.usage = stream.usage
 
     def models(self) -> list[dict]:
         return [self.model_card(model) for model in self.table.models()]

@@ -6,6 +6,7 @@ import logging
 from collections.abc import Callable
 
 from protocol.logs import quote
+from router.admission.crosscheck import PolicyLimits
 from router.documents import DocumentError, DocumentStore
 from router.metrics import RouterMetrics
 from router.policy.models import (
@@ -15,7 +16,13 @@ from router.policy.models import (
     parse_named,
     read_directory,
 )
-from router.policy.schema import Policy, default_policy, load_policy, load_policy_file
+from router.policy.schema import (
+    Policy,
+    PolicyError,
+    default_policy,
+    load_policy,
+    load_policy_file,
+)
 
 log = logging.getLogger("policy")
 
@@ -33,6 +40,9 @@ class PolicyStore(DocumentStore[Policy]):
         self.listeners: list[Callable[[Policy], None]] = []
         self.model_dir = model_dir
         self.models = ModelPolicies()
+        # The keys' side of the serverless cross-check (router/admission/crosscheck.py):
+        # the errors a set of policy caps would give; the daemon points it at the keys.
+        self.cross_check: Callable[[list[PolicyLimits]], list[str]] = lambda caps: []
         if path is not None:
             # At start-up a bad file is fatal (PolicyError names every problem).
             self.current = load_policy_file(path)
@@ -51,12 +61,33 @@ class PolicyStore(DocumentStore[Policy]):
         """The policy a request for `model` follows: its named document, or the global."""
         return self.models.for_model(model) or self.current
 
+    def caps(
+        self, default: Policy | None = None, named: tuple[str, Policy | None] | None = None
+    ) -> list[PolicyLimits]:
+        """Each policy's serverless input cap, the running ones or with `default` as the
+        global policy or `named` as that document (None: deleted), for the cross-check."""
+        limits = (default or self.current).admission
+        caps: list[PolicyLimits] = [(None, limits.mode, limits.max_input_tokens)]
+        documents = {name: doc.policy for name, doc in self.models.named.items()}
+        if named is not None:
+            name, policy = named
+            documents.pop(name, None)
+            if policy is not None:
+                documents[name] = policy
+        for policy in documents.values():
+            own = policy.admission
+            caps += [(m, own.mode, own.max_input_tokens) for m in policy.models]
+        return caps
+
     def put_named(self, name: str, text: str, origin: str) -> list[str]:
         """Validate `text` and make it document `name`; the errors (ModelConflict raised)."""
         try:
             policy = parse_named(text)
         except DocumentError as exc:
             return self.reject(exc.errors, origin)
+        errors = self.cross_check(self.caps(named=(name, policy)))
+        if errors:
+            return self.reject(errors, origin)
         self.models.put(name, policy, origin)
         self.reloads.labels("success").inc()
         log.info(
@@ -66,6 +97,16 @@ class PolicyStore(DocumentStore[Policy]):
             quote(",".join(policy.models)),
             "→".join(policy.chain_names()),
         )
+        return []
+
+    def delete_named(self, name: str, origin: str) -> list[str]:
+        """Remove document `name` (its models follow the global policy again); the
+        errors when a key could not pass the global policy's cap there."""
+        errors = self.cross_check(self.caps(named=(name, None)))
+        if errors:
+            return self.reject(errors, origin)
+        if self.models.delete(name):
+            log.info("policy_removed origin=%s name=%s", origin, quote(name))
         return []
 
     def reload_file(self) -> list[str]:
@@ -84,8 +125,7 @@ class PolicyStore(DocumentStore[Policy]):
             errors += [f"_default.yaml: {e}" for e in self.replace(default, "file")]
         for name in [n for n, d in self.models.named.items() if d.origin == "file"]:
             if name not in texts:
-                self.models.delete(name)
-                log.info("policy_removed origin=file name=%s", quote(name))
+                errors += [f"{name}: {e}" for e in self.delete_named(name, "file")]
         for name, text in texts.items():
             running = self.models.named.get(name)
             if running is not None and running.policy.source == text:
@@ -97,7 +137,11 @@ class PolicyStore(DocumentStore[Policy]):
         return errors
 
     def parse(self, text: str) -> Policy:
-        return load_policy(text)
+        policy = load_policy(text)
+        errors = self.cross_check(self.caps(default=policy))
+        if errors:
+            raise PolicyError(errors)
+        return policy
 
     def source(self) -> str:
         return self.current.source

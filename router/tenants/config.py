@@ -184,10 +184,12 @@ class Tenant:
     per_model: tuple[tuple[str, int, int], ...] = ()
 
     def for_model(self, model: str, replicas: int) -> Tenant:
-        """The record whose limits and counts apply to a request for `model`."""
+        """The record whose limits and counts apply to a request for `model`. With no
+        healthy replica the rate check is skipped (upstream): routing then answers
+        with the more accurate availability error."""
         for name, rpm_per_replica, tokens in self.per_model:
             if name == model:
-                rpm = rpm_per_replica * max(1, replicas)
+                rpm = rpm_per_replica * replicas
                 return Tenant(
                     name=f"{self.name}/{model}",
                     priority=self.priority,

@@ -50,6 +50,12 @@ def until_midnight(now: float) -> float:
 class _Bucket:
     tokens: float
     stamp: float
+    # The burst and rate of the last admission, for the idle sweep.
+    burst: float = 0.0
+    rate: float = 0.0
+
+    def full(self, now: float) -> bool:
+        return self.tokens + (now - self.stamp) * self.rate >= self.burst
 
 
 @dataclass
@@ -99,10 +105,11 @@ class LocalCounters:
             now = self.monotonic()
             rate = tenant.requests_per_minute / 60.0
             bucket = counts.bucket
+            burst = float(tenant.burst)
             if bucket is None:
-                bucket = counts.bucket = _Bucket(float(tenant.burst), now)
-            tokens = min(float(tenant.burst), bucket.tokens + (now - bucket.stamp) * rate)
-            bucket.tokens, bucket.stamp = tokens, now
+                bucket = counts.bucket = _Bucket(burst, now)
+            tokens = min(burst, bucket.tokens + (now - bucket.stamp) * rate)
+            bucket.tokens, bucket.stamp, bucket.burst, bucket.rate = tokens, now, burst, rate
             if tokens < 1.0:
                 return Verdict(ErrorCode.RATE_LIMITED, (1.0 - tokens) / rate)
             bucket.tokens = tokens - 1.0
@@ -128,6 +135,24 @@ class LocalCounters:
             if counts.day != day:
                 counts.day, counts.tokens = day, 0
             counts.tokens += tokens
+
+    def sweep(self) -> int:
+        """Forget what a new record would hold alike: a full request bucket, a count of
+        a past UTC day, a record with neither and nothing in flight. Returns how many
+        records went."""
+        now, today = self.monotonic(), utc_day(self.wall())
+        gone = []
+        for name, counts in self.counts.items():
+            bucket = counts.bucket
+            if bucket is not None and bucket.full(now):
+                counts.bucket = None
+            if counts.day and counts.day != today:
+                counts.day, counts.tokens = "", 0
+            if counts.bucket is None and not counts.inflight and not counts.day:
+                gone.append(name)
+        for name in gone:
+            del self.counts[name]
+        return len(gone)
 
     def used_today(self, tenant: str) -> int:
         counts = self.counts.get(tenant)

@@ -26,6 +26,7 @@ from router.tenants.audit import AdminRecord, AuditLog, AuditRecord, audit_admin
 from router.tenants.config import (
     ApiKey,
     AuthConfig,
+    AuthError,
     Tenant,
     hash_key,
     key_id_of,
@@ -54,13 +55,20 @@ class AuthStore(DocumentStore[AuthConfig]):
     def __init__(self, metrics: RouterMetrics, path: str | None, burst_seconds: int = 0) -> None:
         super().__init__(metrics.auth_reloads, log, path)
         self.burst_seconds = burst_seconds
+        # The policies' side of the serverless cross-check (router/admission/crosscheck.py):
+        # the errors a set of keys would give; the daemon points it at its policies.
+        self.cross_check: Callable[[AuthConfig], list[str]] = lambda config: []
         # At start-up a bad file is fatal (AuthError names every problem).
         self.current: AuthConfig | None = load_auth_file(path, burst_seconds) if path else None
         if self.current is not None:
             self._warn(self.current)
 
     def parse(self, text: str) -> AuthConfig:
-        return load_auth(text, self.burst_seconds)
+        config = load_auth(text, self.burst_seconds)
+        errors = self.cross_check(config)
+        if errors:
+            raise AuthError(errors)
+        return config
 
     def _warn(self, config: AuthConfig) -> None:
         for warning in config.warnings:

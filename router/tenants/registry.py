@@ -38,6 +38,7 @@ from typing import Any
 import orjson
 import trio
 
+from router.admission.crosscheck import PolicyLimits, below_serverless_cap
 from router.documents import DocumentError, DocumentStore, Validator, kind
 from router.metrics import RouterMetrics
 from router.tenants.config import HASH_PREFIX, ApiKey, AuthConfig, Tenant
@@ -342,37 +343,6 @@ def check_registry(
 
 EMPTY = canonical("", {})
 
-# A policy's (model, or None for the global policy; mode; max_input_tokens).
-PolicyLimits = tuple[str | None, str, int]
-
-
-def below_serverless_cap(registry: Registry, policies: list[PolicyLimits]) -> list[str]:
-    """Upstream's cross-check: a key's nonzero input_tokens_per_minute must be at least
-    the max_input_tokens of every serverless model it can reach, or a request at that
-    cap could never pass its bucket."""
-    named = {model for model, _, _ in policies if model is not None}
-    errors = []
-    for digest, key in sorted(registry.config.keys.items(), key=lambda kv: kv[1].id):
-        tenant = registry.config.by_hash[digest]
-        for model, mode, cap in policies:
-            limits = key.limits_for(model) if model is not None else key.limits
-            rate = limits.input_tokens_per_minute
-            if not (rate and cap and rate < cap and limits.serverless(mode)):
-                continue
-            if model is None:
-                reachable = not (tenant.models or tenant.per_model) or any(
-                    m not in named for m in (*tenant.models, *(n for n, _, _ in tenant.per_model))
-                )
-            else:
-                reachable = tenant.allows_model(model)
-            if reachable:
-                errors.append(
-                    f"{key.id}.quota.input_tokens_per_minute: {rate} is below max_input_tokens"
-                    f" {cap} of serverless {'model ' + repr(model) if model else 'global policy'}"
-                    " (a request at that cap could never pass)"
-                )
-    return errors
-
 
 class KeyRegistry(DocumentStore[Registry]):
     """The running registry, its writes and where they are saved."""
@@ -414,7 +384,7 @@ class KeyRegistry(DocumentStore[Registry]):
     def check(self, document: object, source: str) -> Registry:
         """The registry `document` would be; only entries that changed are checked."""
         registry = check_registry(document, source, self.burst_seconds, self.current)
-        errors = below_serverless_cap(registry, self.policies())
+        errors = below_serverless_cap(registry.config, self.policies())
         if errors:
             raise RegistryError(errors)
         return registry
