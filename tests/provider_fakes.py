@@ -44,6 +44,8 @@ class Knobs:
     close_connection: bool = False
     # Seconds to wait before answering.
     delay: float = 0.0
+    # Every answer waits until this is set.
+    hold: trio.Event | None = None
     # Answer 200 with a body that is not JSON.
     malformed: bool = False
     # Answer 200 with this JSON instead of the generated answer (streamed when asked).
@@ -99,6 +101,8 @@ class FakeProvider:
                     self.requests.append(request)
                     if self.knobs.delay:
                         await trio.sleep(self.knobs.delay)
+                    if self.knobs.hold is not None:
+                        await self.knobs.hold.wait()
                     if self.knobs.close_connection:
                         return
                     status, body = self._answer(request)

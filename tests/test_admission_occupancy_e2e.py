@@ -147,7 +147,7 @@ async def test_provider_fallback_gives_the_local_occupancy_back(
     fleet: Fleet, tmp_path: Path
 ) -> None:
     fake = FakeOpenAI("sk-test")
-    fake.knobs.delay = 2.0
+    fake.knobs.hold = trio.Event()
     async with trio.open_nursery() as nursery:
         await nursery.start(fake.serve)
         policy = tmp_path / "policy.yaml"
@@ -174,11 +174,16 @@ async def test_provider_fallback_gives_the_local_occupancy_back(
 
         async with trio.open_nursery() as calls:
             calls.start_soon(one)
-            # While the provider answers, no local occupancy is held: a second request
-            # fits under max_inflight 1.
+            # While the provider holds the first answer, no local occupancy is held: a
+            # second request fits under max_inflight 1 and reaches the provider too.
             await trio.to_thread.run_sync(lambda: wait_until(lambda: fake.requests, 10, "call"))
             assert inflight(router) == 0
             calls.start_soon(one)
+            await trio.to_thread.run_sync(
+                lambda: wait_until(lambda: len(fake.requests) == 2, 10, "the second call")
+            )
+            assert not answers
+            fake.knobs.hold.set()
         assert [a.status_code for a in answers] == [200, 200]
         assert router.metric("hivenet_router_admission_rejections_total", reason="b2") == 0
         drained(router)
