@@ -37,7 +37,11 @@ def healthy(url: str) -> int:
 def start_router(procs: Procs) -> tuple[subprocess.Popen[bytes], str, str]:
     """A router; returns it, its URL and its p2p address."""
     http, metrics, p2p = free_port(), free_port(), free_port()
-    router, addr = procs.router(http, metrics, p2p)
+    # Every bench agent dials from 127.0.0.1: one source, far over the per-address
+    # defaults (32 live connections, 64 before their hello) a real fleet's NAT sizes.
+    router, addr = procs.router(
+        http, metrics, p2p, "--p2p-max-conns-per-ip", "4096", "--max-unjoined-per-ip", "4096"
+    )
     return router, f"http://127.0.0.1:{http}", addr
 
 

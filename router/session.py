@@ -512,10 +512,9 @@ class _QueuePlace:
 
     def __init__(self, queue: WaitQueue, metrics: RouterMetrics, req: RouteRequest) -> None:
         self.queue = queue
+        self.metrics = metrics
         self.req = req
-        model = self.model = req.model
-        self.gauge = metrics.queue_depth.labels(model)
-        self.wait_hist = metrics.queue_wait.labels(model, req.tenant)
+        self.model = req.model
         self.waiter: Waiter | None = None
         self.since = 0.0
 
@@ -528,7 +527,7 @@ class _QueuePlace:
         if self.waiter is None:
             return False
         self.since = trio.current_time()
-        self.gauge.set(self.queue.length(self.model))
+        self.metrics.queue_depth.labels(self.model).set(self.queue.length(self.model))
         return True
 
     async def wait(self) -> None:
@@ -545,8 +544,10 @@ class _QueuePlace:
         self.waiter = None
         waited = trio.current_time() - self.since
         self.req.waited += waited
-        self.wait_hist.observe(waited)
-        self.gauge.set(self.queue.length(self.model))
+        # Labelled here, not per request: most requests never queue, and a labels()
+        # lookup costs microseconds.
+        self.metrics.queue_wait.labels(self.model, self.req.tenant).observe(waited)
+        self.metrics.queue_depth.labels(self.model).set(self.queue.length(self.model))
 
 
 def exhaustion_line(req: RouteRequest, ex: Exhausted) -> str:
