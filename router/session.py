@@ -406,16 +406,18 @@ class RoutingSession:
             if not try_acquire(peer):
                 continue  # lost the race for the last slot: select again, no try used
             self.ranking.chosen(step.strategy, step.strategy_params, peer, run.rank_request)
-            log.debug(
-                "req=%s step_selected step=%s peer=%s active=%d capacity=%d survivors=%d tenant=%s",
-                req.request_id,
-                step.name,
-                peer.peer_id,
-                peer.active,
-                peer.metadata.capacity,
-                ev.survivors,
-                quote(req.tenant),
-            )
+            if log.isEnabledFor(logging.DEBUG):  # every request passes here: no quoting when off
+                log.debug(
+                    "req=%s step_selected step=%s peer=%s active=%d capacity=%d survivors=%d "
+                    "tenant=%s",
+                    req.request_id,
+                    step.name,
+                    peer.peer_id,
+                    peer.active,
+                    peer.metadata.capacity,
+                    ev.survivors,
+                    quote(req.tenant),
+                )
             probe = is_probe(peer, step, trio.current_time())
             held = peer.stats.start_probe() if probe else 0.0
             return _SendTo(Slot(peer, self.on_release), probe, held)
