@@ -169,9 +169,10 @@ class Admission:
         serverless = key is not None and own.serverless(limits.mode)
         pooled = limits.pooled or (serverless and bool(own.max_occupancy_share))
         pool = self._pool(model, limits) if pooled else None
+        footprint = estimate.footprint
         if pool is not None and pool.budget:
             budget = pool.budget
-            if estimate.footprint > budget:
+            if footprint > budget:
                 # Not even an empty pool holds it: waiting would only delay the 429.
                 return self._refuse(
                     model,
@@ -189,7 +190,6 @@ class Admission:
             )
             if admitted is not None:
                 return admitted
-        footprint = estimate.footprint
         buckets = None
         if serverless:
             assert key is not None

@@ -10,19 +10,21 @@ every change of either side: a reload, `PUT /admin/policy`, a per-model policy w
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from router.tenants.config import ApiKey, AuthConfig, KeyLimits, Tenant
 
 # A policy's (model, or None for the global policy; mode; max_input_tokens).
 PolicyLimits = tuple[str | None, str, int]
 
 
-def _global_models(tenant: Tenant, key: ApiKey, named: set[str]) -> Iterable[str]:
-    """The models a key may reach under the global policy, by name or glob."""
+def _reaches_global(tenant: Tenant, key: ApiKey, named: set[str]) -> bool:
+    """Whether the key may reach a model under the global policy with its own limits:
+    any model when its tenant lists none, else one listed (by name or glob) that no
+    named policy takes and no `per_model` entry of the key covers."""
+    if not (tenant.models or tenant.per_model):
+        return True
     own = {name for name, _ in key.per_model}
     listed = (*tenant.models, *(name for name, _, _ in tenant.per_model))
-    return (m for m in listed if m not in named and m not in own)
+    return any(m not in named and m not in own for m in listed)
 
 
 def below_serverless_cap(config: AuthConfig | None, policies: list[PolicyLimits]) -> list[str]:
@@ -52,8 +54,7 @@ def below_serverless_cap(config: AuthConfig | None, policies: list[PolicyLimits]
                 continue
             # The global policy: the key's own limits where no per_model entry applies,
             # and each per_model entry of a model no named policy takes.
-            unrestricted = not (tenant.models or tenant.per_model)
-            if unrestricted or any(True for _ in _global_models(tenant, key, named)):
+            if _reaches_global(tenant, key, named):
                 check(key, "", key.limits, mode, cap, "global policy")
             for name, limits in key.per_model:
                 if name not in named and tenant.allows_model(name):

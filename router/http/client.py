@@ -384,8 +384,14 @@ class ClientApi:
             state.status = await send_error(send, protocol, err, headers, state.ticket)
             return
         if isinstance(served, ProviderServed):
+            # A whole answer's usage, read once for the tenant and the key's buckets; a
+            # stream's comes with its last event. The provider spent the output whether or
+            # not the client stays to read it.
+            usage = usage_of_body(served.body) if served.stream is None else None
             if state.ticket:
-                state.ticket.provider_answer(served.engine, served.body)
+                state.ticket.provider_answer(served.engine, usage)
+            if state.admitted is not None:
+                state.admitted.usage = usage
             await self._send_provider(req, protocol, served, send, extra, state)
             return
         response = served.response
@@ -473,10 +479,6 @@ class ClientApi:
         headers = [*served.headers.items(), *extra]
         stream = served.stream
         if stream is None:
-            if state.admitted is not None:
-                # The provider answered, and spent the output, whether or not the
-                # client is still there to read it.
-                state.admitted.usage = usage_of_body(served.body)
             await send_bytes(send, served.status, served.body, served.content_type, headers)
             return
         # The provider's stream: each event goes out as it arrives (router/providers).

@@ -19,7 +19,7 @@ import trio
 
 from protocol.errors import ErrorCode, RouterError
 from protocol.logs import quote
-from protocol.usage import COMPLETION, PROMPT, usage_of_body
+from protocol.usage import COMPLETION, PROMPT
 from router.documents import DocumentStore
 from router.metrics import RouterMetrics
 from router.tenants.audit import AdminRecord, AuditLog, AuditRecord, audit_admin
@@ -350,9 +350,9 @@ class Ticket:
         self.step, self.agent = step, agent
         self.served = True
 
-    def provider_answer(self, engine: str, body: bytes) -> None:
+    def provider_answer(self, engine: str, usage: dict[str, int] | None) -> None:
         self.step, self.agent = "fallback_provider", f"provider:{engine}"
-        self.usage = usage_of_body(body)
+        self.usage = usage
         self.served = True
 
     async def close(self) -> None:
