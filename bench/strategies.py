@@ -1,9 +1,14 @@
 """Ranking strategies on a chat trace whose prompts share prefixes, against vllm-router.
 
     python -m bench.strategies [--conversations 48] [--turns 10] [--clients 16] [--interleave 3]
+                               [--think 0.5] [--prefill shared|slot]
 
 Eight simulated engines with a prefix cache and a prefill cost per uncached token (so
-a cache hit shortens the time to first token as on a GPU) serve one trace: multi-turn
+a cache hit shortens the time to first token as on a GPU) serve one trace. Each engine
+prefills one prompt at a time (`--prefill shared`, the default), as a GPU's compute is
+shared by the prefills it schedules, so the tokens one request misses in the cache
+delay the requests behind it on that engine; `--prefill slot` lets every slot prefill on
+its own, which no GPU does. The trace: multi-turn
 conversations, each opening with one of a few shared system prompts, each turn the
 whole history so far plus a new user message, the engine's answer appended as the
 next assistant message. Each client keeps a few conversations open and takes their
@@ -126,15 +131,23 @@ async def first_token(
 
 
 async def play(
-    port: int, trace: list[Conversation], clients: int, interleave: int, outcome: Outcome
+    port: int,
+    trace: list[Conversation],
+    clients: int,
+    interleave: int,
+    think: float,
+    outcome: Outcome,
 ) -> None:
     url = f"http://127.0.0.1:{port}/v1/chat/completions"
     limits = httpx.Limits(max_connections=clients, max_keepalive_connections=clients)
     pending = iter(trace)
 
-    async def client_loop(client: httpx.AsyncClient) -> None:
+    async def client_loop(client: httpx.AsyncClient, seed: int) -> None:
         # A client keeps `interleave` conversations open and takes their turns in rotation,
-        # as a user's next turn comes after other users' requests, not at once.
+        # pausing between requests as a user reads an answer or a tool runs, so other
+        # users' requests take the slot its last one freed; with no pause, a closed loop
+        # hands that slot straight back to it and any load ranking follows it by accident.
+        rng = random.Random(seed)
         while batch := list(itertools.islice(pending, interleave)):
             chats = [[{"role": "system", "content": c.system}] for c in batch]
             for index in range(max(len(c.users) for c in batch)):
@@ -150,11 +163,13 @@ async def play(
                         continue
                     outcome.ttft.append(ttft)
                     messages.append({"role": "assistant", "content": answer})
+                    if think > 0:
+                        await trio.sleep(rng.expovariate(1 / think))
 
     started = time.monotonic()
     async with httpx.AsyncClient(timeout=120, limits=limits) as client, trio.open_nursery() as n:
-        for _ in range(clients):
-            n.start_soon(client_loop, client)
+        for seed in range(clients):
+            n.start_soon(client_loop, client, seed)
     outcome.elapsed = time.monotonic() - started
 
 
@@ -177,8 +192,9 @@ def engine_counters(port: int) -> tuple[float, float, float]:
     )
 
 
-def start_engines(procs: Procs) -> list[int]:
+def start_engines(procs: Procs, prefill: str) -> list[int]:
     ports = [free_port() for _ in range(AGENTS)]
+    shared = ["--prefill-shared"] if prefill == "shared" else []
     for port in ports:
         procs.spawn(
             f"sim-{port}",
@@ -200,6 +216,7 @@ def start_engines(procs: Procs) -> list[int]:
                 str(BLOCK_TOKENS),
                 "--prefix-cache-blocks",
                 str(CACHE_BLOCKS),
+                *shared,
             ],
         )
     for port in ports:
@@ -262,17 +279,23 @@ Start = Callable[[Procs, list[int]], tuple[int, str]]
 
 
 def run_target(
-    name: str, start: Start, trace: list[Conversation], clients: int, interleave: int
+    name: str,
+    start: Start,
+    trace: list[Conversation],
+    clients: int,
+    interleave: int,
+    think: float,
+    prefill: str,
 ) -> Outcome:
     outcome = Outcome(name)
     procs = Procs()
     try:
-        engines = start_engines(procs)
+        engines = start_engines(procs, prefill)
         port, missing = start(procs, engines)
         if missing:
             outcome.missing = missing
             return outcome
-        trio.run(play, port, trace, clients, interleave, outcome)
+        trio.run(play, port, trace, clients, interleave, think, outcome)
         for engine in engines:
             hits, queries, requests = engine_counters(engine)
             outcome.hits += hits
@@ -299,6 +322,18 @@ def main() -> None:
     parser.add_argument(
         "--interleave", type=int, default=3, help="conversations a client takes turns in"
     )
+    parser.add_argument(
+        "--think",
+        type=float,
+        default=0.5,
+        help="mean seconds a client pauses after each answer (exponential; 0: none)",
+    )
+    parser.add_argument(
+        "--prefill",
+        choices=("shared", "slot"),
+        default="shared",
+        help="engines prefill one prompt at a time (a GPU) or every slot on its own",
+    )
     parser.add_argument("--only", default="", help="comma-separated target names")
     parser.add_argument(
         "--prefix-params",
@@ -321,7 +356,7 @@ def main() -> None:
     began = time.monotonic()
     load = psutil.getloadavg()[0]
     outcomes = [
-        run_target(name, start, trace, args.clients, args.interleave)
+        run_target(name, start, trace, args.clients, args.interleave, args.think, args.prefill)
         for name, start in targets
         if not only or name in only
     ]
@@ -334,7 +369,8 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, took: float, load:
         f"Python {platform.python_version()}, load average {load:.2f} at the start; "
         f"{AGENTS} engines x {ENGINE_SLOTS} slots, {args.conversations} conversations x "
         f"{args.turns} turns, {args.systems} system prompts, {args.clients} clients taking "
-        f"turns in {args.interleave} conversations each; "
+        f"turns in {args.interleave} conversations each, pausing {args.think:g} s on "
+        f"average after each answer, prefill {args.prefill}; "
         f"run took {took:.0f}s"
     )
     print()

@@ -59,6 +59,11 @@ def main(argv: list[str] | None = None) -> None:
         help="seconds of prefill per prompt token not in the prefix cache",
     )
     parser.add_argument(
+        "--prefill-shared",
+        action="store_true",
+        help="prefill one prompt at a time, as a GPU shares its compute (default: per slot)",
+    )
+    parser.add_argument(
         "--prefix-block-tokens",
         type=int,
         default=DEFAULT_PREFIX_BLOCK_TOKENS,
@@ -84,6 +89,7 @@ def main(argv: list[str] | None = None) -> None:
             capacity=args.capacity,
             embedding_dim=args.embedding_dim,
             prefill_token_latency=args.prefill_token_latency,
+            prefill_shared=args.prefill_shared,
             prefix_block_tokens=args.prefix_block_tokens,
             prefix_cache_blocks=args.prefix_cache_blocks,
         )

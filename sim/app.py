@@ -3,8 +3,9 @@
 Each look-alike API (`sim.openai`, `sim.anthropic`, `sim.vllm`) turns a request into a
 `Run`; the engine admits it, watches for the client leaving, and times the generation
 the way a client of a real engine sees it: a prefill of `ttft` plus
-`prefill_token_latency` per prompt token missing from the prefix cache, then one
-`token_latency` gap per generated token.
+`prefill_token_latency` per prompt token missing from the prefix cache (in every slot
+at once, or with `prefill_shared` one prompt after another), then one `token_latency`
+gap per generated token.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ class SimEngine:
         capacity: int,
         embedding_dim: int,
         prefill_token_latency: float,
+        prefill_shared: bool,
         prefix_block_tokens: int,
         prefix_cache_blocks: int,
     ) -> None:
@@ -59,6 +61,7 @@ class SimEngine:
         self.state.update(
             {
                 "prefill_token_latency": prefill_token_latency,
+                "prefill_shared": prefill_shared,
                 "prefix_block_tokens": prefix_block_tokens,
                 "prefix_cache_blocks": prefix_cache_blocks,
             }
@@ -67,6 +70,8 @@ class SimEngine:
         self.prefix_cache = PrefixCache()
         # The engine's scheduler: at most `capacity` requests run, the rest wait.
         self._slots = trio.Semaphore(capacity)
+        # With `prefill_shared`, the one prefill that runs; trio's Lock is FIFO.
+        self._prefill_lane = trio.Lock()
         # Set when `hold` turns false: the held requests go on.
         self._released = trio.Event()
         self._ids = itertools.count(1)
@@ -263,8 +268,21 @@ class SimEngine:
             await self._decode(job, emit)
 
     async def _prefill_prompt(self, job: Job) -> None:
-        """Look the prompt up in the prefix cache, prefill what is missing, cache it all."""
+        """Look the prompt up in the prefix cache, prefill what is missing, cache it all.
+
+        With `prefill_shared` the lookup waits for the lane as vLLM matches a waiting
+        prompt when it is scheduled, so a prompt queued behind one with the same prefix
+        finds that prefix cached. The fixed `ttft` is not in the lane."""
         await self._held()
+        if self.state.ttft > 0:
+            await trio.sleep(self.state.ttft)
+        if self.state.prefill_shared:
+            async with self._prefill_lane:
+                await self._prefill_cached(job)
+        else:
+            await self._prefill_cached(job)
+
+    async def _prefill_cached(self, job: Job) -> None:
         state, metrics = self.state, self.metrics
         block = state.prefix_block_tokens
         hashes = block_hashes(job.prompt, block)
@@ -275,7 +293,7 @@ class SimEngine:
         metrics.prompt_tokens += job.prompt_tokens
         metrics.prefix_cache_queries += job.prompt_tokens
         metrics.prefix_cache_hits += job.cached_tokens
-        delay = state.ttft + state.prefill_token_latency * (job.prompt_tokens - job.cached_tokens)
+        delay = state.prefill_token_latency * (job.prompt_tokens - job.cached_tokens)
         if delay > 0:
             await trio.sleep(delay)
         self.prefix_cache.store(hashes, state.prefix_cache_blocks)
@@ -321,6 +339,7 @@ def create_sim_app(
     capacity: int = 64,
     embedding_dim: int = 8,
     prefill_token_latency: float = 0.0,
+    prefill_shared: bool = False,
     prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS,
     prefix_cache_blocks: int = DEFAULT_PREFIX_CACHE_BLOCKS,
 ) -> SimEngine:
@@ -332,6 +351,7 @@ def create_sim_app(
         capacity=capacity,
         embedding_dim=embedding_dim,
         prefill_token_latency=prefill_token_latency,
+        prefill_shared=prefill_shared,
         prefix_block_tokens=prefix_block_tokens,
         prefix_cache_blocks=prefix_cache_blocks,
     )

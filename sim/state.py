@@ -29,6 +29,10 @@ class SimState:
     ttft: float  # seconds to the first token, whatever the prompt
     # Prefill: seconds per prompt token not found in the prefix cache, on top of `ttft`.
     prefill_token_latency: float = 0.0
+    # True: one prompt prefills at a time (FIFO), as a GPU's compute is shared by the
+    # prefills it schedules, so uncached tokens delay the requests queued behind them.
+    # False: every slot prefills on its own, however many run at once.
+    prefill_shared: bool = False
     prefix_block_tokens: int = DEFAULT_PREFIX_BLOCK_TOKENS
     prefix_cache_blocks: int = DEFAULT_PREFIX_CACHE_BLOCKS  # 0: no prefix cache
     kv_cache_utilization: float | None = None  # None: follows the load
@@ -118,6 +122,7 @@ SETTERS: dict[str, Callable[[Any], Any]] = {
     "token_latency": _number(0.0),
     "ttft": _number(0.0),
     "prefill_token_latency": _number(0.0),
+    "prefill_shared": _boolean,
     "prefix_block_tokens": _integer(1, MAX_PREFIX_BLOCK_TOKENS),
     "prefix_cache_blocks": _integer(0, MAX_PREFIX_CACHE_BLOCKS),
     "stall_after_tokens": _optional(_integer(0)),

@@ -137,6 +137,7 @@ async def test_bad_prefix_cache_settings_are_refused_and_change_nothing(
         {"prefix_cache_blocks": 1.5},
         {"prefill_token_latency": -0.001},
         {"prefill_token_latency": None},
+        {"prefill_shared": 1},
     ]
     async with httpx.AsyncClient(base_url=url) as client:
         before = (await client.get("/sim/state")).json()
@@ -147,6 +148,7 @@ async def test_bad_prefix_cache_settings_are_refused_and_change_nothing(
         assert (await client.get("/sim/state")).json() == before
     assert (before["prefix_block_tokens"], before["prefix_cache_blocks"]) == (16, 8192)
     assert before["prefill_token_latency"] == 0.0
+    assert before["prefill_shared"] is False
     with pytest.raises(ValueError, match="prefix_block_tokens"):
         create_sim_app(MODEL, prefix_block_tokens=0)
     assert app.state.ttft == 0.0
@@ -190,6 +192,33 @@ def test_prefill_takes_time_per_uncached_token_and_decode_per_generated_token() 
         assert warm == pytest.approx(0.05 + 0.001 * 6 + 0.02 * 2)
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_a_shared_prefill_runs_one_prompt_at_a_time_and_finds_what_the_one_before_cached() -> None:
+    async def main(shared: bool) -> list[float]:
+        app = create_sim_app(MODEL, prefill_token_latency=0.001, prefill_shared=shared)
+        done: list[float] = []
+
+        async def one(question: str) -> None:
+            await _post(app, "/v1/chat/completions", _chat(SYSTEM, question))
+            done.append(trio.current_time())
+
+        async with trio.open_nursery() as nursery:
+            for question in ("first question", "second question"):
+                nursery.start_soon(one, question)
+                await trio.testing.wait_all_tasks_blocked()
+        return done
+
+    # Per slot, both prefill their 102 tokens at once; shared, the second waits for the
+    # lane and then finds the 96 tokens the first cached, prefilling only 6.
+    assert trio.run(main, False, clock=trio.testing.MockClock(autojump_threshold=0)) == [
+        pytest.approx(0.102),
+        pytest.approx(0.102),
+    ]
+    assert trio.run(main, True, clock=trio.testing.MockClock(autojump_threshold=0)) == [
+        pytest.approx(0.102),
+        pytest.approx(0.108),
+    ]
 
 
 def test_python_m_sim_refuses_a_bad_prefix_cache_flag() -> None:
