@@ -556,6 +556,34 @@ async def test_a_client_that_never_reads_is_closed_after_the_write_timeout() -> 
         stuck.close()
 
 
+async def test_a_stream_over_tcp_arrives_whole_and_in_order_past_a_full_socket() -> None:
+    """Over a real socket each part is written straight to the stdlib socket; what the
+    kernel cannot take at once (a reader with a small buffer) goes on through
+    trio, after what went before and before what follows."""
+    parts = [b"%d:" % i + (b"z" * 150_000 if i % 10 == 3 else b"e" * 40) for i in range(60)]
+
+    async def stream(scope: dict, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for part in parts:
+            await send({"type": "http.response.body", "body": part, "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    async with serving(stream) as (_, port):
+        client = trio.socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await client.connect(("127.0.0.1", port))
+        await client.send(b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        received = b""
+        with trio.fail_after(30):
+            while data := await client.recv(8192):
+                received += data
+        client.close()
+    body = received.split(b"\r\n\r\n", 1)[1]
+    expected = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in parts) + b"0\r\n\r\n"
+    assert body == expected
+
+
 async def test_a_large_answer_leaves_in_pieces_the_write_timeout_counts_on() -> None:
     body = b"y" * (WRITE_PIECE_BYTES * 2 + 1000)
 

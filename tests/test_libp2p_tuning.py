@@ -4,6 +4,7 @@ what it says. (Frames through the patched stack: tests/test_link.py.)"""
 from __future__ import annotations
 
 import os
+import socket
 import struct
 
 import multiaddr
@@ -72,6 +73,58 @@ async def test_buffered_read_keeps_libp2p_errors() -> None:
     conn = TrioTCPStream(ours)  # type: ignore[arg-type]
     await ours.aclose()
     assert await conn.read(12) == b""
+
+
+async def _tcp_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    listener = (await trio.open_tcp_listeners(0, host="127.0.0.1"))[0]
+    port = listener.socket.getsockname()[1]
+    ours = await trio.open_tcp_stream("127.0.0.1", port)
+    theirs = await listener.accept()
+    await listener.aclose()
+    return ours, theirs
+
+
+async def test_buffered_read_over_a_socket_waits_reads_and_ends_as_libp2p_does() -> None:
+    """Over a real socket, a read waits for data, takes what arrived, and ends as
+    py-libp2p's own read ends."""
+    p2p.tune_libp2p()
+    ours, theirs = await _tcp_pair()
+    conn = TrioTCPStream(ours)
+    got: list[bytes] = []
+
+    async def read_one() -> None:
+        got.append(await conn.read(2))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read_one)
+        await trio.testing.wait_all_tasks_blocked()
+        assert got == []  # nothing arrived yet: the read waits
+        await theirs.send_all(b"\x00\x05hello")
+    assert got == [b"\x00\x05"]
+    assert await conn.read(5) == b"hello"
+    await theirs.aclose()
+    assert await conn.read(2) == b""  # the peer's close is the end of file
+
+    # A reset by the peer is py-libp2p's ConnectionClosedError.
+    ours, theirs = await _tcp_pair()
+    conn = TrioTCPStream(ours)
+    theirs.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    await theirs.aclose()
+    with pytest.raises(ConnectionClosedError):
+        with trio.fail_after(10):
+            while await conn.read(12):
+                pass
+
+    # Our own close, under a read that waits, reads as the end of file.
+    ours, theirs = await _tcp_pair()
+    conn = TrioTCPStream(ours)
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read_one)
+        await trio.testing.wait_all_tasks_blocked()
+        await ours.aclose()
+    assert got[-1] == b""
+    assert await conn.read(2) == b""  # and so does a read after it
+    await theirs.aclose()
 
 
 async def test_yamux_sends_no_rtt_pings_but_answers_them(monkeypatch: pytest.MonkeyPatch) -> None:

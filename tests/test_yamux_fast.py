@@ -172,6 +172,65 @@ async def test_a_body_for_a_stream_gone_meanwhile_is_dropped() -> None:
     assert not muxer.stream_events[1].is_set()
 
 
+async def test_noise_messages_that_arrive_together_are_read_whole_and_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Noise messages that arrive in one socket read are each taken from that read's
+    buffer (not through py-libp2p's own path), and the bytes arrive as they were
+    written, those of messages split across reads (writes larger than one read) too."""
+    p2p.tune_libp2p()
+    slow: list[int] = []
+    original = yamux_fast._original_noise_read
+
+    async def counted(self: Any, prefix_encoded: bool = False) -> bytes:
+        slow.append(1)
+        return await original(self, prefix_encoded)
+
+    monkeypatch.setattr(yamux_fast, "_original_noise_read", counted)
+    burst = [bytes([i]) * (1 + i * 37 % 3000) for i in range(60)]
+    large = [bytes([200 + i]) * size for i, size in enumerate((70_000, 3, 140_000, 9))]
+    listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+    server = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=listen)
+    client = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=[])
+    received = bytearray()
+    go, done = trio.Event(), trio.Event()
+    expected = b"".join(burst + large)
+
+    async def handler(stream: Any) -> None:
+        await go.wait()
+        while len(received) < len(expected):
+            received.extend(await stream.read(1 << 20))
+        done.set()
+
+    server.set_stream_handler("/test/1.0.0", handler)
+    async with server.run(listen_addrs=listen), client.run(listen_addrs=[]):
+        info = info_from_p2p_addr(server.get_addrs()[0])
+        await client.connect(info)
+        stream = await client.new_stream(info.peer_id, ["/test/1.0.0"])
+        before = len(slow)
+        # The burst's frames go in one socket write, a Noise message each, as frames
+        # the agent wrote one by one wait in the kernel while the router is busy.
+        noise = stream.muxed_conn.secured_conn.conn
+        joined = bytearray()
+        for data in burst:  # about 90 KB: within the stream's window
+            header = struct.pack(
+                YAMUX_HEADER_FORMAT, 0, TYPE_DATA, 0, stream.muxed_stream.stream_id, len(data)
+            )
+            message = noise.encrypt(header + data)
+            joined += len(message).to_bytes(2, "big") + message
+        await noise.read_writer.read_write_closer.write(bytes(joined))
+        go.set()
+        for data in large:
+            await stream.write(data)
+        with trio.fail_after(30):
+            await done.wait()
+        assert bytes(received) == expected
+        assert len(slow) - before < len(burst) // 4
+        await stream.reset()
+        await client.close()
+        await server.close()
+
+
 async def test_the_agent_has_the_kernel_watch_its_unacknowledged_heartbeats() -> None:
     p2p.tune_libp2p()
     listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]

@@ -36,6 +36,7 @@ import json
 import logging
 import math
 import re
+import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from enum import Enum
@@ -295,6 +296,10 @@ class _Connection:
             with contextlib.suppress(OSError):
                 self.client = _addr(sock.getpeername())
                 self.server_addr = _addr(sock.getsockname())
+        # The stdlib socket under a plain TCP stream, for writes the kernel takes at once.
+        self.raw: socket.socket | None = (
+            getattr(sock, "_sock", None) if isinstance(stream, trio.SocketStream) else None
+        )
 
     @property
     def peer(self) -> str:
@@ -589,6 +594,27 @@ class _Connection:
             return
         if not data:
             return
+        raw = self.raw
+        if raw is not None and len(data) <= WRITE_PIECE_BYTES:
+            # Straight to the socket while the kernel has room: trio's send_all adds an
+            # async context manager and a pass through its scheduler to each write,
+            # 16.8 against 8.9 µs of CPU for a 300-byte write (`python -m
+            # bench.socket_io`), and a stream relays one write per agent frame. A
+            # cancellation is still checked; the schedule point is the caller's next
+            # await (the relay's wait for the agent's next frame), or trio's wait for
+            # room once the kernel's buffer is full, so no app writes unboundedly long
+            # without letting other tasks run.
+            await trio.lowlevel.checkpoint_if_cancelled()
+            try:
+                sent = raw.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError:
+                self.state = CLOSED
+                return
+            if sent == len(data):
+                return
+            data = data[sent:]  # the rest waits for room, through trio
         try:
             if len(data) <= WRITE_PIECE_BYTES:
                 self.write_began = trio.current_time()
