@@ -200,10 +200,14 @@ def worker(args: argparse.Namespace) -> None:
 def run_build(root: Path, args: argparse.Namespace) -> float:
     venv = root / ".venv" / "bin" / "python"
     python = str(venv) if venv.exists() else sys.executable
-    argv = [python, str(Path(__file__).resolve()), "--worker", "--agents", str(args.agents)]
+    # -P: not this file's folder first on the path, where bench/profile.py would stand
+    # in for the standard library's.
+    argv = [python, "-P", str(Path(__file__).resolve()), "--worker", "--agents", str(args.agents)]
     argv += ["--periods", str(args.periods), "--kind", args.kind]
     env = {**os.environ, "PYTHONPATH": str(root)}
-    out = subprocess.run(argv, cwd=root, env=env, check=True, capture_output=True, text=True)
+    out = subprocess.run(argv, cwd=root, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        raise RuntimeError(f"{root}: the worker failed:\n{out.stderr}")
     return json.loads(out.stdout.strip().splitlines()[-1])["us_per_heartbeat"]
 
 
