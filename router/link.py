@@ -765,13 +765,20 @@ def _code(value: str) -> ErrorCode:
         return ErrorCode.BACKEND_ERROR
 
 
+_INF = math.inf
+
+
 def _floats(values: dict, fields: tuple[str, ...]) -> dict[str, float | None]:
-    # _finite inlined: this runs for twelve fields on every agent heartbeat.
+    # This runs for twelve fields on every agent heartbeat: msgpack's floats, nearly
+    # every value, are tested in place (NaN fails both comparisons), the rest by
+    # _finite.
     out: dict[str, float | None] = {}
     for name in fields:
         v = values.get(name)
-        number = float(v) if isinstance(v, int | float) and not isinstance(v, bool) else None
-        out[name] = number if number is not None and math.isfinite(number) else None
+        if type(v) is float:
+            out[name] = v if -_INF < v < _INF else None
+        else:
+            out[name] = _finite(v)
     return out
 
 
