@@ -138,3 +138,36 @@ def test_a_heartbeat_value_is_a_finite_float_or_unknown(
     for got in (peer.engine["kv_cache_utilization"], peer.hardware["gpu_util_percent"]):
         assert got == number
         assert type(got) is type(number)
+
+
+def test_heartbeats_carry_the_elsewhere_count_and_a_drop_wakes_the_model() -> None:
+    table = PeerTable()
+    link = AgentLink(table, RouterMetrics(), LinkSettings(SECRET.encode(), 5.0, 15.0, 30.0, "r"))
+    woken: list[str] = []
+
+    async def main() -> list[tuple[int, int, int]]:
+        session = AgentSession(link, RecordingStream(), PEER)  # type: ignore[arg-type]
+        session.on_message(m.hello(issue_token(SECRET.encode(), PEER, 60), METADATA))
+        peer = session.peer
+        assert peer is not None
+        peer.active = 1  # one request of this router's own
+        table.on_change(woken.append)
+        seen = []
+        for elsewhere in (3, 3, 10**6, 2, None, 0, -5):
+            msg = m.heartbeat(1.0, True, {}, {})
+            if elsewhere is not None:
+                msg["elsewhere"] = elsewhere
+            session.on_message(msg)
+            seen.append((peer.elsewhere, peer.active, len(woken)))
+        return seen
+
+    capacity = METADATA["capacity"]
+    assert trio.run(main) == [
+        (3, 4, 0),
+        (3, 4, 0),
+        (capacity, 1 + capacity, 0),  # bounded by the agent's capacity
+        (2, 3, 1),  # room again: the model's waiters look
+        (0, 1, 2),  # an agent that stops counting holds none elsewhere
+        (0, 1, 2),
+        (0, 1, 2),
+    ]
