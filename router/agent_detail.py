@@ -34,6 +34,8 @@ class Gpu:
 
 
 _INF = math.inf
+# Integers below this convert to a float without overflow (byte counts do, by far).
+_FLOAT_SAFE = 2**1000
 
 
 def _amount(value: object) -> float | None:
@@ -62,8 +64,14 @@ def _amounts(values: dict, fields: tuple[str, ...]) -> dict[str, float | None]:
     out: dict[str, float | None] = {}
     for name in fields:
         v = values.get(name)
-        # _amount's first test inlined: a call per value was half of gpus_of.
-        out[name] = v if type(v) is float and 0.0 <= v < _INF else _amount(v)
+        # _amount's first tests inlined: a call per value was half of gpus_of.
+        kind = type(v)
+        if kind is float:
+            out[name] = v if 0.0 <= v < _INF else None
+        elif kind is int and 0 <= v < _FLOAT_SAFE:
+            out[name] = float(v)
+        else:
+            out[name] = _amount(v)
     return out
 
 
