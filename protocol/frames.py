@@ -37,21 +37,30 @@ class FrameDecoder:
         self.max_frame_bytes = max_frame_bytes
 
     def feed(self, data: bytes) -> list[dict]:
-        self._buf += data
+        held = self._buf
+        # With nothing held back, as for most reads (whole frames, a heartbeat's one),
+        # the frames are decoded from `data` itself and only a partial frame at its end
+        # is kept: no copy into the buffer and out again.
+        buf: bytes | bytearray = data
+        if held:
+            held += data
+            buf = held
         out: list[dict] = []
-        buf = self._buf
+        size = len(buf)
         pos = 0
-        while len(buf) - pos >= HEADER.size:
+        while size - pos >= HEADER.size:
             (length,) = HEADER.unpack_from(buf, pos)
             if length > self.max_frame_bytes:
                 raise FrameError(f"oversized frame: {length} bytes > limit {self.max_frame_bytes}")
             end = pos + HEADER.size + length
-            if len(buf) < end:
+            if size < end:
                 break
             out.append(decode_payload(bytes(buf[pos + HEADER.size : end])))
             pos = end
-        if pos:
-            del buf[:pos]
+        if buf is held:
+            del held[:pos]
+        elif pos < size:
+            held += data[pos:]
         return out
 
     @property

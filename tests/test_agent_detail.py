@@ -79,3 +79,45 @@ def test_a_value_that_is_not_a_finite_amount_is_unknown(value: object) -> None:
     assert gpu.index == 0  # a bad index is the GPU's place in the list
     assert memory_of({"memory_used_bytes": value})["memory_used_bytes"] is None
     assert preemptions_of({"preemptions_total": value}) is None
+
+
+class _Float(float):
+    pass
+
+
+class _Int(int):
+    pass
+
+
+# Each type a heartbeat's value may take: msgpack's floats and integers (the fast
+# paths) and, for Python callers, bools and subclasses (the general path).
+AMOUNTS = [
+    (0, 0.0),
+    (0.0, 0.0),
+    (-0.0, 0.0),
+    (7, 7.0),
+    (2**64, float(2**64)),
+    (1.5, 1.5),
+    (_Float(2.5), 2.5),
+    (_Int(3), 3.0),
+    (-1, None),
+    (-0.5, None),
+    (float("-inf"), None),
+    (float("nan"), None),
+    (False, None),
+    (10**400, None),
+]
+
+
+@pytest.mark.parametrize(("value", "amount"), AMOUNTS)
+def test_each_kind_of_number_is_read_as_an_amount_or_unknown(
+    value: object, amount: float | None
+) -> None:
+    (gpu,) = gpus_of({"gpus": [{**GPU, "vram_used_bytes": value}]})
+    for got in (
+        gpu.values["vram_used_bytes"],
+        memory_of({"memory_total_bytes": value})["memory_total_bytes"],
+        preemptions_of({"preemptions_total": value}),
+    ):
+        assert got == amount
+        assert type(got) is type(amount)  # a float, never the agent's int or subclass

@@ -97,3 +97,77 @@ def test_an_agent_answer_out_of_order_fails_that_request_only(
         assert not session.requests
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+class _Float(float):
+    pass
+
+
+@pytest.mark.parametrize(
+    ("value", "number"),
+    [
+        (0.25, 0.25),
+        (-1.5, -1.5),
+        (3, 3.0),
+        (-2, -2.0),
+        (_Float(0.5), 0.5),
+        (float("nan"), None),
+        (float("inf"), None),
+        (float("-inf"), None),
+        (True, None),
+        ("0.5", None),
+        (None, None),
+    ],
+)
+def test_a_heartbeat_value_is_a_finite_float_or_unknown(
+    value: object, number: float | None
+) -> None:
+    link = AgentLink(
+        PeerTable(), RouterMetrics(), LinkSettings(SECRET.encode(), 5.0, 15.0, 30.0, "r")
+    )
+
+    async def main() -> AgentSession:
+        session = AgentSession(link, RecordingStream(), PEER)  # type: ignore[arg-type]
+        session.on_message(m.hello(issue_token(SECRET.encode(), PEER, 60), METADATA))
+        values = {"kv_cache_utilization": value, "gpu_util_percent": value}
+        session.on_message(m.heartbeat(1.0, True, values, values))
+        return session
+
+    peer = trio.run(main).peer
+    assert peer is not None
+    for got in (peer.engine["kv_cache_utilization"], peer.hardware["gpu_util_percent"]):
+        assert got == number
+        assert type(got) is type(number)
+
+
+def test_heartbeats_carry_the_elsewhere_count_and_a_drop_wakes_the_model() -> None:
+    table = PeerTable()
+    link = AgentLink(table, RouterMetrics(), LinkSettings(SECRET.encode(), 5.0, 15.0, 30.0, "r"))
+    woken: list[str] = []
+
+    async def main() -> list[tuple[int, int, int]]:
+        session = AgentSession(link, RecordingStream(), PEER)  # type: ignore[arg-type]
+        session.on_message(m.hello(issue_token(SECRET.encode(), PEER, 60), METADATA))
+        peer = session.peer
+        assert peer is not None
+        peer.active = 1  # one request of this router's own
+        table.on_change(woken.append)
+        seen = []
+        for elsewhere in (3, 3, 10**6, 2, None, 0, -5):
+            msg = m.heartbeat(1.0, True, {}, {})
+            if elsewhere is not None:
+                msg["elsewhere"] = elsewhere
+            session.on_message(msg)
+            seen.append((peer.elsewhere, peer.active, len(woken)))
+        return seen
+
+    capacity = METADATA["capacity"]
+    assert trio.run(main) == [
+        (3, 4, 0),
+        (3, 4, 0),
+        (capacity, 1 + capacity, 0),  # bounded by the agent's capacity
+        (2, 3, 1),  # room again: the model's waiters look
+        (0, 1, 2),  # an agent that stops counting holds none elsewhere
+        (0, 1, 2),
+        (0, 1, 2),
+    ]
