@@ -27,7 +27,7 @@ every connection once a second, because a cancel scope around each write took a
 
 An app that wants to hear of the client leaving while it answers, without a task blocked
 in `receive()` per request, registers a callback with the scope's extension
-`hivenet.on_disconnect` (only offered on a TCP connection). One server task waits on an
+`hivenet.on_disconnect` (only offered on a TCP connection, on Linux). One server task waits on an
 epoll set of every connection's socket that reports only the peer's close or reset, so
 neither a request body nor a pipelined request wakes it.
 """
@@ -232,8 +232,9 @@ class HttpServer:
                         for listener in listeners:
                             accepters.start_soon(self._accept, listener, nursery)
 
-            self.hangups = _Hangups()
-            nursery.start_soon(self.hangups.run)
+            if hasattr(select, "epoll"):  # elsewhere than Linux, apps wait in receive()
+                self.hangups = _Hangups()
+                nursery.start_soon(self.hangups.run)
             nursery.start_soon(accept_all)
             nursery.start_soon(self.watch_writes)
             task_status.started(listeners[0].socket.getsockname()[1])
@@ -255,8 +256,8 @@ class HttpServer:
         The keep-alive deadline covers a connection waiting for a request; this covers
         one blocked writing to a client that reads nothing, which would otherwise hold
         its request, and the agent's slot, until the request's deadline. Closing the
-        socket ends the blocked write and the app's wait for `http.disconnect` at once,
-        so the request ends the way a client that left ends it.
+        socket ends the blocked write, and the app hears of it as of a client that left
+        (its ON_DISCONNECT callback, or `http.disconnect` from receive()).
         """
         period = min(WATCH_PERIOD, self.write_timeout / 4)
         while True:
