@@ -14,6 +14,7 @@ import logging
 import os
 import resource
 import socket
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import httpx
@@ -23,6 +24,7 @@ import trio.testing
 
 from router.cli import build_parser, settings_from
 from router.http.app import protocol_of
+from router.http.asgi import ON_DISCONNECT
 from router.http.server import (
     MAX_HEAD_BYTES,
     WRITE_PIECE_BYTES,
@@ -740,3 +742,107 @@ async def test_a_body_that_breaks_its_content_length_is_a_502_and_send_raises(bo
     _, received = await writes_of(wrong_length, b"GET / HTTP/1.1\r\nHost: t\r\n\r\n" + SECOND)
     refusal(received, 502, "backend_error")
     assert len(raised) == 1, raised
+
+
+@pytest.mark.parametrize("leaving", ["close", "reset"])
+async def test_a_client_leaving_mid_request_is_told_to_the_apps_callback(leaving: str) -> None:
+    """hivenet.on_disconnect: the server tells the app, with no task of the app's in
+    receive(), that the client closed or reset its connection while it answered."""
+    told: list[str] = []
+    registered, ended = trio.Event(), trio.Event()
+
+    async def registers(scope: dict, receive: Receive, send: Send) -> None:
+        await receive()  # the (empty) body
+        with trio.CancelScope() as answering:
+            scope["extensions"][ON_DISCONNECT](lambda: (told.append("left"), answering.cancel()))
+            registered.set()
+            await trio.sleep_forever()
+        ended.set()
+
+    async with serving(registers) as (server, port):
+        client = socket.create_connection(("127.0.0.1", port))
+        client.sendall(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n")
+        with trio.fail_after(10):
+            await registered.wait()
+        if leaving == "reset":  # SO_LINGER 0: the close sends a reset, not a FIN
+            client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        client.close()
+        with trio.fail_after(10):
+            await ended.wait()
+        assert told == ["left"]
+        await trio.testing.wait_all_tasks_blocked()
+        assert not server.connections
+
+
+async def test_a_client_gone_before_the_app_asks_is_told_at_once() -> None:
+    """A client that sent its request and closed its side at once: the app hears of it
+    as soon as it registers, as a receive() after the body would have."""
+    told: list[str] = []
+    done = trio.Event()
+
+    async def registers_late(scope: dict, receive: Receive, send: Send) -> None:
+        await receive()
+        await trio.sleep(0.3)  # the FIN arrives and is seen before the app asks
+        scope["extensions"][ON_DISCONNECT](lambda: told.append("left"))
+        done.set()
+
+    async with serving(registers_late) as (_, port):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(b"POST / HTTP/1.1\r\nHost: t\r\nContent-Length: 0\r\n\r\n")
+        await stream.send_eof()
+        with trio.fail_after(10):
+            await done.wait()
+        await stream.aclose()
+    assert told == ["left"]
+
+
+async def test_a_pipelined_request_is_not_taken_for_the_client_leaving() -> None:
+    """The epoll set watches for the peer's close only: bytes of the next request
+    arriving while the first is answered wake nothing, and both are answered."""
+    told: list[str] = []
+    second_sent = trio.Event()
+
+    async def registers(scope: dict, receive: Receive, send: Send) -> None:
+        await receive()
+        scope["extensions"][ON_DISCONNECT](lambda: told.append("left"))
+        if scope["path"] == "/1":
+            with trio.fail_after(10):
+                await second_sent.wait()
+            await trio.sleep(0.2)  # time for a wrongly woken watcher to run
+        body = scope["path"].encode()
+        headers = [(b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    async with serving(registers) as (_, port):
+        stream = await trio.open_tcp_stream("127.0.0.1", port)
+        await stream.send_all(b"GET /1 HTTP/1.1\r\nHost: t\r\n\r\n")
+        await trio.sleep(0.1)
+        await stream.send_all(b"GET /2 HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        second_sent.set()
+        received = b""
+        with trio.fail_after(10):
+            while chunk := await stream.receive_some(65536):
+                received += chunk
+        await stream.aclose()
+    assert received.count(b"HTTP/1.1 200") == 2
+    assert received.endswith(b"/2"), received
+    assert told == []
+
+
+async def test_the_extension_is_offered_on_tcp_only() -> None:
+    """Over a stream with no socket (run_connection on memory streams) the server
+    cannot watch: the app finds no extension and waits in receive() instead."""
+    seen: list[bool] = []
+
+    async def looks(scope: dict, receive: Receive, send: Send) -> None:
+        seen.append(ON_DISCONNECT in scope.get("extensions", {}))
+        await echo(scope, receive, send)
+
+    await writes_of(looks, b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+    async with (
+        serving(looks) as (_, port),
+        httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client,
+    ):
+        assert (await client.get("/")).status_code == 200
+    assert seen == [False, True]

@@ -11,9 +11,14 @@ from typing import Any
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
 Send = Callable[[dict], Awaitable[None]]
+OnDisconnect = Callable[[Callable[[], None]], None]
 
 # The request's root span in its ASGI scope (only with tracing on), for the handlers.
 SPAN = "hivenet.span"
+# A scope extension of router/http/server.py: `on_disconnect(callback)` has the server
+# call `callback` when the client leaves while the request is answered, so that the app
+# needs no task waiting in receive() for `http.disconnect`.
+ON_DISCONNECT = "hivenet.on_disconnect"
 
 
 class BodyTooLarge(Exception):

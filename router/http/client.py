@@ -23,9 +23,11 @@ from router.continuation_relay import StreamContinuer, StreamRelay, broken_code,
 from router.dispatch import Dispatcher, ProviderServed
 from router.http import count_tokens, request_fields
 from router.http.asgi import (
+    ON_DISCONNECT,
     SPAN,
     BodyTooLarge,
     ClientGone,
+    OnDisconnect,
     Receive,
     Scope,
     Send,
@@ -299,8 +301,11 @@ class ClientApi:
             except RouterError as err:
                 retry = [*extra, *err.retry_headers()]
                 return await send_error(send, protocol, err, retry, ticket)
+        # router/http/server.py tells of the client leaving; under another server a task
+        # waits in receive() for it.
+        left: OnDisconnect | None = scope.get("extensions", {}).get(ON_DISCONNECT)
         if self.idempotency.window <= 0 or request_key(scope) is None:
-            return await self._serve(req, protocol, receive, send, extra, ticket, admitted)
+            return await self._serve(req, protocol, (left, receive), send, extra, ticket, admitted)
         conflict = RouterError(
             ErrorCode.IDEMPOTENCY_CONFLICT,
             "this idempotency key was used with another request body; use a new key",
@@ -316,20 +321,21 @@ class ClientApi:
             rid,
             partial(send_error, send, protocol, conflict, extra, ticket),
             sse_error(protocol, failed),
-            lambda recorded: self._serve(req, protocol, receive, recorded, extra, ticket, admitted),
+            lambda recorded: self._serve(
+                req, protocol, (left, receive), recorded, extra, ticket, admitted
+            ),
         )
 
     async def _serve(
         self,
         req: RouteRequest,
         protocol: str,
-        receive: Receive,
+        leaving: tuple[OnDisconnect | None, Receive],
         send: Send,
         extra: list[tuple[str, str]],
         ticket: Ticket | None = None,
         admitted: Admitted | None = None,
     ) -> int:
-        deadline = req.received_at + self.settings.request_timeout
         state = _Progress(ticket=ticket, admitted=admitted)
 
         async def tracked_send(message: dict) -> None:
@@ -339,15 +345,31 @@ class ClientApi:
                 state.done = True
             await send(message)
 
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_watch, receive, deadline, nursery.cancel_scope, state)
-            with trio.move_on_at(deadline) as deadline_scope:
+        # At the deadline the cancellation frees the agent's slot and cancels its engine
+        # call (the relay's `finally`), whatever the relay is doing: a write blocked on a
+        # client that stopped reading is cancelled with it.
+        answering = trio.CancelScope(deadline=req.received_at + self.settings.request_timeout)
+
+        def client_left() -> None:
+            if not state.done:
+                state.client_gone = True
+                answering.cancel()
+
+        on_disconnect, receive = leaving
+        if on_disconnect is not None:
+            on_disconnect(client_left)
+            with answering:
                 await self._answer(req, protocol, tracked_send, extra, state)
-            nursery.cancel_scope.cancel()
+        else:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(_watch, receive, client_left)
+                with answering:
+                    await self._answer(req, protocol, tracked_send, extra, state)
+                nursery.cancel_scope.cancel()
         if state.client_gone:
             log.info("req=%s client_disconnected tenant=%s", req.request_id, quote(req.tenant))
             return 499
-        if deadline_scope.cancelled_caught:
+        if answering.cancelled_caught:
             err = RouterError(
                 ErrorCode.REQUEST_TIMEOUT,
                 f"request not completed within {self.settings.request_timeout:g}s",
@@ -451,6 +473,10 @@ class ClientApi:
             )
             await relay.run(send)
         except StreamBroken as exc:
+            # The error event below is written shielded, for up to 5 s to a client that
+            # may not read: the deadline could not free the agent's slot during it.
+            if state.response is not None:
+                state.response.close()
             err = RouterError(broken_code(exc), f"answer interrupted: {exc}")
             if relay is None:  # a stream's relay has counted and logged its breaks
                 record_break(self.metrics, req, exc)
@@ -541,25 +567,11 @@ class _Progress:
     admitted: Admitted | None = None
 
 
-async def _watch(
-    receive: Receive, deadline: float, scope: trio.CancelScope, state: _Progress
-) -> None:
-    """One task per request watches for the client leaving and for the deadline.
-
-    A client that leaves cancels the forward. At the deadline the agent's slot is
-    freed and its engine call cancelled here, whatever the relay is doing (it may be
-    blocked in a write to a client that stopped reading).
-    """
-    with trio.move_on_at(deadline):
-        while True:
-            message = await receive()
-            if message["type"] == "http.disconnect":
-                if not state.done:
-                    state.client_gone = True
-                    scope.cancel()
-                return
-    if state.response is not None:
-        state.response.close()
+async def _watch(receive: Receive, client_left: Callable[[], None]) -> None:
+    """Under an ASGI server without ON_DISCONNECT: wait in receive() for the client."""
+    while (await receive())["type"] != "http.disconnect":
+        pass
+    client_left()
 
 
 async def _grow_by_deltas(gates: Admission, admitted: Admitted, chunk: bytes) -> None:

@@ -24,6 +24,12 @@ outside 200-599, CR/LF/NUL in a header) becomes a 502 and `send` raises. A clien
 stops reading is closed after `write_timeout` without progress: one server task checks
 every connection once a second, because a cancel scope around each write took a
 200-byte socket write from 12 to 20 µs here.
+
+An app that wants to hear of the client leaving while it answers, without a task blocked
+in `receive()` per request, registers a callback with the scope's extension
+`hivenet.on_disconnect` (only offered on a TCP connection, on Linux). One server task waits on an
+epoll set of every connection's socket that reports only the peer's close or reset, so
+neither a request body nor a pipelined request wakes it.
 """
 
 from __future__ import annotations
@@ -36,6 +42,7 @@ import json
 import logging
 import math
 import re
+import select
 import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
@@ -47,6 +54,7 @@ import trio
 
 from protocol.errors import ErrorCode, RouterError, anthropic_error_body, openai_error_body
 from protocol.logs import quote
+from router.http.asgi import ON_DISCONNECT
 from router.http.request_reader import (
     END,
     MAX_HEAD_BYTES,
@@ -173,6 +181,8 @@ class HttpServer:
         self.connections: set[_Connection] = set()
         self._all_closed = trio.Event()
         self.header_names: set[bytes] = set()
+        # Set while `serve` runs: a connection served by `run_connection` alone has none.
+        self.hangups: _Hangups | None = None
         self._date_second = -1
         self._date = b""
 
@@ -200,6 +210,19 @@ class HttpServer:
             listeners = [await _reuse_port_listener(addr)]
         else:
             listeners = await trio.open_tcp_listeners(addr[1], host=addr[0])
+        try:
+            await self._serve(listeners, shutdown_trigger, task_status)
+        finally:
+            if self.hangups is not None:
+                self.hangups.close()
+                self.hangups = None
+
+    async def _serve(
+        self,
+        listeners: list[trio.SocketListener],
+        shutdown_trigger: Callable[[], Awaitable[Any]],
+        task_status: trio.TaskStatus[int],
+    ) -> None:
         async with trio.open_nursery() as nursery:
             accepting = trio.CancelScope()
 
@@ -209,6 +232,9 @@ class HttpServer:
                         for listener in listeners:
                             accepters.start_soon(self._accept, listener, nursery)
 
+            if hasattr(select, "epoll"):  # elsewhere than Linux, apps wait in receive()
+                self.hangups = _Hangups()
+                nursery.start_soon(self.hangups.run)
             nursery.start_soon(accept_all)
             nursery.start_soon(self.watch_writes)
             task_status.started(listeners[0].socket.getsockname()[1])
@@ -230,8 +256,8 @@ class HttpServer:
         The keep-alive deadline covers a connection waiting for a request; this covers
         one blocked writing to a client that reads nothing, which would otherwise hold
         its request, and the agent's slot, until the request's deadline. Closing the
-        socket ends the blocked write and the app's wait for `http.disconnect` at once,
-        so the request ends the way a client that left ends it.
+        socket ends the blocked write, and the app hears of it as of a client that left
+        (its ON_DISCONNECT callback, or `http.disconnect` from receive()).
         """
         period = min(WATCH_PERIOD, self.write_timeout / 4)
         while True:
@@ -271,6 +297,43 @@ class HttpServer:
                 self._all_closed.set()
 
 
+class _Hangups:
+    """The clients that closed or reset their connection, learnt with no task per request.
+
+    One epoll set, itself waited on through trio, holds every TCP connection's socket for
+    the peer's close (EPOLLRDHUP; a reset's EPOLLHUP and EPOLLERR are always reported) and
+    nothing else, so a request body or a pipelined request never wakes it. EPOLLONESHOT:
+    a close is final, so each socket is reported once.
+    """
+
+    def __init__(self) -> None:
+        self.epoll = select.epoll()
+        self.connections: dict[int, _Connection] = {}
+
+    def add(self, conn: _Connection, fd: int) -> None:
+        self.epoll.register(fd, select.EPOLLRDHUP | select.EPOLLONESHOT)
+        self.connections[fd] = conn
+
+    def discard(self, fd: int) -> None:
+        """Before the socket closes: its number may soon be another connection's."""
+        if self.connections.pop(fd, None) is not None:
+            with contextlib.suppress(OSError):
+                self.epoll.unregister(fd)
+
+    async def run(self) -> None:
+        fd = self.epoll.fileno()
+        while True:
+            await trio.lowlevel.wait_readable(fd)
+            for ready, _ in self.epoll.poll(0):
+                conn = self.connections.get(ready)
+                if conn is not None:
+                    conn.hung_up()
+
+    def close(self) -> None:
+        self.connections.clear()
+        self.epoll.close()
+
+
 class _Connection:
     def __init__(self, server: HttpServer, stream: trio.abc.Stream) -> None:
         self.server = server
@@ -300,6 +363,15 @@ class _Connection:
         self.raw: socket.socket | None = (
             getattr(sock, "_sock", None) if isinstance(stream, trio.SocketStream) else None
         )
+        # The app's callback for the client leaving during the request (ON_DISCONNECT);
+        # `gone`: the server's epoll set saw the peer close or reset, maybe between
+        # requests, before the app asked.
+        self.on_hangup: Callable[[], None] | None = None
+        self.gone = False
+        self.fd = -1
+        if self.raw is not None and server.hangups is not None:
+            self.fd = self.raw.fileno()
+            server.hangups.add(self, self.fd)
 
     @property
     def peer(self) -> str:
@@ -318,9 +390,39 @@ class _Connection:
     async def abandon(self) -> None:
         """The client stopped reading: close the socket under the blocked write."""
         log.info("http_write_timeout client=%s timeout_s=%g", self.peer, self.server.write_timeout)
-        self.state = CLOSED
         self.write_began = math.inf
+        self._forget()
+        self._lost()
         await self.stream.aclose()
+
+    def on_disconnect(self, callback: Callable[[], None]) -> None:
+        """ON_DISCONNECT: `callback` (which must not raise) is called once if the client
+        leaves before the app returns, at once if it has already left."""
+        self.on_hangup = callback
+        if self.gone or self.state is CLOSED:
+            self._lost()
+
+    def hung_up(self) -> None:
+        """The epoll set saw the client close or reset its connection."""
+        self.gone = True
+        self._forget()
+        if self.on_hangup is not None:
+            self._lost()
+        # Otherwise nobody is waiting: between requests the next read ends the
+        # connection, and an app that reads receive() finds the close itself.
+
+    def _lost(self) -> None:
+        """The client is gone: nothing more is read or written, and the app is told."""
+        self.state = CLOSED
+        tell, self.on_hangup = self.on_hangup, None
+        if tell is not None:
+            tell()
+
+    def _forget(self) -> None:
+        hangups = self.server.hangups
+        if self.fd >= 0 and hangups is not None:
+            hangups.discard(self.fd)
+        self.fd = -1
 
     async def run(self) -> None:
         try:
@@ -392,10 +494,13 @@ class _Connection:
             "client": self.client,
             "server": self.server_addr,
         }
+        if self.fd >= 0 or self.gone:
+            scope["extensions"] = {ON_DISCONNECT: self.on_disconnect}
         try:
             await self.server.app(scope, self.receive, self.send)
         except Exception:
             log.exception("http_app_error path=%s", path)
+        self.on_hangup = None
         if self.answer is READING and self.state is not CLOSED:
             # The app ended without an answer: the client still gets one.
             self.head = None
@@ -610,7 +715,7 @@ class _Connection:
             except BlockingIOError:
                 sent = 0
             except OSError:
-                self.state = CLOSED
+                self._lost()
                 return
             if sent == len(data):
                 return
@@ -625,7 +730,7 @@ class _Connection:
                     self.write_began = trio.current_time()
                     await self.stream.send_all(view[start : start + WRITE_PIECE_BYTES])
         except _GONE:
-            self.state = CLOSED
+            self._lost()
         except BaseException:
             # Cancelled part way: the connection cannot carry another answer. Before an
             # answer (a 100 Continue cut short) nothing more may follow on it at all.
@@ -696,6 +801,7 @@ class _Connection:
         return _path_of(self.request.target)
 
     async def _close(self) -> None:
+        self._forget()
         try:
             if self.state is not CLOSED:
                 await self.stream.send_eof()
