@@ -692,8 +692,9 @@ class _Connection:
         raise UnsendableHead(str(exc)) from exc
 
     async def _write(self, data: bytes) -> None:
-        # A client that left gets nothing more; the app learns it from receive(). The
-        # checkpoint lets an app that keeps writing in a loop still be cancelled.
+        # A client that left gets nothing more; the app learns it from its ON_DISCONNECT
+        # callback or from receive(). The checkpoint lets an app that keeps writing in a
+        # loop still be cancelled.
         if self.state is CLOSED:
             await trio.lowlevel.checkpoint()
             return
