@@ -351,6 +351,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
     from router.app import RouterDaemon
+    from router.collector import tune_collector
     from router.fleet.workers import MAX_WORKERS, Supervisor
 
     try:
@@ -367,6 +368,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except Exception as exc:  # every startup problem ends here with its reason
         print(f"hivenet-router: {exc}", file=sys.stderr)
         return 2
+    tune_collector()
     trio.run(daemon.run)
     return 0
 
