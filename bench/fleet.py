@@ -1,22 +1,30 @@
 """Router cost of a connected fleet: CPU share and resident memory with 10, 100 and
 1,000 agent sessions heartbeating at the default period.
 
-    python -m bench.fleet [--sizes 10,100,1000] [--measure 20]
+    python -m bench.fleet [--sizes 10,100,1000] [--measure 20] [--settle 5]
+                          [--against /path/to/other/checkout --rounds 3]
+
+With `--against DIR` each size is measured `--rounds` times from this checkout and from
+that one (its router and its agents, each run from its own tree, its `.venv` when it
+has one), in alternating order, so both see the same host load; a row per run.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import httpx
 import psutil
 
-from bench.procs import ADMIN_KEY, Procs, free_port
+from bench.procs import ADMIN_KEY, Procs, free_port, wait_http
 
 PER_PROCESS = 250
+HERE = Path(__file__).resolve().parent.parent
 
 
 def joined(url: str) -> int:
@@ -34,24 +42,42 @@ def healthy(url: str) -> int:
     return sum(1 for a in r.json()["agents"] if a["status"]["healthy"])
 
 
-def start_router(procs: Procs) -> tuple[subprocess.Popen[bytes], str, str]:
-    """A router; returns it, its URL and its p2p address."""
+def python_of(root: Path) -> str:
+    venv = root / ".venv" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
+def start_router(procs: Procs, root: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+    """A router from checkout `root`; returns it, its URL and its p2p address."""
+    python, key = python_of(root), procs.dir / "router.key"
     http, metrics, p2p = free_port(), free_port(), free_port()
+    command = [python, "-m", "router.cli"]
+    identity = [*command, "identity", "--identity-path", str(key), "--p2p-port", str(p2p)]
+    out = subprocess.run(identity, cwd=root, env=procs.env, capture_output=True, text=True)
+    addr = out.stdout.strip().splitlines()[-1]
+    serve = [*command, "serve", "--http-port", f"127.0.0.1:{http}", "--metrics-port"]
+    serve += [f"127.0.0.1:{metrics}", "--p2p-port", str(p2p), "--identity-path", str(key)]
     # Every bench agent dials from 127.0.0.1: one source, far over the per-address
     # defaults (32 live connections, 64 before their hello) a real fleet's NAT sizes.
-    router, addr = procs.router(
-        http, metrics, p2p, "--p2p-max-conns-per-ip", "4096", "--max-unjoined-per-ip", "4096"
+    # Older checkouts have no such limits, nor the flags.
+    helps = subprocess.run(
+        [*command, "serve", "--help"], cwd=root, env=procs.env, capture_output=True, text=True
     )
-    return router, f"http://127.0.0.1:{http}", addr
+    if "--p2p-max-conns-per-ip" in helps.stdout:
+        serve += ["--p2p-max-conns-per-ip", "4096", "--max-unjoined-per-ip", "4096"]
+    router = procs.spawn("router", serve, cwd=root)
+    url = f"http://127.0.0.1:{http}"
+    wait_http(url + "/health")
+    return router, url, addr
 
 
-def join_agents(procs: Procs, url: str, addr: str, size: int) -> None:
-    """`size` agent sessions, `PER_PROCESS` to a process, all joined."""
+def join_agents(procs: Procs, root: Path, url: str, addr: str, size: int) -> None:
+    """`size` agent sessions from checkout `root`, `PER_PROCESS` to a process, all joined."""
     remaining = size
     while remaining > 0:
         count = min(PER_PROCESS, remaining)
-        argv = [sys.executable, "-m", "bench.fleet_agents", "--router", addr, "--count"]
-        procs.spawn(f"agents-{remaining}", [*argv, str(count)])
+        argv = [python_of(root), "-m", "bench.fleet_agents", "--router", addr, "--count"]
+        procs.spawn(f"agents-{remaining}", [*argv, str(count)], cwd=root)
         remaining -= count
     deadline = time.monotonic() + 120 + size / 10
     while (n := joined(url)) < size:
@@ -60,14 +86,18 @@ def join_agents(procs: Procs, url: str, addr: str, size: int) -> None:
         time.sleep(1)
 
 
-def run(size: int, measure: float) -> dict:
+def run(size: int, measure: float, settle: float, root: Path = HERE) -> dict:
     procs = Procs()
+    # The checkout's own modules first, whatever this interpreter has installed.
+    procs.env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(root), os.environ.get("PYTHONPATH")])
+    )
     try:
-        router, url, addr = start_router(procs)
+        router, url, addr = start_router(procs, root)
         router_ps = psutil.Process(router.pid)
         idle_rss = router_ps.memory_info().rss
-        join_agents(procs, url, addr, size)
-        time.sleep(5)  # let the join burst settle
+        join_agents(procs, root, url, addr, size)
+        time.sleep(settle)  # let the join burst settle
         cpu0 = sum(router_ps.cpu_times()[:2])
         t0 = time.monotonic()
         time.sleep(measure)
@@ -89,19 +119,28 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--sizes", default="10,100,1000")
     parser.add_argument("--measure", type=float, default=20.0)
+    parser.add_argument("--settle", type=float, default=5.0, help="seconds after the joins")
+    parser.add_argument("--against", type=Path, default=None, help="another checkout")
+    parser.add_argument("--rounds", type=int, default=1)
     args = parser.parse_args()
+    builds = [("this", HERE)]
+    if args.against is not None:
+        builds.insert(0, (args.against.name, args.against.resolve()))
     print(
-        "| agents | sessions | healthy | router CPU (share of one core) | router RSS MiB (idle) |"
+        "| build | agents | sessions | healthy | router CPU (share of one core) "
+        "| router RSS MiB (idle) |"
     )
-    print("|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|")
     for size in (int(s) for s in args.sizes.split(",")):
-        r = run(size, args.measure)
-        print(
-            f"| {r['agents']} | {r['joined']} | {r['healthy']} "
-            f"| {r['router_cpu_share_of_one_core']:.3f} "
-            f"| {r['router_rss_mib']} ({r['router_rss_idle_mib']}) |",
-            flush=True,
-        )
+        for round_ in range(args.rounds):
+            for name, root in builds if round_ % 2 == 0 else reversed(builds):
+                r = run(size, args.measure, args.settle, root)
+                print(
+                    f"| {name} | {r['agents']} | {r['joined']} | {r['healthy']} "
+                    f"| {r['router_cpu_share_of_one_core']:.3f} "
+                    f"| {r['router_rss_mib']} ({r['router_rss_idle_mib']}) |",
+                    flush=True,
+                )
 
 
 if __name__ == "__main__":

@@ -35,9 +35,9 @@ class Procs:
         }
         self.started: list[subprocess.Popen[bytes]] = []
 
-    def spawn(self, name: str, argv: list[str]) -> subprocess.Popen[bytes]:
+    def spawn(self, name: str, argv: list[str], cwd: Path | None = None) -> subprocess.Popen[bytes]:
         log = open(self.dir / f"{name}.log", "wb")  # noqa: SIM115 - lives as long as the process
-        proc = subprocess.Popen(argv, env=self.env, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(argv, env=self.env, cwd=cwd, stdout=log, stderr=subprocess.STDOUT)
         self.started.append(proc)
         return proc
 
