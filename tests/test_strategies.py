@@ -376,7 +376,7 @@ def test_prefix_aware_places_a_prompt_that_matches_too_little_by_cache_fill() ->
     # The same prompt at a threshold it meets follows its system prompt to A.
     loose = PrefixParams(block_chars=64, cache_threshold=0.6)
     assert ranking.pick("prefix-aware", loose, [a, b, c], first, NOW) is a
-    # Among agents whose fill is within balance_rel_threshold of the mean, the one
+    # Among agents whose fill is within balance_rel_threshold of the fewest, the one
     # holding the longer match: C and D hold ten blocks each, only D's the system prompt.
     d = agent("D")
     ranking.chosen("prefix-aware", params, c, conversation("u" * 640))
@@ -385,24 +385,6 @@ def test_prefix_aware_places_a_prompt_that_matches_too_little_by_cache_fill() ->
     # An overloaded agent is passed over.
     d.active = 9
     assert ranking.pick("prefix-aware", params, [a, c, d], first, NOW) is c
-
-
-def test_prefix_aware_keeps_a_new_conversation_with_its_system_prompt_within_the_mean() -> None:
-    ranking = Ranking()
-    params = PrefixParams(block_chars=64, cache_threshold=0.7, balance_rel_threshold=1.5)
-    a, b, c, d = agent("A"), agent("B"), agent("C"), agent("D")
-    system = "s" * 640  # ten blocks
-    ranking.chosen("prefix-aware", params, a, conversation(system, "a" * 640))  # 20 blocks
-    ranking.chosen("prefix-aware", params, b, conversation("t" * 640, "b" * 384))  # 16
-    ranking.chosen("prefix-aware", params, c, conversation("v" * 640, "c" * 384))  # 16
-    ranking.chosen("prefix-aware", params, d, conversation("w" * 512))  # 8
-    # A holds 2.5 times D's blocks but 1.33 times the mean (15): the new conversation
-    # goes where its system prompt is cached, not to a fifth agent's worth of prefill.
-    first = conversation(system, "d" * 320)
-    assert ranking.pick("prefix-aware", params, [a, b, c, d], first, NOW) is a
-    # Ten blocks more and A is 1.71 times the mean (17.5): the fewest blocks, D.
-    ranking.chosen("prefix-aware", params, a, conversation(system, "e" * 640))
-    assert ranking.pick("prefix-aware", params, [a, b, c, d], first, NOW) is d
 
 
 def test_prefix_tree_counts_the_blocks_each_agent_holds() -> None:

@@ -124,21 +124,12 @@ class PrefixAware:
         params: PrefixParams,
     ) -> Peer:
         """Where a prompt matching too little goes: among the agents not overloaded
-        whose remembered blocks are within `balance_rel_threshold` of the mean, the
+        whose remembered blocks are within `balance_rel_threshold` of the fewest, the
         longest match (a shared system prompt), then the fewest blocks, the lighter, the
         lowest peer ID; so new conversations spread by what the caches hold, not by the
-        moment's load alone.
-
-        The mean, not the fewest: against the fewest, an agent that holds a system
-        prompt is passed over as soon as any other agent holds a third less (at a cold
-        start, anything more than an empty one), and the prompt is prefilled on yet
-        another agent; against the mean, the bound is the one the fill of the busiest
-        agent is held to.
-        """
-        total = 0
-        for peer in candidates:
-            total += held.get(peer.peer_id, 0)
-        room = total * params.balance_rel_threshold / len(candidates)
+        moment's load alone."""
+        room = min(held.get(peer.peer_id, 0) for peer in candidates)
+        room *= params.balance_rel_threshold
         best: Peer | None = None
         best_depth = 0
         best_blocks = 0
