@@ -20,7 +20,12 @@ other users' do. The same trace goes through hivenet with `least-loaded`,
 Reported per target: the engines' prefix-cache hit rate (`vllm:prefix_cache_hits_total`
 over `..._queries_total`, in tokens), time to first token p50/p99 as the client sees it
 (streaming), requests per second, and the load spread: the busiest engine's request
-count over the mean.
+count over the mean. Where the hit rate goes is counted from each answer's usage chunk
+(`prompt_tokens_details.cached_tokens`), whatever the router: the first turns that
+found their system prompt uncached (one per agent a system prompt reaches, at least)
+and the later turns that found less than their previous turn's prompt cached (the
+conversation moved, or its engine evicted it). Every other token a turn misses is new
+(its user message and the answer before it), so these two are all a router can change.
 
 Hivenet's agents declare capacity 16, the engines' concurrency, and the router counts a
 stream's slot until its end (`--stream-slot-release end`), as vllm-router counts a
@@ -68,6 +73,8 @@ ANSWER_TOKENS = 32
 # five sixths of the prompt, and only a router that remembers it saves its prefill.
 SYSTEM_WORDS = 300
 USER_WORDS = 150
+# The issue's bound on the busiest agent's load over the mean.
+SPREAD_TARGET = 1.5
 WORDS = [f"w{i}" for i in range(5000)]
 
 
@@ -87,6 +94,11 @@ class Outcome:
     queries: float = 0.0
     per_engine: list[float] = field(default_factory=list)
     missing: str = ""
+    usage: int = 0  # answers that carried a usage chunk
+    prompt_tokens: int = 0  # over those answers
+    reachable: int = 0  # tokens those answers could have found cached (see `account`)
+    system_prefills: int = 0  # first turns that found their system prompt uncached
+    history_misses: int = 0  # later turns that found less than the turn before cached
 
 
 def make_trace(conversations: int, turns: int, systems: int, seed: int) -> list[Conversation]:
@@ -102,18 +114,25 @@ def make_trace(conversations: int, turns: int, systems: int, seed: int) -> list[
     ]
 
 
-async def first_token(
-    client: httpx.AsyncClient, url: str, messages: list[dict]
-) -> tuple[float, str]:
-    """Seconds to the first content delta of a streamed chat, and the whole answer."""
+@dataclass
+class Answer:
+    ttft: float  # seconds to the first content delta
+    text: str
+    prompt_tokens: int | None = None  # from the usage chunk, when one came
+    cached_tokens: int | None = None
+
+
+async def first_token(client: httpx.AsyncClient, url: str, messages: list[dict]) -> Answer:
+    """A streamed chat's time to first token, its answer and its usage chunk."""
     body = {
         "model": MODEL,
         "messages": messages,
         "max_tokens": ANSWER_TOKENS,
         "stream": True,
+        "stream_options": {"include_usage": True},
     }
     started = time.monotonic()
-    ttft = math.nan
+    result = Answer(math.nan, "")
     parts: list[str] = []
     async with client.stream("POST", url, json=body) as response:
         if response.status_code != 200:
@@ -122,12 +141,38 @@ async def first_token(
         async for line in response.aiter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            delta = json.loads(line[6:])["choices"][0].get("delta", {}).get("content")
+            chunk = json.loads(line[6:])
+            if usage := chunk.get("usage"):
+                result.prompt_tokens = usage.get("prompt_tokens")
+                result.cached_tokens = (usage.get("prompt_tokens_details") or {}).get(
+                    "cached_tokens"
+                )
+            if not chunk.get("choices"):
+                continue
+            delta = chunk["choices"][0].get("delta", {}).get("content")
             if delta:
                 if not parts:
-                    ttft = time.monotonic() - started
+                    result.ttft = time.monotonic() - started
                 parts.append(delta)
-    return ttft, "".join(parts)
+    result.text = "".join(parts)
+    return result
+
+
+def account(outcome: Outcome, answer: Answer, previous: int | None) -> None:
+    """Count a turn that missed what a router could have found cached: its system prompt
+    (a first turn, `previous` None) or the previous turn's prompt of `previous` tokens;
+    an engine caches whole blocks only."""
+    if answer.prompt_tokens is None or answer.cached_tokens is None:
+        return
+    reachable = (SYSTEM_WORDS if previous is None else previous) // BLOCK_TOKENS * BLOCK_TOKENS
+    outcome.usage += 1
+    outcome.prompt_tokens += answer.prompt_tokens
+    outcome.reachable += reachable
+    if answer.cached_tokens < reachable:
+        if previous is None:
+            outcome.system_prefills += 1
+        else:
+            outcome.history_misses += 1
 
 
 async def play(
@@ -150,19 +195,22 @@ async def play(
         rng = random.Random(seed)
         while batch := list(itertools.islice(pending, interleave)):
             chats = [[{"role": "system", "content": c.system}] for c in batch]
+            previous: list[int | None] = [None] * len(batch)  # last prompt_tokens
             for index in range(max(len(c.users) for c in batch)):
-                for conversation, messages in zip(batch, chats, strict=True):
+                for slot, (conversation, messages) in enumerate(zip(batch, chats, strict=True)):
                     if index >= len(conversation.users) or messages[-1].get("failed"):
                         continue
                     messages.append({"role": "user", "content": conversation.users[index]})
                     try:
-                        ttft, answer = await first_token(client, url, messages)
+                        answer = await first_token(client, url, messages)
                     except (httpx.HTTPError, RuntimeError, KeyError, ValueError):
                         outcome.errors += 1
                         messages.append({"role": "assistant", "content": "", "failed": True})
                         continue
-                    outcome.ttft.append(ttft)
-                    messages.append({"role": "assistant", "content": answer})
+                    outcome.ttft.append(answer.ttft)
+                    account(outcome, answer, previous[slot])
+                    previous[slot] = answer.prompt_tokens
+                    messages.append({"role": "assistant", "content": answer.text})
                     if think > 0:
                         await trio.sleep(rng.expovariate(1 / think))
 
@@ -374,20 +422,45 @@ def report(outcomes: list[Outcome], args: argparse.Namespace, took: float, load:
         f"run took {took:.0f}s"
     )
     print()
-    print("| via | cache hit rate | TTFT p50 ms | TTFT p99 ms | req/s | busiest/mean load |")
-    print("|---|---:|---:|---:|---:|---:|")
+    print(
+        "| via | cache hit rate | TTFT p50 ms | TTFT p99 ms | req/s | busiest/mean load "
+        "| system prompt prefills | history misses |"
+    )
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for o in outcomes:
         if o.missing:
-            print(f"| {o.name} | - | - | - | - | {o.missing} |")
+            print(f"| {o.name} | - | - | - | - | {o.missing} | - | - |")
             continue
         hit = o.hits / o.queries if o.queries else 0.0
         mean = sum(o.per_engine) / len(o.per_engine) if o.per_engine else 0.0
         spread = max(o.per_engine) / mean if mean else math.nan
         errors = f", {o.errors} errors" if o.errors else ""
         rps = len(o.ttft) / o.elapsed if o.elapsed else 0.0
+        # Turns without a usage chunk (a router that drops stream_options) are not counted.
+        counted = "" if o.usage == len(o.ttft) else f" ({o.usage} of {len(o.ttft)} turns)"
         print(
             f"| {o.name} | {hit:.1%} | {pct(o.ttft, 0.5) * 1000:.0f} "
-            f"| {pct(o.ttft, 0.99) * 1000:.0f} | {rps:.1f}{errors} | {spread:.2f} |"
+            f"| {pct(o.ttft, 0.99) * 1000:.0f} | {rps:.1f}{errors} | {spread:.2f} "
+            f"| {o.system_prefills}{counted} | {o.history_misses} |"
+        )
+    if full := next((o for o in outcomes if o.usage and o.usage == len(o.ttft)), None):
+        system = SYSTEM_WORDS // BLOCK_TOKENS * BLOCK_TOKENS
+        # A conversation that stays where it started loads its agent by its turns, so an
+        # agent within SPREAD_TARGET of the mean holds at most this many conversations,
+        # and each system prompt's conversations need this many agents at least.
+        per_agent = math.floor(SPREAD_TARGET * args.conversations / AGENTS)
+        per_system = math.ceil(args.conversations / args.systems)
+        least = args.systems * math.ceil(per_system / per_agent) if per_agent else 0
+        best = full.reachable / full.prompt_tokens
+        cost = system / full.prompt_tokens
+        print()
+        print(
+            f"Every turn finding its previous prompt cached, a first turn its system prompt: "
+            f"{best:.2%}. Each system prompt prefill costs {cost * 100:.3f} points ({system} of "
+            f"{full.prompt_tokens} prompt tokens): {best - args.systems * cost:.2%} at the "
+            f"fewest ({args.systems}, one agent per system prompt), {best - least * cost:.2%} "
+            f"at the fewest with no agent above {SPREAD_TARGET:g}x the mean "
+            f"({least}: {per_system} conversations per system prompt, {per_agent} per agent)."
         )
 
 

@@ -40,6 +40,28 @@ Below 0.67 a first turn follows its system prompt and conversations pile onto th
 agent first sent it; a balance threshold of 0.125 (two requests at capacity 16) moves
 conversations away from their cache whenever two more requests land on their agent.
 
+With every conversation staying on its agent (bench.strategies' "history misses" 0),
+what placement still decides is how many agents prefill each system prompt. On the
+default trace (shared prefill; 2026-12-05, load average 2-10 from other work) each
+prefill costs 0.047 points, and 8 is the fewest with the busiest agent within 1.5x of
+the mean: each of the 4 system prompts opens 12 of the 48 conversations, an agent
+within 1.5x holds at most 9, so each prompt needs two agents. `cache_aware`'s 85.2% is
+4 prefills, one worker per prompt, at 2.00x. Where a prompt matching too little may go,
+by runs of `--only "hivenet prefix-aware"`:
+
+| room for a new conversation | system prompt prefills | hit rate |
+|---|---|---:|
+| **within balance_rel_threshold times the fewest blocks** | 8 in 9 runs of 9 | 85.0% |
+| within balance_rel_threshold times the mean | 8 in 4 of 6 (9, 10) | 84.9-85.0% |
+| the same, the mean at least the prompt's own blocks | 8 in 6 of 8 (9 twice) | 84.9-85.0% |
+| cache_threshold 0.6 (a first turn follows its system prompt) | 4, at 2.00x | 85.2% |
+
+The two rejected rooms let a new conversation join an agent holding its system prompt
+sooner, and did not reach 8 more often. The trace's first turns reach the router in
+trace order (system prompts 0, 3, 2, 1, 0, ...), so the first 8 new conversations,
+each sent to an agent holding nothing, put each prompt on two agents; traffic whose
+prompts arrive in another order may need a third agent for some.
+
 The tree learns at selection, once the slot is held (as SGLang's router inserts at
 routing time): the prompt is being prefilled there from that moment, and the next turn
 of a conversation may arrive before this one's answer ends. It forgets an agent that
