@@ -8,6 +8,7 @@ import socket
 import sys
 from collections.abc import Mapping, Sequence
 
+from protocol.collector import tune_collector
 from protocol.durations import parse_duration
 from protocol.logs import FORMATS, setup_logging
 from protocol.secrets import load_secret
@@ -190,6 +191,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except Exception as exc:  # every startup problem ends here with its reason
         print(f"hivenet-agent: {exc}", file=sys.stderr)
         return 2
+    tune_collector()
     trio.run(daemon.run)
     return 0
 

@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from protocol.collector import tune_collector
 from protocol.durations import parse_duration
 from protocol.logs import FORMATS, setup_logging
 from protocol.secrets import load_previous_secret, load_secret
@@ -351,7 +352,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
     from router.app import RouterDaemon
-    from router.collector import tune_collector
     from router.fleet.workers import MAX_WORKERS, Supervisor
 
     try:

@@ -1,4 +1,4 @@
-"""The router process collects its young generation less often (router/collector.py)."""
+"""Both daemons collect their young generation less often (protocol/collector.py)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import trio
 
+from agent import cli as agent_cli
+from protocol.collector import YOUNG_THRESHOLD, tune_collector
 from router import cli
-from router.collector import YOUNG_THRESHOLD, tune_collector
 
 
 @pytest.fixture
@@ -47,5 +48,19 @@ def test_serve_runs_the_daemon_with_the_raised_threshold(
             str(tmp_path / "history.sqlite3"),
         ]
     )
+    assert status == 0
+    assert seen == [(YOUNG_THRESHOLD, 10, 10)]
+
+
+def test_the_agent_runs_its_daemon_with_the_raised_threshold(
+    thresholds: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    gc.set_threshold(700, 10, 10)
+    seen: list[tuple[int, int, int]] = []
+    monkeypatch.setattr(trio, "run", lambda *_: seen.append(gc.get_threshold()))
+    monkeypatch.setenv("HIVENET_ROUTER_JWT_SECRET", "s" * 40)
+    router = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGQaEXi5zdK6sv4u1rjM8EQrfH3GnjJb8GrmyrXrU2yZ8"
+    argv = ["--router", router, "--model", "m", "--backend-url", "http://127.0.0.1:9"]
+    status = agent_cli.main([*argv, "--identity-path", str(tmp_path / "agent.key")])
     assert status == 0
     assert seen == [(YOUNG_THRESHOLD, 10, 10)]
