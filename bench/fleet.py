@@ -47,7 +47,7 @@ def python_of(root: Path) -> str:
     return str(venv) if venv.exists() else sys.executable
 
 
-def start_router(procs: Procs, root: Path) -> tuple[subprocess.Popen[bytes], str, str]:
+def start_router(procs: Procs, root: Path = HERE) -> tuple[subprocess.Popen[bytes], str, str]:
     """A router from checkout `root`; returns it, its URL and its p2p address."""
     python, key = python_of(root), procs.dir / "router.key"
     http, metrics, p2p = free_port(), free_port(), free_port()
@@ -71,7 +71,7 @@ def start_router(procs: Procs, root: Path) -> tuple[subprocess.Popen[bytes], str
     return router, url, addr
 
 
-def join_agents(procs: Procs, root: Path, url: str, addr: str, size: int) -> None:
+def join_agents(procs: Procs, url: str, addr: str, size: int, root: Path = HERE) -> None:
     """`size` agent sessions from checkout `root`, `PER_PROCESS` to a process, all joined."""
     remaining = size
     while remaining > 0:
@@ -96,7 +96,7 @@ def run(size: int, measure: float, settle: float, root: Path = HERE) -> dict:
         router, url, addr = start_router(procs, root)
         router_ps = psutil.Process(router.pid)
         idle_rss = router_ps.memory_info().rss
-        join_agents(procs, root, url, addr, size)
+        join_agents(procs, url, addr, size, root)
         time.sleep(settle)  # let the join burst settle
         cpu0 = sum(router_ps.cpu_times()[:2])
         t0 = time.monotonic()
