@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -11,56 +11,58 @@ import trio
 
 from agent import cli as agent_cli
 from protocol.collector import YOUNG_THRESHOLD, tune_collector
-from router import cli
+from router import cli as router_cli
+
+ROUTER_ADDR = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGQaEXi5zdK6sv4u1rjM8EQrfH3GnjJb8GrmyrXrU2yZ8"
 
 
 @pytest.fixture
-def thresholds() -> Iterator[tuple[int, int, int]]:
+def thresholds() -> Iterator[None]:
     before = gc.get_threshold()
-    yield before
+    gc.set_threshold(700, 10, 10)
+    yield
     gc.set_threshold(*before)
 
 
-def test_tune_collector_raises_only_the_young_threshold(
-    thresholds: tuple[int, int, int],
-) -> None:
-    gc.set_threshold(700, 10, 10)
+def test_tune_collector_raises_only_the_young_threshold(thresholds: None) -> None:
     tune_collector()
     assert gc.get_threshold() == (YOUNG_THRESHOLD, 10, 10)
 
 
-def test_serve_runs_the_daemon_with_the_raised_threshold(
-    thresholds: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+def router_argv(tmp_path: Path) -> list[str]:
+    return [
+        "serve",
+        "--http-port",
+        "127.0.0.1:0",
+        "--identity-path",
+        str(tmp_path / "router.key"),
+        "--history-path",
+        str(tmp_path / "history.sqlite3"),
+    ]
+
+
+def agent_argv(tmp_path: Path) -> list[str]:
+    return [
+        *("--router", ROUTER_ADDR, "--model", "m", "--backend-url", "http://127.0.0.1:9"),
+        *("--identity-path", str(tmp_path / "agent.key")),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("main", "argv"),
+    [(router_cli.main, router_argv), (agent_cli.main, agent_argv)],
+    ids=["router", "agent"],
+)
+def test_the_daemon_runs_with_the_raised_threshold(
+    thresholds: None,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    main: Callable[[Sequence[str]], int],
+    argv: Callable[[Path], list[str]],
 ) -> None:
-    gc.set_threshold(700, 10, 10)
     seen: list[tuple[int, int, int]] = []
     monkeypatch.setattr(trio, "run", lambda *_: seen.append(gc.get_threshold()))
     monkeypatch.setenv("HIVENET_ROUTER_JWT_SECRET", "s" * 40)
     monkeypatch.setenv("HIVENET_ROUTER_ADMIN_API_KEYS", "admin-key")
-    status = cli.main(
-        [
-            "serve",
-            "--http-port",
-            "127.0.0.1:0",
-            "--identity-path",
-            str(tmp_path / "router.key"),
-            "--history-path",
-            str(tmp_path / "history.sqlite3"),
-        ]
-    )
-    assert status == 0
-    assert seen == [(YOUNG_THRESHOLD, 10, 10)]
-
-
-def test_the_agent_runs_its_daemon_with_the_raised_threshold(
-    thresholds: tuple[int, int, int], monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    gc.set_threshold(700, 10, 10)
-    seen: list[tuple[int, int, int]] = []
-    monkeypatch.setattr(trio, "run", lambda *_: seen.append(gc.get_threshold()))
-    monkeypatch.setenv("HIVENET_ROUTER_JWT_SECRET", "s" * 40)
-    router = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGQaEXi5zdK6sv4u1rjM8EQrfH3GnjJb8GrmyrXrU2yZ8"
-    argv = ["--router", router, "--model", "m", "--backend-url", "http://127.0.0.1:9"]
-    status = agent_cli.main([*argv, "--identity-path", str(tmp_path / "agent.key")])
-    assert status == 0
+    assert main(argv(tmp_path)) == 0
     assert seen == [(YOUNG_THRESHOLD, 10, 10)]
