@@ -14,14 +14,13 @@ from __future__ import annotations
 import argparse
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import httpx
 import psutil
 
-from bench.procs import ADMIN_KEY, Procs, free_port, wait_http
+from bench.procs import ADMIN_KEY, Procs, free_port, python_of
 
 PER_PROCESS = 250
 HERE = Path(__file__).resolve().parent.parent
@@ -42,33 +41,23 @@ def healthy(url: str) -> int:
     return sum(1 for a in r.json()["agents"] if a["status"]["healthy"])
 
 
-def python_of(root: Path) -> str:
-    venv = root / ".venv" / "bin" / "python"
-    return str(venv) if venv.exists() else sys.executable
-
-
 def start_router(procs: Procs, root: Path = HERE) -> tuple[subprocess.Popen[bytes], str, str]:
     """A router from checkout `root`; returns it, its URL and its p2p address."""
-    python, key = python_of(root), procs.dir / "router.key"
     http, metrics, p2p = free_port(), free_port(), free_port()
-    command = [python, "-m", "router.cli"]
-    identity = [*command, "identity", "--identity-path", str(key), "--p2p-port", str(p2p)]
-    out = subprocess.run(identity, cwd=root, env=procs.env, capture_output=True, text=True)
-    addr = out.stdout.strip().splitlines()[-1]
-    serve = [*command, "serve", "--http-port", f"127.0.0.1:{http}", "--metrics-port"]
-    serve += [f"127.0.0.1:{metrics}", "--p2p-port", str(p2p), "--identity-path", str(key)]
     # Every bench agent dials from 127.0.0.1: one source, far over the per-address
     # defaults (32 live connections, 64 before their hello) a real fleet's NAT sizes.
     # Older checkouts have no such limits, nor the flags.
     helps = subprocess.run(
-        [*command, "serve", "--help"], cwd=root, env=procs.env, capture_output=True, text=True
+        [python_of(root), "-m", "router.cli", "serve", "--help"],
+        cwd=root,
+        env=procs.env,
+        capture_output=True,
+        text=True,
     )
-    if "--p2p-max-conns-per-ip" in helps.stdout:
-        serve += ["--p2p-max-conns-per-ip", "4096", "--max-unjoined-per-ip", "4096"]
-    router = procs.spawn("router", serve, cwd=root)
-    url = f"http://127.0.0.1:{http}"
-    wait_http(url + "/health")
-    return router, url, addr
+    limits = ("--p2p-max-conns-per-ip", "4096", "--max-unjoined-per-ip", "4096")
+    extra = limits if limits[0] in helps.stdout else ()
+    router, addr = procs.router(http, metrics, p2p, *extra, root=root)
+    return router, f"http://127.0.0.1:{http}", addr
 
 
 def join_agents(procs: Procs, url: str, addr: str, size: int, root: Path = HERE) -> None:

@@ -18,6 +18,13 @@ SECRET = "bench-secret-0123456789-abcdefghijklmnopq"
 ADMIN_KEY = "bench-admin"
 
 
+def python_of(root: Path) -> str:
+    """The interpreter for a checkout: its own `.venv` when it has one, else this one
+    (with the checkout first on PYTHONPATH, its modules win over this one's install)."""
+    venv = root / ".venv" / "bin" / "python"
+    return str(venv) if venv.exists() else sys.executable
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -48,11 +55,17 @@ class Procs:
         return proc
 
     def router(
-        self, http: int, metrics: int, p2p: int, *extra: str
+        self, http: int, metrics: int, p2p: int, *extra: str, root: Path | None = None
     ) -> tuple[subprocess.Popen[bytes], str]:
+        """A router, from checkout `root` (run as a module there) or this install."""
+        command = (
+            [str(BIN / "hivenet-router")] if root is None else [python_of(root), "-m", "router.cli"]
+        )
         key = self.dir / f"router-{p2p}.key"
         out = subprocess.run(
-            [BIN / "hivenet-router", "identity", "--identity-path", key, "--p2p-port", str(p2p)],
+            [*command, "identity", "--identity-path", str(key), "--p2p-port", str(p2p)],
+            cwd=root,
+            env=self.env,
             capture_output=True,
             text=True,
             check=True,
@@ -61,7 +74,7 @@ class Procs:
         proc = self.spawn(
             f"router-{p2p}",
             [
-                str(BIN / "hivenet-router"),
+                *command,
                 "serve",
                 "--http-port",
                 f"127.0.0.1:{http}",
@@ -73,6 +86,7 @@ class Procs:
                 str(key),
                 *extra,
             ],
+            cwd=root,
         )
         wait_http(f"http://127.0.0.1:{http}/health")
         return proc, addr

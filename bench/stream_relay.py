@@ -33,7 +33,7 @@ from pathlib import Path
 import psutil
 import trio
 
-from bench.procs import ADMIN_KEY, SECRET, free_port, wait_http, wait_models
+from bench.procs import ADMIN_KEY, SECRET, free_port, python_of, wait_http, wait_models
 
 MODEL = "relay-model"
 HERE = Path(__file__).resolve().parent.parent
@@ -70,8 +70,7 @@ class Build:
     agent: psutil.Process | None = None
 
     def python(self) -> str:
-        own = self.tree / ".venv" / "bin" / "python"
-        return str(own) if own.exists() else sys.executable
+        return python_of(self.tree)
 
     def spawn(self, logs: Path, name: str, *argv: str) -> subprocess.Popen[bytes]:
         env = {
