@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import math
 import select
+import socket
 import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -85,7 +86,7 @@ OpenStream = Callable[[], Awaitable[ClosableStream]]
 
 
 class _Connection:
-    __slots__ = ("idle_since", "sock", "stream")
+    __slots__ = ("idle_since", "raw", "sock", "stream")
 
     def __init__(
         self, stream: trio.abc.Stream | ClosableStream, sock: trio.socket.SocketType | None
@@ -94,6 +95,10 @@ class _Connection:
         # The socket under the stream, to look at while idle and to close; None for a
         # stream handed in by a test.
         self.sock = sock
+        # The stdlib socket under a plain TCP stream (`EngineResponse._read`).
+        self.raw: socket.socket | None = (
+            getattr(sock, "_sock", None) if isinstance(stream, trio.SocketStream) else None
+        )
         self.idle_since = 0.0
 
     def closed_by_engine(self) -> bool:
@@ -408,9 +413,23 @@ class EngineResponse:
             conn.close()
 
     async def _read(self) -> bytes:
-        assert self._conn is not None
+        """The next read, waiting for it. A plain TCP connection waits for readiness
+        first: trio's receive_some tries a read first, and on a stream that read mostly
+        finds nothing yet, a system call wasted per wait (`perf trace -s` on the agent,
+        64 clients streaming: 4.4 of 7.6 reads per answer were EAGAIN); 5% less of the
+        agent's CPU per stream (`python -m bench.stream_relay --against`)."""
+        conn = self._conn
+        assert conn is not None
+        raw = conn.raw
         try:
-            return await self._conn.stream.receive_some(RECEIVE_BYTES)
+            if raw is None:
+                return await conn.stream.receive_some(RECEIVE_BYTES)
+            while True:
+                await trio.lowlevel.wait_readable(raw)
+                try:
+                    return raw.recv(RECEIVE_BYTES)
+                except BlockingIOError:
+                    continue
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             if not self.status:
                 raise EngineUnavailable(f"engine connection failed: {_why(exc)}") from None

@@ -107,11 +107,12 @@ class Dispatcher:
             else:
                 span.fail("load shed" if isinstance(outcome, LoadShed) else "chain exhausted")
         if isinstance(outcome, Served):
-            self.metrics.routed.labels(req.model, req.tenant).inc()
+            metrics = self.metrics
+            metrics.child(metrics.routed, req.model, req.tenant).inc()
             if outcome.step_index == 0:
-                self.metrics.primary.labels(req.model, req.tenant).inc()
+                metrics.child(metrics.primary, req.model, req.tenant).inc()
             else:
-                self.metrics.fallback.labels(req.model, req.tenant).inc()
+                metrics.child(metrics.fallback, req.model, req.tenant).inc()
             return outcome
         if isinstance(outcome, LoadShed):
             self._shed(req, outcome)

@@ -21,7 +21,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.http.asgi import request_id
+from router.http.asgi import RequestIds, request_id
 from tests.fleet import ADMIN_KEY, Agent, Fleet, Proc, Router, wait_until
 
 MODEL = "meta-llama/Llama-3.1-8B-Instruct"
@@ -637,14 +637,26 @@ def test_an_invalid_request_id_is_replaced(af: AdminFleet, given: str) -> None:
 )
 def test_request_id_spellings(given: str, kept: str) -> None:
     scope = {"headers": [(b"x-request-id", given.encode())]}
-    assert request_id(scope) == kept
+    assert request_id(scope, RequestIds()) == kept
 
 
 def test_request_id_generated_when_absent() -> None:
-    first = request_id({"headers": []})
-    second = request_id({"headers": [(b"x-request-id", b"")]})
+    ids = RequestIds()
+    first = request_id({"headers": []}, ids)
+    second = request_id({"headers": [(b"x-request-id", b"")]}, ids)
     assert first != second
     assert str(uuid.UUID(first)) == first
+
+
+def test_generated_request_ids_are_version_4_and_distinct_past_a_refill() -> None:
+    ids = RequestIds()
+    made = [ids.new() for _ in range(600)]  # more than one pool of 256
+    assert len(set(made)) == len(made)
+    for rid in made:
+        parsed = uuid.UUID(rid)
+        assert str(parsed) == rid
+        assert parsed.version == 4
+        assert parsed.variant == uuid.RFC_4122
 
 
 # --- /metrics ----------------------------------------------------------------------------------

@@ -13,7 +13,9 @@ import datetime
 import ipaddress
 import json
 import os
+import socket
 import ssl
+import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from pathlib import Path
@@ -328,6 +330,31 @@ async def test_a_close_before_or_inside_the_answer(serve: Callable) -> None:
     # The checked event already left; the stream then fails.
     assert [f["type"] for f in sent] == [m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.ERROR]
     assert sent[-1]["message"].startswith("engine answer broke off: engine closed")
+
+
+@pytest.mark.parametrize("waiting", [True, False], ids=["reset-while-waiting", "reset-queued"])
+async def test_a_reset_inside_the_answer_breaks_it_off(serve: Callable, waiting: bool) -> None:
+    """The engine resets the connection part way through a stream, while the agent
+    waits for more or before it reads again: the stream ends with an error, never
+    hangs (reads wait for readiness on the bare socket, `EngineResponse._read`)."""
+
+    async def reset(stream: Conn) -> None:
+        await read_request(stream, bytearray())
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
+        await stream.send_all(head + b'\r\n\r\n12\r\ndata: {"a": 1}\n\n\r\n')
+        if waiting:
+            await trio.sleep(0.2)
+        stream.stream.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await stream.aclose()
+
+    engine = await serve(reset)
+    async with pool(engine, read=5) as p:
+        with trio.fail_after(4):
+            sent = await run(p, request(stream=True))
+    assert sent[-1]["type"] == m.ERROR
+    assert sent[-1]["message"].startswith("engine answer broke off: engine connection failed"), (
+        sent[-1]
+    )
 
 
 async def test_a_slowloris_head_times_out_within_the_read_timeout(serve: Callable) -> None:

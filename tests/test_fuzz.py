@@ -46,6 +46,7 @@ from router.dispatch import Dispatcher
 from router.http.app import RouterApp
 from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
+from router.http.server import HttpServer
 from router.link import AgentLink, AgentResponse, AgentSession, LinkSettings, parse_metadata
 from router.metrics import RouterMetrics
 from router.peers import AgentMetadata, Peer, PeerTable
@@ -1252,6 +1253,47 @@ def test_hostile_http_requests_get_clear_answers(req: dict) -> None:
             nursery.cancel_scope.cancel()
         assert complete and all(p.active == 0 for p in table.all())
         check_response(req, sent, complete)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["body-ready", "body-late"])
+def test_a_body_that_stops_arriving_ends_at_the_request_timeout(whole: bool) -> None:
+    """Through the real HTTP server: a body all in its first read is served with no
+    deadline of its own (BODY_READY), one that stops part way gets request_timeout
+    once the request's 5 s are up, and the agent is never asked."""
+    body = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "hi"}]})
+    head = (
+        "POST /v1/chat/completions HTTP/1.1\r\nHost: r\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n"
+    ).encode()
+    sent = head + body.encode() if whole else head + body.encode()[:10]
+
+    async def main() -> None:
+        app, link, table, _ = build_app()
+        client, server_side = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            agent = ScriptedAgent(link, nursery, [[("head", 200, {}), ("chunk", b"{}"), ("end",)]])
+            nursery.start_soon(HttpServer(app).run_connection, server_side)
+            began = trio.current_time()
+            await client.send_all(sent)
+            answer = b""
+            with trio.fail_after(60):  # a body read with no deadline would wait forever
+                while b"\r\n\r\n" not in answer or not answer.endswith((b"}", b"}\n")):
+                    answer += await client.receive_some(65536)
+            took = trio.current_time() - began
+            await client.aclose()
+            nursery.cancel_scope.cancel()
+        status = int(answer.split(b" ", 2)[1])
+        if whole:
+            assert status == 200, answer
+            assert took < 5.0
+        else:
+            assert status == 504, answer
+            assert b'"request_timeout"' in answer
+            assert took >= 5.0
+            assert not agent.forwards
+        assert all(p.active == 0 for p in table.all())
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
 

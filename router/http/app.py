@@ -22,6 +22,7 @@ from router.http.admin_policy import PREFIX, admin_policy_models
 from router.http.asgi import (
     SPAN,
     Receive,
+    RequestIds,
     Scope,
     Send,
     header,
@@ -77,6 +78,7 @@ class RouterApp:
         self.draining = False
         self.inflight = 0
         self.idle = trio.Event()
+        self.ids = RequestIds()
         if not admin_keys.keys and admin_keys.insecure:
             log.warning(
                 "admin_api_insecure reason=%s",
@@ -89,7 +91,7 @@ class RouterApp:
             return
         if scope["type"] != "http":
             return
-        rid = request_id(scope)
+        rid = request_id(scope, self.ids)
         if cors.is_preflight(scope):
             await cors.preflight(scope, send, rid)
             return
@@ -138,8 +140,9 @@ class RouterApp:
         if path.startswith("/admin/") and _audited(path, method, status):
             self._audit_admin(scope, rid, status)
         if path in ENDPOINTS:
-            self.metrics.requests.labels(path, str(status), tenant).inc()
-            self.metrics.duration.labels(path, tenant).observe(elapsed)
+            metrics = self.metrics
+            metrics.child(metrics.requests, path, str(status), tenant).inc()
+            metrics.child(metrics.duration, path, tenant).observe(elapsed)
             if self.tenants:
                 self.tenants.audit(
                     scope.get(TICKET), path, rid, tenant, status, elapsed, trace_id or None
@@ -150,16 +153,17 @@ class RouterApp:
                 if status >= 500:
                     span.fail(f"answered {status}")
                 span.__exit__(None, None, None)
-        log.info(
-            "req=%s method=%s path=%s status=%d tenant=%s duration_ms=%.1f%s",
-            rid,
-            quote(method),
-            quote(path),
-            status,
-            quote(tenant),
-            elapsed * 1000,
-            f" trace_id={trace_id}" if trace_id else "",
-        )
+        if log.isEnabledFor(logging.INFO):  # quote() costs more than the call it feeds
+            log.info(
+                "req=%s method=%s path=%s status=%d tenant=%s duration_ms=%.1f%s",
+                rid,
+                quote(method),
+                quote(path),
+                status,
+                quote(tenant),
+                elapsed * 1000,
+                f" trace_id={trace_id}" if trace_id else "",
+            )
 
     async def _client(
         self, scope: Scope, receive: Receive, send: Send, rid: str
@@ -194,8 +198,9 @@ class RouterApp:
             if self.draining:
                 err = RouterError(ErrorCode.NO_AGENTS_AVAILABLE, "router is shutting down")
                 return await send_error(send, protocol, err, extra, ticket), tenant
+            if not self.inflight:
+                self.idle = trio.Event()
             self.inflight += 1
-            self.idle = trio.Event()
             try:
                 record = ticket.record if ticket is not None else None
                 priority = record.priority if record is not None else 0

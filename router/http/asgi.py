@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
@@ -19,6 +20,10 @@ SPAN = "hivenet.span"
 # call `callback` when the client leaves while the request is answered, so that the app
 # needs no task waiting in receive() for `http.disconnect`.
 ON_DISCONNECT = "hivenet.on_disconnect"
+# Another: `body_ready()` is True when the whole request body has arrived, so that
+# reading it cannot wait and needs no deadline (a cancel scope with one costs about
+# 5 µs, 2% of a whole answer's router CPU).
+BODY_READY = "hivenet.body_ready"
 
 
 class BodyTooLarge(Exception):
@@ -44,7 +49,28 @@ def header(scope: Scope, name: bytes) -> str | None:
 _CANONICAL_UUID = re.compile(r"[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}")
 
 
-def request_id(scope: Scope) -> str:
+class RequestIds:
+    """New request IDs: random (version 4) UUIDs in the usual form, from the OS's random
+    source 256 at a time. `str(uuid.uuid4())` makes a system call and a UUID object for
+    each: 2.0 against 0.7 µs here."""
+
+    def __init__(self) -> None:
+        self._pool = b""
+        self._at = 0
+
+    def new(self) -> str:
+        at = self._at
+        if at >= len(self._pool):
+            self._pool, at = os.urandom(16 * 256), 0
+        self._at = at + 16
+        raw = bytearray(self._pool[at : at + 16])
+        raw[6] = raw[6] & 0x0F | 0x40  # version 4
+        raw[8] = raw[8] & 0x3F | 0x80  # the RFC 4122 variant
+        h = raw.hex()
+        return f"{h[:8]}-{h[8:12]}-{h[12:16]}-{h[16:20]}-{h[20:]}"
+
+
+def request_id(scope: Scope, ids: RequestIds) -> str:
     """The client's X-Request-ID when it is a valid UUID, otherwise a new one.
 
     The usual 8-4-4-4-12 form is kept exactly as sent, so the client's own string finds
@@ -60,7 +86,7 @@ def request_id(scope: Scope) -> str:
             return str(uuid.UUID(given))
         except ValueError:
             pass
-    return str(uuid.uuid4())
+    return ids.new()
 
 
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:

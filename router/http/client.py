@@ -23,6 +23,7 @@ from router.continuation_relay import StreamContinuer, StreamRelay, broken_code,
 from router.dispatch import Dispatcher, ProviderServed
 from router.http import count_tokens, request_fields
 from router.http.asgi import (
+    BODY_READY,
     ON_DISCONNECT,
     SPAN,
     BodyTooLarge,
@@ -154,10 +155,13 @@ class ClientApi:
             headers = [*extra, *err.retry_headers()]
             return await send_error(send, protocol, err, headers, scope.get(TICKET))
 
-        deadline = received + self.settings.request_timeout
+        ready = scope.get("extensions", {}).get(BODY_READY)
         try:
-            with trio.fail_at(deadline):
+            if ready is not None and ready():
                 body = await read_body(scope, receive, self.settings.max_request_bytes)
+            else:
+                with trio.fail_at(received + self.settings.request_timeout):
+                    body = await read_body(scope, receive, self.settings.max_request_bytes)
         except BodyTooLarge:
             limit = self.settings.max_request_bytes
             return await fail(
@@ -432,7 +436,7 @@ class ClientApi:
                 state.status = 200
                 await send_json(send, 200, answer, extra)
             return
-        self.metrics.overhead.labels(req.path).observe(max(0.0, own))
+        self.metrics.child(self.metrics.overhead, req.path).observe(max(0.0, own))
         await self._relay(req, protocol, response, send, extra, state)
 
     async def _relay(

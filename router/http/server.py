@@ -54,7 +54,7 @@ import trio
 
 from protocol.errors import ErrorCode, RouterError, anthropic_error_body, openai_error_body
 from protocol.logs import quote
-from router.http.asgi import ON_DISCONNECT
+from router.http.asgi import BODY_READY, ON_DISCONNECT
 from router.http.request_reader import (
     END,
     MAX_HEAD_BYTES,
@@ -494,8 +494,10 @@ class _Connection:
             "client": self.client,
             "server": self.server_addr,
         }
+        extensions: dict[str, Any] = {BODY_READY: self.body_ready}
         if self.fd >= 0 or self.gone:
-            scope["extensions"] = {ON_DISCONNECT: self.on_disconnect}
+            extensions[ON_DISCONNECT] = self.on_disconnect
+        scope["extensions"] = extensions
         try:
             await self.server.app(scope, self.receive, self.send)
         except Exception:
@@ -508,6 +510,12 @@ class _Connection:
             await self.send({"type": "http.response.body", "body": b""})
         if self.answer is RESPONDING:  # the app left mid-answer
             self.answer = BROKEN
+
+    def body_ready(self) -> bool:
+        """BODY_READY: receive() will return the whole body without waiting. Events are
+        queued in order and the request's head is taken, so the first END queued is
+        this request's."""
+        return not self.body_done and not self.expects_continue and END in self.reader.events
 
     async def receive(self) -> dict:
         if self.state is CLOSED or self.body_done:
