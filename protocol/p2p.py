@@ -13,7 +13,8 @@ import logging
 import math
 import os
 import socket
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
+from functools import partial
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -179,7 +180,7 @@ class FramedStream:
             raise SessionClosed(self.close_reason or "session closed") from None
         self.last_tx = trio.current_time()
 
-    async def run(self, on_message: Callable[[dict], Awaitable[None] | None]) -> str:
+    async def run(self, on_message: Callable[[dict], None]) -> str:
         """Read and write until either side ends; returns why the session ended."""
         try:
             async with trio.open_nursery() as nursery:
@@ -228,9 +229,19 @@ class FramedStream:
             await self.closed.wait()
         self.close(reason)
 
-    async def _reader(self, on_message: Callable[[dict], Awaitable[None] | None]) -> None:
-        decoder = self.decoder
+    async def _reader(self, on_message: Callable[[dict], None]) -> None:
+        """Decode and dispatch what arrives until the stream ends.
+
+        Over yamux, once nothing read is left undecoded, the muxer's own task hands
+        each DATA frame's bytes to `_deliver` as it takes them off the connection
+        (`yamux_fast.deliver_to`): this task then only waits for the stream's end, and
+        a frame no longer waits for a pass through trio's scheduler to reach it, on
+        the critical path of every answer (router) and request (agent)."""
+        deliver = partial(self._deliver, on_message)
+        direct = False
         while True:
+            if not direct:
+                direct = yamux_fast.deliver_to(self.stream, deliver)
             try:
                 data = await self.stream.read(READ_BYTES)
             except Exception as exc:
@@ -239,14 +250,27 @@ class FramedStream:
             if not data:
                 self.close_reason = self.close_reason or "peer closed the stream"
                 return
-            try:
-                for message in decoder.feed(data):
-                    result = on_message(message)
-                    if result is not None:
-                        await result
-            except Exception as exc:  # a bad frame or message ends this session only
-                self.close_reason = self.close_reason or f"{type(exc).__name__}: {exc}"
+            if not deliver(data):
                 return
+
+    def _deliver(self, on_message: Callable[[dict], None], data: bytes) -> bool:
+        """Decode `data` and hand on each message; False (and the session ending) when a
+        bad frame or message ends this session, which is then deaf to what follows.
+        A session being closed hears nothing more, as its cancelled reader would not."""
+        scope = self._scope
+        if scope is not None and scope.cancel_called:
+            yamux_fast.deliver_to(self.stream, None)
+            return False
+        try:
+            for message in self.decoder.feed(data):
+                on_message(message)
+        except Exception as exc:
+            self.close_reason = self.close_reason or f"{type(exc).__name__}: {exc}"
+            yamux_fast.deliver_to(self.stream, None)
+            if scope is not None:
+                scope.cancel()
+            return False
+        return True
 
     async def _writer(self, cancel_scope: trio.CancelScope) -> None:
         try:

@@ -24,6 +24,7 @@ replacements below keep the same guarantees without them:
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import trio
@@ -47,6 +48,8 @@ _HEADER = struct.Struct(YAMUX_HEADER_FORMAT)
 _MAX_DATA = MAX_MESSAGE_SIZE - HEADER_SIZE
 # The attribute on a connection's secured session naming its muxer, for the header hook.
 _MUXER = "_hivenet_muxer"
+# The attribute on a yamux stream naming where its DATA goes instead of its buffer.
+_SINK = "_hivenet_sink"
 
 _original_write = YamuxStream.write
 _original_handle_incoming = Yamux.handle_incoming
@@ -60,6 +63,25 @@ async def acquire(lock: trio.Lock) -> None:
         await lock.acquire()
     else:
         lock.acquire_nowait()
+
+
+def deliver_to(stream: Any, sink: Callable[[bytes], object] | None) -> bool:
+    """Have the muxer hand a yamux stream's DATA bytes straight to `sink`, in order,
+    from its own task, instead of buffering them for a read; None undoes it. False (and
+    nothing changed) when the stream is not yamux, is closing, or holds bytes not yet
+    read: those must reach the reader first, so the caller reads and asks again.
+    `sink` must not block; the stream's reads then see only its end or reset."""
+    muxed = getattr(stream, "muxed_stream", stream)
+    if not isinstance(muxed, YamuxStream):
+        return False
+    if sink is None:
+        setattr(muxed, _SINK, None)
+        return True
+    buffer = muxed.conn.stream_buffers.get(muxed.stream_id)
+    if buffer is None or buffer or muxed.recv_closed or muxed.closed:
+        return False
+    setattr(muxed, _SINK, sink)
+    return True
 
 
 def install() -> None:
@@ -206,7 +228,13 @@ async def _next_header(
             # The stream may have gone while the body was read: its bytes go with it.
             if muxer.streams.get(stream_id) is stream:
                 stream.recv_window = max(0, stream.recv_window - length)
-                muxer.stream_buffers[stream_id].extend(data)
-                muxer.stream_events[stream_id].set()
+                sink = getattr(stream, _SINK, None)
+                if sink is None:
+                    muxer.stream_buffers[stream_id].extend(data)
+                    muxer.stream_events[stream_id].set()
+                else:
+                    # Taken as a read would take them, window credit included.
+                    sink(data)
+                    await stream._auto_tune_and_send_window_update(bytes_read=length)
         else:
             return header

@@ -280,6 +280,65 @@ async def test_large_messages_both_ways_arrive_intact_and_in_order() -> None:
     assert got_server == payloads
 
 
+async def test_frames_buffered_then_handed_over_by_the_muxer_keep_their_order() -> None:
+    """The first frames wait in yamux's buffer for the reader; once it has read them
+    the muxer hands frames to the session itself (`yamux_fast.deliver_to`): every
+    message arrives once and in order across that switch, and a bad frame on the
+    direct path ends the session with its reason and nothing after it is heard."""
+    tune_libp2p()
+    server = new_host(
+        key_pair=create_new_key_pair(os.urandom(32)),
+        listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")],
+    )
+    got: list[int] = []
+    first_batch, second_batch = 50, 200
+    early, all_in, closed = trio.Event(), trio.Event(), trio.Event()
+    ended: list[str] = []
+    sink_seen: list[bool] = []
+
+    async def handler(stream: Any) -> None:
+        await trio.sleep(0.3)  # the client's first frames wait in the buffer meanwhile
+        fs = FramedStream(stream)
+
+        def on(msg: dict) -> None:
+            got.append(msg["id"])
+            if len(got) == first_batch:
+                early.set()
+            if len(got) == first_batch + second_batch:
+                all_in.set()
+
+        ended.append(await fs.run(on))
+        closed.set()
+
+    async with server.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
+        server.set_stream_handler("/test/1.0.0", handler)
+        client = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=[])
+        async with client.run(listen_addrs=[]):
+            info = info_from_p2p_addr(server.get_addrs()[0])
+            await client.connect(info)
+            stream = await client.new_stream(info.peer_id, ["/test/1.0.0"])
+            with trio.fail_after(30):
+                for i in range(first_batch):
+                    await stream.write(encode_frame(m.response_chunk(i, b"x" * 100)))
+                await early.wait()
+                await trio.sleep(0.1)
+                conn = next(iter(server.get_network().connections.values()))
+                conn = conn[0] if isinstance(conn, list) else conn
+                muxed = list(conn.muxed_conn.streams.values())
+                sink_seen.append(any(getattr(s, "_hivenet_sink", None) for s in muxed))
+                for i in range(first_batch, first_batch + second_batch):
+                    await stream.write(encode_frame(m.response_chunk(i, b"y" * (i * 37))))
+                await all_in.wait()
+                await stream.write(struct.pack(">I", 5) + b"\xc1" * 5)
+                await stream.write(encode_frame(m.response_chunk(10_000, b"late")))
+                await closed.wait()
+            await client.close()
+        await server.close()
+    assert sink_seen == [True]
+    assert got == list(range(first_batch + second_batch))
+    assert "malformed frame" in ended[0]
+
+
 def test_frame_decoder_handles_split_and_joined_frames() -> None:
     frames = b"".join(encode_frame(m.cancel(i)) for i in range(50))
     decoder = FrameDecoder()
