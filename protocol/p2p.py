@@ -78,12 +78,16 @@ def tune_libp2p() -> None:
     - Each Noise message is read from the socket in two reads (its 2-byte length,
       then its body): one read now takes what the kernel holds, and the layers above
       take their pieces from that buffer.
+    - Each socket write took its lock through trio's `Lock.acquire`, a pass through
+      the scheduler even when the lock is free: one more pass before every frame
+      batch left, on the critical path of each request and answer.
     """
     if libp2p_version() != PATCHED_LIBP2P:
         raise RuntimeError(f"protocol/p2p.py patches py-libp2p {PATCHED_LIBP2P} yamux internals")
     YamuxStream._auto_tune_and_send_window_update = _release_in_batches  # type: ignore[method-assign]
     Yamux._measure_rtt_loop = _no_rtt_pings  # type: ignore[method-assign]
     TrioTCPStream.read = _buffered_read  # type: ignore[method-assign]
+    TrioTCPStream.write = _write  # type: ignore[method-assign]
     yamux_fast.install()
 
 
@@ -128,6 +132,26 @@ async def _buffered_read(self: TrioTCPStream, n: int | None = None) -> bytes:
             return pending
         self._hivenet_pending = pending[n:]
         return pending[:n]
+    finally:
+        lock.release()
+
+
+async def _write(self: TrioTCPStream, data: bytes) -> None:
+    """TrioTCPStream.write, taking its lock without a scheduler pass when it is free.
+
+    Errors as py-libp2p's own: a reset is ConnectionClosedError, a write to a stream
+    closed here is dropped.
+    """
+    lock = self.write_lock
+    await yamux_fast.acquire(lock)
+    try:
+        await self.stream.send_all(data)
+    except trio.BrokenResourceError as exc:
+        raise ConnectionClosedError(
+            f"TCP connection reset by remote peer: {exc}", transport="tcp"
+        ) from exc
+    except trio.ClosedResourceError:
+        return
     finally:
         lock.release()
 

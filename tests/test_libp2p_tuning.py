@@ -4,6 +4,7 @@ what it says. (Frames through the patched stack: tests/test_link.py.)"""
 from __future__ import annotations
 
 import os
+import select
 import socket
 import struct
 
@@ -125,6 +126,51 @@ async def test_buffered_read_over_a_socket_waits_reads_and_ends_as_libp2p_does()
     assert got[-1] == b""
     assert await conn.read(2) == b""  # and so does a read after it
     await theirs.aclose()
+
+
+async def test_write_takes_a_free_lock_without_a_scheduler_pass_and_keeps_errors() -> None:
+    """The patched TrioTCPStream.write: with its lock free, the bytes are on the socket
+    before the writer first yields; with it held, the write waits for it; a reset is
+    ConnectionClosedError and a write after our own close is dropped, as py-libp2p's."""
+    p2p.tune_libp2p()
+    ours, theirs = await _tcp_pair()
+    conn = TrioTCPStream(ours)
+    order: list[str] = []
+
+    async def other() -> None:
+        arrived = select.poll()
+        arrived.register(theirs.socket.fileno(), select.POLLIN)
+        order.append("bytes there" if arrived.poll(0) else "nothing yet")
+
+    async def write(data: bytes) -> None:
+        await conn.write(data)
+        order.append(f"wrote {data.decode()}")
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        # `other` runs at this task's first yield: the bytes must already be out.
+        await conn.write(b"one")
+    assert order == ["bytes there"]
+    assert await theirs.receive_some(10) == b"one"
+
+    await conn.write_lock.acquire()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(write, b"two")
+        await trio.testing.wait_all_tasks_blocked()
+        assert order == ["bytes there"]  # waiting for the lock
+        conn.write_lock.release()
+    assert order[-1] == "wrote two"
+    assert await theirs.receive_some(10) == b"two"
+
+    theirs.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    await theirs.aclose()
+    with pytest.raises(ConnectionClosedError), trio.fail_after(10):
+        while True:
+            await conn.write(b"x" * 65536)
+            await trio.sleep(0.01)
+    await ours.aclose()
+    await conn.write(b"after close")  # dropped, as py-libp2p drops it
+    assert not conn.write_lock.locked()
 
 
 async def test_yamux_sends_no_rtt_pings_but_answers_them(monkeypatch: pytest.MonkeyPatch) -> None:

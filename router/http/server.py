@@ -459,9 +459,24 @@ class _Connection:
             self.scope.deadline = math.inf
 
     async def _read(self) -> bytes:
-        """Feed the reader one read from the socket; b"" when the client is gone."""
+        """Feed the reader one read from the socket; b"" when the client is gone.
+
+        A plain TCP connection waits for readiness before it reads: trio's
+        receive_some reads first, which between requests finds nothing (a wasted
+        system call), and passes through the scheduler again after a read, a pass a
+        lone client waits for on every request."""
+        raw = self.raw
         try:
-            data = await self.stream.receive_some(READ_BYTES)
+            if raw is None or raw.fileno() < 0:  # closed: trio says so
+                data = await self.stream.receive_some(READ_BYTES)
+            else:
+                while True:
+                    await trio.lowlevel.wait_readable(raw)
+                    try:
+                        data = raw.recv(READ_BYTES)
+                        break
+                    except BlockingIOError:
+                        continue
         except _GONE:
             data = b""
         if data:
