@@ -8,6 +8,8 @@ vLLM's router (`vllm-router`, Rust), each pointed at that engine, with and witho
 streaming. Peers live in their own virtual environments under bench/.peers/ (git
 ignored), made on first use or by `--setup`; never in the product's dependencies.
 A peer that cannot be installed or started here gets a row that says why.
+`trio-relays` is no router: two bare byte relays on trio in series (bench/relay.py),
+the floor under hivenet's two Python processes, router and agent, in one's path.
 
 "Router CPU" is the CPU seconds of the router's process tree per 1,000 requests;
 hivenet's agent, a hop the others do not have, is shown beside its router.
@@ -38,6 +40,8 @@ PEER_PACKAGES = {
     "vllm-router": ["vllm-router==0.1.17"],
 }
 INSTALL_TIMEOUT = 600.0
+# Peers made here, with nothing to install.
+LOCAL_PEERS = ("trio-relays",)
 LITELLM_KEY = "sk-bench-0123456789abcdef"
 
 
@@ -162,6 +166,17 @@ def start_vllm_router(procs: Procs, engine: int) -> Target:
     return started(procs, "vllm-router", target, proc, "/health")
 
 
+def start_trio_relays(procs: Procs, engine: int) -> Target:
+    inner, outer = free_port(), free_port()
+    relay = [sys.executable, "-m", "bench.relay"]
+    first = procs.spawn("relay-inner", [*relay, str(inner), str(engine)])
+    second = procs.spawn("relay-outer", [*relay, str(outer), str(inner)])
+    target = started(procs, "relay-outer", Target("trio-relays", outer), second, "/health")
+    if not target.missing:
+        target.procs += tree(first)
+    return target
+
+
 def started(
     procs: Procs, name: str, target: Target, proc: subprocess.Popen[bytes], health: str
 ) -> Target:
@@ -215,16 +230,16 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=4.0)
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--setup", action="store_true", help="only install the peers")
-    parser.add_argument(
-        "--peers", default=",".join(PEER_PACKAGES), help="which peers, comma-separated"
-    )
+    known = [*PEER_PACKAGES, *LOCAL_PEERS]
+    parser.add_argument("--peers", default=",".join(known), help="which peers, comma-separated")
     args = parser.parse_args()
     chosen = [name for name in args.peers.split(",") if name]
-    if unknown := set(chosen) - set(PEER_PACKAGES):
-        parser.error(f"unknown peers {sorted(unknown)}; known: {sorted(PEER_PACKAGES)}")
+    if unknown := set(chosen) - set(known):
+        parser.error(f"unknown peers {sorted(unknown)}; known: {sorted(known)}")
     if args.setup:
         for name in chosen:
-            print(f"{name}: {setup(name) or 'ready'}", flush=True)
+            if name in PEER_PACKAGES:
+                print(f"{name}: {setup(name) or 'ready'}", flush=True)
         return
     levels = [int(c) for c in args.concurrency.split(",")]
     procs = Procs()
@@ -235,7 +250,11 @@ def main() -> None:
         procs.sim(MODEL, engine)
         targets.append(Target("direct", engine, []))
         targets.append(start_hivenet(procs, engine))
-        starters = {"litellm": start_litellm, "vllm-router": start_vllm_router}
+        starters = {
+            "litellm": start_litellm,
+            "vllm-router": start_vllm_router,
+            "trio-relays": start_trio_relays,
+        }
         for name in chosen:
             targets.append(starters[name](procs, engine))
         cells = run_cells(targets, [False, True], levels, args.duration)
