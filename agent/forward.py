@@ -111,19 +111,24 @@ async def _relay(
         head = None
     # Each piece is all that one socket read brought, however many chunks and events it
     # held, so events that arrive together leave in one frame.
-    while piece := await response.receive():
-        if checker is not None:
-            piece = checker.feed(piece)
-            if not piece:
-                continue
-            if head is not None:
-                send(head)
-                head = None
-        send(m.response_chunk(req_id, piece))
-        if checker is not None and checker.finished:
-            # The last event and the end leave in one write: an SDK leaves at
-            # `[DONE]`, and the router must have the end (and the usage) by then.
-            break
+    idle = response.idle_limit()
+    with idle.scope:
+        while piece := await response.receive():
+            idle.arrived()
+            if checker is not None:
+                piece = checker.feed(piece)
+                if not piece:
+                    continue
+                if head is not None:
+                    send(head)
+                    head = None
+            send(m.response_chunk(req_id, piece))
+            if checker is not None and checker.finished:
+                # The last event and the end leave in one write: an SDK leaves at
+                # `[DONE]`, and the router must have the end (and the usage) by then.
+                break
+    if (broken := idle.broke_off()) is not None:
+        raise broken
     if checker is not None:
         checker.close()
     send(m.response_end(req_id, tap.usage if tap else None))

@@ -396,6 +396,34 @@ async def test_a_silent_stream_and_a_dribbled_whole_answer_break_off(serve: Call
     assert error["message"] == "engine answer broke off: answer not whole within 0.3 s"
 
 
+async def test_a_steady_stream_outlives_its_first_read_deadline(serve: Callable) -> None:
+    """Events every 0.2 s against a 0.3 s read timeout, for four times as long as the
+    stream's first deadline: each arrival moves it on (`ReadIdle`)."""
+    events = 8
+
+    async def steady(stream: Conn) -> None:
+        await read_request(stream, bytearray())
+        head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
+        await stream.send_all(head + b"\r\n\r\n")
+        for i in range(events):
+            event = b'data: {"i": %d}\n\n' % i
+            await stream.send_all(b"%x\r\n%s\r\n" % (len(event), event))
+            await trio.sleep(0.2)
+        done = b"data: [DONE]\n\n"
+        await stream.send_all(b"%x\r\n%s\r\n0\r\n\r\n" % (len(done), done))
+        await read_request(stream, bytearray())
+
+    engine = await serve(steady)
+    async with pool(engine, read=0.3) as p:
+        began = trio.current_time()
+        sent = await run(p, request(stream=True))
+        took = trio.current_time() - began
+    assert took > 1.25 * 0.3 * 3  # well past where a deadline never moved would cut it
+    assert [f["type"] for f in sent][-1] == m.RESPONSE_END, sent[-1]
+    relayed = b"".join(f["data"] for f in sent if f["type"] == m.RESPONSE_CHUNK)
+    assert relayed.count(b"data: ") == events + 1
+
+
 async def _closed_soon(engine: Engine) -> bool:
     with trio.move_on_after(5):
         await engine.closed.wait()
