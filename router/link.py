@@ -704,7 +704,6 @@ class AgentLink:
         self, session: AgentSession, peer: Peer, req: RouteRequest, slot: Slot, span: Span
     ) -> AgentResponse | ForwardFailure:
         req_id, pending = session.open()
-        started = trio.current_time()
         try:
             session.fs.send_nowait(
                 m.request(
@@ -721,7 +720,8 @@ class AgentLink:
         except SessionClosed as exc:
             session.finish(req_id, cancel=False)
             return ForwardFailure(ErrorCode.AGENT_DISCONNECTED, str(exc), connection_level=True)
-        req.sent_at = trio.current_time()
+        # The round trip counts from the frame's queueing, as the overhead metric ends.
+        req.sent_at = started = trio.current_time()
         try:
             state, head = await pending.get()
             if state is _FAILED:

@@ -186,6 +186,59 @@ async def test_keep_alive_timeout_and_graceful_stop() -> None:
         assert s.connect_ex(("127.0.0.1", port)) != 0
 
 
+@pytest.mark.parametrize("served", [True, False], ids=["watchdog", "connection-alone"])
+async def test_keep_alive_ends_idle_and_half_sent_heads_never_a_request_in_progress(
+    served: bool,
+) -> None:
+    """Under `serve` the watchdog holds the keep-alive timeout; a connection served
+    alone arms a deadline per wait. Either way: a connection waiting for a request,
+    or for the rest of a head, ends after the timeout (and not before), and a request
+    that takes longer than the timeout to answer is not cut by it."""
+
+    async def slow(scope: dict, receive: Receive, send: Send) -> None:
+        await trio.sleep(1.0)  # longer than the keep-alive timeout
+        await echo(scope, receive, send)
+
+    timeout = 0.3
+    server = HttpServer(slow, keep_alive_timeout=timeout, graceful_timeout=1)
+
+    async def connect(nursery: trio.Nursery) -> trio.abc.Stream:
+        if served:
+            return await trio.open_tcp_stream("127.0.0.1", port)
+        client, server_side = trio.testing.memory_stream_pair()
+        nursery.start_soon(server.run_connection, server_side)
+        return client
+
+    async def ends_after(stream: trio.abc.Stream) -> float:
+        began = trio.current_time()
+        with trio.fail_after(10):
+            while await stream.receive_some(1000):
+                pass
+        return trio.current_time() - began
+
+    stop = trio.Event()
+    async with trio.open_nursery() as nursery:
+        port = 0
+        if served:
+            port = await nursery.start(server.serve, ("127.0.0.1", 0), stop.wait)
+        idle = await connect(nursery)
+        assert timeout <= await ends_after(idle) < timeout + 2
+        half = await connect(nursery)
+        await half.send_all(b"GET /a HTTP/1.1\r\nHost: t\r\n")
+        assert timeout <= await ends_after(half) < timeout + 2
+        busy = await connect(nursery)
+        await busy.send_all(b"GET /b HTTP/1.1\r\nHost: t\r\n\r\n")
+        answer = b""
+        with trio.fail_after(10):
+            while not answer.endswith(b"GET /b "):
+                answer += await busy.receive_some(1000)
+        assert answer.startswith(b"HTTP/1.1 200 ")
+        assert server.watching is served
+        stop.set()
+        if not served:
+            nursery.cancel_scope.cancel()
+
+
 async def test_expect_100_continue_is_answered_before_the_body_is_read() -> None:
     async with trio.open_nursery() as nursery:
         port = await nursery.start(HttpServer(echo).serve, ("127.0.0.1", 0), trio.sleep_forever)
