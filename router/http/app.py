@@ -111,9 +111,9 @@ class RouterApp:
             send = _with_traceparent(send, span)
         try:
             if path.startswith("/v1/"):
-                status, tenant = await self._client(
-                    scope, receive, with_quota_headers(scope, send), rid
-                )
+                # Only a tenant gate's tickets carry what those headers say.
+                client_send = with_quota_headers(scope, send) if self.tenants else send
+                status, tenant = await self._client(scope, receive, client_send, rid)
             elif path.startswith("/admin/"):
                 status = await self._admin(scope, receive, send, rid)
             elif path == "/health" and method == "GET":
