@@ -111,9 +111,7 @@ class RouterApp:
             send = _with_traceparent(send, span)
         try:
             if path.startswith("/v1/"):
-                # Only a tenant gate's tickets carry what those headers say.
-                client_send = with_quota_headers(scope, send) if self.tenants else send
-                status, tenant = await self._client(scope, receive, client_send, rid)
+                status, tenant = await self._client(scope, receive, send, rid)
             elif path.startswith("/admin/"):
                 status = await self._admin(scope, receive, send, rid)
             elif path == "/health" and method == "GET":
@@ -183,6 +181,8 @@ class RouterApp:
             # Refused requests have a ticket too: it holds the code their audit line shows.
             ticket = scope[TICKET] = self.tenants.open(rid, tenant or "-")
             if ticket is not None:
+                # Only a ticket has what the quota headers say: no wrapper without one.
+                send = with_quota_headers(scope, send)
                 ticket.key_id = key.id if key is not None else None
                 client = scope.get("client")
                 ticket.source_ip = client[0] if client else None
