@@ -50,6 +50,22 @@ async def raw_session(router: Router, seed: bytes | None = None) -> AsyncIterato
             await host.close()
 
 
+@asynccontextmanager
+async def host_and_stream(handler: Any) -> AsyncIterator[tuple[Any, Any]]:
+    """A libp2p host serving `handler` on /test/1.0.0, and a client's stream to it."""
+    listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+    server = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=listen)
+    async with server.run(listen_addrs=listen):
+        server.set_stream_handler("/test/1.0.0", handler)
+        client = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=[])
+        async with client.run(listen_addrs=[]):
+            info = info_from_p2p_addr(server.get_addrs()[0])
+            await client.connect(info)
+            yield server, await client.new_stream(info.peer_id, ["/test/1.0.0"])
+            await client.close()
+        await server.close()
+
+
 async def first_reply(stream: Any) -> dict:
     decoder = FrameDecoder()
     with trio.fail_after(10):
@@ -227,22 +243,19 @@ async def test_large_messages_both_ways_arrive_intact_and_in_order() -> None:
     tune_libp2p()
     sizes = [100, 1000, 16 * 1024, 64 * 1024, 300 * 1024, 1024 * 1024]
     payloads = [os.urandom(sizes[i % len(sizes)]) for i in range(60)]
-    server_key = create_new_key_pair(os.urandom(32))
-    server = new_host(
-        key_pair=server_key, listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
-    )
     got_server: list[bytes] = []
     got_client: list[bytes] = []
     done = trio.Event()
     server_done = trio.Event()
 
-    async def handler(stream: Any) -> None:
+    async def exchange(stream: Any, got: list[bytes], all_in: trio.Event) -> None:
+        """Send every payload and take the other side's, until both sides have all."""
         fs = FramedStream(stream)
 
         def on(msg: dict) -> None:
-            got_server.append(msg["data"])
-            if len(got_server) == len(payloads):
-                server_done.set()
+            got.append(msg["data"])
+            if len(got) == len(payloads):
+                all_in.set()
 
         async with trio.open_nursery() as n:
             n.start_soon(fs.run, on)
@@ -252,30 +265,12 @@ async def test_large_messages_both_ways_arrive_intact_and_in_order() -> None:
             await server_done.wait()
             fs.close("done")
 
-    async with server.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
-        server.set_stream_handler("/test/1.0.0", handler)
-        client = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=[])
-        async with client.run(listen_addrs=[]):
-            info = info_from_p2p_addr(server.get_addrs()[0])
-            await client.connect(info)
-            stream = await client.new_stream(info.peer_id, ["/test/1.0.0"])
-            fs = FramedStream(stream)
+    async def handler(stream: Any) -> None:
+        await exchange(stream, got_server, server_done)
 
-            def on(msg: dict) -> None:
-                got_client.append(msg["data"])
-                if len(got_client) == len(payloads):
-                    done.set()
-
-            with trio.fail_after(60):
-                async with trio.open_nursery() as n:
-                    n.start_soon(fs.run, on)
-                    for i, p in enumerate(payloads):
-                        await fs.send(m.response_chunk(i, p))
-                    await done.wait()
-                    await server_done.wait()
-                    fs.close("done")
-            await client.close()
-        await server.close()
+    async with host_and_stream(handler) as (_, stream):
+        with trio.fail_after(60):
+            await exchange(stream, got_client, done)
     assert got_client == payloads
     assert got_server == payloads
 
@@ -286,10 +281,6 @@ async def test_frames_buffered_then_handed_over_by_the_muxer_keep_their_order() 
     message arrives once and in order across that switch, and a bad frame on the
     direct path ends the session with its reason and nothing after it is heard."""
     tune_libp2p()
-    server = new_host(
-        key_pair=create_new_key_pair(os.urandom(32)),
-        listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")],
-    )
     got: list[int] = []
     first_batch, second_batch = 50, 200
     early, all_in, closed = trio.Event(), trio.Event(), trio.Event()
@@ -310,30 +301,22 @@ async def test_frames_buffered_then_handed_over_by_the_muxer_keep_their_order() 
         ended.append(await fs.run(on))
         closed.set()
 
-    async with server.run(listen_addrs=[multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]):
-        server.set_stream_handler("/test/1.0.0", handler)
-        client = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=[])
-        async with client.run(listen_addrs=[]):
-            info = info_from_p2p_addr(server.get_addrs()[0])
-            await client.connect(info)
-            stream = await client.new_stream(info.peer_id, ["/test/1.0.0"])
-            with trio.fail_after(30):
-                for i in range(first_batch):
-                    await stream.write(encode_frame(m.response_chunk(i, b"x" * 100)))
-                await early.wait()
-                await trio.sleep(0.1)
-                conn = next(iter(server.get_network().connections.values()))
-                conn = conn[0] if isinstance(conn, list) else conn
-                muxed = list(conn.muxed_conn.streams.values())
-                sink_seen.append(any(getattr(s, "_hivenet_sink", None) for s in muxed))
-                for i in range(first_batch, first_batch + second_batch):
-                    await stream.write(encode_frame(m.response_chunk(i, b"y" * (i * 37))))
-                await all_in.wait()
-                await stream.write(struct.pack(">I", 5) + b"\xc1" * 5)
-                await stream.write(encode_frame(m.response_chunk(10_000, b"late")))
-                await closed.wait()
-            await client.close()
-        await server.close()
+    async with host_and_stream(handler) as (server, stream):
+        with trio.fail_after(30):
+            for i in range(first_batch):
+                await stream.write(encode_frame(m.response_chunk(i, b"x" * 100)))
+            await early.wait()
+            await trio.sleep(0.1)
+            conn = next(iter(server.get_network().connections.values()))
+            conn = conn[0] if isinstance(conn, list) else conn
+            muxed = list(conn.muxed_conn.streams.values())
+            sink_seen.append(any(getattr(s, "_hivenet_sink", None) for s in muxed))
+            for i in range(first_batch, first_batch + second_batch):
+                await stream.write(encode_frame(m.response_chunk(i, b"y" * (i * 37))))
+            await all_in.wait()
+            await stream.write(struct.pack(">I", 5) + b"\xc1" * 5)
+            await stream.write(encode_frame(m.response_chunk(10_000, b"late")))
+            await closed.wait()
     assert sink_seen == [True]
     assert got == list(range(first_batch + second_batch))
     assert "malformed frame" in ended[0]
