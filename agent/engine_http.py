@@ -431,6 +431,11 @@ class EngineResponse:
             return parts[0] if len(parts) == 1 else b"".join(parts)
         raise EngineBrokeOff(f"answer not whole within {self._pool.timeouts.read:g} s")
 
+    @property
+    def read_whole(self) -> bool:
+        """Everything of the answer has been read: `receive` has nothing left to wait for."""
+        return self._complete and not self._body
+
     def idle_limit(self) -> ReadIdle:
         """The read timeout of a stream relayed piece by piece (`ReadIdle`)."""
         return ReadIdle(self._pool.timeouts.read)

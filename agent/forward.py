@@ -139,6 +139,8 @@ async def _relay(
 async def _drain(response: EngineResponse) -> None:
     """Read what an engine sends after its last event (the end of the chunked body) so
     its connection goes back to the pool; the answer is already complete."""
+    if response.read_whole:
+        return  # the body's end came with the last event, as it mostly does
     left = DRAIN_BYTES
     with trio.move_on_after(DRAIN_SECONDS):
         try:

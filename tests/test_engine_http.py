@@ -424,6 +424,39 @@ async def test_a_steady_stream_outlives_its_first_read_deadline(serve: Callable)
     assert relayed.count(b"data: ") == events + 1
 
 
+@pytest.mark.parametrize("apart", [False, True], ids=["end-with-done", "end-after-done"])
+async def test_a_stream_s_connection_is_reused_whether_its_end_came_with_done_or_after(
+    serve: Callable, apart: bool
+) -> None:
+    """After `[DONE]` the agent reads the chunked body's end, when it has not come with
+    the last event, so that the connection serves the next request."""
+    done = b"data: [DONE]\n\n"
+    event = b"%x\r\n%s\r\n" % (len(done), done)
+    end = b"0\r\n\r\n"
+
+    async def handler(stream: Conn) -> None:
+        buf = bytearray()
+        while await read_request(stream, buf):
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            first = b'data: {"a": 1}\n\n'
+            await stream.send_all(
+                head + b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(first), first)
+            )
+            if apart:
+                await stream.send_all(event)
+                await trio.sleep(0.1)
+                await stream.send_all(end)
+            else:
+                await stream.send_all(event + end)
+
+    engine = await serve(handler)
+    async with pool(engine) as p:
+        for i in range(3):
+            sent = await run(p, request(stream=True, req_id=i))
+            assert sent[-1]["type"] == m.RESPONSE_END, sent
+    assert engine.connections == 1
+
+
 async def _closed_soon(engine: Engine) -> bool:
     with trio.move_on_after(5):
         await engine.closed.wait()
