@@ -454,6 +454,15 @@ async def test_a_stream_s_connection_is_reused_whether_its_end_came_with_done_or
         for i in range(3):
             sent = await run(p, request(stream=True, req_id=i))
             assert sent[-1]["type"] == m.RESPONSE_END, sent
+        # What `_drain` looks at: after the `[DONE]` read, whole only if the end came too.
+        response = await p.send("POST", "/v1/chat/completions", {}, b"{}")
+        try:
+            pieces = b""
+            while b"[DONE]" not in pieces:
+                pieces += await response.receive()
+            assert response.read_whole is not apart
+        finally:
+            response.close()
     assert engine.connections == 1
 
 

@@ -24,7 +24,7 @@ import trio.testing
 
 from router.cli import build_parser, settings_from
 from router.http.app import protocol_of
-from router.http.asgi import ON_DISCONNECT
+from router.http.asgi import BODY_READY, ON_DISCONNECT
 from router.http.server import (
     MAX_HEAD_BYTES,
     WRITE_PIECE_BYTES,
@@ -237,6 +237,52 @@ async def test_keep_alive_ends_idle_and_half_sent_heads_never_a_request_in_progr
         stop.set()
         if not served:
             nursery.cancel_scope.cancel()
+
+
+async def test_body_ready_says_whether_reading_the_body_could_wait() -> None:
+    """BODY_READY is True only while the whole body sits unread in the server's buffer:
+    not for a body still arriving, not once it is read, not while a 100 Continue is
+    owed; with a request pipelined behind, each request's answer is its own body's."""
+    seen: list[tuple[str, bool]] = []
+
+    async def app(scope: dict, receive: Receive, send: Send) -> None:
+        ready = scope["extensions"][BODY_READY]
+        seen.append((scope["path"], ready()))
+        await echo(scope, receive, send)
+        seen.append((scope["path"] + " read", ready()))
+
+    async def served(*parts: bytes) -> None:
+        client, server_side = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(HttpServer(app).run_connection, server_side)
+            for part in parts:
+                await client.send_all(part)
+                await trio.testing.wait_all_tasks_blocked()
+            await client.send_eof()
+            with trio.fail_after(10):
+                while await client.receive_some(65536):
+                    pass
+
+    whole = b"POST /whole HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\n\r\nbody"
+    await served(whole)
+    await served(b"POST /late HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\n\r\nbo", b"dy")
+    await served(
+        b"POST /continue HTTP/1.1\r\nHost: t\r\nContent-Length: 4\r\nExpect: 100-continue\r\n\r\n",
+        b"body",
+    )
+    await served(b"POST /first HTTP/1.1\r\nHost: t\r\nContent-Length: 1\r\n\r\nb" + whole)
+    assert seen == [
+        ("/whole", True),
+        ("/whole read", False),
+        ("/late", False),
+        ("/late read", False),
+        ("/continue", False),
+        ("/continue read", False),
+        ("/first", True),
+        ("/first read", False),  # /whole's body, queued behind, is not this request's
+        ("/whole", True),
+        ("/whole read", False),
+    ]
 
 
 async def test_expect_100_continue_is_answered_before_the_body_is_read() -> None:
