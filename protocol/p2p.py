@@ -77,10 +77,12 @@ def tune_libp2p() -> None:
       are still answered.
     - Each Noise message is read from the socket in two reads (its 2-byte length,
       then its body): one read now takes what the kernel holds, and the layers above
-      take their pieces from that buffer.
-    - Each socket write took its lock through trio's `Lock.acquire`, a pass through
-      the scheduler even when the lock is free: one more pass before every frame
-      batch left, on the critical path of each request and answer.
+      take their pieces from that buffer. trio's read then passed through the
+      scheduler once more; ours does not.
+    - Each socket write took its lock through trio's `Lock.acquire`, and went through
+      trio's `send_all`, each a pass through the scheduler even when the lock is free
+      and the kernel has room: two more task steps for every frame batch, on the
+      critical path of each request and answer.
     """
     if libp2p_version() != PATCHED_LIBP2P:
         raise RuntimeError(f"protocol/p2p.py patches py-libp2p {PATCHED_LIBP2P} yamux internals")
@@ -120,8 +122,8 @@ async def _buffered_read(self: TrioTCPStream, n: int | None = None) -> bytes:
         pending: bytes = getattr(self, "_hivenet_pending", b"")
         if not pending:
             try:
-                pending = await self.stream.receive_some(max(n or 0, SOCKET_READ_BYTES))
-            except trio.BrokenResourceError as exc:
+                pending = await _receive(self, max(n or 0, SOCKET_READ_BYTES))
+            except (trio.BrokenResourceError, ConnectionError) as exc:
                 raise ConnectionClosedError(
                     f"TCP connection reset by remote peer: {exc}", transport="tcp"
                 ) from exc
@@ -136,8 +138,52 @@ async def _buffered_read(self: TrioTCPStream, n: int | None = None) -> bytes:
         lock.release()
 
 
+def _raw_socket(tcp: TrioTCPStream) -> socket.socket | None:
+    """The stdlib socket under a trio socket stream; None for any other stream."""
+    return getattr(getattr(tcp.stream, "socket", None), "_sock", None)
+
+
+async def _receive(self: TrioTCPStream, size: int) -> bytes:
+    """One socket read: trio's `receive_some`, less its pass through the scheduler
+    after a read that found data, which is one task step more before each frame batch
+    reaches the muxer.
+
+    A short read means the kernel held nothing more, so the next waits for data first
+    instead of trying a read that would fail. After a full read the next reads at once,
+    behind a checkpoint, so a peer that floods the connection still lets others run.
+    """
+    raw = _raw_socket(self)
+    if raw is None:
+        return await self.stream.receive_some(size)
+    if raw.fileno() < 0:  # closed here
+        return b""
+    if getattr(self, "_hivenet_drained", True):
+        await trio.lowlevel.wait_readable(raw)
+    else:
+        await trio.lowlevel.checkpoint()
+    while True:
+        try:
+            data = raw.recv(size)
+        except BlockingIOError:
+            await trio.lowlevel.wait_readable(raw)
+            continue
+        except OSError:
+            if raw.fileno() < 0:
+                return b""
+            raise
+        self._hivenet_drained = len(data) < size  # type: ignore[attr-defined]
+        return data
+
+
 async def _write(self: TrioTCPStream, data: bytes) -> None:
-    """TrioTCPStream.write, taking its lock without a scheduler pass when it is free.
+    """TrioTCPStream.write, straight to the socket while the kernel has room, its lock
+    taken without a scheduler pass when it is free.
+
+    trio's `send_all` passes through the scheduler after every write that went out
+    whole: one task step more per frame batch, on the critical path of each request
+    (router) and of each piece of a streamed answer (agent). The writer's next wait on
+    its queue is its schedule point. Only what the kernel has no room for goes through
+    trio, which waits for room.
 
     Errors as py-libp2p's own: a reset is ConnectionClosedError, a write to a stream
     closed here is dropped.
@@ -145,6 +191,21 @@ async def _write(self: TrioTCPStream, data: bytes) -> None:
     lock = self.write_lock
     await yamux_fast.acquire(lock)
     try:
+        raw = _raw_socket(self)
+        if raw is not None:
+            try:
+                sent = raw.send(data)
+            except BlockingIOError:
+                sent = 0
+            except OSError as exc:
+                if raw.fileno() < 0:  # closed here
+                    return
+                raise ConnectionClosedError(
+                    f"TCP connection reset by remote peer: {exc}", transport="tcp"
+                ) from exc
+            if sent == len(data):
+                return
+            data = memoryview(data)[sent:]
         await self.stream.send_all(data)
     except trio.BrokenResourceError as exc:
         raise ConnectionClosedError(

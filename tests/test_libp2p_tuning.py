@@ -20,6 +20,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.stream_muxer.yamux.yamux import TYPE_PING, YAMUX_HEADER_FORMAT, Yamux
 
 from protocol import p2p
+from tests.scheduler_passes import passes_of_this_task
 
 
 def test_patches_refuse_another_libp2p_version(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -128,10 +129,79 @@ async def test_buffered_read_over_a_socket_waits_reads_and_ends_as_libp2p_does()
     await theirs.aclose()
 
 
+class _CountedReads:
+    """A stdlib socket's stand-in that counts the reads tried on it."""
+
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.reads = 0
+
+    def fileno(self) -> int:
+        return self.sock.fileno()
+
+    def recv(self, size: int) -> bytes:
+        self.reads += 1
+        return self.sock.recv(size)
+
+
+async def test_a_socket_read_waits_first_after_a_short_read_and_reads_first_after_a_full_one() -> (
+    None
+):
+    """After a short read (the kernel held no more), the next read waits for data and
+    then reads once: no read that fails first, and one pass through the scheduler, its
+    wake-up. After a full read, the sign of a flood, the next reads at once but still
+    passes through the scheduler once, and is a checkpoint: a flooding peer starves
+    neither the other tasks nor a cancellation."""
+    p2p.tune_libp2p()
+    ours, theirs = await _tcp_pair()
+    counted = _CountedReads(ours.socket._sock)  # type: ignore[attr-defined]
+    ours.socket._sock = counted  # type: ignore[attr-defined]
+    conn = TrioTCPStream(ours)
+    got: list[tuple[int, int, int]] = []
+
+    async def read(n: int | None = None) -> None:
+        before = counted.reads
+        with passes_of_this_task() as passes:
+            data = await conn.read(n)
+        got.append((len(data), counted.reads - before, passes.count))
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()
+        await theirs.send_all(b"hello")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read)
+        await trio.testing.wait_all_tasks_blocked()
+        await theirs.send_all(b"again")
+    assert got == [(5, 1, 1), (5, 1, 1)]
+
+    full = p2p.SOCKET_READ_BYTES
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(theirs.send_all, b"x" * (full * 4))
+        with trio.fail_after(10):
+            while True:  # until a read takes a full buffer
+                await read(full)
+                if got[-1][0] == full:
+                    break
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await conn.read(full)
+        assert scope.cancelled_caught
+        await trio.lowlevel.wait_readable(counted.sock)  # data there for the next read
+        await read(full)
+        assert got[-1][0] > 0
+        assert got[-1][1:] == (1, 1)  # read at once, with no wait for data, after one pass
+        nursery.cancel_scope.cancel()
+    ours.socket._sock = counted.sock  # type: ignore[attr-defined]
+    await ours.aclose()
+    await theirs.aclose()
+
+
 async def test_write_takes_a_free_lock_without_a_scheduler_pass_and_keeps_errors() -> None:
-    """The patched TrioTCPStream.write: with its lock free, the bytes are on the socket
-    before the writer first yields; with it held, the write waits for it; a reset is
-    ConnectionClosedError and a write after our own close is dropped, as py-libp2p's."""
+    """The patched TrioTCPStream.write: with its lock free and room in the kernel, the
+    bytes are on the socket and the writer has not yielded; with the lock held, the
+    write waits for it; a reset is ConnectionClosedError and a write after our own
+    close is dropped, as py-libp2p's."""
     p2p.tune_libp2p()
     ours, theirs = await _tcp_pair()
     conn = TrioTCPStream(ours)
@@ -148,8 +218,9 @@ async def test_write_takes_a_free_lock_without_a_scheduler_pass_and_keeps_errors
 
     async with trio.open_nursery() as nursery:
         nursery.start_soon(other)
-        # `other` runs at this task's first yield: the bytes must already be out.
-        await conn.write(b"one")
+        with passes_of_this_task() as passes:
+            await conn.write(b"one")
+        assert passes.count == 0  # the writer never went back to the scheduler
     assert order == ["bytes there"]
     assert await theirs.receive_some(10) == b"one"
 
@@ -171,6 +242,30 @@ async def test_write_takes_a_free_lock_without_a_scheduler_pass_and_keeps_errors
     await ours.aclose()
     await conn.write(b"after close")  # dropped, as py-libp2p drops it
     assert not conn.write_lock.locked()
+
+
+async def test_write_larger_than_the_kernels_room_waits_and_keeps_order() -> None:
+    """What the socket takes at once goes straight; the rest waits for room through
+    trio, and the peer gets every byte in order."""
+    p2p.tune_libp2p()
+    ours, theirs = await _tcp_pair()
+    ours.socket.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 4096)
+    conn = TrioTCPStream(ours)
+    data = bytes(range(256)) * (16 * 1024)  # 4 MiB, far past the buffers
+    got = bytearray()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(conn.write, data)
+        await trio.testing.wait_all_tasks_blocked()
+        assert conn.write_lock.locked()  # parked in trio's wait for room
+        with trio.fail_after(10):
+            while len(got) < len(data):
+                got += await theirs.receive_some(65536)
+    assert bytes(got) == data
+    assert not conn.write_lock.locked()
+    await conn.write(b"next")
+    assert await theirs.receive_some(10) == b"next"
+    await ours.aclose()
+    await theirs.aclose()
 
 
 async def test_yamux_sends_no_rtt_pings_but_answers_them(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -17,6 +17,7 @@ import trio
 import trio.testing
 from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.network.stream.net_stream import NetStream
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.stream_muxer.yamux import yamux as yamux_module
 from libp2p.stream_muxer.yamux.yamux import (
@@ -32,6 +33,7 @@ from agent.link import SILENT_PERIODS, RouterSession, Status
 from protocol import messages as m
 from protocol import p2p, yamux_fast
 from protocol.conversation import Role, next_session_state
+from tests.scheduler_passes import passes_of_this_task
 
 
 def _pristine_yamux() -> Any:
@@ -301,3 +303,28 @@ async def test_stream_writes_are_the_frames_py_libp2p_writes(size: int) -> None:
     assert ours.send_window == theirs.send_window
     if size <= yamux_fast._MAX_DATA:
         assert frames["ours"] == [frame(TYPE_DATA, 0, 5, size, b"x" * size)]
+
+
+async def test_a_stream_write_takes_its_free_state_lock_without_a_scheduler_pass() -> None:
+    """py-libp2p's NetStream.write checks the stream's state under a lock first: a free
+    one is now taken without a pass through the scheduler; a held one is waited for."""
+    p2p.tune_libp2p()
+    written: list[bytes] = []
+
+    class Muxed:
+        muxed_conn = None
+
+        async def write(self, data: bytes) -> None:
+            written.append(data)
+
+    stream = NetStream(Muxed(), None, None)  # type: ignore[arg-type]
+    with passes_of_this_task() as passes:
+        await stream.write(b"one")
+    assert written == [b"one"]
+    assert passes.count == 0
+
+    async with trio.open_nursery() as nursery, stream._state_lock:
+        nursery.start_soon(stream.write, b"two")
+        await trio.testing.wait_all_tasks_blocked()
+        assert written == [b"one"]  # waiting for the lock
+    assert written == [b"one", b"two"]
