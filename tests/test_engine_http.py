@@ -37,6 +37,7 @@ from agent.engine_http import (
 )
 from agent.forward import forward
 from protocol import messages as m
+from tests.scheduler_passes import passes_of_this_task
 
 Handler = Callable[["Conn"], Awaitable[None]]
 ANSWER = json.dumps({"id": "x", "object": "chat.completion", "choices": []}).encode()
@@ -174,6 +175,41 @@ async def test_requests_share_one_kept_alive_connection(serve: Callable) -> None
     assert b"host: 127.0.0.1:%d" % engine.port in head
     # None of what httpx added: no cookies, no user agent, no compression asked for.
     assert b"cookie" not in head and b"user-agent" not in head and b"accept-encoding" not in head
+
+
+@pytest.mark.parametrize("size", [1000, 4 * 1024 * 1024])
+async def test_a_request_goes_out_whole_small_or_past_the_kernels_room(
+    serve: Callable, size: int
+) -> None:
+    """A request the kernel takes at once goes straight to the socket; a body past the
+    kernel's room waits for it and still arrives whole, in order, once."""
+    engine = await serve(answering(json_answer()))
+    body = bytes(range(256)) * (size // 256)
+    async with pool(engine) as p:
+        response = await p.send("POST", "/v1/embeddings", {}, body)
+        try:
+            assert response.status == 200
+        finally:
+            response.close()
+    [sent] = engine.requests
+    assert sent.endswith(b"\r\n\r\n" + body)
+
+
+async def test_a_request_the_kernel_has_room_for_leaves_without_a_scheduler_pass(
+    serve: Callable,
+) -> None:
+    engine = await serve(answering(json_answer()))
+    async with pool(engine) as p:
+        conn = await p._connect()
+        try:
+            with passes_of_this_task() as passes:
+                await conn.send_all(b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            assert passes.count == 0
+            with trio.fail_after(5):  # the engine read it whole, and answers
+                assert (await conn.stream.receive_some(65536)).startswith(b"HTTP/1.1 200")
+        finally:
+            conn.close()
+    assert engine.requests == [b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"]
 
 
 async def test_chunked_and_close_delimited_bodies_arrive_whole(serve: Callable) -> None:
