@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import random
 import zlib
 
 import pytest
@@ -213,3 +214,57 @@ def test_json_only_pythons_parser_reads_still_passes_the_check() -> None:
         check_json_answer(b'{"a": nan}')
     with pytest.raises(MalformedAnswer, match="nested too deeply"):
         check_json_answer(b"[" * 100_000)
+
+
+def _events(rng: random.Random) -> bytes:
+    """A stream of events of the shapes engines send, and a few they should not."""
+    shapes = [
+        b'data: {"choices":[{"delta":{"content":"hi"}}]}\n\n',
+        b'data: {"drop":true}\n\n',
+        b'data:{"a":1}\n\n',
+        b"data: [DONE]\n\n",
+        b": keep-alive\n\n",
+        b'event: message_stop\ndata: {"type":"message_stop"}\n\n',
+        b'data: {"a":\ndata: 1}\n\n',
+        b'data: {"a":1}\r\n\r\n',
+        b"\n\n",
+        b"data: nope\n\n",
+        b"data: \n\n",
+    ]
+    return b"".join(rng.choice(shapes) for _ in range(rng.randint(1, 8)))
+
+
+def _outcome(feed_name: str, stream: bytes, cuts: list[int]) -> tuple:
+    seen: list[dict] = []
+
+    def observe(value: dict) -> bool:
+        seen.append(value)
+        return bool(value.get("drop"))
+
+    checker = SSEChecker(observe)
+    feed = getattr(checker, feed_name)
+    out = []
+    try:
+        for start, end in zip([0, *cuts], [*cuts, len(stream)], strict=True):
+            out.append(feed(stream[start:end]))
+        checker.close()
+    except MalformedAnswer as exc:
+        return ("malformed", str(exc), out, seen)
+    return ("ok", out, seen, checker.finished, checker.data_events)
+
+
+def test_whole_events_are_checked_as_the_line_scan_checks_them() -> None:
+    """`feed` takes a shortcut for chunks of whole `data: ` events; for any stream in
+    any chunking it returns, drops, observes and refuses exactly what the line scan
+    (`_feed`) alone does, chunk by chunk."""
+    rng = random.Random(7)
+    shortcuts = 0
+    for _ in range(3000):
+        stream = _events(rng)
+        cuts = sorted(rng.sample(range(1, len(stream)), min(len(stream) - 1, rng.randint(0, 3))))
+        if rng.random() < 0.5:  # cut on event boundaries, as engines' reads mostly fall
+            ends = [i + 2 for i in range(len(stream) - 1) if stream[i : i + 2] == b"\n\n"]
+            cuts = sorted(set(rng.sample(ends, min(len(ends), 2))) - {len(stream)})
+            shortcuts += 1
+        assert _outcome("feed", stream, cuts) == _outcome("_feed", stream, cuts), (stream, cuts)
+    assert shortcuts > 1000
