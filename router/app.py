@@ -430,8 +430,11 @@ class RouterDaemon:
             "router_drain_timeout inflight=%d drain_timeout_s=%g", self.app.inflight, timeout
         )
         sd_notify(f"STATUS=drain timeout, ending {self.app.inflight} requests")
-        await close_listeners(host)
+        # The sessions learn why first: closing the listener also ends the connections
+        # it accepted, and a session that saw its end first would tell its clients
+        # only that the agent's stream ended.
         self.link.close_all(f"router shutting down: drain timeout ({timeout:g}s) reached")
+        await close_listeners(host)
         with trio.move_on_after(DRAIN_CUT_GRACE):
             await self._until_idle()
         if self.app.inflight:
