@@ -376,36 +376,47 @@ class AgentResponse:
         """
         try:
             frames = self.pending.frames
-            while True:
-                state, frame = await self.pending.get()
-                if state is _BODY:
-                    data = frame["data"]
-                    if frames and frames[0][0] is _BODY:
-                        joined = [data]
-                        while frames and frames[0][0] is _BODY:
-                            joined.append(frames.popleft()[1]["data"])
-                        data = b"".join(joined)
-                    yield data, bool(frames) and frames[0][0] is _DONE
-                elif state is _DONE:
-                    self.done = True
-                    self._ended(frame)
-                    return
-                else:
-                    self.done = True
-                    failure = self.pending.failure
-                    assert failure is not None  # FAILED is queued by `fail` only
-                    raise StreamBroken(f"{failure.code}: {failure.message}")
+            while (data := await self._next_part()) is not None:
+                yield data, bool(frames) and frames[0][0] is _DONE
         finally:
             self.close()
+
+    async def read_all(self) -> bytes:
+        """The whole body. Not through `parts`: an async generator costs trio's hooks
+        a weak reference set entry per answer."""
+        try:
+            body = []
+            while (data := await self._next_part()) is not None:
+                body.append(data)
+            return b"".join(body)
+        finally:
+            self.close()
+
+    async def _next_part(self) -> bytes | None:
+        """The next body bytes, the queued ones joined; None at the end."""
+        state, frame = await self.pending.get()
+        if state is _BODY:
+            data = frame["data"]
+            frames = self.pending.frames
+            if frames and frames[0][0] is _BODY:
+                joined = [data]
+                while frames and frames[0][0] is _BODY:
+                    joined.append(frames.popleft()[1]["data"])
+                data = b"".join(joined)
+            return data
+        self.done = True
+        if state is _DONE:
+            self._ended(frame)
+            return None
+        failure = self.pending.failure
+        assert failure is not None  # FAILED is queued by `fail` only
+        raise StreamBroken(f"{failure.code}: {failure.message}")
 
     def _ended(self, frame: dict) -> None:
         self.usage = usage = valid_usage(frame.get("usage"))
         peer = self.session.peer
         if usage is not None and peer is not None:
             peer.stats.record_tokens(usage[PROMPT], usage[COMPLETION])
-
-    async def read_all(self) -> bytes:
-        return b"".join([data async for data, _ in self.parts()])
 
     def close(self) -> None:
         """Release the slot and, if the answer is unfinished, tell the agent to stop."""
