@@ -78,9 +78,27 @@ class Proc:
         return self.log_path.read_text(errors="replace")
 
     def wait_log(self, pattern: str, timeout: float = 15.0) -> re.Match[str]:
-        return wait_until(
-            lambda: re.search(pattern, self.log()), timeout, f"{self.name}: {pattern}"
-        )
+        """The first match of `pattern` in the log; a failure that shows the log's end
+        when the process exits without it or the time runs out."""
+
+        def check() -> re.Match[str] | None:
+            found = re.search(pattern, self.log())
+            if found is None and self.popen is not None and self.popen.poll() is not None:
+                # It may have written the line and exited since the read above.
+                if (found := re.search(pattern, self.log())) is not None:
+                    return found
+                raise AssertionError(
+                    f"{self.name} exited ({self.popen.returncode}) before {pattern!r}:\n"
+                    + self.log()[-3000:]
+                )
+            return found
+
+        try:
+            return wait_until(check, timeout, f"{self.name}: {pattern}")
+        except AssertionError as exc:
+            if "timed out" not in str(exc):
+                raise
+            raise AssertionError(f"{exc}; its log ends:\n{self.log()[-3000:]}") from None
 
     def send_signal(self, sig: int) -> None:
         assert self.popen is not None
