@@ -123,7 +123,7 @@ async def _buffered_read(self: TrioTCPStream, n: int | None = None) -> bytes:
         if not pending:
             try:
                 pending = await _receive(self, max(n or 0, SOCKET_READ_BYTES))
-            except (trio.BrokenResourceError, ConnectionError) as exc:
+            except (trio.BrokenResourceError, OSError) as exc:  # OSError: ours, as trio's
                 raise ConnectionClosedError(
                     f"TCP connection reset by remote peer: {exc}", transport="tcp"
                 ) from exc
