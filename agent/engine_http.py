@@ -24,9 +24,7 @@ bytes, `ReadIdle`).
 
 from __future__ import annotations
 
-import contextlib
 import select
-import socket
 import ssl
 from collections import deque
 from collections.abc import Awaitable, Callable
@@ -36,6 +34,8 @@ from urllib.parse import SplitResult, urlsplit
 
 import httptools
 import trio
+
+from protocol.sockets import receive_when_ready, send_at_once, stdlib_socket
 
 RECEIVE_BYTES = 64 * 1024
 # An engine's head is a few hundred bytes; h11 (httpx) refused any over 16 KiB. A
@@ -97,9 +97,7 @@ class _Connection:
         # stream handed in by a test.
         self.sock = sock
         # The stdlib socket under a plain TCP stream (`EngineResponse._read`).
-        self.raw: socket.socket | None = (
-            getattr(sock, "_sock", None) if isinstance(stream, trio.SocketStream) else None
-        )
+        self.raw = stdlib_socket(stream)
         self.idle_since = 0.0
 
     def closed_by_engine(self) -> bool:
@@ -120,8 +118,7 @@ class _Connection:
         raw = self.raw
         sent = 0
         if raw is not None:
-            with contextlib.suppress(BlockingIOError):
-                sent = raw.send(data)
+            sent = send_at_once(raw, data)
             if sent == len(data):
                 return
         await self.stream.send_all(memoryview(data)[sent:] if sent else data)
@@ -476,12 +473,7 @@ class EngineResponse:
         try:
             if raw is None:
                 return await conn.stream.receive_some(RECEIVE_BYTES)
-            while True:
-                await trio.lowlevel.wait_readable(raw)
-                try:
-                    return raw.recv(RECEIVE_BYTES)
-                except BlockingIOError:
-                    continue
+            return await receive_when_ready(raw, RECEIVE_BYTES)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             if not self.status:
                 raise EngineUnavailable(f"engine connection failed: {_why(exc)}") from None

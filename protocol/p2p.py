@@ -29,6 +29,7 @@ from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 
 from protocol import yamux_fast
 from protocol.frames import MAX_FRAME_BYTES, FrameDecoder, encode_frame
+from protocol.sockets import receive_when_ready, send_at_once, stdlib_socket
 
 WRITE_BATCH_BYTES = 256 * 1024
 READ_BYTES = 256 * 1024
@@ -138,11 +139,6 @@ async def _buffered_read(self: TrioTCPStream, n: int | None = None) -> bytes:
         lock.release()
 
 
-def _raw_socket(tcp: TrioTCPStream) -> socket.socket | None:
-    """The stdlib socket under a trio socket stream; None for any other stream."""
-    return getattr(getattr(tcp.stream, "socket", None), "_sock", None)
-
-
 async def _receive(self: TrioTCPStream, size: int) -> bytes:
     """One socket read: trio's `receive_some`, less its pass through the scheduler
     after a read that found data, which is one task step more before each frame batch
@@ -152,27 +148,26 @@ async def _receive(self: TrioTCPStream, size: int) -> bytes:
     instead of trying a read that would fail. After a full read the next reads at once,
     behind a checkpoint, so a peer that floods the connection still lets others run.
     """
-    raw = _raw_socket(self)
+    raw = stdlib_socket(self.stream)
     if raw is None:
         return await self.stream.receive_some(size)
     if raw.fileno() < 0:  # closed here
         return b""
-    if getattr(self, "_hivenet_drained", True):
-        await trio.lowlevel.wait_readable(raw)
-    else:
-        await trio.lowlevel.checkpoint()
-    while True:
-        try:
-            data = raw.recv(size)
-        except BlockingIOError:
-            await trio.lowlevel.wait_readable(raw)
-            continue
-        except OSError:
-            if raw.fileno() < 0:
-                return b""
-            raise
-        self._hivenet_drained = len(data) < size  # type: ignore[attr-defined]
-        return data
+    try:
+        if getattr(self, "_hivenet_drained", True):
+            data = await receive_when_ready(raw, size)
+        else:
+            await trio.lowlevel.checkpoint()
+            try:
+                data = raw.recv(size)
+            except BlockingIOError:
+                data = await receive_when_ready(raw, size)
+    except OSError:
+        if raw.fileno() < 0:
+            return b""
+        raise
+    self._hivenet_drained = len(data) < size  # type: ignore[attr-defined]
+    return data
 
 
 async def _write(self: TrioTCPStream, data: bytes) -> None:
@@ -191,12 +186,10 @@ async def _write(self: TrioTCPStream, data: bytes) -> None:
     lock = self.write_lock
     await yamux_fast.acquire(lock)
     try:
-        raw = _raw_socket(self)
+        raw = stdlib_socket(self.stream)
         if raw is not None:
             try:
-                sent = raw.send(data)
-            except BlockingIOError:
-                sent = 0
+                sent = send_at_once(raw, data)
             except OSError as exc:
                 if raw.fileno() < 0:  # closed here
                     return

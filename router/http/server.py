@@ -43,7 +43,6 @@ import logging
 import math
 import re
 import select
-import socket
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from enum import Enum
@@ -54,6 +53,7 @@ import trio
 
 from protocol.errors import ErrorCode, RouterError, anthropic_error_body, openai_error_body
 from protocol.logs import quote
+from protocol.sockets import receive_when_ready, send_at_once, stdlib_socket
 from router.http.asgi import BODY_READY, ON_DISCONNECT
 from router.http.request_reader import (
     END,
@@ -377,9 +377,7 @@ class _Connection:
                 self.client = _addr(sock.getpeername())
                 self.server_addr = _addr(sock.getsockname())
         # The stdlib socket under a plain TCP stream, for writes the kernel takes at once.
-        self.raw: socket.socket | None = (
-            getattr(sock, "_sock", None) if isinstance(stream, trio.SocketStream) else None
-        )
+        self.raw = stdlib_socket(stream)
         # The app's callback for the client leaving during the request (ON_DISCONNECT);
         # `gone`: the server's epoll set saw the peer close or reset, maybe between
         # requests, before the app asked.
@@ -492,13 +490,7 @@ class _Connection:
             if raw is None or raw.fileno() < 0:  # closed: trio says so
                 data = await self.stream.receive_some(READ_BYTES)
             else:
-                while True:
-                    await trio.lowlevel.wait_readable(raw)
-                    try:
-                        data = raw.recv(READ_BYTES)
-                        break
-                    except BlockingIOError:
-                        continue
+                data = await receive_when_ready(raw, READ_BYTES)
         except _GONE:
             data = b""
         if data:
@@ -757,9 +749,7 @@ class _Connection:
             # without letting other tasks run.
             await trio.lowlevel.checkpoint_if_cancelled()
             try:
-                sent = raw.send(data)
-            except BlockingIOError:
-                sent = 0
+                sent = send_at_once(raw, data)
             except OSError:
                 self._lost()
                 return
