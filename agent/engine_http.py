@@ -19,7 +19,7 @@ whole head get one `read` from the moment the connection is ready (so an engine 
 dribbles its head a byte at a time cannot hold the request longer than that), as does a
 whole answer read with `read_all`; a streamed body may go on as long as its engine is
 never silent for `read` (it is cut off between 1 and 1.25 times `read` after its last
-bytes, `ReadIdle`).
+bytes). Within one answer these are deadlines of one cancel scope (`ReadLimits`).
 """
 
 from __future__ import annotations
@@ -188,10 +188,17 @@ class EnginePool:
             self._idle.pop().close()
 
     async def send(
-        self, method: str, path: str, headers: dict[str, str], body: bytes
+        self,
+        method: str,
+        path: str,
+        headers: dict[str, str],
+        body: bytes,
+        limits: ReadLimits | None = None,
     ) -> EngineResponse:
         """Send one request and read its head; raises EngineUnavailable.
 
+        The head's timeout is a deadline of `limits`' scope, which the caller holds
+        and reads the expiry of; without `limits`, a scope of its own.
         The caller must `close()` the response, read or not.
         """
         head = self._head(method, path, headers, len(body))
@@ -200,24 +207,31 @@ class EnginePool:
             conn = await self._connect()
         response = EngineResponse(self, conn, method == "HEAD")
         try:
-            with trio.move_on_after(self.timeouts.read) as scope:
-                try:
-                    if len(body) < _JOIN_BODY_BYTES:
-                        await conn.send_all(head + body)
-                    else:
-                        await conn.send_all(head)
-                        await conn.send_all(body)
-                except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-                    raise EngineUnavailable(f"engine closed the connection: {_why(exc)}") from None
-                await response.read_head()
-            if scope.cancelled_caught:
-                raise EngineUnavailable(
-                    f"no answer head within {self.timeouts.read:g} s", timed_out=True
-                )
+            if limits is not None:
+                limits.head()
+                await self._ask(conn, head, body, response)
+            else:
+                with trio.move_on_after(self.timeouts.read) as scope:
+                    await self._ask(conn, head, body, response)
+                if scope.cancelled_caught:
+                    raise head_timeout(self.timeouts.read)
         except BaseException:
             conn.close()
             raise
         return response
+
+    async def _ask(
+        self, conn: _Connection, head: bytes, body: bytes, response: EngineResponse
+    ) -> None:
+        try:
+            if len(body) < _JOIN_BODY_BYTES:
+                await conn.send_all(head + body)
+            else:
+                await conn.send_all(head)
+                await conn.send_all(body)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            raise EngineUnavailable(f"engine closed the connection: {_why(exc)}") from None
+        await response.read_head()
 
     def _head(self, method: str, path: str, headers: dict[str, str], length: int) -> bytes:
         lines = [f"{method} {self._prefix}{path} HTTP/1.1", f"host: {self._host_header}"]
@@ -287,31 +301,74 @@ class EnginePool:
         )
 
 
-class ReadIdle:
-    """A streamed answer's read timeout: silent for `timeout`, it breaks off.
+_HEAD, _WHOLE, _STREAM, _DRAIN = "head", "whole", "stream", "drain"
 
-    One cancel scope for the whole relay instead of one per read. Its deadline moves
-    only when bytes arrive less than `timeout` before it, and then to 1.25 timeouts
-    ahead: an engine is never cut off sooner than `timeout` after its last bytes,
-    and at most a quarter of it later, for one deadline change every few hundred
-    reads of a busy stream instead of one per read.
+
+class ReadLimits:
+    """One answer's read timeouts, as deadlines of one cancel scope: the request's.
+
+    Entering and leaving a trio cancel scope costs some 5 µs; a scope for each phase
+    of an answer (its head, its body, the drain after a stream's last event) was three
+    per streamed answer besides the request's own, which the router's cancel ends.
+    Each phase moves that one scope's deadline instead. From the moment each begins:
+
+    - `head`: the request's write and the whole answer head within `timeout`;
+    - `whole`: a whole answer's body within `timeout`;
+    - `stream`: a streamed body is never silent for `timeout`. The deadline moves only
+      when bytes arrive less than `timeout` before it, and then to 1.25 timeouts
+      ahead: an engine is cut off between 1 and 1.25 timeouts after its last bytes,
+      for one deadline change every few hundred reads of a busy stream;
+    - `drain`: `seconds` to read the end of a body whose answer is already complete.
     """
 
-    def __init__(self, timeout: float) -> None:
+    __slots__ = ("_phase", "scope", "timeout")
+
+    def __init__(self, timeout: float, scope: trio.CancelScope | None = None) -> None:
         self.timeout = timeout
-        self.scope = trio.CancelScope(deadline=trio.current_time() + 1.25 * timeout)
+        self.scope = scope if scope is not None else trio.CancelScope()
+        self._phase = _HEAD
+
+    def head(self) -> None:
+        self._begin(_HEAD, self.timeout)
+
+    def whole(self) -> None:
+        self._begin(_WHOLE, self.timeout)
+
+    def stream(self) -> None:
+        self._begin(_STREAM, 1.25 * self.timeout)
+
+    def drain(self, seconds: float) -> None:
+        self._begin(_DRAIN, seconds)
 
     def arrived(self) -> None:
-        """Bytes came: the stream has at least `timeout` more to send the next."""
+        """Bytes of a stream came: it has at least `timeout` more to send the next."""
         now = trio.current_time()
         if self.scope.deadline < now + self.timeout:
             self.scope.deadline = now + 1.25 * self.timeout
 
-    def broke_off(self) -> EngineBrokeOff | None:
-        """After the scope: the error when the deadline ended the relay."""
-        if self.scope.cancelled_caught:
+    def expired(self) -> EngineError | None:
+        """After the scope: the failure its deadline made, if the deadline ended it.
+
+        None when something else cancelled it (the router's cancel) or it ended the
+        drain, after which the answer was already whole."""
+        scope = self.scope
+        if not scope.cancelled_caught or trio.current_time() < scope.deadline:
+            return None
+        if self._phase is _HEAD:
+            return head_timeout(self.timeout)
+        if self._phase is _WHOLE:
+            return EngineBrokeOff(f"answer not whole within {self.timeout:g} s")
+        if self._phase is _STREAM:
             return EngineBrokeOff(f"no answer data for {self.timeout:g} s")
         return None
+
+    def _begin(self, phase: str, seconds: float) -> None:
+        self._phase = phase
+        self.scope.deadline = trio.current_time() + seconds
+
+
+def head_timeout(timeout: float) -> EngineUnavailable:
+    return EngineUnavailable(f"no answer head within {timeout:g} s", timed_out=True)
 
 
 class EngineResponse:
@@ -404,7 +461,7 @@ class EngineResponse:
         """The next body bytes, all that one socket read brought; b"" at the end.
 
         No read timeout of its own: the caller's cancel scope bounds the wait, one for
-        a whole answer (`read_all`) or a stream (`ReadIdle`). A scope armed for each
+        a whole answer (`read_all`) or a stream (`ReadLimits.stream`). A scope armed for each
         read was the agent's largest single cost on streams: 6.6 cancel scopes per
         16-token stream, about a fifth of its Python time (cProfile, 64 clients).
         """
@@ -426,30 +483,34 @@ class EngineResponse:
                 raise EngineBrokeOff("engine closed the connection inside the answer")
             self._feed(data)
 
-    async def read_all(self, limit: int) -> bytes:
-        """The whole body, within one read timeout; EngineBrokeOff past `limit` bytes."""
+    async def read_all(self, limit: int, limits: ReadLimits | None = None) -> bytes:
+        """The whole body, within one read timeout; EngineBrokeOff past `limit` bytes.
+
+        The timeout is a deadline of `limits`' scope when given (`EnginePool.send`)."""
         declared = self.headers.get("content-length")
         if declared is not None and int(declared) > limit:
             raise EngineBrokeOff(f"answer of {declared} bytes exceeds {limit}")
+        if limits is not None:
+            limits.whole()
+            return await self._read_all(limit)
+        with trio.move_on_after(self._pool.timeouts.read):
+            return await self._read_all(limit)
+        raise EngineBrokeOff(f"answer not whole within {self._pool.timeouts.read:g} s")
+
+    async def _read_all(self, limit: int) -> bytes:
         parts: list[bytes] = []
         size = 0
-        with trio.move_on_after(self._pool.timeouts.read):
-            while chunk := await self.receive():
-                size += len(chunk)
-                if size > limit:
-                    raise EngineBrokeOff(f"answer larger than {limit} bytes")
-                parts.append(chunk)
-            return parts[0] if len(parts) == 1 else b"".join(parts)
-        raise EngineBrokeOff(f"answer not whole within {self._pool.timeouts.read:g} s")
+        while chunk := await self.receive():
+            size += len(chunk)
+            if size > limit:
+                raise EngineBrokeOff(f"answer larger than {limit} bytes")
+            parts.append(chunk)
+        return parts[0] if len(parts) == 1 else b"".join(parts)
 
     @property
     def read_whole(self) -> bool:
         """Everything of the answer has been read: `receive` has nothing left to wait for."""
         return self._complete and not self._body
-
-    def idle_limit(self) -> ReadIdle:
-        """The read timeout of a stream relayed piece by piece (`ReadIdle`)."""
-        return ReadIdle(self._pool.timeouts.read)
 
     def close(self) -> None:
         """Give the connection back when the answer was read whole, else close it."""

@@ -13,6 +13,7 @@ from agent.engine_http import (
     EnginePool,
     EngineResponse,
     EngineUnavailable,
+    ReadLimits,
 )
 from agent.usage import UsageTap
 from protocol import messages as m
@@ -40,11 +41,14 @@ async def forward(
     msg: dict,
     send: Callable[[dict], None],
     span: Span = NULL_SPAN,
+    scope: trio.CancelScope | None = None,
 ) -> None:
     """Run one request against the engine; every outcome is reported with `send`.
 
-    Cancellation (the router's cancel frame, or the session ending) closes the engine
-    connection, which is how engines notice an abandoned request.
+    `scope` is the request's, which the router's cancel (or the session's end)
+    cancels; the engine's read timeouts are its deadlines (`ReadLimits`). A
+    cancellation closes the engine connection, which is how engines notice an
+    abandoned request.
     """
     req_id: int = msg["id"]
     tap = UsageTap(msg) if msg.get("report_usage") else None
@@ -53,17 +57,20 @@ async def forward(
     traceparent = span.traceparent() or msg.get("traceparent")
     if traceparent:
         headers = {**headers, "traceparent": traceparent}
+    limits = ReadLimits(engine.timeouts.read, scope)
+    response: EngineResponse | None = None
     try:
-        response = await engine.send(
-            msg["method"], msg["path"], headers, tap.body if tap else msg["body"]
-        )
+        with limits.scope:
+            response = await engine.send(
+                msg["method"], msg["path"], headers, tap.body if tap else msg["body"], limits
+            )
+            span.set("http.response.status_code", response.status)
+            await _relay(response, msg, tap, send, limits)
+        if (expired := limits.expired()) is not None:
+            raise expired
     except EngineUnavailable as exc:
         what = "timed out" if exc.timed_out else "unreachable"
         send(m.error(req_id, ErrorCode.BACKEND_UNAVAILABLE, f"engine {what}: {exc}"))
-        return
-    span.set("http.response.status_code", response.status)
-    try:
-        await _relay(response, msg, tap, send)
     except MalformedAnswer as exc:
         log.warning(
             "req=%s malformed_answer path=%s reason=%s",
@@ -75,11 +82,16 @@ async def forward(
     except EngineBrokeOff as exc:
         send(m.error(req_id, ErrorCode.BACKEND_ERROR, f"engine answer broke off: {exc}"))
     finally:
-        response.close()
+        if response is not None:
+            response.close()
 
 
 async def _relay(
-    response: EngineResponse, msg: dict, tap: UsageTap | None, send: Callable[[dict], None]
+    response: EngineResponse,
+    msg: dict,
+    tap: UsageTap | None,
+    send: Callable[[dict], None],
+    limits: ReadLimits,
 ) -> None:
     req_id: int = msg["id"]
     status = response.status
@@ -91,7 +103,7 @@ async def _relay(
     if not msg["stream"] or (ok and not is_event_stream(response.headers.get("content-type", ""))):
         # Head, body and end queued together leave in one write and one frame read.
         # Raw bytes: the engine's content-encoding header travels with them.
-        body = await response.read_all(MAX_ANSWER_BYTES)
+        body = await response.read_all(MAX_ANSWER_BYTES, limits)
         answer = check_json_answer(body, encoding) if ok else None
         send(m.response_head(req_id, status, headers))
         send(m.response_chunk(req_id, body))
@@ -111,42 +123,39 @@ async def _relay(
         head = None
     # Each piece is all that one socket read brought, however many chunks and events it
     # held, so events that arrive together leave in one frame.
-    idle = response.idle_limit()
-    with idle.scope:
-        while piece := await response.receive():
-            idle.arrived()
-            if checker is not None:
-                piece = checker.feed(piece)
-                if not piece:
-                    continue
-                if head is not None:
-                    send(head)
-                    head = None
-            send(m.response_chunk(req_id, piece))
-            if checker is not None and checker.finished:
-                # The last event and the end leave in one write: an SDK leaves at
-                # `[DONE]`, and the router must have the end (and the usage) by then.
-                break
-    if (broken := idle.broke_off()) is not None:
-        raise broken
+    limits.stream()
+    while piece := await response.receive():
+        limits.arrived()
+        if checker is not None:
+            piece = checker.feed(piece)
+            if not piece:
+                continue
+            if head is not None:
+                send(head)
+                head = None
+        send(m.response_chunk(req_id, piece))
+        if checker is not None and checker.finished:
+            # The last event and the end leave in one write: an SDK leaves at
+            # `[DONE]`, and the router must have the end (and the usage) by then.
+            break
     if checker is not None:
         checker.close()
     send(m.response_end(req_id, tap.usage if tap else None))
     if checker is not None and checker.finished:
-        await _drain(response)
+        await _drain(response, limits)
 
 
-async def _drain(response: EngineResponse) -> None:
+async def _drain(response: EngineResponse, limits: ReadLimits) -> None:
     """Read what an engine sends after its last event (the end of the chunked body) so
     its connection goes back to the pool; the answer is already complete."""
     if response.read_whole:
-        return  # the body's end came with the last event, as it mostly does
+        return  # the body's end came with the last event
+    limits.drain(DRAIN_SECONDS)
     left = DRAIN_BYTES
-    with trio.move_on_after(DRAIN_SECONDS):
-        try:
-            while piece := await response.receive():
-                left -= len(piece)
-                if left < 0:
-                    return
-        except EngineBrokeOff:
-            return
+    try:
+        while piece := await response.receive():
+            left -= len(piece)
+            if left < 0:
+                return
+    except EngineBrokeOff:
+        return

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import math
 import random
 import time
 from collections.abc import Callable
@@ -87,7 +86,8 @@ _SEND_MOVES = REQUEST_TRANSITIONS[Role.AGENT]
 
 class _Served:
     """One request this agent serves: its place in the conversation, and the scope
-    that a cancel or the session's end cancels."""
+    that a cancel cancels (`forward` enters it; the engine's read timeouts are its
+    deadlines)."""
 
     __slots__ = ("scope", "state")
 
@@ -265,9 +265,9 @@ class RouterSession:
             rid = msg["headers"].get("x-request-id", "")
             attributes = {"hivenet.request_id": rid, "url.path": msg["path"]}
             span = self.tracer.root("agent.forward", msg.get("traceparent"), attributes)
-        with served.scope, span:
+        with span:
             try:
-                await forward(self.engine, msg, send, span)
+                await forward(self.engine, msg, send, span, served.scope)
             except m.ProtocolError as exc:
                 # This agent's own answer broke the rules: the request fails, the
                 # session and its other requests go on.

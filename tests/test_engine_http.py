@@ -502,6 +502,100 @@ async def test_a_stream_s_connection_is_reused_whether_its_end_came_with_done_or
     assert engine.connections == 1
 
 
+def _stream_answers(end_apart: float | None) -> Handler:
+    """Streamed answers of two events and `[DONE]`; the chunked body's end follows
+    `end_apart` seconds later, or never (None) while the connection lasts."""
+
+    async def handler(stream: Conn) -> None:
+        buf = bytearray()
+        while await read_request(stream, buf):
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            await stream.send_all(head + b"transfer-encoding: chunked\r\n\r\n")
+            for event in (b'data: {"a": 1}\n\n', b"data: [DONE]\n\n"):
+                await stream.send_all(b"%x\r\n%s\r\n" % (len(event), event))
+            if end_apart is None:
+                await read_request(stream, buf)  # until the agent hangs up
+                return
+            await trio.sleep(end_apart)
+            await stream.send_all(b"0\r\n\r\n")
+
+    return handler
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "stream"])
+async def test_an_answer_enters_one_cancel_scope_for_all_its_read_timeouts(
+    serve: Callable, monkeypatch: pytest.MonkeyPatch, stream: bool
+) -> None:
+    """The head's timeout, the body's and the drain's are deadlines of the request's
+    one scope (`ReadLimits`): a scope each cost some 5 µs, three per stream."""
+    handler = _stream_answers(0.05) if stream else answering(json_answer(), json_answer())
+    engine = await serve(handler)
+    entered = 0
+    enter = trio.CancelScope.__enter__
+    this_task = trio.lowlevel.current_task()
+
+    def counted(scope: trio.CancelScope) -> trio.CancelScope:
+        nonlocal entered
+        entered += trio.lowlevel.current_task() is this_task  # not the engine's sleeps
+        return enter(scope)
+
+    async with pool(engine) as p:
+        await run(p, request(stream=stream))  # the connection opens (its own scope)
+        monkeypatch.setattr(trio.CancelScope, "__enter__", counted)
+        sent = await run(p, request(stream=stream, req_id=2))
+        monkeypatch.undo()
+        assert sent[-1]["type"] == m.RESPONSE_END, sent
+        assert repr(p).endswith("1 idle, 1 opened>")  # drained, with a wait, and kept
+    assert entered == 1
+
+
+async def test_a_stream_whose_body_never_ends_is_complete_and_its_connection_closed(
+    serve: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`[DONE]` came but the chunked body's end does not: the client has its whole
+    answer, and the connection is dropped after DRAIN_SECONDS, not pooled."""
+    monkeypatch.setattr(forward_module, "DRAIN_SECONDS", 0.2)
+    engine = await serve(_stream_answers(None))
+    async with pool(engine, read=5.0) as p:
+        began = trio.current_time()
+        sent = await run(p, request(stream=True))
+        assert trio.current_time() - began < 2.0
+        assert [f["type"] for f in sent][-1] == m.RESPONSE_END, sent
+        assert not [f for f in sent if f["type"] == m.ERROR]
+        assert await _closed_soon(engine)
+        assert repr(p).endswith("0 idle, 1 opened>")
+
+
+@pytest.mark.parametrize("phase", ["head", "stream"])
+async def test_a_cancel_before_a_deadline_reports_nothing_and_closes_the_connection(
+    serve: Callable, phase: str
+) -> None:
+    """The router's cancel ends the request's scope too: no timeout is reported for
+    it (the router stopped listening), and the engine sees its connection close."""
+
+    async def handler(stream: Conn) -> None:
+        await read_request(stream, bytearray())
+        if phase == "stream":
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            event = b'data: {"a": 1}\n\n'
+            chunk = b"%x\r\n%s\r\n" % (len(event), event)
+            await stream.send_all(head + b"transfer-encoding: chunked\r\n\r\n" + chunk)
+        await read_request(stream, bytearray())  # until the agent hangs up
+
+    engine = await serve(handler)
+    sent: list[dict] = []
+    scope = trio.CancelScope()
+    async with pool(engine, read=5.0) as p, trio.open_nursery() as nursery:
+        nursery.start_soon(partial(forward, p, request(stream=True), sent.append, scope=scope))
+        await trio.sleep(0.2)
+        scope.cancel()
+    assert scope.cancelled_caught
+    assert [f["type"] for f in sent] == (
+        [m.RESPONSE_HEAD, m.RESPONSE_CHUNK] if phase == "stream" else []
+    )
+    assert await _closed_soon(engine)
+
+
 async def _closed_soon(engine: Engine) -> bool:
     with trio.move_on_after(5):
         await engine.closed.wait()

@@ -70,7 +70,9 @@ PEER_ID = "12D3KooWGQaEXi5zdK6sv4u1rjM8EQrfH3GnjJb8GrmyrXrU2yZ8"
 def test_an_agent_answer_out_of_order_fails_that_request_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    async def broken_forward(engine: object, msg: dict, send: object, span: object) -> None:
+    async def broken_forward(
+        engine: object, msg: dict, send: object, span: object, scope: object
+    ) -> None:
         send(m.response_chunk(msg["id"], b"before the head"))  # type: ignore[operator]
 
     monkeypatch.setattr(agent_link, "forward", broken_forward)
