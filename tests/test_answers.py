@@ -268,3 +268,58 @@ def test_whole_events_are_checked_as_the_line_scan_checks_them() -> None:
             shortcuts += 1
         assert _outcome("feed", stream, cuts) == _outcome("_feed", stream, cuts), (stream, cuts)
     assert shortcuts > 1000
+
+
+def _json_like(rng: random.Random) -> bytes:
+    """Event data near JSON: an engine's chunk with a few bytes changed, dropped or
+    repeated, or a hostile value (deep nesting, NaN, big integers, escapes, UTF-8)."""
+    shapes = [
+        b'{"id":"c1","object":"chat.completion.chunk","choices":[{"index":0,"delta":'
+        b'{"content":" hi"},"logprobs":null,"finish_reason":null}]}',
+        b'{"type":"message_stop"}',
+        b'{"type":["message_stop"],"a":{"b":[1,2.5e3,-0,true,false,null]}}',
+        b'{"a":"\\u00e9\\ud800\\n\\"","b":123456789012345678901234567890}',
+        b'{"a":NaN,"b":-Infinity}',
+        '{"a":"é","type":"response.completed"}'.encode(),
+        b'[1,{"a":2}]',
+        b'"text"',
+    ]
+    depth = rng.choice([1, 100, 500, 1000, 1023, 1024, 1025, 1500])
+    shapes.append(b'{"a":' + b"[" * depth + b"]" * depth + b"}")
+    data = bytearray(rng.choice(shapes))
+    alphabet = b'{}[]":,.-+eE0123456789 \t\n\\ntrufalsNI\x00\x01\x7f\xc3\xa9\xff'
+    for _ in range(rng.choice([0, 0, 1, 1, 2, 3])):
+        at = rng.randrange(len(data) + 1)
+        action = rng.randrange(3)
+        if action == 0:
+            data[at:at] = bytes([rng.choice(alphabet)])
+        elif action == 1 and data:
+            del data[min(at, len(data) - 1)]
+        elif data:
+            data[at:at] = data[at : at + rng.randint(1, 4)]
+    return bytes(data)
+
+
+def _verdict(observe: bool, data: bytes) -> tuple:
+    checker = SSEChecker((lambda value: False) if observe else None)
+    try:
+        out = checker.feed(b"data: " + data + b"\n\n")
+    except MalformedAnswer as exc:
+        return ("malformed", str(exc))
+    return ("ok", out, checker.finished)
+
+
+def test_an_event_nobody_observes_gets_the_verdict_of_the_full_parse() -> None:
+    """An event without `observe` is read by msgspec, which builds nothing; over
+    thousands of near-JSON data it passes, refuses (with the same message) and ends
+    the stream exactly where the full parse (taken whenever `observe` is set) does."""
+    rng = random.Random(11)
+    both = {"ok": 0, "malformed": 0}
+    for _ in range(6000):
+        data = _json_like(rng)
+        if b"\n" in data or b"\r" in data:
+            continue  # one data line per event here; line ends are the scan's to test
+        fast, full = _verdict(False, data), _verdict(True, data)
+        assert fast == full, data
+        both[fast[0]] += 1
+    assert min(both.values()) > 1000, both
