@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import random
 import time
 from collections.abc import Callable
@@ -119,7 +120,8 @@ class RouterSession:
         on_workers: Callable[[list[dict]], None] | None = None,
         serves: Callable[[str], bool] | None = None,
     ) -> None:
-        self.fs = FramedStream(stream, write_timeout=write_timeout)
+        # `--stream-write-timeout 0` turns the limit off, as it does for the Go agent.
+        self.fs = FramedStream(stream, write_timeout=write_timeout or math.inf)
         # Why a welcome is not the router's (its secret proof), or None when it is.
         self.check_welcome = check_welcome
         self.tracer = tracer

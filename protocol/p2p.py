@@ -231,6 +231,8 @@ class FramedStream:
     ) -> None:
         self.stream = stream
         self._write_timeout = write_timeout
+        # When the write under way began; inf between writes (`_watch_writes`).
+        self.write_began = math.inf
         self.decoder = FrameDecoder(max_frame_bytes)
         self._send, self._queue = trio.open_memory_channel[bytes](math.inf)
         self.closed = trio.Event()
@@ -266,6 +268,8 @@ class FramedStream:
                 if self._abort_early:
                     nursery.cancel_scope.cancel()
                 nursery.start_soon(self._writer, nursery.cancel_scope)
+                if self._write_timeout < math.inf:
+                    nursery.start_soon(self._watch_writes, nursery.cancel_scope)
                 await self._reader(on_message)
                 nursery.cancel_scope.cancel()
         except Exception as exc:
@@ -363,15 +367,26 @@ class FramedStream:
                     batch.append(more)
                     size += len(more)
                 data = batch[0] if len(batch) == 1 else b"".join(batch)
-                if self._write_timeout == math.inf:
-                    await self.stream.write(data)
-                else:
-                    with trio.fail_after(self._write_timeout):
-                        await self.stream.write(data)
+                self.write_began = trio.current_time()
+                await self.stream.write(data)
+                self.write_began = math.inf
         except Exception as exc:
             self.close_reason = self.close_reason or f"write failed: {type(exc).__name__}"
             cancel_scope.cancel()
         self._drained.set()
+
+    async def _watch_writes(self, cancel_scope: trio.CancelScope) -> None:
+        """End the session when one write has waited past the write timeout, for a peer
+        that stopped reading: it is found within a quarter of the timeout more. A
+        deadline armed and disarmed around each write (`trio.fail_after`) cost the
+        agent some 7 µs per write, where nearly every write waits for nothing."""
+        timeout = self._write_timeout
+        while True:
+            await trio.sleep(timeout / 4)
+            if trio.current_time() - self.write_began > timeout:
+                self.close_reason = self.close_reason or f"write timed out after {timeout:g} s"
+                cancel_scope.cancel()
+                return
 
 
 # py-libp2p 0.8.1's layers from a stream down to its socket, by attribute name.
