@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import random
@@ -162,9 +161,13 @@ class RouterSession:
         )
 
     def send(self, msg: dict) -> None:
-        # A closed session is ending; the router fails its requests itself.
-        with contextlib.suppress(SessionClosed):
+        # A closed session is ending; the router fails its requests itself. A `try`, not
+        # contextlib.suppress: this runs for every frame, and the suppress object cost a
+        # third more than the send it guards (0.64 of 1.8 µs).
+        try:  # noqa: SIM105 - the reason is above
             self.fs.send_nowait(msg)
+        except SessionClosed:
+            pass
 
     async def run(self) -> str:
         self.state = next_session_state(Role.AGENT, self.state, m.HELLO)
