@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import signal
 from typing import Any
@@ -12,7 +13,7 @@ from libp2p import new_host
 from libp2p.network.config import ConnectionConfig
 
 from agent.capacity import SharedCapacity
-from agent.engine_http import EnginePool, EngineTimeouts
+from agent.engine_http import EnginePool, EngineTimeouts, MetricsPage
 from agent.engines import EngineEndpoints, HealthTracker, get_adapter
 from agent.hardware import HardwareSampler
 from agent.http_proxy import dial_through_http_proxy
@@ -113,7 +114,7 @@ class AgentDaemon:
                 self.model = await self._discover(probe, ep)
             await self._probe_health(probe, ep)
             nursery.start_soon(self._health_loop, probe, ep)
-            nursery.start_soon(self._engine_loop, probe, ep)
+            nursery.start_soon(self._engine_loop, ep)
             nursery.start_soon(self._hardware_loop)
             if self.tracer.enabled:
                 nursery.start_soon(self.tracer.run)
@@ -263,8 +264,9 @@ class AgentDaemon:
             await trio.sleep(self.settings.heartbeat_interval)
             await self._probe_health(probe, ep)
 
-    async def _engine_loop(self, probe: httpx.AsyncClient, ep: EngineEndpoints) -> None:
-        """Scrape the engine every sample period; only a good scrape refreshes the values.
+    async def _engine_loop(self, ep: EngineEndpoints, page: MetricsPage | None = None) -> None:
+        """Scrape the engine every sample period (`page`: its metrics page, by default
+        `ep.metrics_url`); only a good scrape refreshes the values.
 
         A failed scrape (engine down, restarting, answering 5xx or garbage) keeps the last
         values until they are three sample periods old; then they are reported as missing
@@ -275,27 +277,25 @@ class AgentDaemon:
         sampler = self.adapter.new_sampler(self.model)
         failing = False
         next_at = trio.current_time()
-        while True:
-            try:
-                response = await probe.get(ep.metrics_url)
-                if not response.is_success:
-                    raise ValueError(f"answered HTTP {response.status_code}")
-                values = sampler.update(response.text, trio.current_time())
-            except Exception as exc:  # engines fail in many ways; the values age out
-                if not failing:
-                    log.warning(
-                        "engine_metrics_failed url=%s error=%s",
-                        ep.metrics_url,
-                        quote(f"{type(exc).__name__}: {exc}"),
-                    )
-                failing = True
-                self._expire("engine", self.settings.engine_sample_interval)
-            else:
-                if failing:
-                    log.info("engine_metrics_recovered url=%s", ep.metrics_url)
-                failing = False
-                self._sampled("engine", values)
-            next_at = await _tick(next_at, self.settings.engine_sample_interval)
+        with contextlib.closing(page or MetricsPage(ep.metrics_url)) as source:
+            while True:
+                try:
+                    values = sampler.update(await source.text(), trio.current_time())
+                except Exception as exc:  # engines fail in many ways; the values age out
+                    if not failing:
+                        log.warning(
+                            "engine_metrics_failed url=%s error=%s",
+                            ep.metrics_url,
+                            quote(f"{type(exc).__name__}: {exc}"),
+                        )
+                    failing = True
+                    self._expire("engine", self.settings.engine_sample_interval)
+                else:
+                    if failing:
+                        log.info("engine_metrics_recovered url=%s", ep.metrics_url)
+                    failing = False
+                    self._sampled("engine", values)
+                next_at = await _tick(next_at, self.settings.engine_sample_interval)
 
     async def _hardware_loop(self) -> None:
         failing = False

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime
+import gzip
 import ipaddress
 import json
 import os
@@ -34,6 +35,7 @@ from agent.engine_http import (
     EnginePool,
     EngineTimeouts,
     EngineUnavailable,
+    MetricsPage,
 )
 from agent.forward import forward
 from protocol import messages as m
@@ -808,3 +810,68 @@ async def test_idle_connections_are_looked_at_past_1024_descriptors(serve: Calla
     finally:
         for fd in held:
             os.close(fd)
+
+
+# --- the engine's metrics page -------------------------------------------------------
+
+
+def _page_answer(body: bytes, status: bytes = b"200 OK", extra: bytes = b"") -> bytes:
+    head = b"HTTP/1.1 %s\r\ncontent-type: text/plain; version=0.0.4\r\n%s" % (status, extra)
+    return head + b"content-length: %d\r\n\r\n%s" % (len(body), body)
+
+
+async def test_the_metrics_page_is_fetched_again_over_one_connection(serve: Callable) -> None:
+    """`MetricsPage` replaces httpx for the scrape every half second: one kept-alive
+    connection, the URL's own path, query and trailing slash, a gzip page decoded."""
+    text = 'vllm:num_requests_running{model_name="m"} 3\n'
+    engine = await serve(
+        answering(
+            _page_answer(text.encode()),
+            _page_answer(gzip.compress(text.encode()), extra=b"content-encoding: gzip\r\n"),
+            _page_answer(b"loading", b"503 Service Unavailable"),
+        )
+    )
+    page = MetricsPage(f"http://127.0.0.1:{engine.port}/metrics/?name=a%20b")
+    try:
+        assert await page.text() == text
+        assert await page.text() == text
+        with pytest.raises(ValueError, match="answered HTTP 503"):
+            await page.text()
+    finally:
+        page.close()
+    assert engine.connections == 1
+    assert [r.split(b"\r\n")[0] for r in engine.requests] == [
+        b"GET /metrics/?name=a%20b HTTP/1.1"
+    ] * 3
+
+
+@pytest.mark.parametrize(
+    ("path", "target"), [("", b"/"), ("/", b"/"), ("/metrics", b"/metrics"), ("/m?x", b"/m?x")]
+)
+async def test_the_metrics_page_asks_for_its_url_s_target(
+    serve: Callable, path: str, target: bytes
+) -> None:
+    engine = await serve(answering(_page_answer(b"x 1\n")))
+    page = MetricsPage(f"http://127.0.0.1:{engine.port}{path}")
+    try:
+        assert await page.text() == "x 1\n"
+    finally:
+        page.close()
+    assert engine.requests[0].startswith(b"GET %s HTTP/1.1\r\n" % target)
+
+
+async def test_a_metrics_page_that_does_not_decode_is_a_failed_scrape(serve: Callable) -> None:
+    engine = await serve(
+        answering(
+            _page_answer(b"not gzip", extra=b"content-encoding: gzip\r\n"),
+            _page_answer(b"x 1\n", extra=b"content-encoding: br\r\n"),
+        )
+    )
+    page = MetricsPage(f"http://127.0.0.1:{engine.port}/metrics")
+    try:
+        with pytest.raises(ValueError, match="does not decode as gzip"):
+            await page.text()
+        with pytest.raises(ValueError, match="content-encoding 'br'"):
+            await page.text()
+    finally:
+        page.close()

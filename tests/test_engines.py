@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 import trio
+from prometheus_client.parser import text_string_to_metric_families
 
 from agent.app import AgentDaemon
 from agent.engines import ENGINES, FIELDS, EngineEndpoints, HealthTracker, get_adapter
@@ -699,17 +701,35 @@ def _daemon(tmp_path: Path, engine: str = "vllm", **settings: Any) -> AgentDaemo
     )
 
 
-def _engine(answers: list[httpx.Response | str]) -> tuple[httpx.AsyncClient, list[float]]:
+class _Page:
+    """An engine's metrics page as `MetricsPage` reads it: `answer()` gives each
+    (status, text); a status other than 2xx fails the read, as MetricsPage's does."""
+
+    def __init__(self, answer: Callable[[], tuple[int, str]]) -> None:
+        self.answer = answer
+        self.times: list[float] = []
+
+    async def text(self) -> str:
+        self.times.append(trio.current_time())
+        status, text = self.answer()
+        if not 200 <= status < 300:
+            raise ValueError(f"answered HTTP {status}")
+        return text
+
+    def close(self) -> None:
+        pass
+
+
+def _engine(answers: list[tuple[int, str] | str]) -> _Page:
     """An engine whose n-th `/metrics` answer is answers[n] (the last one repeats)."""
-    times: list[float] = []
+    page: _Page
 
-    def handle(request: httpx.Request) -> httpx.Response:
-        assert request.url.path == "/metrics"
-        answer = answers[min(len(times), len(answers) - 1)]
-        times.append(trio.current_time())
-        return answer if isinstance(answer, httpx.Response) else httpx.Response(200, text=answer)
+    def answer() -> tuple[int, str]:
+        given = answers[min(len(page.times) - 1, len(answers) - 1)]
+        return given if isinstance(given, tuple) else (200, given)
 
-    return httpx.AsyncClient(transport=httpx.MockTransport(handle)), times
+    page = _Page(answer)
+    return page
 
 
 async def test_engine_loop_refreshes_values_only_on_good_scrapes(
@@ -718,15 +738,15 @@ async def test_engine_loop_refreshes_values_only_on_good_scrapes(
     caplog.set_level(logging.INFO, logger="agent")
     daemon = _daemon(tmp_path, engine_sample_interval=0.5)
     ep = daemon.adapter.endpoints("http://engine:8000", None, None)
-    down = httpx.Response(503, text="loading")
+    down = (503, "loading")
     # Scrapes at 0, 0.5, ...: two good ones, four failures, garbage, then the engine is
     # back after a restart (its histogram counters lower than before), then counting up.
     answers = [VLLM_CURRENT_1, VLLM_CURRENT_2, *[down] * 4, "{{{", VLLM_CURRENT_1, VLLM_CURRENT_2]
-    probe, times = _engine(answers)
+    page = _engine(answers)
     status = daemon.status
-    async with probe, trio.open_nursery() as nursery:
+    async with trio.open_nursery() as nursery:
         t0 = trio.current_time()
-        nursery.start_soon(daemon._engine_loop, probe, ep)
+        nursery.start_soon(daemon._engine_loop, ep, page)
         await trio.sleep(0.25)
         assert status.engine is not None
         assert status.engine["kv_cache_utilization"] == pytest.approx(0.42)
@@ -762,7 +782,7 @@ async def test_engine_loop_refreshes_values_only_on_good_scrapes(
         assert status.engine["avg_ttft_seconds"] == pytest.approx(0.2)
         nursery.cancel_scope.cancel()
     # A fixed schedule: one scrape per period, whatever the answers.
-    assert [round(t - t0, 6) for t in times] == [i * 0.5 for i in range(9)]
+    assert [round(t - t0, 6) for t in page.times] == [i * 0.5 for i in range(9)]
     failed = [r for r in caplog.records if "engine_metrics_failed" in r.getMessage()]
     recovered = [r for r in caplog.records if "engine_metrics_recovered" in r.getMessage()]
     assert len(failed) == 1  # one warning per failing streak, not one per scrape
@@ -772,8 +792,7 @@ async def test_engine_loop_refreshes_values_only_on_good_scrapes(
 async def test_ollama_engine_loop_reports_nothing(tmp_path: Path) -> None:
     daemon = _daemon(tmp_path, engine="ollama")
     ep = daemon.adapter.endpoints("http://ollama:11434", None, None)
-    async with httpx.AsyncClient() as probe:
-        await daemon._engine_loop(probe, ep)  # returns at once: there is no /metrics
+    await daemon._engine_loop(ep)  # returns at once: there is no /metrics
     heartbeat = daemon.status.heartbeat(5.0)
     assert heartbeat["engine"] == {}
 
@@ -832,9 +851,7 @@ async def test_heartbeats_carry_changes_at_once_and_confirm_values_each_period(
     ep = daemon.adapter.endpoints("http://engine:8000", None, None)
     kv = {"value": 0.1, "status": 200}
 
-    def handle(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(kv["status"], text=_kv_text(kv["value"]))
-
+    page = _Page(lambda: (kv["status"], _kv_text(kv["value"])))
     session = RouterSession(None, {}, daemon.status, None, 5.0, 60.0)  # type: ignore[arg-type]
     frames = session.fs = _Frames()  # type: ignore[assignment]
     session.welcomed.set()
@@ -847,12 +864,9 @@ async def test_heartbeats_carry_changes_at_once_and_confirm_values_each_period(
     def full() -> list[tuple[float, dict]]:
         return [(t, msg) for t, msg in frames.sent if "backend_healthy" in msg]
 
-    async with (
-        httpx.AsyncClient(transport=httpx.MockTransport(handle)) as probe,
-        trio.open_nursery() as nursery,
-    ):
+    async with trio.open_nursery() as nursery:
         nursery.start_soon(router_pings)
-        nursery.start_soon(daemon._engine_loop, probe, ep)
+        nursery.start_soon(daemon._engine_loop, ep, page)
         await trio.sleep(0.1)
         nursery.start_soon(session._keepalive)
         await trio.sleep(3.0)
@@ -880,3 +894,47 @@ async def test_heartbeats_carry_changes_at_once_and_confirm_values_each_period(
         assert gone
         assert gone[0] - failing_from <= 4 * 0.5 + 1e-6
         nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("engine", [e for e in ENGINES if e != "ollama"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        VLLM_CURRENT_1,
+        VLLM_OLDER_1,
+        VLLM_TWO_MODELS,
+        SGLANG_1,
+        LLAMACPP_WITH_KV,
+        LLAMACPP_CURRENT,
+        # Typed families, a counter among them, and a line of the sampler's indented.
+        "# HELP sglang_num_running_reqs Running.\n# TYPE sglang_num_running_reqs gauge\n"
+        "  sglang_num_running_reqs 3\n# TYPE vllm:num_preemptions counter\n"
+        "vllm:num_preemptions_total 4\nvllm:num_preemptions_created 1.7e9\n",
+    ],
+)
+def test_the_sampler_reads_from_its_own_lines_what_the_whole_page_holds(
+    engine: str, text: str
+) -> None:
+    """The sampler hands the parser only the lines of the samples it reads; the series
+    it gets are those the whole page's parse gives (what it parsed before)."""
+    sampler = get_adapter(engine).new_sampler(MODEL)
+    whole: dict[str, list] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name in sampler._wanted:
+                whole.setdefault(sample.name, []).append((sample.labels, sample.value))
+    assert sampler._collect(text) == {n: sampler._select(s) for n, s in whole.items()}
+    assert sampler._lines.findall(text) or not whole
+
+
+def test_a_page_without_a_line_of_the_sampler_s_is_parsed_whole() -> None:
+    """A page that is not Prometheus text at all (a proxy's HTML) still fails the scrape,
+    and one of other metrics only is read as holding none of the fields; a broken line
+    of another metric no longer fails a page that has the sampler's."""
+    sampler = get_adapter("vllm").new_sampler(MODEL)
+    with pytest.raises(ValueError, match="malformed"):
+        sampler.update('<html><a href="x">', now=0.0)
+    assert sampler.update("other_metric 1\n", now=0.0) == dict.fromkeys(FIELDS)
+    # A broken line of a metric the sampler does not read is not parsed at all.
+    ours = f'vllm:num_requests_running{{model_name="{MODEL}"}} 3\n'
+    assert sampler.update(ours + "other_metric{ 1\n", now=0.5)["running_requests"] == 3.0
