@@ -576,7 +576,8 @@ class MetricsPage:
     TIMEOUT = 5.0
 
     def __init__(self, url: str) -> None:
-        self._pool = EnginePool(url, EngineTimeouts(self.TIMEOUT, self.TIMEOUT), 1)
+        self._url = url
+        self._pool: EnginePool | None = None
         parts = urlsplit(url)
         # The pool asks for its URL's path without a trailing slash, and no query.
         tail = "/" if parts.path.endswith("/") else ""
@@ -585,6 +586,13 @@ class MetricsPage:
 
     async def text(self) -> str:
         """The page; EngineError or ValueError when there is none to read."""
+        if self._pool is None:
+            # A `--metrics-url` the client cannot use (ValueError) fails each scrape, as
+            # an engine that is down does: the agent serves on without the values.
+            try:
+                self._pool = EnginePool(self._url, EngineTimeouts(self.TIMEOUT, self.TIMEOUT), 1)
+            except ValueError:
+                raise ValueError("not an http:// or https:// URL with a host") from None
         response = await self._pool.send("GET", self._tail, {}, b"")
         try:
             if not 200 <= response.status < 300:
@@ -603,4 +611,5 @@ class MetricsPage:
         return body.decode("utf-8", "replace")
 
     def close(self) -> None:
-        self._pool.close()
+        if self._pool is not None:
+            self._pool.close()

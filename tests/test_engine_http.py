@@ -875,3 +875,18 @@ async def test_a_metrics_page_that_does_not_decode_is_a_failed_scrape(serve: Cal
             await page.text()
     finally:
         page.close()
+
+
+@pytest.mark.parametrize(
+    "url", ["localhost:8000/metrics", "ftp://engine/metrics", "http://:1/m", "http://e:x/m"]
+)
+async def test_a_metrics_url_the_client_cannot_use_fails_each_scrape(url: str) -> None:
+    """As httpx did: the agent logs `engine_metrics_failed` and serves on without the
+    values, rather than stopping."""
+    page = MetricsPage(url)
+    try:
+        for _ in range(2):
+            with pytest.raises(ValueError, match="not an http:// or https:// URL with a host"):
+                await page.text()
+    finally:
+        page.close()

@@ -938,3 +938,16 @@ def test_a_page_without_a_line_of_the_sampler_s_is_parsed_whole() -> None:
     # A broken line of a metric the sampler does not read is not parsed at all.
     ours = f'vllm:num_requests_running{{model_name="{MODEL}"}} 3\n'
     assert sampler.update(ours + "other_metric{ 1\n", now=0.5)["running_requests"] == 3.0
+
+
+async def test_a_metrics_url_the_agent_cannot_fetch_is_a_failing_scrape_not_a_stop(
+    tmp_path: Path, autojump_clock: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    daemon = _daemon(tmp_path, engine_sample_interval=0.5)
+    ep = daemon.adapter.endpoints("http://engine:8000", None, "engine:8000/metrics")
+    with trio.move_on_after(2.0) as scope:
+        await daemon._engine_loop(ep)
+    assert scope.cancelled_caught  # still scraping, not ended by the URL
+    failed = [r.getMessage() for r in caplog.records if "engine_metrics_failed" in r.getMessage()]
+    assert len(failed) == 1 and "not an http:// or https:// URL" in failed[0], failed
+    assert daemon.status.engine is None or not any(daemon.status.engine.values())
