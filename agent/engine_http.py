@@ -24,6 +24,7 @@ bytes). Within one answer these are deadlines of one cancel scope (`ReadLimits`)
 
 from __future__ import annotations
 
+import base64
 import select
 import ssl
 import zlib
@@ -31,7 +32,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
-from urllib.parse import SplitResult, urlsplit
+from urllib.parse import SplitResult, unquote, urlsplit
 
 import httptools
 import trio
@@ -166,7 +167,7 @@ class EnginePool:
         self._host = parts.hostname
         self._port = parts.port or (443 if self._tls else 80)
         self.origin = f"{parts.scheme}://{parts.netloc}"
-        self._host_header = parts.netloc
+        self._host_header = parts.netloc.rpartition("@")[2]  # never the URL's user:password
         self._prefix = parts.path.rstrip("/")
         self.timeouts = timeouts
         self._max_idle = max(1, max_idle)
@@ -579,6 +580,12 @@ class MetricsPage:
         self._url = url
         self._pool: EnginePool | None = None
         parts = urlsplit(url)
+        # A user and password in the URL are sent as Basic authentication, as httpx did.
+        self._headers: dict[str, str] = {}
+        if parts.username is not None:
+            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            token = base64.b64encode(pair.encode()).decode()
+            self._headers["authorization"] = f"Basic {token}"
         # The pool asks for its URL's path without a trailing slash, and no query.
         tail = "/" if parts.path.endswith("/") else ""
         tail += f"?{parts.query}" if parts.query else ""
@@ -593,7 +600,7 @@ class MetricsPage:
                 self._pool = EnginePool(self._url, EngineTimeouts(self.TIMEOUT, self.TIMEOUT), 1)
             except ValueError:
                 raise ValueError("not an http:// or https:// URL with a host") from None
-        response = await self._pool.send("GET", self._tail, {}, b"")
+        response = await self._pool.send("GET", self._tail, self._headers, b"")
         try:
             if not 200 <= response.status < 300:
                 raise ValueError(f"answered HTTP {response.status}")

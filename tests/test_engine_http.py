@@ -890,3 +890,17 @@ async def test_a_metrics_url_the_client_cannot_use_fails_each_scrape(url: str) -
                 await page.text()
     finally:
         page.close()
+
+
+async def test_a_metrics_url_s_user_and_password_are_basic_authentication(
+    serve: Callable,
+) -> None:
+    engine = await serve(answering(_page_answer(b"x 1\n")))
+    page = MetricsPage(f"http://scraper:p%40ss@127.0.0.1:{engine.port}/metrics")
+    try:
+        assert await page.text() == "x 1\n"
+    finally:
+        page.close()
+    head = engine.requests[0].decode()
+    assert "authorization: Basic c2NyYXBlcjpwQHNz\r\n" in head  # scraper:p@ss
+    assert f"host: 127.0.0.1:{engine.port}\r\n" in head
