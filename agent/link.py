@@ -89,11 +89,12 @@ class _Served:
     that a cancel cancels (`forward` enters it; the engine's read timeouts are its
     deadlines)."""
 
-    __slots__ = ("scope", "state")
+    __slots__ = ("counted", "scope", "state")
 
     def __init__(self, state: RequestState) -> None:
         self.state = state
         self.scope = trio.CancelScope()
+        self.counted = True  # holds one of the agent's capacity slots
 
 
 class RouterSession:
@@ -226,6 +227,10 @@ class RouterSession:
         if served is not None:
             served.state = next_request_state(Role.ROUTER, served.state, m.CANCEL)
             served.scope.cancel()
+            # The router counted the slot free when it cancelled, and its next request
+            # may be in this same read: held until the cancelled task unwinds, the slot
+            # made that one `agent_full`, and the router's queue went out of its order.
+            self._give_back(served)
 
     def _on_welcome(self, msg: dict) -> None:
         why = self.check_welcome(msg) if self.check_welcome is not None else None
@@ -281,11 +286,16 @@ class RouterSession:
                     served.state = RequestState.FAILED
                     self.send(m.error(req_id, ErrorCode.BACKEND_ERROR, f"agent error: {exc}"))
             finally:
-                self.capacity.give_back(self.share)
+                self._give_back(served)
                 if self.requests.get(req_id) is served:
                     del self.requests[req_id]
                 if not self.requests:
                     self._idle.set()
+
+    def _give_back(self, served: _Served) -> None:
+        if served.counted:
+            served.counted = False
+            self.capacity.give_back(self.share)
 
     async def _keepalive(self) -> None:
         with trio.move_on_after(WELCOME_TIMEOUT):

@@ -8,6 +8,7 @@ import trio
 import trio.testing
 
 import agent.link as agent_link
+from agent.capacity import SharedCapacity
 from agent.engine_http import EnginePool, EngineTimeouts
 from agent.link import RouterConnection, RouterSession, Status
 from protocol import messages as m
@@ -19,7 +20,7 @@ from router.peers import PeerTable
 from router.session import Slot
 from tests.fleet import SECRET
 from tests.test_link import METADATA
-from tests.test_link_fuzz import PEER, NoStream, RecordingStream, canned_engine
+from tests.test_link_fuzz import PEER, CannedEngine, NoStream, RecordingStream, canned_engine
 
 
 async def test_link_objects_show_their_state_and_live_counts() -> None:
@@ -173,3 +174,54 @@ def test_heartbeats_carry_the_elsewhere_count_and_a_drop_wakes_the_model() -> No
         (0, 1, 2),
         (0, 1, 2),
     ]
+
+
+class _StalledEngine(CannedEngine):
+    """An engine connection that takes the request and never answers it."""
+
+    async def send_all(self, data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+
+
+def test_a_cancelled_request_s_slot_is_free_for_the_next_request_in_the_same_read() -> None:
+    """The router counts a slot free once it has cancelled, and its next request may come
+    in the same read as the cancel. An agent at its capacity refused that one
+    `agent_full` while the cancelled task was still unwinding, and the router's queue
+    then served its waiters out of priority order (tests/test_priority_e2e.py)."""
+    opened = 0
+
+    async def engines() -> CannedEngine:
+        nonlocal opened
+        opened += 1
+        return _StalledEngine() if opened == 1 else CannedEngine()
+
+    async def main() -> None:
+        session = RouterSession(
+            NoStream(),
+            m.hello("t", {}),
+            Status(),
+            EnginePool("http://e", EngineTimeouts(5.0, 5.0), 2, engines),
+            5.0,
+            5.0,
+            capacity=SharedCapacity(1),
+        )
+        fs = session.fs = RecordingStream()  # type: ignore[assignment]
+        session.state = next_session_state(Role.AGENT, session.state, m.HELLO)
+        chat = ("POST", "/v1/chat/completions", {}, b"{}", False)
+        async with trio.open_nursery() as nursery:
+            session._nursery = nursery
+            session._on_message(m.welcome(5.0, "r", 30.0))
+            session._on_message(m.request(1, *chat))
+            await trio.testing.wait_all_tasks_blocked()  # request 1 waits on its engine
+            session._on_message(m.cancel(1))
+            session._on_message(m.request(2, *chat))  # no scheduler pass in between
+            await session.wait_idle()
+            nursery.cancel_scope.cancel()
+        assert [(f["type"], f["id"]) for f in fs.sent if "id" in f] == [
+            (m.RESPONSE_HEAD, 2),
+            (m.RESPONSE_CHUNK, 2),
+            (m.RESPONSE_END, 2),
+        ]
+        assert session.capacity.in_flight == 0
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
