@@ -8,9 +8,10 @@ waiter sees each change once, in queue order.
 
 A waiter that joins ahead of one already woken is not owed that wake-up: it found no
 usable agent when it joined, after the change; every later change wakes the head
-again. When the queue is full, a newcomer of higher priority than the last waiter
-takes that waiter's place; the evicted request leaves the queue as if it had found it
-full.
+again. A waiter woken while one ahead of it is woken too waits for that one to look
+first, so the room a change makes goes in queue order whichever task trio runs first.
+When the queue is full, a newcomer of higher priority than the last waiter takes that
+waiter's place; the evicted request leaves the queue as if it had found it full.
 """
 
 from __future__ import annotations
@@ -114,6 +115,24 @@ class WaitQueue:
     def woke(self, model: str, waiter: Waiter) -> None:
         """Stay queued in place after a wake-up that did not yield a slot."""
         self._pass_on(model, waiter)
+        waiter.event = trio.Event()
+
+    def woken_ahead(self, model: str, waiter: Waiter) -> bool:
+        """Whether a waiter ahead of `waiter` has been woken and not yet looked.
+
+        A wake-up passed down the queue for one change can reach a waiter after the head
+        was woken for a later one: the room that change made is the head's to look at
+        first. Taken by whichever task trio ran first, it went to a lower priority."""
+        waiters = self._waiters.get(model, ())
+        for ahead in waiters:
+            if ahead is waiter:
+                return False
+            if ahead.event.is_set():
+                return waiter in waiters  # an evicted waiter is ahead of no one
+        return False
+
+    def rearm(self, waiter: Waiter) -> None:
+        """Wait again without passing the wake-up on: the one ahead will, once it looks."""
         waiter.event = trio.Event()
 
     def leave(self, model: str, waiter: Waiter) -> None:

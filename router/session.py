@@ -533,8 +533,12 @@ class _QueuePlace:
         return True
 
     async def wait(self) -> None:
-        assert self.waiter is not None
-        await self.waiter.event.wait()
+        waiter = self.waiter
+        assert waiter is not None
+        await waiter.event.wait()
+        while self.queue.woken_ahead(self.model, waiter):
+            self.queue.rearm(waiter)
+            await waiter.event.wait()
 
     def evicted(self) -> bool:
         return self.waiter is not None and self.waiter.evicted

@@ -16,10 +16,11 @@ import trio.testing
 
 from protocol.errors import ErrorCode, RouterError
 from router.capacity import WaitQueue
+from router.metrics import RouterMetrics
 from router.policy.admission import load_value, shed
 from router.policy.describe import describe
 from router.policy.schema import PolicyError, Rule, Shed, load_policy
-from router.session import Exhausted, LoadShed, Served
+from router.session import Exhausted, LoadShed, Served, _QueuePlace
 from tests.test_session import MODEL, Harness, hold, make_peer, policy, request
 
 # --- schema ------------------------------------------------------------------------------
@@ -383,3 +384,71 @@ async def test_an_evicted_waiter_moves_on_to_its_next_step(autojump_clock: Any) 
         await trio.testing.wait_all_tasks_blocked()
         assert served[1].response.request_id == high.request_id
         served[1].response.close()
+
+
+def test_a_waiter_woken_behind_a_woken_one_lets_it_look_first() -> None:
+    """The head takes a slot and passes its wake-up on; before that wake-up has gone
+    down the queue, the slot comes free again and the new head is woken. The waiter
+    the old wake-up reached last must not take the new room ahead of the new head
+    (seen end to end: the low tenant served before the two mid ones)."""
+
+    async def main() -> None:
+        queue = WaitQueue(10)
+        high, mid, low = (queue.join(MODEL, p) for p in (2, 1, 0))
+        assert high is not None and mid is not None and low is not None
+        queue.notify(MODEL)
+        queue.leave(MODEL, high)  # took the slot; the wake-up goes on to mid
+        queue.woke(MODEL, mid)  # no room for mid (high holds it): on to low
+        queue.notify(MODEL)  # high's answer is done: mid, the head, is woken again
+        assert low.event.is_set() and mid.event.is_set()
+        assert queue.woken_ahead(MODEL, low)
+        assert not queue.woken_ahead(MODEL, mid)
+        queue.rearm(low)  # low waits; mid looks first and passes it on
+        assert not low.event.is_set()
+        queue.leave(MODEL, mid)
+        assert low.event.is_set() and not queue.woken_ahead(MODEL, low)
+
+    trio.run(main)
+
+
+async def test_a_queue_place_woken_behind_a_woken_one_waits_for_it_to_look() -> None:
+    """The session's wait: trio may run the lower waiter's task first; it waits until
+    the one ahead has looked (and passed the wake-up on), whatever the run order."""
+    queue = WaitQueue(10)
+    places = []
+    for priority in (1, 0):
+        req = request()
+        req.priority = priority
+        place = _QueuePlace(queue, RouterMetrics(), req)
+        assert place.enter()
+        places.append(place)
+    mid, low = places
+    assert low.waiter is not None
+    queue.notify(MODEL)  # mid, the head, is woken for a change
+    low.waiter.event.set()  # and a wake-up passed down for an earlier one reached low
+    returned = False
+
+    async def wait_low() -> None:
+        nonlocal returned
+        await low.wait()
+        returned = True
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(wait_low)
+        await trio.testing.wait_all_tasks_blocked()
+        assert not returned  # mid looks first
+        mid.leave()  # mid took the room: its wake-up passes on to low
+        await trio.testing.wait_all_tasks_blocked()
+        assert returned
+
+
+def test_an_evicted_waiter_waits_for_no_one() -> None:
+    async def main() -> None:
+        queue = WaitQueue(1)
+        low = queue.join(MODEL, 0)
+        high = queue.join(MODEL, 1)  # evicts low, which is woken to leave
+        assert low is not None and high is not None and low.evicted
+        queue.notify(MODEL)
+        assert high.event.is_set() and not queue.woken_ahead(MODEL, low)
+
+    trio.run(main)
