@@ -851,13 +851,19 @@ async def test_the_metrics_page_is_fetched_again_over_one_connection(serve: Call
 async def test_the_metrics_page_asks_for_its_url_s_target(
     serve: Callable, path: str, target: bytes
 ) -> None:
+    asked = await _one_page(serve, lambda port: f"http://127.0.0.1:{port}{path}")
+    assert asked.startswith(b"GET %s HTTP/1.1\r\n" % target)
+
+
+async def _one_page(serve: Callable, url: Callable[[int], str]) -> bytes:
+    """Fetch a one-line page once from `url(port)`; the request the engine got."""
     engine = await serve(answering(_page_answer(b"x 1\n")))
-    page = MetricsPage(f"http://127.0.0.1:{engine.port}{path}")
+    page = MetricsPage(url(engine.port))
     try:
         assert await page.text() == "x 1\n"
     finally:
         page.close()
-    assert engine.requests[0].startswith(b"GET %s HTTP/1.1\r\n" % target)
+    return engine.requests[0]
 
 
 async def test_a_metrics_page_that_does_not_decode_is_a_failed_scrape(serve: Callable) -> None:
@@ -895,12 +901,7 @@ async def test_a_metrics_url_the_client_cannot_use_fails_each_scrape(url: str) -
 async def test_a_metrics_url_s_user_and_password_are_basic_authentication(
     serve: Callable,
 ) -> None:
-    engine = await serve(answering(_page_answer(b"x 1\n")))
-    page = MetricsPage(f"http://scraper:p%40ss@127.0.0.1:{engine.port}/metrics")
-    try:
-        assert await page.text() == "x 1\n"
-    finally:
-        page.close()
-    head = engine.requests[0].decode()
+    asked = await _one_page(serve, lambda port: f"http://scraper:p%40ss@127.0.0.1:{port}/m")
+    head = asked.decode()
     assert "authorization: Basic c2NyYXBlcjpwQHNz\r\n" in head  # scraper:p@ss
-    assert f"host: 127.0.0.1:{engine.port}\r\n" in head
+    assert "\r\nhost: 127.0.0.1:" in head and "scraper" not in head.split("host:")[1]

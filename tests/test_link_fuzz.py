@@ -16,7 +16,7 @@ import os
 import re
 import struct
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 
 import httpx
@@ -28,6 +28,7 @@ import trio.testing
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from agent.capacity import SharedCapacity
 from agent.engine_http import EnginePool, EngineTimeouts
 from agent.link import RouterSession, Status
 from protocol import messages as m
@@ -302,6 +303,25 @@ async def canned_engine() -> CannedEngine:
     return CannedEngine()
 
 
+def agent_session(
+    engines: Callable[[], Awaitable[CannedEngine]] = canned_engine,
+    capacity: SharedCapacity | None = None,
+) -> tuple[RouterSession, RecordingStream]:
+    """An agent's session past its hello, its frames recorded, over in-memory engines."""
+    session = RouterSession(
+        NoStream(),
+        m.hello("t", {}),
+        Status(),
+        EnginePool("http://engine", EngineTimeouts(5.0, 5.0), 4, engines),
+        5.0,
+        5.0,
+        capacity=capacity,
+    )
+    fs = session.fs = RecordingStream()  # type: ignore[assignment]
+    session.state = next_session_state(Role.AGENT, session.state, m.HELLO)
+    return session, fs
+
+
 class NoStream:
     """A stream that has no socket under it; the session's sends are recorded instead."""
 
@@ -312,16 +332,7 @@ def test_an_agent_session_answers_every_request_once_whatever_the_router_sends(
     script: list[dict],
 ) -> None:
     async def main() -> None:
-        session = RouterSession(
-            NoStream(),
-            m.hello("t", {}),
-            Status(),
-            EnginePool("http://engine", EngineTimeouts(5.0, 5.0), 4, canned_engine),
-            5.0,
-            5.0,
-        )
-        fs = session.fs = RecordingStream()  # type: ignore[assignment]
-        session.state = next_session_state(Role.AGENT, session.state, m.HELLO)
+        session, fs = agent_session()
         accepted: list[int] = []
         refused: list[int] = []
         async with trio.open_nursery() as nursery:

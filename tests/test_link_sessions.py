@@ -12,7 +12,6 @@ from agent.capacity import SharedCapacity
 from agent.engine_http import EnginePool, EngineTimeouts
 from agent.link import RouterConnection, RouterSession, Status
 from protocol import messages as m
-from protocol.conversation import Role, next_session_state
 from protocol.tokens import issue_token
 from router.link import AgentLink, AgentResponse, AgentSession, LinkSettings
 from router.metrics import RouterMetrics
@@ -20,7 +19,14 @@ from router.peers import PeerTable
 from router.session import Slot
 from tests.fleet import SECRET
 from tests.test_link import METADATA
-from tests.test_link_fuzz import PEER, CannedEngine, NoStream, RecordingStream, canned_engine
+from tests.test_link_fuzz import (
+    PEER,
+    CannedEngine,
+    NoStream,
+    RecordingStream,
+    agent_session,
+    canned_engine,
+)
 
 
 async def test_link_objects_show_their_state_and_live_counts() -> None:
@@ -79,16 +85,7 @@ def test_an_agent_answer_out_of_order_fails_that_request_only(
     monkeypatch.setattr(agent_link, "forward", broken_forward)
 
     async def main() -> None:
-        session = RouterSession(
-            NoStream(),
-            m.hello("t", {}),
-            Status(),
-            EnginePool("http://e", EngineTimeouts(5.0, 5.0), 1, canned_engine),
-            5.0,
-            5.0,
-        )
-        fs = session.fs = RecordingStream()  # type: ignore[assignment]
-        session.state = next_session_state(Role.AGENT, session.state, m.HELLO)
+        session, fs = agent_session()
         async with trio.open_nursery() as nursery:
             session._nursery = nursery
             session._on_message(m.welcome(5.0, "r", 30.0))
@@ -196,17 +193,7 @@ def test_a_cancelled_request_s_slot_is_free_for_the_next_request_in_the_same_rea
         return _StalledEngine() if opened == 1 else CannedEngine()
 
     async def main() -> None:
-        session = RouterSession(
-            NoStream(),
-            m.hello("t", {}),
-            Status(),
-            EnginePool("http://e", EngineTimeouts(5.0, 5.0), 2, engines),
-            5.0,
-            5.0,
-            capacity=SharedCapacity(1),
-        )
-        fs = session.fs = RecordingStream()  # type: ignore[assignment]
-        session.state = next_session_state(Role.AGENT, session.state, m.HELLO)
+        session, fs = agent_session(engines, SharedCapacity(1))
         chat = ("POST", "/v1/chat/completions", {}, b"{}", False)
         async with trio.open_nursery() as nursery:
             session._nursery = nursery
