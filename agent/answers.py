@@ -15,11 +15,12 @@ An event nobody reads further is only checked, by msgspec, which builds nothing
 from __future__ import annotations
 
 import json
-import zlib
 from collections.abc import Callable
 
 import msgspec
 import orjson
+
+from agent.engine_http import DECODABLE, decompressed
 
 
 class MalformedAnswer(Exception):
@@ -35,8 +36,10 @@ LAST_EVENTS = frozenset(
 # Engines send events of a few hundred bytes; the agent holds one unfinished event, so
 # one that never ends must not grow without bound.
 MAX_EVENT_BYTES = 8 * 1024 * 1024
-# Only a gzip or deflate answer can be decoded for the check; zlib detects which (47).
-_DECODABLE = frozenset({"gzip", "deflate"})
+# A compressed whole answer is decoded for the check up to this size (its compressed
+# bytes fit one frame, 16 MiB); one that decodes past it is malformed, not a memory
+# exhaustion.
+MAX_DECODED_BYTES = 128 * 1024 * 1024
 
 
 class _EventKind(msgspec.Struct):
@@ -77,11 +80,11 @@ def check_json_answer(body: bytes, content_encoding: str = "") -> dict | None:
     """
     encoding = content_encoding.strip().lower()
     if encoding and encoding != "identity":
-        if encoding not in _DECODABLE:
+        if encoding not in DECODABLE:
             return None  # cannot look inside; relayed as the engine sent it
         try:
-            body = zlib.decompress(body, 47)
-        except zlib.error as exc:
+            body = decompressed(body, MAX_DECODED_BYTES)
+        except ValueError as exc:
             raise MalformedAnswer(f"answer does not decode as {encoding}: {exc}") from None
     if not body.strip():
         raise MalformedAnswer("empty answer")

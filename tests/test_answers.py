@@ -122,6 +122,20 @@ def test_compressed_answers_are_decoded_for_the_check() -> None:
     with pytest.raises(MalformedAnswer, match="does not decode"):
         check_json_answer(b"not gzip", "gzip")
     check_json_answer(b"opaque", "br")  # cannot be looked into: relayed as is
+    with pytest.raises(MalformedAnswer, match="truncated"):
+        check_json_answer(gzip.compress(good)[:-6], "gzip")
+
+
+def test_a_compressed_answer_that_decodes_past_the_limit_is_malformed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A gzip bomb: 64 KiB that decodes to 64 MiB stops at the limit, unread past it."""
+    bomb = gzip.compress(b"0" * (64 << 20))
+    assert len(bomb) < 128 << 10
+    monkeypatch.setattr("agent.answers.MAX_DECODED_BYTES", 1 << 20)
+    with pytest.raises(MalformedAnswer, match="decodes past 1048576 bytes"):
+        check_json_answer(bomb, "gzip")
+    assert check_json_answer(gzip.compress(b'{"a": 1}'), "gzip") == {"a": 1}
 
 
 def test_event_stream_content_type() -> None:

@@ -905,3 +905,26 @@ async def test_a_metrics_url_s_user_and_password_are_basic_authentication(
     head = asked.decode()
     assert "authorization: Basic c2NyYXBlcjpwQHNz\r\n" in head  # scraper:p@ss
     assert "\r\nhost: 127.0.0.1:" in head and "scraper" not in head.split("host:")[1]
+
+
+async def test_a_metrics_page_too_large_or_decoding_too_large_fails_the_scrape(
+    serve: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page past MAX_BYTES, as sent or once decoded (a gzip bomb), is a failed scrape;
+    neither is held whole in memory."""
+    monkeypatch.setattr(MetricsPage, "MAX_BYTES", 1024)
+    bomb = gzip.compress(b"x 1\n" * 100_000)
+    engine = await serve(
+        answering(
+            _page_answer(b"x 1\n" * 1000),
+            _page_answer(bomb, extra=b"content-encoding: gzip\r\n"),
+        )
+    )
+    page = MetricsPage(f"http://127.0.0.1:{engine.port}/metrics")
+    try:
+        with pytest.raises(EngineBrokeOff, match="exceeds 1024"):
+            await page.text()
+        with pytest.raises(ValueError, match="decodes past 1024 bytes"):
+            await page.text()
+    finally:
+        page.close()
