@@ -71,6 +71,9 @@ class WaitQueue:
         self.depth = depth
         self._waiters: dict[str, list[Waiter]] = {}
         self._total = 0
+        # Queued waiters woken and not yet looked, per model: `woken_ahead` scans the
+        # queue only when there are two. A count too high costs a scan, never the order.
+        self._woken: dict[str, int] = {}
 
     def length(self, model: str) -> int:
         return len(self._waiters.get(model, ()))
@@ -89,7 +92,7 @@ class WaitQueue:
         """Capacity may have appeared for `model`: wake the head waiter."""
         waiters = self._waiters.get(model)
         if waiters:
-            waiters[0].event.set()
+            self._wake(model, waiters[0])
 
     def join(self, model: str, priority: int = 0) -> Waiter | None:
         """A place behind every waiter of the same or higher priority; None when full.
@@ -105,6 +108,7 @@ class WaitQueue:
                 return None
             waiters.pop()
             self._total -= 1
+            self._unwoken(model, last)
             last.evicted = True
             last.event.set()
         waiter = Waiter(priority)
@@ -115,7 +119,7 @@ class WaitQueue:
     def woke(self, model: str, waiter: Waiter) -> None:
         """Stay queued in place after a wake-up that did not yield a slot."""
         self._pass_on(model, waiter)
-        waiter.event = trio.Event()
+        self.rearm(model, waiter)
 
     def woken_ahead(self, model: str, waiter: Waiter) -> bool:
         """Whether a waiter ahead of `waiter` has been woken and not yet looked.
@@ -123,6 +127,8 @@ class WaitQueue:
         A wake-up passed down the queue for one change can reach a waiter after the head
         was woken for a later one: the room that change made is the head's to look at
         first. Taken by whichever task trio ran first, it went to a lower priority."""
+        if self._woken.get(model, 0) < 2:
+            return False  # the waiter's own wake-up, or none: the chain's usual case
         waiters = self._waiters.get(model, ())
         for ahead in waiters:
             if ahead is waiter:
@@ -131,8 +137,9 @@ class WaitQueue:
                 return waiter in waiters  # an evicted waiter is ahead of no one
         return False
 
-    def rearm(self, waiter: Waiter) -> None:
+    def rearm(self, model: str, waiter: Waiter) -> None:
         """Wait again without passing the wake-up on: the one ahead will, once it looks."""
+        self._unwoken(model, waiter)
         waiter.event = trio.Event()
 
     def leave(self, model: str, waiter: Waiter) -> None:
@@ -142,10 +149,12 @@ class WaitQueue:
             self._pass_on(model, waiter)
         waiters = self._waiters.get(model)
         if waiters is not None and waiter in waiters:
+            self._unwoken(model, waiter)
             waiters.remove(waiter)
             self._total -= 1
             if not waiters:
                 del self._waiters[model]
+                self._woken.pop(model, None)
 
     def _pass_on(self, model: str, waiter: Waiter) -> None:
         waiters = self._waiters.get(model, [])
@@ -154,4 +163,14 @@ class WaitQueue:
         except ValueError:
             return
         if i + 1 < len(waiters):
-            waiters[i + 1].event.set()
+            self._wake(model, waiters[i + 1])
+
+    def _wake(self, model: str, waiter: Waiter) -> None:
+        if not waiter.event.is_set():
+            waiter.event.set()
+            self._woken[model] = self._woken.get(model, 0) + 1
+
+    def _unwoken(self, model: str, waiter: Waiter) -> None:
+        """`waiter`, still queued, has looked (or leaves): one woken waiter fewer."""
+        if waiter.event.is_set():
+            self._woken[model] = max(0, self._woken.get(model, 0) - 1)

@@ -537,7 +537,7 @@ class _QueuePlace:
         assert waiter is not None
         await waiter.event.wait()
         while self.queue.woken_ahead(self.model, waiter):
-            self.queue.rearm(waiter)
+            self.queue.rearm(self.model, waiter)
             await waiter.event.wait()
 
     def evicted(self) -> bool:

@@ -401,12 +401,16 @@ def test_a_waiter_woken_behind_a_woken_one_lets_it_look_first() -> None:
         queue.woke(MODEL, mid)  # no room for mid (high holds it): on to low
         queue.notify(MODEL)  # high's answer is done: mid, the head, is woken again
         assert low.event.is_set() and mid.event.is_set()
+        assert queue._woken[MODEL] == 2  # the count that lets a lone wake-up skip the scan
         assert queue.woken_ahead(MODEL, low)
         assert not queue.woken_ahead(MODEL, mid)
-        queue.rearm(low)  # low waits; mid looks first and passes it on
+        queue.rearm(MODEL, low)  # low waits; mid looks first and passes it on
         assert not low.event.is_set()
         queue.leave(MODEL, mid)
         assert low.event.is_set() and not queue.woken_ahead(MODEL, low)
+        assert queue._woken[MODEL] == 1
+        queue.leave(MODEL, low)
+        assert MODEL not in queue._woken
 
     trio.run(main)
 
@@ -416,16 +420,19 @@ async def test_a_queue_place_woken_behind_a_woken_one_waits_for_it_to_look() -> 
     the one ahead has looked (and passed the wake-up on), whatever the run order."""
     queue = WaitQueue(10)
     places = []
-    for priority in (1, 0):
+    for priority in (2, 1, 0):
         req = request()
         req.priority = priority
         place = _QueuePlace(queue, RouterMetrics(), req)
         assert place.enter()
         places.append(place)
-    mid, low = places
-    assert low.waiter is not None
-    queue.notify(MODEL)  # mid, the head, is woken for a change
-    low.waiter.event.set()  # and a wake-up passed down for an earlier one reached low
+    high, mid, low = places
+    assert mid.waiter is not None and low.waiter is not None
+    queue.notify(MODEL)  # a change: high is woken
+    high.leave()  # high took the slot; the wake-up goes on to mid
+    queue.woke(MODEL, mid.waiter)  # no room for mid: on to low
+    queue.notify(MODEL)  # high's answer is done: mid, the head now, is woken again
+    assert low.waiter.event.is_set() and mid.waiter.event.is_set()
     returned = False
 
     async def wait_low() -> None:
