@@ -927,6 +927,92 @@ def test_the_sampler_reads_from_its_own_lines_what_the_whole_page_holds(
     assert sampler._lines.findall(text) or not whole
 
 
+_FIXTURES = (
+    VLLM_CURRENT_1,
+    VLLM_CURRENT_2,
+    VLLM_OLDER_1,
+    VLLM_OLDER_2,
+    VLLM_TWO_MODELS,
+    SGLANG_1,
+    SGLANG_2,
+    LLAMACPP_WITH_KV,
+    LLAMACPP_CURRENT,
+)
+# What a line of the format is made of, and what its edge cases are made of.
+_LINE_PIECES = ' \t{}",=\\_#:.eE+-0123456789nNaIfa\x0c\r\u0661\uff15'
+
+
+def _reading(read: Callable[[str], list], line: str) -> Any:
+    """A line's samples, NaN and the int/float difference told apart; or the error."""
+    try:
+        return [(name, labels, type(value), repr(value)) for name, labels, value in read(line)]
+    except (ValueError, TypeError, IndexError):
+        return "refused"
+
+
+def test_plain_sample_lines_read_as_prometheus_client_reads_them() -> None:
+    """The fast reading of a plain line gives what prometheus_client gives, and every
+    other line gets prometheus_client's own verdict: over the engines' lines, hand-made
+    edge cases and 20,000 random mutations of both."""
+    import random
+
+    from agent.engines import sample_lines
+
+    lines = [line for text in _FIXTURES for line in text.splitlines() if line[:1].isalpha()]
+    # Every engine line here is plain: the fast reading is the one being compared.
+    assert all(sample_lines._plain(line.strip()) for line in lines)
+    lines += [
+        'a{b="c",} 1',
+        'a{b="c"d="e"} 1',
+        'a{b="c",b="d"} 1',
+        'a{__name__="a"} 1',
+        'a{__x="1"} 1',
+        "a{} 1",
+        "a{,} 1",
+        'a{b="x\\\\"} 1',
+        'a{b="x\\"y"} 1',
+        'a{b="\\n\\t"} 1',
+        'a{b="}"} 1 1700000000000',
+        "a 1 2 3",
+        "a  1",
+        "a\t1",
+        "a 1_000",
+        "a 0x10",
+        "a +Inf",
+        "a -inf",
+        "a NaN",
+        "a 1e999",
+        "a 123456789012345678901234567890",
+        "a \u0661\u0662",
+        "a \x0c5",
+        "a 5\x0c 7",
+        'a 5 # {t="1"} 1',
+        ' a{b="c"} 1 ',
+        "a{b=c} 1",
+        "1a 1",
+    ]
+    rng = random.Random(26)
+    for _ in range(20_000):
+        line = list(rng.choice(lines))
+        for _ in range(rng.randint(1, 3)):
+            at = rng.randrange(len(line) + 1)
+            kind = rng.random()
+            if kind < 0.4:
+                line.insert(at, rng.choice(_LINE_PIECES))
+            elif line and kind < 0.7:
+                del line[min(at, len(line) - 1)]
+            elif line:
+                line[min(at, len(line) - 1)] = rng.choice(_LINE_PIECES)
+        lines.append("".join(line))
+    plain = 0
+    for line in lines:
+        assert _reading(sample_lines.read_sample, line) == _reading(sample_lines.read_page, line), (
+            repr(line)
+        )
+        plain += sample_lines._plain(line.strip()) is not None
+    assert plain > 1_500  # plenty of the mutations stayed plain: both readings compared
+
+
 def test_a_page_without_a_line_of_the_sampler_s_is_parsed_whole() -> None:
     """A page that is not Prometheus text at all (a proxy's HTML) still fails the scrape,
     and one of other metrics only is read as holding none of the fields; a broken line

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field
 from typing import ClassVar
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from agent.engines.endpoints import lacks
+from agent.engines.sample_lines import read_page, read_sample
 from protocol.fields import ENGINE_FIELDS
 from protocol.paths import API_PATHS
 
@@ -127,10 +127,10 @@ class MetricSampler:
         self._names = names
         self._model = model or None
         self._wanted = names.sample_names()
-        # The lines of the wanted samples. prometheus_client's parser takes some 15 µs a
-        # line, and an engine's page is hundreds of lines of which the sampler reads a
-        # few dozen: a scrape every half second, to parse whole, was a large part of an
-        # idle agent's CPU.
+        # The lines of the wanted samples. An engine's page is hundreds of lines of which
+        # the sampler reads a few dozen, each in a few µs where it is plain
+        # (sample_lines.py): a scrape every half second, parsed whole by
+        # prometheus_client, was most of an idle agent's CPU.
         alternatives = "|".join(re.escape(name) for name in sorted(self._wanted))
         self._lines = re.compile(rf"^[ \t]*(?:{alternatives})[ \t{{][^\n]*", re.MULTILINE)
         self._previous: dict[str, _HistogramSnapshot | None] = {"ttft": None, "itl": None}
@@ -170,10 +170,10 @@ class MetricSampler:
         # still fails the scrape (a line of another metric no longer can).
         lines = self._lines.findall(text)
         try:
-            for family in text_string_to_metric_families("\n".join(lines) if lines else text):
-                for sample in family.samples:
-                    if sample.name in self._wanted and math.isfinite(sample.value):
-                        series.setdefault(sample.name, []).append((sample.labels, sample.value))
+            samples = [s for line in lines for s in read_sample(line)] if lines else read_page(text)
+            for name, labels, value in samples:
+                if name in self._wanted and math.isfinite(value):
+                    series.setdefault(name, []).append((labels, value))
         except (ValueError, TypeError, IndexError) as exc:
             raise ValueError(f"malformed Prometheus text: {exc}") from exc
         return {name: self._select(samples) for name, samples in series.items()}
