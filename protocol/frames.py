@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import struct
+from collections.abc import Callable
 
 import msgpack
 
@@ -21,8 +22,9 @@ class FrameError(ProtocolError):
     """The byte stream is not a sequence of valid frames; the session must end."""
 
 
-def encode_frame(message: dict) -> bytes:
-    payload = msgpack.packb(message, use_bin_type=True)
+def encode_frame(message: dict, pack: Callable[[dict], bytes] | None = None) -> bytes:
+    """`pack`: a kept `msgpack.Packer(use_bin_type=True).pack`, cheaper than packb's."""
+    payload = pack(message) if pack is not None else msgpack.packb(message, use_bin_type=True)
     if len(payload) > MAX_FRAME_BYTES:
         raise FrameError(f"frame of {len(payload)} bytes exceeds {MAX_FRAME_BYTES}")
     return HEADER.pack(len(payload)) + payload

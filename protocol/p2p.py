@@ -19,6 +19,7 @@ from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
+import msgpack
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.crypto.keys import KeyPair
@@ -237,7 +238,12 @@ class FramedStream:
         self._send, self._queue = trio.open_memory_channel[bytes](math.inf)
         self.closed = trio.Event()
         self.close_reason = ""
+        # When frames last went to the stream (the router's liveness frames go on a
+        # session it has said nothing on for a while).
         self.last_tx = 0.0
+        # msgpack.packb builds a packer, and its buffer, for every frame: 0.53 against
+        # 0.22 µs for one kept (a streamed answer is a dozen frames).
+        self._pack = msgpack.Packer(use_bin_type=True).pack
         self._scope: trio.CancelScope | None = None
         self._abort_early = False
         self._drained = trio.Event()
@@ -254,11 +260,10 @@ class FramedStream:
         if self.closed.is_set():
             raise SessionClosed(self.close_reason or "session closed")
         try:
-            self._send.send_nowait(encode_frame(message))
+            self._send.send_nowait(encode_frame(message, self._pack))
         except trio.ClosedResourceError:
             # close() shuts the queue at once; `closed` is set only when run() returns.
             raise SessionClosed(self.close_reason or "session closed") from None
-        self.last_tx = trio.current_time()
 
     async def run(self, on_message: Callable[[dict], None]) -> str:
         """Read and write until either side ends; returns why the session ended."""
@@ -367,7 +372,7 @@ class FramedStream:
                     batch.append(more)
                     size += len(more)
                 data = batch[0] if len(batch) == 1 else b"".join(batch)
-                self.write_began = trio.current_time()
+                self.write_began = self.last_tx = trio.current_time()
                 await self.stream.write(data)
                 self.write_began = math.inf
         except Exception as exc:

@@ -322,6 +322,25 @@ async def test_frames_buffered_then_handed_over_by_the_muxer_keep_their_order() 
     assert "malformed frame" in ended[0]
 
 
+def test_a_session_s_kept_packer_writes_what_packb_writes_after_a_refused_message() -> None:
+    """Each session packs its frames with one kept msgpack packer: the bytes are
+    packb's, and a message that cannot be packed (refused half-way through) leaves
+    nothing of itself in the frames after it."""
+    fs = FramedStream(stream=None)
+    sent: list[dict] = [m.response_chunk(i, os.urandom(i * 37)) for i in range(10)]
+    for msg in sent:
+        fs.send_nowait(msg)
+    with pytest.raises(TypeError):
+        fs.send_nowait({"type": m.RESPONSE_CHUNK, "id": 1, "data": [1, "two", object()]})
+    more = [m.cancel(7), m.response_end(3, {"prompt_tokens": 5}), m.response_chunk(4, b"")]
+    for msg in more:
+        fs.send_nowait(msg)
+    queued = [fs._queue.receive_nowait() for _ in sent + more]
+    assert queued == [encode_frame(msg) for msg in sent + more]
+    with pytest.raises(trio.WouldBlock):
+        fs._queue.receive_nowait()
+
+
 def test_frame_decoder_handles_split_and_joined_frames() -> None:
     frames = b"".join(encode_frame(m.cancel(i)) for i in range(50))
     decoder = FrameDecoder()
