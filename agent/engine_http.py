@@ -166,8 +166,17 @@ class EnginePool:
         self._tls = parts.scheme == "https"
         self._host = parts.hostname
         self._port = parts.port or (443 if self._tls else 80)
-        self.origin = f"{parts.scheme}://{parts.netloc}"
-        self._host_header = parts.netloc.rpartition("@")[2]  # never the URL's user:password
+        host = parts.netloc.rpartition("@")[2]  # never the URL's user:password
+        self.origin = f"{parts.scheme}://{host}"
+        self._own_lines = [f"host: {host}"]
+        self._skip = _OWN_HEADERS
+        if parts.username is not None:
+            # A user and password in the URL are the engine's Basic authentication (as
+            # httpx sent them): they replace any authorization the request carried.
+            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
+            token = base64.b64encode(pair.encode()).decode()
+            self._own_lines.append(f"authorization: Basic {token}")
+            self._skip = _OWN_HEADERS | {"authorization"}
         self._prefix = parts.path.rstrip("/")
         self.timeouts = timeouts
         self._max_idle = max(1, max_idle)
@@ -236,10 +245,11 @@ class EnginePool:
         await response.read_head()
 
     def _head(self, method: str, path: str, headers: dict[str, str], length: int) -> bytes:
-        lines = [f"{method} {self._prefix}{path} HTTP/1.1", f"host: {self._host_header}"]
+        lines = [f"{method} {self._prefix}{path} HTTP/1.1", *self._own_lines]
         if length or method not in ("GET", "HEAD"):
             lines.append(f"content-length: {length}")
-        lines += [f"{k}: {v}" for k, v in headers.items() if k.lower() not in _OWN_HEADERS]
+        skip = self._skip
+        lines += [f"{k}: {v}" for k, v in headers.items() if k.lower() not in skip]
         text = "\r\n".join(lines) + "\r\n\r\n"
         # A CR or LF inside a name, value or the path would start a line of its own: a
         # header (or a request) nobody asked for.
@@ -600,12 +610,6 @@ class MetricsPage:
         self._url = url
         self._pool: EnginePool | None = None
         parts = urlsplit(url)
-        # A user and password in the URL are sent as Basic authentication, as httpx did.
-        self._headers: dict[str, str] = {}
-        if parts.username is not None:
-            pair = f"{unquote(parts.username)}:{unquote(parts.password or '')}"
-            token = base64.b64encode(pair.encode()).decode()
-            self._headers["authorization"] = f"Basic {token}"
         # The pool asks for its URL's path without a trailing slash, and no query.
         tail = "/" if parts.path.endswith("/") else ""
         tail += f"?{parts.query}" if parts.query else ""
@@ -620,7 +624,7 @@ class MetricsPage:
                 self._pool = EnginePool(self._url, EngineTimeouts(self.TIMEOUT, self.TIMEOUT), 1)
             except ValueError:
                 raise ValueError("not an http:// or https:// URL with a host") from None
-        response = await self._pool.send("GET", self._tail, self._headers, b"")
+        response = await self._pool.send("GET", self._tail, {}, b"")
         try:
             if not 200 <= response.status < 300:
                 raise ValueError(f"answered HTTP {response.status}")

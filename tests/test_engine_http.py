@@ -642,6 +642,33 @@ async def test_unreachable_and_connect_timeout(serve: Callable) -> None:
     assert error["message"] == "engine timed out: no connection to http://engine within 0.2 s"
 
 
+async def test_a_backend_url_s_user_and_password_are_the_engine_s_basic_authentication(
+    serve: Callable,
+) -> None:
+    """As httpx sent them: every request carries them, in place of any authorization
+    the request had; neither the Host header nor an error message shows them."""
+    engine = await serve(answering(json_answer()))
+    url = f"http://agent:s%3Acret@127.0.0.1:{engine.port}"
+    async with EnginePool(url, EngineTimeouts(2.0, 2.0), 1) as p:
+        sent = await run(p, request(authorization="Bearer client-key"))
+        assert [f["type"] for f in sent] == [m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END]
+    head = engine.requests[0].split(b"\r\n\r\n")[0].decode()
+    # agent:s:cret
+    assert head.lower().count("authorization:") == 1, head
+    assert "\r\nauthorization: Basic YWdlbnQ6czpjcmV0\r\n" in head
+    assert f"\r\nhost: 127.0.0.1:{engine.port}\r\n" in head and "cret@" not in head
+
+    with trio.socket.socket() as unused:
+        await unused.bind(("127.0.0.1", 0))
+        port = unused.getsockname()[1]
+        async with EnginePool(
+            f"http://agent:s3cret@127.0.0.1:{port}", EngineTimeouts(2.0, 2.0), 1
+        ) as p:
+            error = only_error(await run(p, request()))
+    assert f"cannot connect to http://127.0.0.1:{port}" in error["message"]
+    assert "s3cret" not in error["message"]
+
+
 async def test_a_header_with_a_line_break_is_never_sent(serve: Callable) -> None:
     engine = await serve(answering(json_answer()))
     async with pool(engine) as p:
