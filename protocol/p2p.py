@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import socket
+from collections import deque
 from collections.abc import Callable
 from functools import partial
 from importlib.metadata import version
@@ -221,6 +222,50 @@ class SessionClosed(Exception):
     """The framed stream is gone; pending sends are dropped."""
 
 
+class _Outbox:
+    """The frames waiting for a session's writer, and the writer's place to wait.
+
+    A trio memory channel did this at 1.6 to 1.9 µs a frame (its KI-protected calls,
+    a dict of waiting tasks, a WouldBlock raised to end every batch) against 1.0 µs
+    here, timed in one trio loop with three frames put per writer pass; a streamed
+    answer is a dozen frames on the agent's side."""
+
+    __slots__ = ("closed", "frames", "waiter")
+
+    def __init__(self) -> None:
+        self.frames: deque[bytes] = deque()
+        self.waiter: trio.lowlevel.Task | None = None
+        self.closed = False
+
+    def put(self, frame: bytes) -> None:
+        self.frames.append(frame)
+        self._wake()
+
+    def close(self) -> None:
+        """No more frames; the writer takes those queued, then ends."""
+        self.closed = True
+        self._wake()
+
+    async def wait(self) -> None:
+        """Until a frame is put or the outbox closes (at once if either happened)."""
+        if self.frames or self.closed:
+            await trio.lowlevel.checkpoint()
+            return
+        self.waiter = trio.lowlevel.current_task()
+
+        def abort(_: object) -> trio.lowlevel.Abort:
+            self.waiter = None
+            return trio.lowlevel.Abort.SUCCEEDED
+
+        await trio.lowlevel.wait_task_rescheduled(abort)
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None:
+            self.waiter = None
+            trio.lowlevel.reschedule(waiter)
+
+
 class FramedStream:
     """One libp2p stream carrying length-prefixed msgpack frames in both directions."""
 
@@ -235,7 +280,7 @@ class FramedStream:
         # When the write under way began; inf between writes (`_watch_writes`).
         self.write_began = math.inf
         self.decoder = FrameDecoder(max_frame_bytes)
-        self._send, self._queue = trio.open_memory_channel[bytes](math.inf)
+        self._outbox = _Outbox()
         self.closed = trio.Event()
         self.close_reason = ""
         # When frames last went to the stream (the router's liveness frames go on a
@@ -257,13 +302,10 @@ class FramedStream:
         self.send_nowait(message)
 
     def send_nowait(self, message: dict) -> None:
-        if self.closed.is_set():
+        # close() shuts the outbox at once; `closed` is set only when run() returns.
+        if self._outbox.closed:
             raise SessionClosed(self.close_reason or "session closed")
-        try:
-            self._send.send_nowait(encode_frame(message, self._pack))
-        except trio.ClosedResourceError:
-            # close() shuts the queue at once; `closed` is set only when run() returns.
-            raise SessionClosed(self.close_reason or "session closed") from None
+        self._outbox.put(encode_frame(message, self._pack))
 
     async def run(self, on_message: Callable[[dict], None]) -> str:
         """Read and write until either side ends; returns why the session ended."""
@@ -282,7 +324,7 @@ class FramedStream:
         finally:
             self.close_reason = self.close_reason or "stream closed"
             self.closed.set()
-            self._send.close()
+            self._outbox.close()
             # The stream may already be gone: resetting it again is harmless.
             with (
                 trio.CancelScope(shield=True),
@@ -296,7 +338,7 @@ class FramedStream:
         """End the session now, even while the peer is frozen mid-read."""
         if not self.close_reason:
             self.close_reason = reason
-        self._send.close()
+        self._outbox.close()
         if self._scope is None:
             self._abort_early = True
         else:
@@ -306,7 +348,7 @@ class FramedStream:
         """Let queued frames (a refusal, say) reach the peer, then end the session."""
         if not self.close_reason:
             self.close_reason = reason
-        self._send.close()
+        self._outbox.close()
         with trio.move_on_after(FLUSH_TIMEOUT):
             await self._drained.wait()
             # A reset can overtake data still in flight: close our side and let the
@@ -360,15 +402,20 @@ class FramedStream:
         return True
 
     async def _writer(self, cancel_scope: trio.CancelScope) -> None:
+        outbox = self._outbox
+        frames = outbox.frames
         try:
-            async for frame in self._queue:
+            while True:
+                if not frames:
+                    if outbox.closed:
+                        break
+                    await outbox.wait()
+                    continue
+                frame = frames.popleft()
                 batch = [frame]
                 size = len(frame)
-                while size < WRITE_BATCH_BYTES:
-                    try:
-                        more = self._queue.receive_nowait()
-                    except (trio.WouldBlock, trio.EndOfChannel):
-                        break
+                while frames and size < WRITE_BATCH_BYTES:
+                    more = frames.popleft()
                     batch.append(more)
                     size += len(more)
                 data = batch[0] if len(batch) == 1 else b"".join(batch)

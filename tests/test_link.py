@@ -16,6 +16,7 @@ import multiaddr
 import psutil
 import pytest
 import trio
+import trio.testing
 from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
 from libp2p.network.config import ConnectionConfig
@@ -335,10 +336,41 @@ def test_a_session_s_kept_packer_writes_what_packb_writes_after_a_refused_messag
     more = [m.cancel(7), m.response_end(3, {"prompt_tokens": 5}), m.response_chunk(4, b"")]
     for msg in more:
         fs.send_nowait(msg)
-    queued = [fs._queue.receive_nowait() for _ in sent + more]
-    assert queued == [encode_frame(msg) for msg in sent + more]
-    with pytest.raises(trio.WouldBlock):
-        fs._queue.receive_nowait()
+    assert list(fs._outbox.frames) == [encode_frame(msg) for msg in sent + more]
+
+
+async def test_a_session_s_writer_waits_for_a_frame_or_the_close_and_can_be_cancelled() -> None:
+    """The writer's outbox: a put or a close wakes it; what was put before it waits is
+    taken at once; a cancelled wait leaves no waiter behind to wake."""
+    from protocol.p2p import _Outbox
+
+    outbox = _Outbox()
+    with trio.move_on_after(0.05) as scope:
+        await outbox.wait()
+    assert scope.cancelled_caught and outbox.waiter is None
+    outbox.put(b"early")
+    with trio.fail_after(1):
+        await outbox.wait()  # at once: a frame is there
+    woken: list[str] = []
+
+    async def writer(task_status: trio.TaskStatus[None]) -> None:
+        task_status.started()
+        await outbox.wait()
+        woken.append("put" if len(outbox.frames) == 2 else "?")
+        outbox.frames.clear()
+        await outbox.wait()
+        woken.append("closed" if outbox.closed else "?")
+
+    outbox.frames.clear()
+    async with trio.open_nursery() as nursery:
+        await nursery.start(writer)
+        await trio.testing.wait_all_tasks_blocked()
+        assert outbox.waiter is not None
+        outbox.put(b"a")
+        outbox.put(b"b")
+        await trio.testing.wait_all_tasks_blocked()
+        outbox.close()
+    assert woken == ["put", "closed"]
 
 
 def test_frame_decoder_handles_split_and_joined_frames() -> None:
