@@ -469,13 +469,14 @@ class EngineResponse:
             if not self.status and fed > MAX_HEAD_BYTES:
                 raise EngineUnavailable(f"answer head larger than {MAX_HEAD_BYTES} bytes")
 
-    async def receive(self) -> bytes:
+    async def receive(self, wait_first: bool = True) -> bytes:
         """The next body bytes, all that one socket read brought; b"" at the end.
 
         No read timeout of its own: the caller's cancel scope bounds the wait, one for
         a whole answer (`read_all`) or a stream (`ReadLimits.stream`). A scope armed for each
         read was the agent's largest single cost on streams: 6.6 cancel scopes per
         16-token stream, about a fifth of its Python time (cProfile, 64 clients).
+        `wait_first=False`: the socket's first read is tried before any wait (`_read`).
         """
         while True:
             if self._body:
@@ -486,7 +487,8 @@ class EngineResponse:
                 raise EngineBrokeOff(f"answer is not valid HTTP/1.1: {self._error}")
             if self._complete:
                 return b""
-            data = await self._read()
+            data = await self._read(wait_first)
+            wait_first = True
             if not data:
                 if self._close_delimited():
                     self._complete = True
@@ -512,7 +514,12 @@ class EngineResponse:
     async def _read_all(self, limit: int) -> bytes:
         parts: list[bytes] = []
         size = 0
-        while chunk := await self.receive():
+        # Engines write a whole answer's head and body apart, the body microseconds
+        # later: by the time the head is handled it is mostly there, and a read that
+        # takes it at once spares a wait in epoll and a pass through trio's loop.
+        wait_first = False
+        while chunk := await self.receive(wait_first):
+            wait_first = True
             size += len(chunk)
             if size > limit:
                 raise EngineBrokeOff(f"answer larger than {limit} bytes")
@@ -534,18 +541,24 @@ class EngineResponse:
         else:
             conn.close()
 
-    async def _read(self) -> bytes:
+    async def _read(self, wait_first: bool = True) -> bytes:
         """The next read, waiting for it. A plain TCP connection waits for readiness
         first: trio's receive_some tries a read first, and on a stream that read mostly
         finds nothing yet, a system call wasted per wait (`perf trace -s` on the agent,
         64 clients streaming: 4.4 of 7.6 reads per answer were EAGAIN); 5% less of the
-        agent's CPU per stream (`python -m bench.stream_relay --against`)."""
+        agent's CPU per stream (`python -m bench.stream_relay --against`). With
+        `wait_first=False` the read is tried first, for bytes that are mostly there."""
         conn = self._conn
         assert conn is not None
         raw = conn.raw
         try:
             if raw is None:
                 return await conn.stream.receive_some(RECEIVE_BYTES)
+            if not wait_first:
+                try:
+                    return raw.recv(RECEIVE_BYTES)
+                except BlockingIOError:
+                    pass
             return await receive_when_ready(raw, RECEIVE_BYTES)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             if not self.status:

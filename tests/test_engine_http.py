@@ -197,6 +197,52 @@ async def test_a_request_goes_out_whole_small_or_past_the_kernels_room(
     assert sent.endswith(b"\r\n\r\n" + body)
 
 
+async def test_a_whole_body_already_there_after_its_head_is_read_without_a_wait(
+    serve: Callable,
+) -> None:
+    """Engines write a whole answer's head and body apart. The body, there by the time
+    the head is handled, is taken without a pass through the scheduler; one that comes
+    later is still waited for."""
+    answer = json_answer()
+    head, body = answer[: answer.index(b"\r\n\r\n") + 4], answer[answer.index(b"\r\n\r\n") + 4 :]
+    arrived = trio.Event()
+    late = trio.Event()
+
+    async def apart(conn: Conn) -> None:
+        buf = bytearray()
+        for wait in (arrived, late):
+            if not await read_request(conn, buf):
+                return
+            await conn.send_all(head)
+            await wait.wait()
+            await conn.send_all(body)
+        await read_request(conn, buf)
+
+    engine = await serve(apart)
+    async with pool(engine) as p:
+        for wait in (arrived, late):
+            response = await p.send("POST", "/v1/chat/completions", {}, b"{}")
+            try:
+                if wait is arrived:
+                    arrived.set()
+                    await trio.sleep(0.05)  # the body is in the agent's socket now
+                    with passes_of_this_task() as passes:
+                        assert await response.read_all(1 << 20) == body
+                    assert passes.count == 0
+                else:
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(_set_later, late)
+                        assert await response.read_all(1 << 20) == body
+            finally:
+                response.close()
+    assert engine.connections == 1
+
+
+async def _set_later(event: trio.Event) -> None:
+    await trio.sleep(0.05)
+    event.set()
+
+
 async def test_a_request_the_kernel_has_room_for_leaves_without_a_scheduler_pass(
     serve: Callable,
 ) -> None:
