@@ -376,6 +376,7 @@ class RouterDaemon:
             GRACEFUL_TIMEOUT,
             write_timeout=self.settings.http_write_timeout,
             protocol_of=protocol_of,
+            answer_timeout=self.settings.request_timeout,
         )
         # HTTP stays up while draining, so in-flight streams can finish. The workers of
         # one host share the HTTP port (the metrics ports differ: port 0 never shares).

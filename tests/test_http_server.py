@@ -24,7 +24,7 @@ import trio.testing
 
 from router.cli import build_parser, settings_from
 from router.http.app import protocol_of
-from router.http.asgi import BODY_READY, ON_DISCONNECT
+from router.http.asgi import ANSWER_SCOPE, BODY_READY, ON_DISCONNECT
 from router.http.server import (
     MAX_HEAD_BYTES,
     WRITE_PIECE_BYTES,
@@ -945,3 +945,79 @@ async def test_the_extension_is_offered_on_tcp_only() -> None:
     ):
         assert (await client.get("/")).status_code == 200
     assert seen == [False, True]
+
+
+@pytest.mark.parametrize("served", [True, False], ids=["watchdog", "connection-alone"])
+async def test_an_answer_in_the_connection_s_scope_ends_at_its_deadline_and_closes_it(
+    served: bool,
+) -> None:
+    """hivenet.answer_scope: an app's answer runs in the connection's own cancel scope.
+    Its deadline (`limit`) ends it, through the watchdog while the server serves, or a
+    deadline of the scope's own on a connection served alone; the app's shielded
+    answer after it says `connection: close`, and the connection closes. An answer
+    over in time (`lift`) leaves the next request on the connection untouched."""
+    ended: list[str] = []
+
+    async def answers(scope: dict, receive: Receive, send: Send) -> None:
+        await receive()
+        connection = scope["extensions"][ANSWER_SCOPE]
+        wait = float(scope["path"].strip("/"))
+        connection.limit(trio.current_time() + 0.5)
+        try:
+            await trio.sleep(wait)
+        except trio.Cancelled:
+            ended.append(scope["path"])
+            with trio.CancelScope(shield=True):
+                await send({"type": "http.response.start", "status": 504, "headers": []})
+                await send({"type": "http.response.body", "body": b"late"})
+            return
+        finally:
+            connection.lift()
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"in time"})
+
+    requests = b"".join(
+        b"GET /%s HTTP/1.1\r\nHost: t\r\n\r\n" % wait for wait in (b"0.01", b"0.7", b"3")
+    )
+    if served:
+        async with serving(answers, answer_timeout=0.5) as (_, port):
+            started = trio.current_time()
+            received = await exchange(port, requests)
+    else:
+        started = trio.current_time()
+        _, received = await writes_of(answers, requests)
+    elapsed = trio.current_time() - started
+    # The first answered in time; the second's deadline came 0.5 s after it began (at
+    # most a quarter of answer_timeout late); the third was never read.
+    assert received.count(b"HTTP/1.1 ") == 2, received
+    first, second = received.split(b"HTTP/1.1 ")[1:]
+    assert first.startswith(b"200") and b"connection: close" not in first.lower()
+    assert second.startswith(b"504") and b"connection: close\r\n" in second.lower()
+    assert ended == ["/0.7"]
+    assert 0.5 <= elapsed < 0.5 + 0.125 + 0.4, elapsed
+
+
+async def test_an_answer_ended_by_the_app_closes_its_connection_after_it() -> None:
+    """`end()` (the router calls it when its client leaves) cancels the answer at once;
+    the connection serves nothing more."""
+    calls: list[str] = []
+
+    async def ends(scope: dict, receive: Receive, send: Send) -> None:
+        await receive()
+        connection = scope["extensions"][ANSWER_SCOPE]
+        calls.append(scope["path"])
+        try:
+            connection.end()
+            await trio.sleep(5)
+        except trio.Cancelled:
+            calls.append("cancelled")
+            raise
+        finally:
+            connection.lift()
+
+    async with serving(ends) as (_, port):
+        received = await exchange(
+            port, b"GET /1 HTTP/1.1\r\nHost: t\r\n\r\nGET /2 HTTP/1.1\r\nHost: t\r\n\r\n"
+        )
+    assert calls == ["/1", "cancelled"]
+    assert received == b""

@@ -7,7 +7,7 @@ import os
 import re
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 Scope = dict[str, Any]
 Receive = Callable[[], Awaitable[dict]]
@@ -24,6 +24,22 @@ ON_DISCONNECT = "hivenet.on_disconnect"
 # reading it cannot wait and needs no deadline (a cancel scope with one costs about
 # 5 µs, 2% of a whole answer's router CPU).
 BODY_READY = "hivenet.body_ready"
+# Another: the connection's own cancel scope, for the app's answer to run in instead of
+# one of its own, which cost a tenth of the router's CPU per whole answer at 64 clients
+# (`python -m bench.stream_relay --whole`): `limit(deadline)` ends the answer at its
+# deadline (within a quarter of the server's `answer_timeout`), `lift()` once it is
+# over in time, `end()` ends it now. Either ending cancels the connection's scope for
+# good: the app may catch that Cancelled where it answers, must shield what it still
+# awaits, and the connection closes after the request.
+ANSWER_SCOPE = "hivenet.answer_scope"
+
+
+class AnswerScope(Protocol):
+    def limit(self, deadline: float) -> None: ...
+
+    def lift(self) -> None: ...
+
+    def end(self) -> None: ...
 
 
 class BodyTooLarge(Exception):

@@ -23,9 +23,11 @@ from router.continuation_relay import StreamContinuer, StreamRelay, broken_code,
 from router.dispatch import Dispatcher, ProviderServed
 from router.http import count_tokens, request_fields
 from router.http.asgi import (
+    ANSWER_SCOPE,
     BODY_READY,
     ON_DISCONNECT,
     SPAN,
+    AnswerScope,
     BodyTooLarge,
     ClientGone,
     OnDisconnect,
@@ -305,11 +307,13 @@ class ClientApi:
             except RouterError as err:
                 retry = [*extra, *err.retry_headers()]
                 return await send_error(send, protocol, err, retry, ticket)
-        # router/http/server.py tells of the client leaving; under another server a task
-        # waits in receive() for it.
-        left: OnDisconnect | None = scope.get("extensions", {}).get(ON_DISCONNECT)
+        # router/http/server.py tells of the client leaving and lends the connection's
+        # cancel scope; under another server a task waits in receive() for the client,
+        # and the answer has a scope of its own.
+        extensions = scope.get("extensions", {})
+        leaving = (extensions.get(ON_DISCONNECT), receive, extensions.get(ANSWER_SCOPE))
         if self.idempotency.window <= 0 or request_key(scope) is None:
-            return await self._serve(req, protocol, (left, receive), send, extra, ticket, admitted)
+            return await self._serve(req, protocol, leaving, send, extra, ticket, admitted)
         conflict = RouterError(
             ErrorCode.IDEMPOTENCY_CONFLICT,
             "this idempotency key was used with another request body; use a new key",
@@ -325,16 +329,14 @@ class ClientApi:
             rid,
             partial(send_error, send, protocol, conflict, extra, ticket),
             sse_error(protocol, failed),
-            lambda recorded: self._serve(
-                req, protocol, (left, receive), recorded, extra, ticket, admitted
-            ),
+            lambda recorded: self._serve(req, protocol, leaving, recorded, extra, ticket, admitted),
         )
 
     async def _serve(
         self,
         req: RouteRequest,
         protocol: str,
-        leaving: tuple[OnDisconnect | None, Receive],
+        leaving: tuple[OnDisconnect | None, Receive, AnswerScope | None],
         send: Send,
         extra: list[tuple[str, str]],
         ticket: Ticket | None = None,
@@ -352,28 +354,30 @@ class ClientApi:
         # At the deadline the cancellation frees the agent's slot and cancels its engine
         # call (the relay's `finally`), whatever the relay is doing: a write blocked on a
         # client that stopped reading is cancelled with it.
-        answering = trio.CancelScope(deadline=req.received_at + self.settings.request_timeout)
-
-        def client_left() -> None:
-            if not state.done:
-                state.client_gone = True
-                answering.cancel()
-
-        on_disconnect, receive = leaving
-        if on_disconnect is not None:
-            on_disconnect(client_left)
-            with answering:
-                await self._answer(req, protocol, tracked_send, extra, state)
+        deadline = req.received_at + self.settings.request_timeout
+        on_disconnect, receive, connection = leaving
+        if on_disconnect is not None and connection is not None:
+            timed_out = await self._answer_in(
+                connection, on_disconnect, deadline, req, protocol, tracked_send, extra, state
+            )
         else:
+            answering = trio.CancelScope(deadline=deadline)
+
+            def client_left() -> None:
+                if not state.done:
+                    state.client_gone = True
+                    answering.cancel()
+
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(_watch, receive, client_left)
                 with answering:
                     await self._answer(req, protocol, tracked_send, extra, state)
                 nursery.cancel_scope.cancel()
+            timed_out = answering.cancelled_caught
         if state.client_gone:
             log.info("req=%s client_disconnected tenant=%s", req.request_id, quote(req.tenant))
             return 499
-        if answering.cancelled_caught:
+        if timed_out:
             err = RouterError(
                 ErrorCode.REQUEST_TIMEOUT,
                 f"request not completed within {self.settings.request_timeout:g}s",
@@ -387,8 +391,49 @@ class ClientApi:
             if state.started:
                 await _end_stream_with_error(send, protocol, err, state)
                 return state.status
-            return await send_error(send, protocol, err, extra, state.ticket)
+            # Shielded, for as long as a started stream's end: after the connection's
+            # scope ended the answer, only a shielded write can go out.
+            with trio.CancelScope(shield=True), trio.move_on_after(5):
+                state.status = await send_error(send, protocol, err, extra, state.ticket)
+            return state.status
         return state.status
+
+    async def _answer_in(
+        self,
+        connection: AnswerScope,
+        on_disconnect: OnDisconnect,
+        deadline: float,
+        req: RouteRequest,
+        protocol: str,
+        send: Send,
+        extra: list[tuple[str, str]],
+        state: _Progress,
+    ) -> bool:
+        """`_answer` in the connection's own cancel scope (ANSWER_SCOPE), not one of its
+        own; True when the deadline ended it. The connection closes after an answer
+        its deadline or its client ended."""
+
+        def client_left() -> None:
+            if not state.done:
+                state.client_gone = True
+                connection.end()
+
+        connection.limit(deadline)
+        try:
+            on_disconnect(client_left)
+            await self._answer(req, protocol, send, extra, state)
+        except trio.Cancelled:
+            # The scope stays cancelled: what the request still awaits is shielded
+            # (the 504 above, the admission's and the tenant's counts).
+            if state.client_gone:
+                return False
+            if trio.current_time() >= deadline:
+                connection.end()
+                return True
+            raise
+        finally:
+            connection.lift()
+        return False
 
     async def _answer(
         self,

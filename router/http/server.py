@@ -54,7 +54,7 @@ import trio
 from protocol.errors import ErrorCode, RouterError, anthropic_error_body, openai_error_body
 from protocol.logs import quote
 from protocol.sockets import receive_when_ready, send_at_once, stdlib_socket
-from router.http.asgi import BODY_READY, ON_DISCONNECT
+from router.http.asgi import ANSWER_SCOPE, BODY_READY, ON_DISCONNECT
 from router.http.request_reader import (
     END,
     MAX_HEAD_BYTES,
@@ -169,9 +169,13 @@ class HttpServer:
         graceful_timeout: float = 1.0,
         write_timeout: float = 30.0,
         protocol_of: Callable[[str], str] = lambda path: "openai",
+        answer_timeout: float = math.inf,
     ) -> None:
         self.app = app
         self.keep_alive_timeout = keep_alive_timeout
+        # The longest an app's answer may take (ANSWER_SCOPE's `limit`): the watchdog
+        # looks often enough to end one within a quarter of it more.
+        self.answer_timeout = answer_timeout
         self.graceful_timeout = graceful_timeout
         self.write_timeout = write_timeout
         # The error format a caller of a path understands ("openai" or "anthropic"),
@@ -254,8 +258,8 @@ class HttpServer:
             nursery.cancel_scope.cancel()
 
     async def watch(self) -> None:
-        """Close every connection whose write made no progress for write_timeout, and
-        end every one idle past keep_alive_timeout.
+        """Close every connection whose write made no progress for write_timeout, end
+        every one idle past keep_alive_timeout, and every answer past its deadline.
 
         The first covers a connection blocked writing to a client that reads nothing,
         which would otherwise hold its request, and the agent's slot, until the
@@ -264,11 +268,18 @@ class HttpServer:
         `http.disconnect` from receive()). The second is the keep-alive deadline of a
         connection waiting for a request (or its head), here rather than a deadline
         armed and disarmed around each wait: two deadline changes per request were 2%
-        of the router's CPU per whole answer (`python -m bench.profile router`).
+        of the router's CPU per whole answer (`python -m bench.profile router`). The
+        third, for the same reason, is the deadline an app set for its answer
+        (ANSWER_SCOPE's `limit`).
         """
         self.watching = True
         try:
-            period = min(WATCH_PERIOD, self.write_timeout / 4, self.keep_alive_timeout / 4)
+            period = min(
+                WATCH_PERIOD,
+                self.write_timeout / 4,
+                self.keep_alive_timeout / 4,
+                self.answer_timeout / 4,
+            )
             while True:
                 await trio.sleep(period)
                 now = trio.current_time()
@@ -279,6 +290,8 @@ class HttpServer:
                         await conn.abandon()
                     elif conn.state is IDLE and conn.waiting_since < idle_since:
                         conn.scope.cancel()
+                    elif conn.answer_deadline <= now:
+                        conn.end()
         finally:
             self.watching = False
 
@@ -370,6 +383,8 @@ class _Connection:
         self.length_left = 0  # what a Content-Length answer still owes
         self.close_after = False  # the answer said `connection: close`
         self.expects_continue = False  # a 100 Continue is owed before the body is read
+        # ANSWER_SCOPE: the app's deadline for its answer, which the watchdog keeps.
+        self.answer_deadline = math.inf
         self.client = self.server_addr = None
         sock = getattr(stream, "socket", None)
         if sock is not None:
@@ -409,6 +424,26 @@ class _Connection:
         self._forget()
         self._lost()
         await self.stream.aclose()
+
+    # --- ANSWER_SCOPE (router/http/asgi.py) ---------------------------------------
+
+    def limit(self, deadline: float) -> None:
+        """Cancel the connection's scope, the app's answer with it, at `deadline`."""
+        if self.server.watching:
+            self.answer_deadline = deadline
+        else:
+            self.scope.deadline = deadline
+
+    def lift(self) -> None:
+        """The answer is over in time: no deadline any more."""
+        self.answer_deadline = math.inf
+        if self.scope.deadline != math.inf:
+            self.scope.deadline = math.inf
+
+    def end(self) -> None:
+        """Cancel the app's answer now; the connection closes after it."""
+        self.answer_deadline = math.inf
+        self.scope.cancel()
 
     def on_disconnect(self, callback: Callable[[], None]) -> None:
         """ON_DISCONNECT: `callback` (which must not raise) is called once if the client
@@ -523,7 +558,7 @@ class _Connection:
             "client": self.client,
             "server": self.server_addr,
         }
-        extensions: dict[str, Any] = {BODY_READY: self.body_ready}
+        extensions: dict[str, Any] = {BODY_READY: self.body_ready, ANSWER_SCOPE: self}
         if self.fd >= 0 or self.gone:
             extensions[ON_DISCONNECT] = self.on_disconnect
         scope["extensions"] = extensions
@@ -687,7 +722,9 @@ class _Connection:
         if block.count(b"\n") != len(lines) or _HEADER_BLOCK.fullmatch(block) is None:
             bad = next(x for x in lines if x.count(b"\n") != 1 or not _HEADER_BLOCK.fullmatch(x))
             raise ValueError(f"header line {bad[:80]!r} has a control character")
-        close = not request.keep_alive or self.server.stopping
+        # A cancelled scope (ANSWER_SCOPE) serves nothing more: an answer given after
+        # it is the connection's last.
+        close = not request.keep_alive or self.server.stopping or self.scope.cancel_called
         if chunked:
             length = None
         if request.method == "HEAD" or status in (204, 304):
@@ -780,6 +817,8 @@ class _Connection:
 
     async def _ready_for_next(self) -> bool:
         if self.answer is not DONE or self.state is CLOSED or self.server.stopping:
+            return False
+        if self.scope.cancel_called:
             return False
         if self.close_after:
             return False
