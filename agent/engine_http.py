@@ -359,12 +359,13 @@ class ReadLimits:
             self.scope.deadline = now + 1.25 * self.timeout
 
     def expired(self) -> EngineError | None:
-        """After the scope: the failure its deadline made, if the deadline ended it.
+        """When the scope was cancelled: the failure its deadline made, if the deadline
+        ended it.
 
         None when something else cancelled it (the router's cancel) or it ended the
         drain, after which the answer was already whole."""
         scope = self.scope
-        if not scope.cancelled_caught or trio.current_time() < scope.deadline:
+        if trio.current_time() < scope.deadline:
             return None
         if self._phase is _HEAD:
             return head_timeout(self.timeout)

@@ -45,11 +45,27 @@ async def forward(
 ) -> None:
     """Run one request against the engine; every outcome is reported with `send`.
 
-    `scope` is the request's, which the router's cancel (or the session's end)
-    cancels; the engine's read timeouts are its deadlines (`ReadLimits`). A
-    cancellation closes the engine connection, which is how engines notice an
-    abandoned request.
+    `scope`, when given, is the request's, entered by the caller (the session's
+    worker): the router's cancel (or the session's end) cancels it, and the engine's
+    read timeouts are its deadlines (`ReadLimits`). Its Cancelled then leaves this
+    call, after a timeout's failure is reported. Without one the request has a scope
+    of its own. A cancellation closes the engine connection, which is how engines
+    notice an abandoned request.
     """
+    if scope is None:
+        with trio.CancelScope() as own:
+            await _forward(engine, msg, send, span, own)
+        return
+    await _forward(engine, msg, send, span, scope)
+
+
+async def _forward(
+    engine: EnginePool,
+    msg: dict,
+    send: Callable[[dict], None],
+    span: Span,
+    scope: trio.CancelScope,
+) -> None:
     req_id: int = msg["id"]
     tap = UsageTap(msg) if msg.get("report_usage") else None
     headers = msg["headers"]
@@ -59,15 +75,20 @@ async def forward(
         headers = {**headers, "traceparent": traceparent}
     limits = ReadLimits(engine.timeouts.read, scope)
     response: EngineResponse | None = None
+    cancelled: trio.Cancelled | None = None
     try:
-        with limits.scope:
+        try:
             response = await engine.send(
                 msg["method"], msg["path"], headers, tap.body if tap else msg["body"], limits
             )
             span.set("http.response.status_code", response.status)
             await _relay(response, msg, tap, send, limits)
-        if (expired := limits.expired()) is not None:
-            raise expired
+        except trio.Cancelled as exc:
+            expired = limits.expired()
+            if expired is None:
+                raise
+            cancelled = exc  # raised again once the timeout is reported
+            raise expired from None
     except EngineUnavailable as exc:
         what = "timed out" if exc.timed_out else "unreachable"
         send(m.error(req_id, ErrorCode.BACKEND_UNAVAILABLE, f"engine {what}: {exc}"))
@@ -84,6 +105,8 @@ async def forward(
     finally:
         if response is not None:
             response.close()
+    if cancelled is not None:
+        raise cancelled
 
 
 async def _relay(

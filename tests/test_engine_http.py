@@ -633,8 +633,13 @@ async def test_a_cancel_before_a_deadline_reports_nothing_and_closes_the_connect
     engine = await serve(handler)
     sent: list[dict] = []
     scope = trio.CancelScope()
+
+    async def worker(p: EnginePool) -> None:
+        with scope:  # as the session's worker enters it
+            await forward(p, request(stream=True), sent.append, scope=scope)
+
     async with pool(engine, read=5.0) as p, trio.open_nursery() as nursery:
-        nursery.start_soon(partial(forward, p, request(stream=True), sent.append, scope=scope))
+        nursery.start_soon(worker, p)
         await trio.sleep(0.2)
         scope.cancel()
     assert scope.cancelled_caught

@@ -212,3 +212,75 @@ def test_a_cancelled_request_s_slot_is_free_for_the_next_request_in_the_same_rea
         assert session.capacity.in_flight == 0
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_requests_one_after_another_are_served_by_one_worker_that_enters_no_scope(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A session's worker serves request after request in its one cancel scope: no
+    task is spawned and no scope entered per request. A request that is cancelled, or
+    whose engine times out, ends its worker with it (a cancelled scope stays
+    cancelled); the timeout is still reported, and the next request gets a new worker,
+    whose scope carries none of the old deadlines."""
+    stalled = False
+
+    async def engines() -> CannedEngine:
+        return _StalledEngine() if stalled else CannedEngine()
+
+    spawned: list[str] = []
+    entered: list[str] = []
+    start_soon = trio.Nursery.start_soon
+    enter = trio.CancelScope.__enter__
+
+    def counted_start(nursery: trio.Nursery, fn: object, *args: object, **kw: object) -> None:
+        spawned.append(getattr(fn, "__name__", "?"))
+        start_soon(nursery, fn, *args, **kw)  # type: ignore[arg-type]
+
+    def counted_enter(scope: trio.CancelScope) -> trio.CancelScope:
+        if "_work" in trio.lowlevel.current_task().name:
+            entered.append("scope")
+        return enter(scope)
+
+    async def main() -> None:
+        nonlocal stalled
+        session, fs = agent_session(engines)
+        session.engine.timeouts = EngineTimeouts(5.0, 2.0)
+        chat = ("POST", "/v1/chat/completions", {}, b"{}", False)
+        async with trio.open_nursery() as nursery:
+            session._nursery = nursery
+            session._on_message(m.welcome(5.0, "r", 30.0))
+            session._on_message(m.request(1, *chat))
+            await session.wait_idle()
+            monkeypatch.setattr(trio.Nursery, "start_soon", counted_start)
+            monkeypatch.setattr(trio.CancelScope, "__enter__", counted_enter)
+            session._on_message(m.request(2, *chat))
+            await session.wait_idle()
+            monkeypatch.undo()
+            assert spawned == [] and entered == [], (spawned, entered)
+            # Request 3's engine never answers and the router cancels it; request 4's
+            # never answers and its read timeout (2 s) ends it.
+            session.engine.close()  # the pooled connection answers: new ones do not
+            stalled = True
+            session._on_message(m.request(3, *chat))
+            await trio.testing.wait_all_tasks_blocked()
+            session._on_message(m.cancel(3))
+            session._on_message(m.request(4, *chat))
+            began = trio.current_time()
+            await session.wait_idle()
+            assert 2.0 <= trio.current_time() - began < 2.5
+            stalled = False
+            session._on_message(m.request(5, *chat))
+            await session.wait_idle()
+            nursery.cancel_scope.cancel()
+        frames = [(f["type"], f["id"]) for f in fs.sent if "id" in f]
+        assert frames == [
+            *[(kind, 1) for kind in (m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END)],
+            *[(kind, 2) for kind in (m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END)],
+            (m.ERROR, 4),
+            *[(kind, 5) for kind in (m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END)],
+        ]
+        timeout = next(f for f in fs.sent if f.get("id") == 4)
+        assert timeout["code"] == "backend_unavailable" and "timed out" in timeout["message"]
+        assert session.capacity.in_flight == 0
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
