@@ -41,22 +41,22 @@ async def forward(
     msg: dict,
     send: Callable[[dict], None],
     span: Span = NULL_SPAN,
-    scope: trio.CancelScope | None = None,
+    limits: ReadLimits | None = None,
 ) -> None:
     """Run one request against the engine; every outcome is reported with `send`.
 
-    `scope`, when given, is the request's, entered by the caller (the session's
-    worker): the router's cancel (or the session's end) cancels it, and the engine's
-    read timeouts are its deadlines (`ReadLimits`). Its Cancelled then leaves this
-    call, after a timeout's failure is reported. Without one the request has a scope
+    `limits`, when given, holds the engine's read timeouts for the request's scope,
+    which the caller (the session's worker) has entered: the router's cancel (or the
+    session's end) cancels it, and so does a timeout. Its Cancelled then leaves this
+    call, after a timeout's failure is reported. Without them the request has a scope
     of its own. A cancellation closes the engine connection, which is how engines
     notice an abandoned request.
     """
-    if scope is None:
+    if limits is None:
         with trio.CancelScope() as own:
-            await _forward(engine, msg, send, span, own)
+            await _forward(engine, msg, send, span, ReadLimits(engine.timeouts.read, own))
         return
-    await _forward(engine, msg, send, span, scope)
+    await _forward(engine, msg, send, span, limits)
 
 
 async def _forward(
@@ -64,7 +64,7 @@ async def _forward(
     msg: dict,
     send: Callable[[dict], None],
     span: Span,
-    scope: trio.CancelScope,
+    limits: ReadLimits,
 ) -> None:
     req_id: int = msg["id"]
     tap = UsageTap(msg) if msg.get("report_usage") else None
@@ -73,7 +73,6 @@ async def _forward(
     traceparent = span.traceparent() or msg.get("traceparent")
     if traceparent:
         headers = {**headers, "traceparent": traceparent}
-    limits = ReadLimits(engine.timeouts.read, scope)
     response: EngineResponse | None = None
     cancelled: trio.Cancelled | None = None
     try:

@@ -15,7 +15,7 @@ from libp2p.peer.peerinfo import PeerInfo
 
 from agent.capacity import SharedCapacity
 from agent.dial_errors import describe
-from agent.engine_http import EnginePool
+from agent.engine_http import EnginePool, ReadLimits
 from agent.forward import forward
 from agent.router_identity import RouterAddress, learn_peer_id, parse_router
 from protocol import messages as m
@@ -82,6 +82,9 @@ class Status:
 
 
 _SEND_MOVES = REQUEST_TRANSITIONS[Role.AGENT]
+# How often the session looks for engine reads past their deadline: a timeout ends a
+# request up to this much after it (the drain after a stream's end waits 1 s).
+READ_WATCH_PERIOD = 0.25
 
 
 class _Served:
@@ -89,11 +92,12 @@ class _Served:
     that a cancel cancels (its worker's; the engine's read timeouts are its
     deadlines)."""
 
-    __slots__ = ("counted", "scope", "state")
+    __slots__ = ("counted", "limits", "scope", "state")
 
-    def __init__(self, state: RequestState, scope: trio.CancelScope) -> None:
+    def __init__(self, state: RequestState, scope: trio.CancelScope, limits: ReadLimits) -> None:
         self.state = state
         self.scope = scope
+        self.limits = limits  # watched by the session (`_watch_reads`)
         self.counted = True  # holds one of the agent's capacity slots
 
 
@@ -166,6 +170,7 @@ class RouterSession:
         self._idle = trio.Event()
         # Workers waiting for a request, the most recently busy last.
         self._waiting: list[_Worker] = []
+        self._watching = False  # `_watch_reads` runs
         self._handlers = {
             m.REQUEST: self._on_request,
             m.CANCEL: self._on_cancel,
@@ -238,11 +243,15 @@ class RouterSession:
             )
             return
         worker = self._waiting.pop() if self._waiting else _Worker()
-        served = self.requests[req_id] = _Served(state, worker.scope)
+        limits = ReadLimits(self.engine.timeouts.read, worker.scope, watched=True)
+        served = self.requests[req_id] = _Served(state, worker.scope, limits)
         if worker.task is not None:  # one that waits for a request
             worker.job = (msg, served)
             trio.lowlevel.reschedule(worker.task)
         elif self._nursery is not None:
+            if not self._watching:
+                self._watching = True
+                self._nursery.start_soon(self._watch_reads)
             self._nursery.start_soon(self._work, worker, msg, served)
 
     def _on_cancel(self, msg: dict) -> None:
@@ -283,9 +292,17 @@ class RouterSession:
                 await self._serve(msg, served)
                 if scope.cancel_called:
                     return
-                # The read timeouts of the request just served are not the next one's.
-                scope.deadline = math.inf
                 msg, served = await self._next_job(worker)
+
+    async def _watch_reads(self) -> None:
+        """Cancel each request whose engine read is past its deadline (`ReadLimits`,
+        watched), within READ_WATCH_PERIOD of it."""
+        while True:
+            await trio.sleep(READ_WATCH_PERIOD)
+            now = trio.current_time()
+            for served in list(self.requests.values()):
+                if served.limits.deadline <= now:
+                    served.scope.cancel()
 
     async def _next_job(self, worker: _Worker) -> tuple[dict, _Served]:
         worker.task = trio.lowlevel.current_task()
@@ -327,7 +344,7 @@ class RouterSession:
         cancelled: trio.Cancelled | None = None
         with span:
             try:
-                await forward(self.engine, msg, send, span, served.scope)
+                await forward(self.engine, msg, send, span, served.limits)
             except trio.Cancelled as exc:
                 cancelled = exc
             except m.ProtocolError as exc:

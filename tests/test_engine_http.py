@@ -36,6 +36,7 @@ from agent.engine_http import (
     EngineTimeouts,
     EngineUnavailable,
     MetricsPage,
+    ReadLimits,
 )
 from agent.forward import forward
 from protocol import messages as m
@@ -636,7 +637,8 @@ async def test_a_cancel_before_a_deadline_reports_nothing_and_closes_the_connect
 
     async def worker(p: EnginePool) -> None:
         with scope:  # as the session's worker enters it
-            await forward(p, request(stream=True), sent.append, scope=scope)
+            limits = ReadLimits(p.timeouts.read, scope)
+            await forward(p, request(stream=True), sent.append, limits=limits)
 
     async with pool(engine, read=5.0) as p, trio.open_nursery() as nursery:
         nursery.start_soon(worker, p)

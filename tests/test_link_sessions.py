@@ -218,10 +218,10 @@ def test_requests_one_after_another_are_served_by_one_worker_that_enters_no_scop
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A session's worker serves request after request in its one cancel scope: no
-    task is spawned and no scope entered per request. A request that is cancelled, or
-    whose engine times out, ends its worker with it (a cancelled scope stays
-    cancelled); the timeout is still reported, and the next request gets a new worker,
-    whose scope carries none of the old deadlines."""
+    task is spawned, no scope entered and no deadline moved per request. A request
+    that is cancelled, or whose engine times out, ends its worker with it (a cancelled
+    scope stays cancelled); the timeout is still reported, and the next request gets a
+    new worker."""
     stalled = False
 
     async def engines() -> CannedEngine:
@@ -229,8 +229,14 @@ def test_requests_one_after_another_are_served_by_one_worker_that_enters_no_scop
 
     spawned: list[str] = []
     entered: list[str] = []
+    moved: list[float] = []
     start_soon = trio.Nursery.start_soon
     enter = trio.CancelScope.__enter__
+    deadline = trio.CancelScope.deadline
+
+    def move(scope: trio.CancelScope, value: float) -> None:
+        moved.append(value)
+        deadline.__set__(scope, value)
 
     def counted_start(nursery: trio.Nursery, fn: object, *args: object, **kw: object) -> None:
         spawned.append(getattr(fn, "__name__", "?"))
@@ -253,10 +259,12 @@ def test_requests_one_after_another_are_served_by_one_worker_that_enters_no_scop
             await session.wait_idle()
             monkeypatch.setattr(trio.Nursery, "start_soon", counted_start)
             monkeypatch.setattr(trio.CancelScope, "__enter__", counted_enter)
+            monkeypatch.setattr(trio.CancelScope, "deadline", property(deadline.__get__, move))
             session._on_message(m.request(2, *chat))
             await session.wait_idle()
             monkeypatch.undo()
-            assert spawned == [] and entered == [], (spawned, entered)
+            # Nor a deadline moved: the session's watchdog keeps the read timeouts.
+            assert spawned == [] and entered == [] and moved == [], (spawned, entered, moved)
             # Request 3's engine never answers and the router cancels it; request 4's
             # never answers and its read timeout (2 s) ends it.
             session.engine.close()  # the pooled connection answers: new ones do not
