@@ -88,16 +88,15 @@ READ_WATCH_PERIOD = 0.25
 
 
 class _Served:
-    """One request this agent serves: its place in the conversation, and the scope
-    that a cancel cancels (its worker's; the engine's read timeouts are its
-    deadlines)."""
+    """One request this agent serves: its place in the conversation, and its engine
+    read timeouts, which the session watches (`_watch_reads`), for the scope that a
+    cancel cancels (`limits.scope`, its worker's)."""
 
-    __slots__ = ("counted", "limits", "scope", "state")
+    __slots__ = ("counted", "limits", "state")
 
-    def __init__(self, state: RequestState, scope: trio.CancelScope, limits: ReadLimits) -> None:
+    def __init__(self, state: RequestState, limits: ReadLimits) -> None:
         self.state = state
-        self.scope = scope
-        self.limits = limits  # watched by the session (`_watch_reads`)
+        self.limits = limits
         self.counted = True  # holds one of the agent's capacity slots
 
 
@@ -244,7 +243,7 @@ class RouterSession:
             return
         worker = self._waiting.pop() if self._waiting else _Worker()
         limits = ReadLimits(self.engine.timeouts.read, worker.scope, watched=True)
-        served = self.requests[req_id] = _Served(state, worker.scope, limits)
+        served = self.requests[req_id] = _Served(state, limits)
         if worker.task is not None:  # one that waits for a request
             worker.job = (msg, served)
             trio.lowlevel.reschedule(worker.task)
@@ -258,7 +257,7 @@ class RouterSession:
         served = self.requests.get(msg["id"])
         if served is not None:
             served.state = next_request_state(Role.ROUTER, served.state, m.CANCEL)
-            served.scope.cancel()
+            served.limits.scope.cancel()
             # The router counted the slot free when it cancelled, and its next request
             # may be in this same read: held until the cancelled task unwinds, the slot
             # made that one `agent_full`, and the router's queue went out of its order.
@@ -302,7 +301,7 @@ class RouterSession:
             now = trio.current_time()
             for served in list(self.requests.values()):
                 if served.limits.deadline <= now:
-                    served.scope.cancel()
+                    served.limits.scope.cancel()
 
     async def _next_job(self, worker: _Worker) -> tuple[dict, _Served]:
         worker.task = trio.lowlevel.current_task()

@@ -991,6 +991,14 @@ def test_plain_sample_lines_read_as_prometheus_client_reads_them() -> None:
         "a{b=c} 1",
         "1a 1",
     ]
+    # Long hostile lines, each read in time linear in its length by both readings.
+    hostile = [
+        'a{b="' + '\\"' * 20_000 + "} 1",
+        'a{b="' + "x" * 50_000 + " 1",
+        "a{" + 'b="c",' * 5_000 + " 1",
+        "a{" + ",".join(f'l{i}="v"' for i in range(2_000)) + "} 1",
+        "a " + "1" * 50_000,
+    ]
     rng = random.Random(26)
     for _ in range(20_000):
         line = list(rng.choice(lines))
@@ -1005,7 +1013,7 @@ def test_plain_sample_lines_read_as_prometheus_client_reads_them() -> None:
                 line[min(at, len(line) - 1)] = rng.choice(_LINE_PIECES)
         lines.append("".join(line))
     plain = 0
-    for line in lines:
+    for line in [*lines, *hostile]:
         assert _reading(sample_lines.read_sample, line) == _reading(sample_lines.read_page, line), (
             repr(line)
         )
