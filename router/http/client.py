@@ -362,14 +362,8 @@ class ClientApi:
             )
         else:
             answering = trio.CancelScope(deadline=deadline)
-
-            def client_left() -> None:
-                if not state.done:
-                    state.client_gone = True
-                    answering.cancel()
-
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(_watch, receive, client_left)
+                nursery.start_soon(_watch, receive, _client_left(state, answering.cancel))
                 with answering:
                     await self._answer(req, protocol, tracked_send, extra, state)
                 nursery.cancel_scope.cancel()
@@ -412,15 +406,9 @@ class ClientApi:
         """`_answer` in the connection's own cancel scope (ANSWER_SCOPE), not one of its
         own; True when the deadline ended it. The connection closes after an answer
         its deadline or its client ended."""
-
-        def client_left() -> None:
-            if not state.done:
-                state.client_gone = True
-                connection.end()
-
         connection.limit(deadline)
         try:
-            on_disconnect(client_left)
+            on_disconnect(_client_left(state, connection.end))
             await self._answer(req, protocol, send, extra, state)
         except trio.Cancelled:
             # The scope stays cancelled: what the request still awaits is shielded
@@ -614,6 +602,18 @@ class _Progress:
     response: AgentResponse | None = None
     ticket: Ticket | None = None
     admitted: Admitted | None = None
+
+
+def _client_left(state: _Progress, cancel: Callable[[], None]) -> Callable[[], None]:
+    """What the client leaving does: cancel the answer, unless its last body part is
+    already on its way (then it is the client's normal close)."""
+
+    def left() -> None:
+        if not state.done:
+            state.client_gone = True
+            cancel()
+
+    return left
 
 
 async def _watch(receive: Receive, client_left: Callable[[], None]) -> None:
