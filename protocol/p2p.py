@@ -41,6 +41,9 @@ SOCKET_READ_BYTES = 64 * 1024
 SEED_BYTES = 32
 PATCHED_LIBP2P = "0.8.1"
 FLUSH_TIMEOUT = 1.0
+# A session's msgpack packer starts with this much buffer (msgpack's own default is
+# 256 KiB) and is replaced after a frame larger than it.
+PACK_BUFFER_BYTES = 64 * 1024
 
 
 def libp2p_version() -> str:
@@ -222,6 +225,10 @@ class SessionClosed(Exception):
     """The framed stream is gone; pending sends are dropped."""
 
 
+def _packer() -> Callable[[dict], bytes]:
+    return msgpack.Packer(use_bin_type=True, buf_size=PACK_BUFFER_BYTES).pack
+
+
 class _Outbox:
     """The frames waiting for a session's writer, and the writer's place to wait.
 
@@ -288,7 +295,7 @@ class FramedStream:
         self.last_tx = 0.0
         # msgpack.packb builds a packer, and its buffer, for every frame: 0.53 against
         # 0.22 µs for one kept (a streamed answer is a dozen frames).
-        self._pack = msgpack.Packer(use_bin_type=True).pack
+        self._pack = _packer()
         self._scope: trio.CancelScope | None = None
         self._abort_early = False
         self._drained = trio.Event()
@@ -305,7 +312,12 @@ class FramedStream:
         # close() shuts the outbox at once; `closed` is set only when run() returns.
         if self._outbox.closed:
             raise SessionClosed(self.close_reason or "session closed")
-        self._outbox.put(encode_frame(message, self._pack))
+        frame = encode_frame(message, self._pack)
+        if len(frame) > PACK_BUFFER_BYTES:
+            # A packer keeps the largest buffer it ever grew to, for good: a router
+            # with a thousand sessions kept a request body's worth for each.
+            self._pack = _packer()
+        self._outbox.put(frame)
 
     async def run(self, on_message: Callable[[dict], None]) -> str:
         """Read and write until either side ends; returns why the session ended."""

@@ -373,6 +373,25 @@ async def test_a_session_s_writer_waits_for_a_frame_or_the_close_and_can_be_canc
     assert woken == ["put", "closed"]
 
 
+def test_a_session_does_not_keep_the_buffer_a_large_frame_grew() -> None:
+    """A msgpack packer keeps the largest buffer it grew to: a session's is replaced
+    after a large frame, so a router does not hold a request body's worth per agent."""
+    import tracemalloc
+
+    fs = FramedStream(stream=None)
+    fs.send_nowait(m.response_chunk(1, b"small"))
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        fs.send_nowait(m.response_chunk(2, b"x" * (4 << 20)))
+        fs._outbox.frames.clear()
+        fs.send_nowait(m.response_chunk(3, b"small"))
+        held = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert held < 1 << 20, held
+
+
 def test_frame_decoder_handles_split_and_joined_frames() -> None:
     frames = b"".join(encode_frame(m.cancel(i)) for i in range(50))
     decoder = FrameDecoder()
