@@ -108,11 +108,11 @@ class Dispatcher:
                 span.fail("load shed" if isinstance(outcome, LoadShed) else "chain exhausted")
         if isinstance(outcome, Served):
             metrics = self.metrics
-            metrics.child(metrics.routed, req.model, req.tenant).inc()
+            metrics.routed.labels(req.model, req.tenant).inc()
             if outcome.step_index == 0:
-                metrics.child(metrics.primary, req.model, req.tenant).inc()
+                metrics.primary.labels(req.model, req.tenant).inc()
             else:
-                metrics.child(metrics.fallback, req.model, req.tenant).inc()
+                metrics.fallback.labels(req.model, req.tenant).inc()
             return outcome
         if isinstance(outcome, LoadShed):
             self._shed(req, outcome)

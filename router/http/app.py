@@ -139,8 +139,8 @@ class RouterApp:
             self._audit_admin(scope, rid, status)
         if path in ENDPOINTS:
             metrics = self.metrics
-            metrics.child(metrics.requests, path, str(status), tenant).inc()
-            metrics.child(metrics.duration, path, tenant).observe(elapsed)
+            metrics.requests.labels(path, str(status), tenant).inc()
+            metrics.duration.labels(path, tenant).observe(elapsed)
             if self.tenants:
                 self.tenants.audit(
                     scope.get(TICKET), path, rid, tenant, status, elapsed, trace_id or None

@@ -469,7 +469,7 @@ class ClientApi:
                 state.status = 200
                 await send_json(send, 200, answer, extra)
             return
-        self.metrics.child(self.metrics.overhead, req.path).observe(max(0.0, own))
+        self.metrics.overhead.labels(req.path).observe(max(0.0, own))
         await self._relay(req, protocol, response, send, extra, state)
 
     async def _relay(
