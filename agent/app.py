@@ -37,6 +37,9 @@ log = logging.getLogger("agent")
 # Workers added from welcomes, over the agent's life, at most (router --workers allows 64
 # per host): a router that names new ones on every welcome cannot grow this list.
 MAX_WORKERS = 64
+# Seconds between health checks of an engine never yet seen answering (at most the
+# heartbeat interval).
+STARTING_PROBE_INTERVAL = 1.0
 
 
 async def _tick(next_at: float, interval: float) -> float:
@@ -67,6 +70,7 @@ class AgentDaemon:
         )
         self.hardware = HardwareSampler(settings.gpu_devices)
         self.health = HealthTracker()
+        self._health_checked = False
         self.connections: list[RouterConnection] = []
         self.capacity = SharedCapacity(settings.capacity)
         self.endpoints: EngineEndpoints | None = None
@@ -253,15 +257,22 @@ class AgentDaemon:
             ok = await self.adapter.check_health(probe, ep)
         except Exception:  # an engine that cannot answer is unhealthy, nothing more
             ok = False
+        first = not self._health_checked
+        self._health_checked = True
         healthy = self.health.record(ok)
-        if healthy != self.status.backend_healthy:
+        if healthy != self.status.backend_healthy or first:
             log.info("backend_health healthy=%s", healthy)
             self.status.backend_healthy = healthy
             self._changed()
 
     async def _health_loop(self, probe: httpx.AsyncClient, ep: EngineEndpoints) -> None:
         while True:
-            await trio.sleep(self.settings.heartbeat_interval)
+            period = self.settings.heartbeat_interval
+            if not self.health.seen_healthy:
+                # An engine still starting is taken into service within a second of
+                # its first answer, not a heartbeat later.
+                period = min(period, STARTING_PROBE_INTERVAL)
+            await trio.sleep(period)
             await self._probe_health(probe, ep)
 
     async def _engine_loop(self, ep: EngineEndpoints, page: MetricsPage | None = None) -> None:

@@ -576,6 +576,9 @@ def test_histogram_quantile_edges() -> None:
 
 def test_health_tracker_three_strikes() -> None:
     tracker = HealthTracker()
+    # Never seen answering: unhealthy from the first failed check.
+    assert tracker.healthy is False
+    assert tracker.record(False) is False
     assert tracker.record(True) is True
     assert tracker.record(False) is True
     assert tracker.record(False) is True
@@ -824,6 +827,50 @@ async def test_backend_health_three_strikes_through_the_daemon(
         (False, False),
         (True, True),
     ]
+
+
+async def test_a_backend_never_seen_answering_is_unhealthy_from_the_first_check(
+    tmp_path: Path, autojump_clock: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The three strikes spare a backend that was answering, not one that never did:
+    an agent started beside a dead engine reports it unhealthy at once (and says so)."""
+    daemon = _daemon(tmp_path)
+    ep = daemon.adapter.endpoints("http://engine:8000", None, None)
+    answers = iter([503, 503, 200, 500])
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(next(answers))
+
+    seen = []
+    caplog.set_level(logging.INFO, logger="agent")
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as probe:
+        for _ in range(4):
+            await daemon._probe_health(probe, ep)
+            seen.append(daemon.status.backend_healthy)
+    assert seen == [False, False, True, True]
+    lines = [r.getMessage() for r in caplog.records if "backend_health" in r.getMessage()]
+    assert lines == ["backend_health healthy=False", "backend_health healthy=True"]
+
+
+async def test_an_engine_still_starting_is_checked_every_second(
+    tmp_path: Path, autojump_clock: Any
+) -> None:
+    """Until its first answer the engine is checked every second, then every heartbeat."""
+    daemon = _daemon(tmp_path)
+    daemon.settings.heartbeat_interval = 5.0
+    ep = daemon.adapter.endpoints("http://engine:8000", None, None)
+    answers = iter([503, 503, 503, 200, 200, 200])
+    checked: list[float] = []
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        checked.append(trio.current_time())
+        return httpx.Response(next(answers))
+
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as probe:
+        with trio.move_on_after(13.5):
+            await daemon._health_loop(probe, ep)
+    assert checked == [1.0, 2.0, 3.0, 4.0, 9.0]
+    assert daemon.status.backend_healthy is True
 
 
 class _Frames:

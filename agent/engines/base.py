@@ -244,20 +244,24 @@ def _snapshot(series: dict[str, Series], names: tuple[str, ...]) -> _HistogramSn
 
 @dataclass
 class HealthTracker:
-    """Backend health from single checks: unhealthy after `threshold` failures in a row.
+    """Backend health from single checks: unhealthy until a check passes, then after
+    `threshold` failures in a row.
 
-    One failed check is often a blip (a GC pause, a slow load); a success clears the
-    streak at once so a recovered backend takes traffic again on the next heartbeat.
+    One failed check of a backend that was answering is often a blip (a GC pause, a
+    slow load); a success clears the streak at once so a recovered backend takes
+    traffic again on the next heartbeat. A backend never yet seen answering gets no
+    such benefit of the doubt: the agent reports what the latest check found.
     """
 
     threshold: int = 3
-    healthy: bool = True
+    healthy: bool = False
+    seen_healthy: bool = False
     _failures: int = field(default=0, repr=False)
 
     def record(self, ok: bool) -> bool:
         if ok:
             self._failures = 0
-            self.healthy = True
+            self.healthy = self.seen_healthy = True
         else:
             self._failures += 1
             if self._failures >= self.threshold:
