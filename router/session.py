@@ -29,6 +29,12 @@ from router.policy.schema import Policy, Step
 
 log = logging.getLogger("policy")
 
+# Gate 1 when the model has agents but the request's own filters (the engines its
+# endpoint needs, the agents a continuation leaves out) left none of them.
+_NONE_LEFT = Evaluation(
+    None, 0, f"gate[1] {MODEL_FILTER.name} [no_agents]", False, MODEL_FILTER.number
+)
+
 
 @dataclass
 class RouteRequest:
@@ -281,10 +287,6 @@ class RoutingSession:
             reasons.append(f"{step.name}: {outcome.reason}")
             last_failure = outcome.failure or last_failure
             capacity_drained = capacity_drained or outcome.capacity_full
-            if outcome.drained_gate == MODEL_FILTER.number:
-                # Gate 1: the model is fixed for the whole chain, so no later local
-                # step can recover; `tried=` then shows how far the chain went.
-                break
         return self._exhausted(req, steps, reasons, last_failure, capacity_drained)
 
     def _pool(self, req: RouteRequest) -> Sequence[Peer]:
@@ -372,6 +374,8 @@ class RoutingSession:
             )
             peer = ev.best
             if peer is None:
+                if not pool and (req.engines or req.exclude) and self.table.for_model(req.model):
+                    ev = _NONE_LEFT
                 log.debug(
                     "req=%s step_drained step=%s drain=%s waitable=%s tenant=%s",
                     req.request_id,

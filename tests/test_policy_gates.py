@@ -148,7 +148,7 @@ def test_strategy_tables() -> None:
 def test_gate1_empty_pool() -> None:
     result = run([])
     assert (result.best, result.survivors) == (None, 0)
-    assert result.drain == "gate[1] model_filter [no_agents]"
+    assert result.drain == "gate[1] model_filter [model_not_registered]"
     assert result.waitable is False
 
 

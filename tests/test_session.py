@@ -800,7 +800,7 @@ async def test_the_client_error_after_exhaustion(autojump_clock: Any) -> None:
     assert caught.value.http_status == 502
 
 
-async def test_an_unknown_model_stops_at_gate_1(
+async def test_an_unknown_model_drains_every_step_at_gate_1(
     autojump_clock: Any, caplog: pytest.LogCaptureFixture
 ) -> None:
     h = Harness(policy(ANY, "name: a\n" + ANY, "name: b\n" + ANY), [make_peer("A")])
@@ -809,12 +809,27 @@ async def test_an_unknown_model_stops_at_gate_1(
         await h.dispatcher().dispatch(req)
     assert caught.value.code == ErrorCode.MODEL_NOT_FOUND
     (line,) = exhausted_lines(caplog)
-    # The model is fixed for the whole chain: later steps cannot help, and are not run.
+    # The seeds: the router advances to the next step when no agent is registered for
+    # the model; each step says so, in upstream's words.
+    drained = "gate[1] model_filter [model_not_registered]"
     assert line.endswith(
-        'chain=[routing_policy→a→b] tried=1/3 reason="routing_policy: gate[1] model_filter '
-        '[no_agents]"'
+        f'chain=[routing_policy→a→b] tried=3/3 reason="routing_policy: {drained} | a: {drained}'
+        f' | b: {drained}"'
     )
     assert h.metric("hivenet_router_policy_exhausted_total", model=req.model) == 1
+
+
+async def test_a_pool_the_request_itself_emptied_is_no_agents_not_unregistered(
+    autojump_clock: Any,
+) -> None:
+    """The model has an agent, but the request leaves it out (a continuation's tried
+    agents, the engines an endpoint needs): gate 1 says `no_agents`."""
+    h = Harness(policy(ANY), [make_peer("A")])
+    req = request()
+    req.exclude = frozenset({"A"})
+    outcome = await h.route(req)
+    assert isinstance(outcome, Exhausted)
+    assert outcome.reason == "routing_policy: gate[1] model_filter [no_agents]"
 
 
 async def test_the_wrong_capability_drains_every_step(autojump_clock: Any) -> None:

@@ -236,7 +236,11 @@ def _exclude_if_source(step: Step, const: Const, reject: Reject) -> list[str]:
     return _compile_rules(step.exclude_if, const, reject)
 
 
-MODEL_FILTER = Gate(1, "model_filter", _model_check, _model_source, lambda _: "no_agents")
+# Upstream's detail: the model has no agent (the session says `no_agents` instead when
+# the request's own filters, not the registry, emptied the pool).
+MODEL_FILTER = Gate(
+    1, "model_filter", _model_check, _model_source, lambda _: "model_not_registered"
+)
 CAPACITY = Gate(6, "capacity", _capacity_check, _capacity_source, _counts)
 GATES: tuple[Gate, ...] = (
     MODEL_FILTER,
