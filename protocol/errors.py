@@ -206,6 +206,12 @@ def error_payload(protocol: str, err: RouterError) -> dict:
     return anthropic_error_body(err) if protocol == "anthropic" else openai_error_body(err)
 
 
+# With "context", what engines say of a prompt too long: vLLM's "maximum context
+# length", SGLang's "context length", llama.cpp's "exceeds the available context
+# size" (type exceed_context_size_error, with n_prompt_tokens), "context window".
+_CONTEXT_WORDS = ("length", "window", "token", "size")
+
+
 def classify_backend_status(status: int, body: bytes) -> ErrorCode | None:
     """Map an engine's HTTP answer to an error code; None when it is a success.
 
@@ -219,7 +225,7 @@ def classify_backend_status(status: int, body: bytes) -> ErrorCode | None:
         return None
     if status in (400, 422):
         text = body[:4096].decode("utf-8", "replace").lower()
-        if "context length" in text or "context_length" in text or "maximum context" in text:
+        if "context" in text and any(word in text for word in _CONTEXT_WORDS):
             return ErrorCode.CONTEXT_LENGTH_EXCEEDED
         return ErrorCode.INVALID_PARAMETER
     if status in (408, 429, 503):

@@ -321,10 +321,11 @@ def test_backend_400_passes_through_as_invalid_parameter(
 
 
 @pytest.mark.parametrize(("path", "protocol"), BOTH)
-def test_backend_422_keeps_its_status(ef: ErrFleet, path: str, protocol: str) -> None:
+def test_backend_422_is_invalid_parameter_400(ef: ErrFleet, path: str, protocol: str) -> None:
+    # INTERFACE.md: other 400/422 -> invalid_parameter, whose status is 400.
     ef.m1.sim_state(fail_status=422, fail_count=1, fail_body="plain text problem")
     r = post(ef.router, path, request_body(path))
-    err = assert_error(r, 422, "invalid_parameter", protocol, source="backend")
+    err = assert_error(r, 400, "invalid_parameter", protocol, source="backend")
     assert "plain text problem" in err["message"]
 
 
@@ -638,6 +639,20 @@ def test_every_code_has_a_status_and_both_shapes(code: ErrorCode) -> None:
         (400, b"This model's maximum context length is 4096", ErrorCode.CONTEXT_LENGTH_EXCEEDED),
         (422, b'{"detail":"context_length_exceeded"}', ErrorCode.CONTEXT_LENGTH_EXCEEDED),
         (422, b"{}", ErrorCode.INVALID_PARAMETER),
+        (
+            400,
+            b'{"error":{"code":400,"message":"the request exceeds the available context size,'
+            b' try increasing it","type":"exceed_context_size_error","n_prompt_tokens":5000,'
+            b'"n_ctx":4096}}',
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+        ),
+        (
+            400,
+            b"prompt is longer than the model's context window",
+            ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+        ),
+        (400, b'{"message":"max_tokens must be at least 1, got 0"}', ErrorCode.INVALID_PARAMETER),
+        (400, b'{"message":"unknown field context"}', ErrorCode.INVALID_PARAMETER),
         (429, b"", ErrorCode.BACKEND_UNAVAILABLE),
         (503, b"", ErrorCode.BACKEND_UNAVAILABLE),
         (408, b"", ErrorCode.BACKEND_UNAVAILABLE),

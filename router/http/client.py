@@ -434,8 +434,9 @@ class ClientApi:
         try:
             served = await self.dispatcher.dispatch(req)
         except BackendRejected as exc:
+            # The status is the code's (INTERFACE.md): an engine's 422 is a 400.
             f = exc.failure
-            err = RouterError(f.code, _backend_message(f.body) or f.message, "backend", f.status)
+            err = RouterError(f.code, _backend_message(f.body) or f.message, "backend")
             state.status = await send_error(send, protocol, err, extra, state.ticket)
             return
         except RouterError as err:
