@@ -36,6 +36,12 @@ _HOP_BY_HOP = frozenset(
 )
 
 
+def request_id(msg: dict) -> str:
+    """A request message's X-Request-ID (the router sets it), for `req=` in log lines;
+    the link's own number when it has none."""
+    return str(msg["headers"].get("x-request-id") or msg["id"])
+
+
 async def forward(
     engine: EnginePool,
     msg: dict,
@@ -94,7 +100,7 @@ async def _forward(
     except MalformedAnswer as exc:
         log.warning(
             "req=%s malformed_answer path=%s reason=%s",
-            msg["headers"].get("x-request-id", req_id),
+            request_id(msg),
             msg["path"],
             quote(str(exc)),
         )

@@ -16,7 +16,7 @@ from libp2p.peer.peerinfo import PeerInfo
 from agent.capacity import SharedCapacity
 from agent.dial_errors import describe
 from agent.engine_http import EnginePool, ReadLimits
-from agent.forward import forward
+from agent.forward import forward, request_id
 from agent.router_identity import RouterAddress, learn_peer_id, parse_router
 from protocol import messages as m
 from protocol.conversation import (
@@ -220,7 +220,12 @@ class RouterSession:
         try:
             state = open_request(live.state if live is not None else None)
         except m.ProtocolError as exc:
-            log.warning("router_out_of_step id=%d reason=%s", req_id, quote(str(exc)))
+            log.warning(
+                "req=%s router_out_of_step id=%d reason=%s",
+                request_id(msg),
+                req_id,
+                quote(str(exc)),
+            )
             self.send(m.error(req_id, ErrorCode.BACKEND_ERROR, f"agent refused: {exc}"))
             return
         if self.serves is not None and not self.serves(msg["path"]):
@@ -349,7 +354,12 @@ class RouterSession:
             except m.ProtocolError as exc:
                 # This agent's own answer broke the rules: the request fails, the
                 # session and its other requests go on.
-                log.error("answer_out_of_order id=%d reason=%s", req_id, quote(str(exc)))
+                log.error(
+                    "req=%s answer_out_of_order id=%d reason=%s",
+                    request_id(msg),
+                    req_id,
+                    quote(str(exc)),
+                )
                 if served.state in (RequestState.AWAITING_HEAD, RequestState.BODY):
                     served.state = RequestState.FAILED
                     self.send(m.error(req_id, ErrorCode.BACKEND_ERROR, f"agent error: {exc}"))

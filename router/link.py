@@ -144,10 +144,11 @@ class _Pending:
     conversation (protocol/conversation.py), moved by the session's reader.
     """
 
-    __slots__ = ("_task", "failure", "frames", "req_id", "state")
+    __slots__ = ("_task", "failure", "frames", "req_id", "rid", "state")
 
-    def __init__(self, req_id: int) -> None:
+    def __init__(self, req_id: int, rid: str = "-") -> None:
         self.req_id = req_id
+        self.rid = rid  # the request's X-Request-ID, for the log lines about it
         self.state = RequestState.AWAITING_HEAD
         self.failure: ForwardFailure | None = None
         self.frames: deque[Answer] = deque()
@@ -280,7 +281,8 @@ class AgentSession:
         if state is None:
             exc = request_error(pending.state, kind)
             log.warning(
-                "agent_out_of_step peer=%s id=%d reason=%s",
+                "req=%s agent_out_of_step peer=%s id=%d reason=%s",
+                pending.rid,
                 self.remote_peer,
                 req_id,
                 quote(str(exc)),
@@ -314,10 +316,10 @@ class AgentSession:
     def refuse(self) -> None:
         self._enter(next_session_state(Role.ROUTER, self.state, m.REFUSAL))
 
-    def open(self) -> tuple[int, _Pending]:
+    def open(self, rid: str = "-") -> tuple[int, _Pending]:
         req_id = self.next_id
         self.next_id += 1
-        pending = self.pending[req_id] = _Pending(req_id)
+        pending = self.pending[req_id] = _Pending(req_id, rid)
         return req_id, pending
 
     def finish(self, req_id: int, cancel: bool) -> None:
@@ -714,7 +716,7 @@ class AgentLink:
     async def _forward(
         self, session: AgentSession, peer: Peer, req: RouteRequest, slot: Slot, span: Span
     ) -> AgentResponse | ForwardFailure:
-        req_id, pending = session.open()
+        req_id, pending = session.open(req.request_id)
         try:
             session.fs.send_nowait(
                 m.request(
@@ -748,7 +750,11 @@ class AgentLink:
                 # count as a success: this agent's try fails instead.
                 session.finish(req_id, cancel=True)
                 log.warning(
-                    "agent_bad_head peer=%s id=%d reason=%s", peer.peer_id, req_id, quote(problem)
+                    "req=%s agent_bad_head peer=%s id=%d reason=%s",
+                    req.request_id,
+                    peer.peer_id,
+                    req_id,
+                    quote(problem),
                 )
                 return ForwardFailure(
                     ErrorCode.BACKEND_ERROR,

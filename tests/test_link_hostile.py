@@ -108,13 +108,14 @@ async def test_a_head_the_router_cannot_send_is_a_failed_try(
         reply = await chat(router, "m2")
         assert reply.status_code == 502, reply.text
         assert reply.json()["error"]["code"] == "backend_error"
+        refused = reply.headers["x-request-id"]
         assert len(alone.requests) == 1
         # The router cancelled the try it refused.
         with trio.fail_after(5):
             await alone.cancelled.wait()
     after = router.metric("hivenet_router_forward_failures_total", code="backend_error")
     assert after - failures == 2
-    assert "agent_bad_head" in router.log()
+    assert f"req={refused} agent_bad_head" in router.log()
 
 
 async def test_a_second_response_head_fails_the_request(router: Router) -> None:
@@ -136,13 +137,14 @@ async def test_a_second_response_head_fails_the_request(router: Router) -> None:
         assert reply.status_code == 502, reply.text
         assert reply.json()["error"]["code"] == "backend_error"
         assert "can't handle response_head in state BODY" in reply.json()["error"]["message"]
+        broken = reply.headers["x-request-id"]
         with trio.fail_after(5):
             await hostile.cancelled.wait()
         # The session lives on: the next answer, in order, is served on it.
         reply = await chat(router, "m2")
         assert reply.status_code == 200, reply.text
         assert len(hostile.requests) == 2
-    assert "agent_out_of_step" in router.log()
+    assert f"req={broken} agent_out_of_step" in router.log()
 
 
 async def test_answers_for_ids_not_live_are_dropped_and_the_session_lives(router: Router) -> None:
@@ -231,5 +233,6 @@ async def test_an_agent_refuses_a_reused_live_id_and_serves_the_first(fleet: Fle
         assert "its id is live" in refusal["message"]
         body = b"".join(f["data"] for f in frames if f["type"] == m.RESPONSE_CHUNK)
         assert json.loads(body)["choices"][0]["message"]["content"] == "Echo: first"
-        assert "router_out_of_step" in agent.log()
+        # No X-Request-ID in this request: the link's own number stands in.
+        assert "req=7 router_out_of_step id=7" in agent.log()
         assert agent.alive()
