@@ -20,6 +20,7 @@ from protocol.errors import ErrorCode, RouterError
 from router import session as session_module
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher, ProviderServed
+from router.http import admin
 from router.metrics import RouterMetrics
 from router.peers import AgentMetadata, Peer, PeerTable
 from router.policy.schema import ProviderFallback, load_policy
@@ -1092,3 +1093,17 @@ async def test_a_probe_that_says_nothing_of_the_agent_leaves_it_half_open(
     assert history(a) == (97, 3, 3)
     assert isinstance(await h.route(), Served)  # probed again at once: no new cool-down
     assert history(a) == (98, 3, 0)
+
+
+async def test_admin_health_is_healthy_while_any_agent_is() -> None:
+    """Upstream's `/admin/health` rule: `healthy` when at least one agent is healthy,
+    `degraded` when none is (no agents at all included)."""
+    table, queue = PeerTable(), WaitQueue(30)
+    assert admin.health(table, queue)["status"] == "degraded"
+    sick, well = make_peer("A"), make_peer("B")
+    sick.backend_healthy = False
+    table.add(sick)
+    assert admin.health(table, queue)["status"] == "degraded"
+    table.add(well)
+    view = admin.health(table, queue)
+    assert (view["status"], view["total_agents"], view["healthy_agents"]) == ("healthy", 2, 1)
