@@ -472,8 +472,54 @@ def test_llamacpp_with_and_without_kv_ratio() -> None:
         assert current["kv_cache_utilization"] is None
         assert current["running_requests"] == 0.0
         assert current["waiting_requests"] == 0.0
-        # Throughput gauges are not latencies: no TTFT/ITL ever.
+        # Throughput gauges are not latencies; the decode counters did not move.
         assert _ttft_itl(current) == (None, None, None, None)
+
+
+def _llamacpp_counters(seconds: float, tokens: float) -> str:
+    return (
+        "# TYPE llamacpp:tokens_predicted_total counter\n"
+        f"llamacpp:tokens_predicted_total {tokens}\n"
+        "# TYPE llamacpp:tokens_predicted_seconds_total counter\n"
+        f"llamacpp:tokens_predicted_seconds_total {seconds}\n"
+        "llamacpp:requests_processing 1\n"
+    )
+
+
+@pytest.mark.parametrize("engine", ["llamacpp", "custom"])
+def test_llamacpp_average_itl_from_its_decode_counters(engine: str) -> None:
+    """Seconds decoding over tokens decoded, per scrape interval: the first scrape, an
+    interval with no token done and a counter that fell (a restart) give None."""
+    sampler = get_adapter(engine).new_sampler(None)
+    scrapes = [
+        ((10.0, 1000.0), None),  # first: nothing to compare with
+        ((12.5, 1100.0), 0.025),  # 2.5 s for 100 tokens
+        ((12.5, 1100.0), None),  # idle: no verdict, not zero
+        ((13.0, 1150.0), 0.01),
+        ((0.2, 10.0), None),  # restarted
+        ((0.5, 40.0), 0.01),
+    ]
+    for (seconds, tokens), want in scrapes:
+        values = sampler.update(_llamacpp_counters(seconds, tokens), now=0.0)
+        if want is None:
+            assert values["avg_itl_seconds"] is None
+        else:
+            assert values["avg_itl_seconds"] == pytest.approx(want)
+        assert values["p90_itl_seconds"] is None and values["avg_ttft_seconds"] is None
+
+
+def test_an_itl_histogram_wins_over_the_decode_counters() -> None:
+    """`custom` reads every engine's names: an engine with both keeps its histogram's."""
+    sampler = get_adapter("custom").new_sampler(None)
+    for seconds, tokens, itl_sum, itl_count in ((1.0, 100.0, 1.0, 100.0), (3.0, 200.0, 1.5, 200.0)):
+        page = _llamacpp_counters(seconds, tokens) + (
+            "# TYPE vllm:inter_token_latency_seconds histogram\n"
+            f'vllm:inter_token_latency_seconds_bucket{{le="+Inf"}} {itl_count}\n'
+            f"vllm:inter_token_latency_seconds_sum {itl_sum}\n"
+            f"vllm:inter_token_latency_seconds_count {itl_count}\n"
+        )
+        values = sampler.update(page, now=0.0)
+    assert values["avg_itl_seconds"] == pytest.approx(0.005)
 
 
 def test_ollama_has_no_metrics() -> None:

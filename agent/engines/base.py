@@ -54,6 +54,9 @@ class MetricNames:
     ttft_histogram: tuple[str, ...] = ()
     itl_histogram: tuple[str, ...] = ()
     preemptions: tuple[str, ...] = ()
+    # For an engine with no ITL histogram: (seconds spent decoding, tokens decoded)
+    # counters, whose change over a scrape interval is the average time per token.
+    itl_counters: tuple[tuple[str, str], ...] = ()
 
     def __or__(self, other: MetricNames) -> MetricNames:
         def join(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
@@ -66,6 +69,8 @@ class MetricNames:
             ttft_histogram=join(self.ttft_histogram, other.ttft_histogram),
             itl_histogram=join(self.itl_histogram, other.itl_histogram),
             preemptions=join(self.preemptions, other.preemptions),
+            itl_counters=self.itl_counters
+            + tuple(p for p in other.itl_counters if p not in self.itl_counters),
         )
 
     def sample_names(self) -> frozenset[str]:
@@ -73,7 +78,8 @@ class MetricNames:
         gauges += self.preemptions
         histograms = self.ttft_histogram + self.itl_histogram
         suffixed = (h + s for h in histograms for s in ("_sum", "_count", "_bucket"))
-        return frozenset((*gauges, *suffixed))
+        counters = (name for pair in self.itl_counters for name in pair)
+        return frozenset((*gauges, *suffixed, *counters))
 
 
 Series = list[tuple[dict[str, str], float]]
@@ -134,6 +140,7 @@ class MetricSampler:
         alternatives = "|".join(re.escape(name) for name in sorted(self._wanted))
         self._lines = re.compile(rf"^[ \t]*(?:{alternatives})[ \t{{][^\n]*", re.MULTILINE)
         self._previous: dict[str, _HistogramSnapshot | None] = {"ttft": None, "itl": None}
+        self._previous_itl_counters: tuple[str, float, float] | None = None
 
     def update(self, text: str, now: float) -> dict[str, float | None]:
         """Fields from one scrape taken at `now` (monotonic seconds).
@@ -146,6 +153,12 @@ class MetricSampler:
         series = self._collect(text)
         avg_ttft, p90_ttft = self._interval("ttft", series, self._names.ttft_histogram)
         avg_itl, p90_itl = self._interval("itl", series, self._names.itl_histogram)
+        if self._names.itl_counters:
+            # Kept every scrape; read only where no histogram answered (`custom` knows
+            # every engine's names).
+            per_token = self._per_token(series, self._names.itl_counters)
+            if avg_itl is None:
+                avg_itl = per_token
         values = {
             # Cache use of several series (data-parallel engines) is a pressure: the worst counts.
             "kv_cache_utilization": self._gauge(series, self._names.kv_cache_utilization, max),
@@ -217,6 +230,27 @@ class MetricSampler:
         if observed <= 0 or added < 0 or any(d < 0 for _, d in deltas):
             return None, None
         return added / observed, histogram_quantile(0.9, deltas)
+
+    def _per_token(
+        self, series: dict[str, Series], pairs: tuple[tuple[str, str], ...]
+    ) -> float | None:
+        """Seconds spent over tokens done since the previous scrape (llama.cpp counts a
+        request's decode time and tokens as it ends); None on the first scrape, when no
+        token was done, and when a counter fell (an engine restart)."""
+        current = None
+        for seconds, tokens in pairs:
+            spent, done = series.get(seconds), series.get(tokens)
+            if spent and done:
+                current = (seconds, sum(v for _, v in spent), sum(v for _, v in done))
+                break
+        previous = self._previous_itl_counters
+        self._previous_itl_counters = current
+        if current is None or previous is None or previous[0] != current[0]:
+            return None
+        spent_now, done_now = current[1] - previous[1], current[2] - previous[2]
+        if done_now <= 0 or spent_now < 0:
+            return None
+        return spent_now / done_now
 
 
 def _snapshot(series: dict[str, Series], names: tuple[str, ...]) -> _HistogramSnapshot | None:

@@ -1,7 +1,10 @@
 """llama.cpp `llama-server --metrics`: OpenAI-compatible, `/health`, `/metrics`.
 
 It reports no TTFT/ITL histograms (`predicted_tokens_seconds` is a rate, not a
-latency), and current releases no KV-cache ratio: those fields stay None.
+latency). The average ITL comes from its decode counters instead: seconds spent
+generating over tokens generated, both summed over its slots as requests end, over
+each scrape interval. TTFT has no such pair (no request count), P90s need a
+histogram, and current releases have no KV-cache ratio: those fields stay None.
 """
 
 from __future__ import annotations
@@ -12,6 +15,7 @@ LLAMACPP_METRICS = MetricNames(
     kv_cache_utilization=("llamacpp:kv_cache_usage_ratio",),
     running_requests=("llamacpp:requests_processing",),
     waiting_requests=("llamacpp:requests_deferred",),
+    itl_counters=(("llamacpp:tokens_predicted_seconds_total", "llamacpp:tokens_predicted_total"),),
 )
 
 
