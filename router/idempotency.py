@@ -4,8 +4,10 @@ A request with an `Idempotency-Key` header, or an `X-Request-ID` the client set,
 remembered while it runs and for `--idempotency-window` (60 s) after it succeeded. The
 same key again, from the same tenant and the same credentials, with the same body,
 joins the running answer (what was sent so far, then what follows) or gets the finished
-one replayed; the engine generates once. The same key with another body is 409
-`idempotency_conflict`, as Stripe answers. Only successful answers are kept (a status
+one replayed; the engine generates once. The same `Idempotency-Key` with another body
+is 409 `idempotency_conflict`, as Stripe answers; the same `X-Request-ID` with another
+body is another request, served as usual (clients and the seeds' recipes reuse a
+request ID to correlate logs, not to name one answer). Only successful answers are kept (a status
 under 300 and no error event in the stream); a failed one is forgotten, so a retry
 generates anew.
 
@@ -83,14 +85,20 @@ class Join:
     entry: Entry
 
 
-def request_key(scope: Scope) -> str | None:
+@dataclass(frozen=True, slots=True)
+class RequestKey:
+    text: str
+    explicit: bool  # an Idempotency-Key; else the client's X-Request-ID
+
+
+def request_key(scope: Scope) -> RequestKey | None:
     """The client's idempotency key: `Idempotency-Key`, else an `X-Request-ID` it set
     (a UUID; the router replaces any other, so it names no request of the client's)."""
     request_id = None
     for key, value in scope["headers"]:
         if key == IDEMPOTENCY_HEADER:
             text = value.decode("latin-1").strip()
-            return text if text and len(text) <= MAX_KEY_LENGTH else None
+            return RequestKey(text, True) if text and len(text) <= MAX_KEY_LENGTH else None
         if key == b"x-request-id":
             request_id = value.decode("latin-1").strip()
     if request_id:
@@ -98,7 +106,7 @@ def request_key(scope: Scope) -> str | None:
             uuid.UUID(request_id)
         except ValueError:
             return None
-        return request_id
+        return RequestKey(request_id, False)
     return None
 
 
@@ -130,13 +138,18 @@ class IdempotencyTable:
             return None
         self._expire(trio.current_time())
         digest = hashlib.sha256()
-        for part in (tenant.encode(), _credentials(scope), path.encode(), key.encode()):
+        # The key's kind is part of it: an Idempotency-Key never meets a request ID.
+        kind = b"key" if key.explicit else b"request-id"
+        for part in (tenant.encode(), _credentials(scope), path.encode(), kind, key.text.encode()):
             digest.update(hashlib.sha256(part).digest())
         slot = digest.digest()
         fingerprint = hashlib.sha256(body).digest()
         entry = self.entries.get(slot)
         if entry is not None:
-            return Join(entry) if entry.fingerprint == fingerprint else Conflict()
+            if entry.fingerprint == fingerprint:
+                return Join(entry)
+            # A request ID reused for another body names another request.
+            return Conflict() if key.explicit else None
         entry = Entry(fingerprint, slot)
         self.entries[slot] = entry
         self.entries.move_to_end(slot)

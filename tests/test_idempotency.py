@@ -118,6 +118,27 @@ def _scope(key: str, auth: bytes = b"Bearer a") -> dict:
     return {"headers": headers, "path": "/v1/chat/completions"}
 
 
+def _with_request_id(rid: str) -> dict:
+    return {"headers": [(b"x-request-id", rid.encode())], "path": "/v1/chat/completions"}
+
+
+async def test_a_request_id_reused_for_another_body_is_another_request() -> None:
+    """The seeds correlate logs by resending one X-Request-ID: with the same body it is
+    a retry (replayed); with another body a new request, never 409. An Idempotency-Key
+    of the same text is a key of its own."""
+    table = IdempotencyTable(window=60)
+    rid = "8b9e4a6d-dfb4-4b95-bada-319e7e5b878a"  # the seeds' example
+    path = "/v1/chat/completions"
+    first = table.claim(_with_request_id(rid), "t", path, b'{"a":1}')
+    await _record(table, first, b"answer")
+    assert isinstance(table.claim(_with_request_id(rid), "t", path, b'{"a":1}'), Join)
+    assert table.claim(_with_request_id(rid), "t", path, b'{"b":2}') is None
+    # The first answer is still kept for its own retries.
+    assert isinstance(table.claim(_with_request_id(rid), "t", path, b'{"a":1}'), Join)
+    assert isinstance(table.claim(_scope(rid), "t", path, b'{"b":2}'), idempotency.Entry)
+    assert isinstance(table.claim(_scope(rid), "t", path, b'{"c":3}'), Conflict)
+
+
 async def _record(table: IdempotencyTable, entry: object, body: bytes, status: int = 200) -> None:
     assert isinstance(entry, idempotency.Entry)
 
