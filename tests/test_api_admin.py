@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import threading
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -365,11 +366,16 @@ def test_seeds_admin_health(af: AdminFleet) -> None:
     assert health["healthy_agents"] == 2
     assert health["queues"] == {MODEL: 0}
     assert len(health["agents"]) == 2
+    # Upstream's fields too (its admin-endpoints page).
+    assert health["queue_length"] == 0
+    assert abs(health["timestamp"] - time.time()) < 60
     for agent in health["agents"]:
         for key in ("peer_id", "model", "healthy", "backend_healthy", "active_requests"):
             assert agent[key] is not None
         assert agent["model"] == MODEL
         assert agent["healthy"] is True and agent["backend_healthy"] is True
+        assert agent["is_healthy"] is True and agent["engine"] == "sim"
+        assert isinstance(agent["version"], str) and isinstance(agent["region"], str)
     assert {a["capacity"] for a in health["agents"]} == {4, 8}
 
 
@@ -535,6 +541,7 @@ fallback_chain:
     try:
         assert ok.status_code == 200, ok.text
         assert ok.json()["chain"] == ["routing_policy", "anywhere"]
+        assert ok.json()["status"] == "policy updated"  # upstream's reply
         assert af.get("/admin/policy").text == good
         assert af.chat().status_code == 200
     finally:

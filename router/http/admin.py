@@ -84,17 +84,26 @@ def health(table: PeerTable, queue: WaitQueue) -> dict:
     now = trio.current_time()
     peers = table.all()
     healthy = sum(1 for p in peers if p.routable)
+    queues = {model: queue.length(model) for model in table.models()}
+    # Upstream's fields (`timestamp`, `queue_length`, `engine`, `version`, `region`,
+    # `is_healthy`) beside this router's own.
     return {
         # Upstream's rule, which its operators' checks read: healthy while any agent is.
         "status": "healthy" if healthy else "degraded",
+        "timestamp": int(time.time()),
         "total_agents": len(peers),
         "healthy_agents": healthy,
-        "queues": {model: queue.length(model) for model in table.models()},
+        "queue_length": sum(queues.values()),
+        "queues": queues,
         "agents": [
             {
                 "peer_id": p.peer_id,
                 "model": p.metadata.model,
+                "engine": p.metadata.engine,
+                "version": p.metadata.version,
+                "region": p.metadata.region,
                 "healthy": p.healthy and p.connected,
+                "is_healthy": p.healthy and p.connected,
                 "backend_healthy": p.backend_healthy,
                 "active_requests": p.active,
                 "capacity": p.metadata.capacity,

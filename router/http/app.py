@@ -287,6 +287,7 @@ class RouterApp:
                 send,
                 extra,
                 lambda: {
+                    "status": "policy updated",  # upstream's words, which its scripts read
                     "chain": self.store.current.chain_names(),
                     "version": self.store.version(),
                 },
