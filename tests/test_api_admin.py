@@ -340,6 +340,10 @@ def test_seeds_admin_models_ids(af: AdminFleet) -> None:
     # One model, by its name with a slash in it.
     one = af.get("/admin/models/" + MODEL)
     assert one.status_code == 200 and one.json()["id"] == MODEL
+    # Upstream: the same card as /v1/models/{model}, its agent list included.
+    listed = one.json()["agents"]["list"]
+    assert sorted(a["peer_id"] for a in listed) == sorted(a.peer_id for a in af.agents)
+    assert all(a["is_healthy"] is True and a["engine"] == "sim" for a in listed)
     missing = af.get("/admin/models/absent")
     assert missing.status_code == 404
     assert missing.json()["error"]["code"] == "model_not_found"

@@ -274,7 +274,9 @@ class RouterApp:
             cards = [c for c in self._admin_models() if c["id"] == model]
             if not cards:
                 return await _not_found(send, rid, "openai", "model_not_found")
-            await send_json(send, 200, cards[0], extra)
+            # As upstream: `/v1/models/{model}`'s card, with its agent list.
+            card = models.detail(cards[0], self.table.for_model(model))
+            await send_json(send, 200, card, extra)
         elif path == "/admin/policy" and method == "GET":
             body = self.store.current.source.encode()
             etag = ("etag", f'"{self.store.version()}"')
