@@ -220,6 +220,11 @@ api:
       quota: {{requests_per_minute: 1}}
     - key_hash: "{expired}"
       metadata: {{name: "old", owner: "beta", expires_at: "01-01-2020"}}
+    - key_hash: "{quoted}"
+      metadata: {{name: "quoted", owner: "gamma"}}
+      quota:
+        per_model:
+          m1: {{requests_per_minute_per_replica: 0, tokens_per_day: 0}}
 admin:
   mode: api-key
 """
@@ -253,13 +258,25 @@ def test_upstream_auth_file_serves_end_to_end(fleet: Fleet) -> None:
     # Expiry, model allowlist, quota: upstream's codes for each.
     limited, limited_hash = keygen("acme")
     old, old_hash = keygen("beta")
-    text = UPSTREAM_SHAPE.format(allowed=limited_hash, expired=old_hash)
+    quoted, quoted_hash = keygen("gamma")
+    text = UPSTREAM_SHAPE.format(allowed=limited_hash, expired=old_hash, quoted=quoted_hash)
     assert httpx.put(router.url + "/admin/auth", content=text, headers=ADMIN).status_code == 200
     expired = chat(router, "m1", old)
     assert expired.status_code == 401
     assert "expired" in expired.json()["error"]["message"]
     forbidden = chat(router, "m2", limited)
     assert forbidden.status_code == 403 and forbidden.json()["error"]["code"] == "model_forbidden"
+    assert forbidden.json()["error"]["message"] == "your API key does not have access to model: m2"
+    # A model `quota.per_model` does not declare: upstream's strict enumeration, 429.
+    assert chat(router, "m1", quoted).status_code == 200
+    undeclared = chat(router, "m2", quoted)
+    assert undeclared.status_code == 429, undeclared.text
+    assert undeclared.json()["error"] == {
+        "code": "rate_limit_exceeded",
+        "message": "no quota declared for model m2 on this API key",
+        "type": undeclared.json()["error"]["type"],
+        "source": "router",
+    }
     headers = {"Authorization": f"Bearer {limited}"}
     listed = httpx.get(router.url + "/v1/models", headers=headers, timeout=10).json()
     assert [card["id"] for card in listed["data"]] == ["m1"]

@@ -210,6 +210,10 @@ class Tenant:
     def allows_model(self, model: str) -> bool:
         if self.per_model:
             return any(model == name for name, _, _ in self.per_model)
+        return self.lists_model(model)
+
+    def lists_model(self, model: str) -> bool:
+        """The `models` allowlist alone (empty: every model)."""
         if not self.models:
             return True
         return any(model == p or fnmatch.fnmatchcase(model, p) for p in self.models)

@@ -308,10 +308,18 @@ class Ticket:
             return None
         refusal: TenantRefused | None = None
         if not tenant.allows_model(model):
-            refusal = TenantRefused(
-                ErrorCode.MODEL_NOT_ALLOWED,
-                f"tenant {tenant.name!r} may not use model {model!r}",
-            )
+            # Upstream's codes and words: the allowlist is 403; a model the allowlist
+            # lets through that `quota.per_model` does not declare is 429.
+            if tenant.per_model and tenant.lists_model(model):
+                refusal = TenantRefused(
+                    ErrorCode.RATE_LIMITED,
+                    f"no quota declared for model {model} on this API key",
+                )
+            else:
+                refusal = TenantRefused(
+                    ErrorCode.MODEL_NOT_ALLOWED,
+                    f"your API key does not have access to model: {model}",
+                )
         elif tenant.max_input_bytes and body_bytes > tenant.max_input_bytes:
             refusal = TenantRefused(
                 ErrorCode.PAYLOAD_TOO_LARGE,
