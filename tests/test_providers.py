@@ -654,6 +654,7 @@ async def test_openai_non_streaming(openai_fake: FakeOpenAI) -> None:
     answer = json.loads(served.body)
     assert answer["model"] == "gpt-test-mini"
     assert answer["choices"][0]["message"]["content"] == "echo: hello"
+    assert answer["processed_by"] == "provider:openai"  # upstream's mark in the body
 
 
 async def test_openai_streaming_client(openai_fake: FakeOpenAI) -> None:
@@ -703,6 +704,7 @@ async def test_anthropic_non_streaming(anthropic_fake: FakeAnthropic) -> None:
     assert answer["model"] == "claude-test-1"
     assert answer["choices"][0]["message"]["content"] == "echo: hello"
     assert answer["choices"][0]["finish_reason"] == "stop"
+    assert answer["processed_by"] == "provider:anthropic"
     assert answer["usage"]["prompt_tokens"] == 11
 
 

@@ -239,7 +239,7 @@ class ProviderClient:
                 stream = await self._open_stream(name, engine, url, body, translator)
             else:
                 raw = await self._post(name, engine, url, body)
-                answer = self._answer(name, route, raw, provider.model)
+                answer = self._answer(name, route, raw, provider.model, req.path)
         except RouterError as err:
             log.warning(
                 "req=%s provider=%s model=%s provider_failed reason=%s tenant=%s",
@@ -263,13 +263,21 @@ class ProviderClient:
             status=200, content_type="application/json", body=answer, engine=name, headers=headers
         )
 
-    def _answer(self, name: str, route: _Route, raw: bytes, model: str) -> bytes:
+    def _answer(self, name: str, route: _Route, raw: bytes, model: str, path: str) -> bytes:
         try:
             parsed = json.loads(raw)
             if route.read is None:
                 route.check(parsed)
-                return raw
-            return json.dumps(route.read(parsed, model)).encode()
+                if path != CHAT:
+                    return raw
+                answer = parsed
+            else:
+                answer = route.read(parsed, model)
+            if path == CHAT:
+                # Upstream's mark on a chat completion the provider answered (besides
+                # the x-hivenet-served-by header).
+                answer["processed_by"] = f"provider:{name}"
+            return json.dumps(answer).encode()
         except ValueError as exc:
             raise _backend(f"{name} provider answered malformed JSON: {exc}") from None
 
