@@ -510,7 +510,7 @@ def test_admin_needs_a_key(af: AdminFleet, path: str) -> None:
         assert r.status_code == 401
         err = r.json()["error"]
         assert err["code"] == "unauthorized" and err["source"] == "router"
-        assert r.headers["www-authenticate"] == "Bearer"
+        assert r.headers["www-authenticate"] == 'Bearer realm="hivenet-router"'
     r = httpx.put(af.router.url + "/admin/policy", content=b"routing_policy: {}", timeout=10)
     assert r.status_code == 401
     assert af.get(path).status_code == 200

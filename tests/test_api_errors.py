@@ -220,7 +220,7 @@ def test_client_keys_are_required_when_configured(ef: ErrFleet, path: str, proto
         r = post(ef.router, path, body, key=None, headers=headers)
         err = assert_error(r, 401, "unauthorized", protocol)
         assert err["type"] == "authentication_error"
-        assert r.headers["www-authenticate"] == "Bearer"
+        assert r.headers["www-authenticate"] == 'Bearer realm="hivenet-router"'
     assert post(ef.router, path, body).status_code == 200
     r = post(ef.router, path, body, key=None, headers={"x-api-key": OTHER_KEY})
     assert r.status_code == 200, r.text

@@ -358,7 +358,8 @@ def _fleet_scope(scope: Scope) -> bool:
     return query.get("scope", [""])[-1] == "fleet"
 
 
-_CHALLENGE = ("www-authenticate", "Bearer")
+# Upstream's challenge, realm and all.
+_CHALLENGE = ("www-authenticate", 'Bearer realm="hivenet-router"')
 _ADMIN_METHODS = {
     "/admin/routing-table": "GET",
     "/admin/health": "GET",
