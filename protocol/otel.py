@@ -61,6 +61,16 @@ def traces_endpoint(env: Mapping[str, str]) -> str:
     return env["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
 
 
+def _usable_endpoint(url: str) -> bool:
+    """An http(s) URL not on OTLP's gRPC port."""
+    parsed = urllib.parse.urlsplit(url)
+    try:
+        port = parsed.port
+    except ValueError:
+        return False
+    return parsed.scheme in ("http", "https") and bool(parsed.hostname) and port != 4317
+
+
 class _Finished(SpanProcessor):
     """Holds ended spans for the export task."""
 
@@ -143,6 +153,13 @@ class OtelTracer:
         self.timeout = _number(env, "OTEL_EXPORTER_OTLP_TIMEOUT", 10000) / 1000
         self._failing = False
         log.info("tracing_enabled endpoint=%s service=%s", quote(self.endpoint), quote(service))
+        if not _usable_endpoint(self.endpoint):
+            # Upstream exports OTLP over gRPC (`tempo:4317`); this speaks OTLP/HTTP only.
+            log.warning(
+                "tracing_endpoint_unusable endpoint=%s reason=%s",
+                quote(self.endpoint),
+                quote("OTLP/HTTP only: give http(s)://host:4318, not a gRPC endpoint"),
+            )
 
     def __repr__(self) -> str:
         return f"<OtelTracer {self.endpoint}, {len(self.finished.spans)} spans waiting>"

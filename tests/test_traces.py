@@ -410,3 +410,26 @@ def test_a_shed_request_is_a_failed_shed_span(
     assert shed.error and route.error and root.error
     assert root.attributes["http.response.status_code"] == 503
     assert not [s for s in spans if s.name in ("step", "try", "forward")]
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "usable"),
+    [
+        ("http://collector:4318", True),
+        ("https://collector.example/otlp", True),
+        ("tempo:4317", False),  # upstream's gRPC form
+        ("http://tempo:4317", False),
+        ("collector", False),
+    ],
+)
+def test_an_endpoint_this_exporter_cannot_use_is_said_at_startup(
+    endpoint: str, usable: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    from protocol.otel import OtelTracer
+
+    caplog.set_level("WARNING", logger="otel")
+    OtelTracer("hivenet-router", {"OTEL_EXPORTER_OTLP_ENDPOINT": endpoint})
+    warned = [
+        r.getMessage() for r in caplog.records if "tracing_endpoint_unusable" in r.getMessage()
+    ]
+    assert bool(warned) is not usable, warned
