@@ -292,7 +292,9 @@ def test_seeds_routing_table_selections(
 
 
 def _fresh_table(af: AdminFleet) -> list[dict] | None:
-    agents = af.get("/admin/routing-table").json()["agents"]
+    table = af.get("/admin/routing-table").json()
+    agents = table["agents"]
+    assert table["total"] == len(agents)  # upstream's count beside the list
     for a in agents:
         if a["engine"]["kv_cache_utilization"] is None:
             return None

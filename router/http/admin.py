@@ -77,7 +77,7 @@ def agent_view(peer: Peer, now: float) -> dict:
 def routing_table(table: PeerTable) -> dict:
     now = trio.current_time()
     peers = sorted(table.all(), key=lambda p: (p.metadata.model, p.peer_id))
-    return {"agents": [agent_view(p, now) for p in peers]}
+    return {"total": len(peers), "agents": [agent_view(p, now) for p in peers]}  # upstream's
 
 
 def health(table: PeerTable, queue: WaitQueue) -> dict:
