@@ -124,16 +124,43 @@ _FIELD_NAME = re.compile(r"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
 _FIELD_VALUE = re.compile(r"(?:[^\x00-\x20\x7f]+(?:[ \t]+[^\x00-\x20\x7f]+)*)?")
 
 
-def unsendable_head(status: int, headers: dict[str, str]) -> str | None:
-    """Why a response head from an agent cannot go to an HTTP client, or None."""
+# Every value at once, joined by line feeds (which no good value holds): one regular
+# expression a head instead of one a header.
+_FIELD_VALUES = re.compile(rf"{_FIELD_VALUE.pattern}(?:\n{_FIELD_VALUE.pattern})*")
+# Header names seen good, per link, at most this many (engines send a handful).
+MAX_KNOWN_NAMES = 256
+
+
+def unsendable_head(
+    status: int, headers: dict[str, str], known: set[str] | None = None
+) -> str | None:
+    """Why a response head from an agent cannot go to an HTTP client, or None.
+    `known`: names already found good, kept (bounded) for the next heads."""
     if not 200 <= status <= 599:
         return f"status {status} is not a final status (200-599)"
-    for name, value in headers.items():
+    joined = "\n".join(headers.values())
+    if (
+        joined.count("\n") == len(headers) - 1
+        and _FIELD_VALUES.fullmatch(joined) is not None
+        and ((known is not None and known.issuperset(headers)) or _good_names(headers, known))
+    ):
+        return None
+    for name, value in headers.items():  # the first fault, in the head's order
         if _FIELD_NAME.fullmatch(name) is None:
             return f"header name {name[:80]!r} is not a token"
         if _FIELD_VALUE.fullmatch(value) is None:
             return f"header {name!r} has a value with control characters: {value[:80]!r}"
     return None
+
+
+def _good_names(headers: dict[str, str], known: set[str] | None) -> bool:
+    """Every name a token; those found good are kept in `known`, within its bound."""
+    for name in headers:
+        if _FIELD_NAME.fullmatch(name) is None:
+            return False
+        if known is not None and len(known) < MAX_KNOWN_NAMES:
+            known.add(name)
+    return True
 
 
 class _Pending:
@@ -450,6 +477,7 @@ class AgentLink:
         self.lifetime = lifetime
         self.sessions: dict[Peer, AgentSession] = {}
         self.unjoined = Unjoined(settings.unjoined)
+        self.header_names: set[str] = set()  # names of agents' heads found good
 
     def __repr__(self) -> str:
         return f"<AgentLink {len(self.sessions)} sessions, {self.unjoined!r}>"
@@ -744,7 +772,7 @@ class AgentLink:
                 return failure
             peer.stats.record_rtt((trio.current_time() - started) * 1000.0)
             status, headers = head["status"], head["headers"]
-            problem = unsendable_head(status, headers)
+            problem = unsendable_head(status, headers, self.header_names)
             if problem is not None:
                 # Sent on, the client would get no answer at all and the try would
                 # count as a success: this agent's try fails instead.

@@ -3,6 +3,9 @@ agent whose own answer breaks the rules."""
 
 from __future__ import annotations
 
+import random
+import re
+
 import pytest
 import trio
 import trio.testing
@@ -13,7 +16,7 @@ from agent.engine_http import EnginePool, EngineTimeouts
 from agent.link import RouterConnection, RouterSession, Status
 from protocol import messages as m
 from protocol.tokens import issue_token
-from router.link import AgentLink, AgentResponse, AgentSession, LinkSettings
+from router.link import AgentLink, AgentResponse, AgentSession, LinkSettings, unsendable_head
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.session import Slot
@@ -292,3 +295,35 @@ def test_requests_one_after_another_are_served_by_one_worker_that_enters_no_scop
         assert session.capacity.in_flight == 0
 
     trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+
+
+def test_an_agents_head_is_judged_as_header_by_header() -> None:
+    """`unsendable_head` checks every value in one pass and remembers good names; its
+    verdict, and the first fault it names, are those of a check of each header in
+    turn, for heads made of tokens, spaces, tabs, line breaks and control bytes."""
+    token = re.compile(r"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
+    visible = re.compile(r"(?:[^\x00-\x20\x7f]+(?:[ \t]+[^\x00-\x20\x7f]+)*)?")
+
+    def header_by_header(headers: dict[str, str]) -> str | None:
+        for name, value in headers.items():
+            if token.fullmatch(name) is None:
+                return f"header name {name[:80]!r} is not a token"
+            if visible.fullmatch(value) is None:
+                return f"header {name!r} has a value with control characters: {value[:80]!r}"
+        return None
+
+    rng = random.Random(26)
+    alphabet = ["a", "b", "-", ":", " ", "\t", "\n", "\r", "\x00", "\x1f", "\x7f", "é"]
+    known: set[str] = set()
+    for _ in range(20_000):
+        head = {
+            "".join(rng.choices(alphabet, k=rng.randrange(4))): "".join(
+                rng.choices(alphabet, k=rng.randrange(6))
+            )
+            for _ in range(rng.randrange(4))
+        }
+        want = header_by_header(head)
+        assert unsendable_head(200, head) == want, head
+        assert unsendable_head(200, head, known) == want, head
+    assert known and all(token.fullmatch(name) for name in known)
+    assert unsendable_head(199, {}) == "status 199 is not a final status (200-599)"

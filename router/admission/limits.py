@@ -35,7 +35,7 @@ class AdmissionLimits:
     @property
     def active(self) -> bool:
         """Whether any check reads the input estimate for this model."""
-        return self != NO_ADMISSION_LIMITS
+        return self is not NO_ADMISSION_LIMITS and self != NO_ADMISSION_LIMITS
 
     @property
     def pooled(self) -> bool:
@@ -70,4 +70,5 @@ def check_policy_limits(validator: Validator, document: dict[Any, Any]) -> Admis
         validator.error("mode", f"must be one of {', '.join(MODES)}, got {kind(mode)}")
         mode = "reserved"
     ints = {name: validator.integer(name, document.get(name), 0) for name in POLICY_FIELDS[1:]}
-    return AdmissionLimits(mode=mode, **ints)
+    limits = AdmissionLimits(mode=mode, **ints)
+    return NO_ADMISSION_LIMITS if limits == NO_ADMISSION_LIMITS else limits  # see `active`

@@ -288,10 +288,10 @@ class HttpServer:
                 for conn in list(self.connections):
                     if conn.write_began < since:
                         await conn.abandon()
-                    elif conn.state is IDLE and conn.waiting_since < idle_since:
-                        conn.scope.cancel()
-                    elif conn.answer_deadline <= now:
-                        conn.end()
+                    elif (
+                        conn.state is IDLE and conn.waiting_since < idle_since
+                    ) or conn.answer_deadline <= now:
+                        conn.end()  # idle past keep-alive, or an answer past its deadline
         finally:
             self.watching = False
 
@@ -385,6 +385,9 @@ class _Connection:
         self.expects_continue = False  # a 100 Continue is owed before the body is read
         # ANSWER_SCOPE: the app's deadline for its answer, which the watchdog keeps.
         self.answer_deadline = math.inf
+        # `scope` was cancelled by `end()`: read where `scope.cancel_called` would read
+        # the clock (for a deadline the scope mostly has not), twice a request.
+        self.ended = False
         self.client = self.server_addr = None
         sock = getattr(stream, "socket", None)
         if sock is not None:
@@ -415,7 +418,7 @@ class _Connection:
 
     def stop_if_idle(self) -> None:
         if self.state is IDLE:
-            self.scope.cancel()
+            self.end()
 
     async def abandon(self) -> None:
         """The client stopped reading: close the socket under the blocked write."""
@@ -443,7 +446,13 @@ class _Connection:
     def end(self) -> None:
         """Cancel the app's answer now; the connection closes after it."""
         self.answer_deadline = math.inf
+        self.ended = True
         self.scope.cancel()
+
+    def _cancelled(self) -> bool:
+        """`scope.cancel_called`: by `end()`, or by a deadline when the scope has one."""
+        scope = self.scope
+        return self.ended or (scope.deadline != math.inf and scope.cancel_called)
 
     def on_disconnect(self, callback: Callable[[], None]) -> None:
         """ON_DISCONNECT: `callback` (which must not raise) is called once if the client
@@ -724,7 +733,7 @@ class _Connection:
             raise ValueError(f"header line {bad[:80]!r} has a control character")
         # A cancelled scope (ANSWER_SCOPE) serves nothing more: an answer given after
         # it is the connection's last.
-        close = not request.keep_alive or self.server.stopping or self.scope.cancel_called
+        close = not request.keep_alive or self.server.stopping or self._cancelled()
         if chunked:
             length = None
         if request.method == "HEAD" or status in (204, 304):
@@ -818,7 +827,7 @@ class _Connection:
     async def _ready_for_next(self) -> bool:
         if self.answer is not DONE or self.state is CLOSED or self.server.stopping:
             return False
-        if self.scope.cancel_called:
+        if self._cancelled():
             return False
         if self.close_after:
             return False

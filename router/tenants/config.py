@@ -107,7 +107,8 @@ class KeyLimits:
 
     @property
     def any(self) -> bool:
-        return self != NO_LIMITS
+        # Most keys have none: the identity test spares a six-field comparison.
+        return self is not NO_LIMITS and self != NO_LIMITS
 
     def public(self) -> dict[str, Any]:
         return {
@@ -163,7 +164,8 @@ def check_key_limits(validator: Validator, path: str, raw: dict[Any, Any]) -> Ke
     ints = {
         name: validator.integer(f"{path}{name}", raw.get(name), 0) for name in KEY_LIMIT_FIELDS[2:]
     }
-    return KeyLimits(mode=mode or "", max_occupancy_share=float(share), **ints)
+    limits = KeyLimits(mode=mode or "", max_occupancy_share=float(share), **ints)
+    return NO_LIMITS if limits == NO_LIMITS else limits  # `any` reads identity first
 
 
 @dataclass(frozen=True)
