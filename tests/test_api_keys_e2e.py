@@ -154,7 +154,8 @@ def test_admin_keys_and_agent_secrets_rotate_without_a_restart(
     # Not in dynamic mode: the registry answers as upstream's does.
     answer = keys(router, "GET")
     assert answer.status_code == 501
-    assert answer.json()["error"].startswith("dynamic key registry not active")
+    assert answer.json()["error"] == "dynamic key registry not active"  # upstream's
+    assert "api.mode: dynamic" in answer.json()["hint"]
     old_agent = fleet.agent(router, "m1")
     moving = fleet.agent(router, "m1")
 

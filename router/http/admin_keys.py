@@ -41,11 +41,10 @@ async def admin_api_keys(
     extra: list[tuple[str, str]],
 ) -> int:
     if registry is None:
-        why = (
-            "dynamic key registry not active (start the router with"
-            " HIVENET_ROUTER_AUTH_MODE=dynamic or api.mode: dynamic in the auth file)"
-        )
-        return await _answer(send, extra, 501, {"error": why})
+        # Upstream's body, word for word; what to do about it beside it.
+        hint = "start the router with HIVENET_ROUTER_AUTH_MODE=dynamic or api.mode: dynamic"
+        body = {"error": "dynamic key registry not active", "hint": hint + " in the auth file"}
+        return await _answer(send, extra, 501, body)
     path, method = scope["path"], scope["method"]
     rest = path[len(PREFIX) :].strip("/")
     current = registry.current
