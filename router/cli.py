@@ -226,7 +226,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         tls_cert_file=args.tls_cert_file,
         tls_key_file=args.tls_key_file,
         p2p_listen_addr=args.p2p_listen_addr,
-        p2p_announce_addr=args.p2p_announce_addr,
+        p2p_announce_addr=announce_addr(args.p2p_announce_addr),
         identity_path=args.identity_path,
         policy_file=args.policy_file,
         policy_model_dir=args.policy_model_dir,
@@ -456,15 +456,32 @@ def cmd_identity(args: argparse.Namespace) -> int:
 
     try:
         port = args.p2p_port or env_value(os.environ, "P2P_PORT", int, "9000")
+        announce = announce_addr(args.p2p_announce_addr)
     except ValueError as exc:
         print(f"hivenet-router: {exc}", file=sys.stderr)
         return 2
     peer_id = peer_id_of(load_or_create_identity(args.identity_path))
     print(f"peer_id: {peer_id}")
-    if args.p2p_announce_addr:
-        print(f"{args.p2p_announce_addr}/p2p/{peer_id}")
+    if announce:
+        print(f"{announce}/p2p/{peer_id}")
     print(f"/ip4/{args.p2p_listen_addr}/tcp/{port}/p2p/{peer_id}")
     return 0
+
+
+def announce_addr(text: str | None) -> str | None:
+    """`--p2p-announce-addr`, checked: a multiaddr without the peer ID (added to it);
+    ValueError otherwise, which stops the router, as upstream."""
+    if not text:
+        return None
+    from multiaddr import Multiaddr
+
+    try:
+        addr = Multiaddr(text)
+    except Exception as exc:  # the multiaddr package raises several kinds
+        raise ValueError(f"--p2p-announce-addr {text!r} is not a multiaddr: {exc}") from None
+    if "p2p" in (proto.name for proto in addr.protocols()):
+        raise ValueError(f"--p2p-announce-addr {text!r}: leave out /p2p/ (the router adds it)")
+    return str(addr)
 
 
 def cmd_token(args: argparse.Namespace) -> int:
