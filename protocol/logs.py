@@ -27,6 +27,14 @@ import time
 from protocol.p2p import quiet_libp2p_logging
 
 SUBSYSTEMS = ("router", "policy", "link", "http", "provider", "agent", "engine", "tenant")
+# Upstream's subsystem names, for the loggers here that do that work: a level set for
+# one of them (`GOLOG_LOG_LEVEL=api=warn`) applies to these unless they are named too.
+UPSTREAM_SUBSYSTEMS = {
+    "api": ("http",),
+    "auth": ("tenant",),
+    "p2p": ("link", "router.p2p"),
+    "storage": ("history",),
+}
 _LEVELS = {
     "debug": logging.DEBUG,
     "info": logging.INFO,
@@ -208,6 +216,10 @@ def levels_from(env: dict[str, str] | os._Environ[str]) -> dict[str, int]:
         default = golog_default
     if default is None:
         default = logging.INFO
+    for theirs, ours in UPSTREAM_SUBSYSTEMS.items():
+        if theirs in per:
+            for name in ours:
+                per.setdefault(name, per[theirs])
     levels = {name: default for name in SUBSYSTEMS}
     levels.update(per)
     return levels

@@ -96,6 +96,16 @@ def test_both_variables_are_read_and_golog_wins_where_both_speak() -> None:
     assert levels["policy"] == logging.WARNING and levels["router"] == logging.DEBUG
 
 
+def test_upstreams_subsystem_names_reach_the_loggers_doing_that_work() -> None:
+    levels = levels_from({"GOLOG_LOG_LEVEL": "api=warn,p2p=debug,auth=error,storage=debug"})
+    assert levels["http"] == logging.WARNING
+    assert levels["link"] == levels["router.p2p"] == logging.DEBUG
+    assert levels["tenant"] == logging.ERROR and levels["history"] == logging.DEBUG
+    assert levels["policy"] == logging.INFO
+    # Our own name, given too, wins over upstream's.
+    assert levels_from({"GOLOG_LOG_LEVEL": "api=warn,http=debug"})["http"] == logging.DEBUG
+
+
 def test_other_loggers_can_be_named_too() -> None:
     assert levels_from({"GOLOG_LOG_LEVEL": "libp2p=debug"})["libp2p"] == logging.DEBUG
 
