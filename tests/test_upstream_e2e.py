@@ -128,6 +128,8 @@ def test_upstream_policy_directory_routes_sheds_and_reloads(fleet: Fleet, tmp_pa
         named = httpx.get(router.url + "/admin/policy/models", headers=ADMIN, timeout=10).json()
         assert named["llama3-large"]["models"] == ["llama3:70b", "llama3:70b-instruct"]
         assert named["llama3-large"]["chain"] == ["routing_policy", "global-any"]
+        # Upstream's view: the document itself, as JSON, beside ours.
+        assert named["llama3-large"]["routing_policy"]["strategy"] == "least-loaded"
 
         # Front-door shed_if: the pool's mean KV use over 0.90 is 429 before any step.
         httpx.post(backend + "/sim/state", json={"kv_cache_utilization": 0.95}, timeout=5)

@@ -11,8 +11,11 @@ running global policy (upstream reverts to the built-in one).
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from pathlib import Path
+
+import yaml
 
 from router.documents import DocumentError
 from router.policy.schema import Policy, PolicyError, load_policy
@@ -84,8 +87,11 @@ class ModelPolicies:
         return {name: self.describe(name) for name in sorted(self.named)}
 
     def describe(self, name: str) -> dict[str, object]:
+        """The document as JSON, as upstream shows it (`models`, `routing_policy`, …),
+        and this router's view of it: `chain`, `origin` and `source` (the YAML)."""
         named = self.named[name]
         return {
+            **_as_json(named.policy.source),
             "models": list(named.policy.models),
             "chain": named.policy.chain_names(),
             "origin": named.origin,
@@ -143,3 +149,13 @@ def load_directory(directory: str) -> tuple[Policy | None, ModelPolicies]:
     if errors:
         raise PolicyError(errors)
     return default, policies
+
+
+def _as_json(source: str) -> dict[str, object]:
+    """A loaded (so valid) policy's YAML as a JSON object; {} for what JSON cannot hold."""
+    try:
+        document = yaml.safe_load(source)
+        json.dumps(document)
+    except (yaml.YAMLError, TypeError, ValueError):
+        return {}
+    return document if isinstance(document, dict) else {}
