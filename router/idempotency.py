@@ -21,7 +21,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import logging
-import uuid
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from dataclasses import dataclass, field
 import trio
 
 from protocol.logs import quote
-from router.http.asgi import Scope, Send
+from router.http.asgi import Scope, Send, is_request_id
 
 log = logging.getLogger("http")
 
@@ -101,11 +100,7 @@ def request_key(scope: Scope) -> RequestKey | None:
             return RequestKey(text, True) if text and len(text) <= MAX_KEY_LENGTH else None
         if key == b"x-request-id":
             request_id = value.decode("latin-1").strip()
-    if request_id:
-        try:
-            uuid.UUID(request_id)
-        except ValueError:
-            return None
+    if request_id and is_request_id(request_id):
         return RequestKey(request_id, False)
     return None
 

@@ -643,14 +643,35 @@ def test_an_invalid_request_id_is_replaced(af: AdminFleet, given: str) -> None:
     [
         ("8B9E4A6D-DFB4-4B95-BADA-319E7E5B878A", "8B9E4A6D-DFB4-4B95-BADA-319E7E5B878A"),
         (" 8b9e4a6d-dfb4-4b95-bada-319e7e5b878a ", "8b9e4a6d-dfb4-4b95-bada-319e7e5b878a"),
-        ("{8b9e4a6d-dfb4-4b95-bada-319e7e5b878a}", "8b9e4a6d-dfb4-4b95-bada-319e7e5b878a"),
-        ("urn:uuid:8b9e4a6d-dfb4-4b95-bada-319e7e5b878a", "8b9e4a6d-dfb4-4b95-bada-319e7e5b878a"),
-        ("8b9e4a6ddfb44b95bada319e7e5b878a", "8b9e4a6d-dfb4-4b95-bada-319e7e5b878a"),
+        # The other spellings upstream's router accepts are kept as sent too.
+        ("{8b9e4a6d-dfb4-4b95-bada-319e7e5b878a}", "{8b9e4a6d-dfb4-4b95-bada-319e7e5b878a}"),
+        (
+            "URN:uuid:8b9e4a6d-dfb4-4b95-bada-319e7e5b878a",
+            "URN:uuid:8b9e4a6d-dfb4-4b95-bada-319e7e5b878a",
+        ),
+        ("8b9e4a6ddfb44b95bada319e7e5b878a", "8b9e4a6ddfb44b95bada319e7e5b878a"),
     ],
 )
 def test_request_id_spellings(given: str, kept: str) -> None:
     scope = {"headers": [(b"x-request-id", given.encode())]}
     assert request_id(scope, RequestIds()) == kept
+
+
+@pytest.mark.parametrize(
+    "given",
+    [
+        "not-a-uuid",
+        "{8b9e4a6d-dfb4-4b95-bada-319e7e5b878a",
+        "8b9e4a6d-dfb4-4b95-bada-319e7e5b878a}",
+        "urn:uuid:{8b9e4a6d-dfb4-4b95-bada-319e7e5b878a}",
+        "8b9e-4a6ddfb44b95bada319e7e5b878a",  # Python's UUID() takes it; upstream does not
+        "8b9e4a6d-dfb4-4b95-bada-319e7e5b878a\nreq=forged",
+    ],
+)
+def test_request_ids_upstream_refuses_are_replaced(given: str) -> None:
+    scope = {"headers": [(b"x-request-id", given.encode())]}
+    made = request_id(scope, RequestIds())
+    assert made != given.strip() and str(uuid.UUID(made)) == made
 
 
 def test_request_id_generated_when_absent() -> None:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from typing import Any, Protocol
 
@@ -62,7 +61,12 @@ def header(scope: Scope, name: bytes) -> str | None:
     return None
 
 
-_CANONICAL_UUID = re.compile(r"[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}")
+# The spellings of a UUID that upstream's router (Go's uuid.Parse) accepts, and keeps
+# as sent: the usual 8-4-4-4-12 form, in braces, as a `urn:uuid:`, or 32 bare digits.
+_UUID_SPELLINGS = re.compile(
+    r"(?:\{|(?i:urn:uuid:))?[0-9a-fA-F]{8}-(?:[0-9a-fA-F]{4}-){3}[0-9a-fA-F]{12}\}?"
+    r"|[0-9a-fA-F]{32}"
+)
 
 
 class RequestIds:
@@ -87,22 +91,20 @@ class RequestIds:
 
 
 def request_id(scope: Scope, ids: RequestIds) -> str:
-    """The client's X-Request-ID when it is a valid UUID, otherwise a new one.
-
-    The usual 8-4-4-4-12 form is kept exactly as sent, so the client's own string finds
-    the router's log lines; other spellings Python accepts (braces, `urn:uuid:`, bare
-    hex) are written in that usual form.
-    """
+    """The client's X-Request-ID when it is a valid UUID, kept as sent (so the client's
+    own string finds the router's log lines), otherwise a new one. Valid: what
+    upstream's router accepts, the usual form, `{…}`, `urn:uuid:…` or 32 hex digits."""
     given = header(scope, b"x-request-id")
     if given:
         given = given.strip()
-        if _CANONICAL_UUID.fullmatch(given):
+        if is_request_id(given):
             return given
-        try:
-            return str(uuid.UUID(given))
-        except ValueError:
-            pass
     return ids.new()
+
+
+def is_request_id(text: str) -> bool:
+    """Whether a client's X-Request-ID (stripped) is a UUID the router keeps."""
+    return _UUID_SPELLINGS.fullmatch(text) is not None and (text[0] == "{") == (text[-1] == "}")
 
 
 async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
