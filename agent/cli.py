@@ -134,18 +134,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.engine == "custom" and not (args.health_url and args.model):
         print("hivenet-agent: --engine custom needs --health-url and --model", file=sys.stderr)
         return 2
-    if args.capability == "reranker":
-        from agent.engines import get_adapter
-        from protocol.paths import RERANK
-
-        if not get_adapter(args.engine).serves(RERANK):
-            # As upstream: an agent whose engine cannot rerank never joins as a reranker.
-            print(
-                f"hivenet-agent: --engine {args.engine} has no {RERANK} endpoint:"
-                " it cannot serve --capability reranker",
-                file=sys.stderr,
-            )
-            return 2
     if args.engine == "sim":
         from sim import missing_extra
 

@@ -675,20 +675,6 @@ def test_custom_needs_a_health_url() -> None:
     assert ep == EngineEndpoints("http://10.0.0.5:7000", "http://10.0.0.5:7000/healthz", None)
 
 
-def test_an_engine_that_cannot_rerank_never_starts_as_a_reranker(
-    capsys: pytest.CaptureFixture[str],
-) -> None:
-    """Upstream refuses `--engine ollama --capability reranker` at startup: so does this
-    agent, for any engine without /v1/rerank, before it dials."""
-    from agent.cli import main
-
-    router = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGQaEXi5zdK6sv4u1rjM8EQrfH3GnjJb8GrmyrXrU2yZ8"
-    argv = ["--router", router, "--model", "m", "--capability", "reranker"]
-    assert main([*argv, "--engine", "ollama"]) == 2
-    assert "cannot serve --capability reranker" in capsys.readouterr().err
-    assert get_adapter("vllm").serves("/v1/rerank")  # the others start as before
-
-
 def _client(routes: dict[str, httpx.Response]) -> httpx.AsyncClient:
     def handle(request: httpx.Request) -> httpx.Response:
         return routes.get(request.url.path, httpx.Response(404))
