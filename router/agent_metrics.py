@@ -21,7 +21,9 @@ does. Health is `hivenet_router_agent_healthy` (agent and link) and
 Lifetime counts (router/lifetime.py keeps them across restarts; POST /admin/metrics/reset
 zeroes them) are counters: `..._requests_success_total`, `..._requests_failed_total`,
 `..._input_tokens_total`, `..._output_tokens_total`, `..._rejected_requests_total`,
-`..._disconnections_total`. `..._info` is 1 with the agent's metadata as labels, and
+`..._disconnections_total`, and upstream's `..._failure_total` (marked unhealthy for
+missed heartbeats) and `..._backend_failure_total` (its engine reported unhealthy).
+`..._info` is 1 with the agent's metadata as labels, and
 `..._last_seen_timestamp_seconds` the wall time of its latest heartbeat.
 
 From the same snapshots, while they are fresh, and read by no gate: per GPU (label
@@ -71,6 +73,16 @@ _LIFETIME = (
     ("output_tokens", "output_tokens", "Completion tokens the engine reported (lifetime)"),
     ("rejected_requests", "rejections", "Requests the engine refused with a 4xx (lifetime)"),
     ("disconnections", "disconnections", "Agent sessions that ended (lifetime)"),
+    (
+        "failure",
+        "agent_failures",
+        "Times the agent was marked unhealthy for missed heartbeats (lifetime)",
+    ),
+    (
+        "backend_failure",
+        "backend_failures",
+        "Times the agent reported its inference backend unhealthy (lifetime)",
+    ),
 )
 
 # (metric name suffix, policy field, help text)

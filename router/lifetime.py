@@ -46,9 +46,16 @@ CREATE TABLE IF NOT EXISTS agent_history (
     disconnections INTEGER NOT NULL,
     srtt_ms REAL,
     rttvar_ms REAL,
-    updated_at REAL NOT NULL
+    updated_at REAL NOT NULL,
+    agent_failures INTEGER NOT NULL DEFAULT 0,
+    backend_failures INTEGER NOT NULL DEFAULT 0
 )
 """
+# Columns added after files were written: (name, definition), added where missing.
+_ADDED_COLUMNS = (
+    ("agent_failures", "INTEGER NOT NULL DEFAULT 0"),
+    ("backend_failures", "INTEGER NOT NULL DEFAULT 0"),
+)
 
 
 @dataclass(frozen=True)
@@ -63,6 +70,8 @@ class Lifetime:
     disconnections: int
     srtt_ms: float | None
     rttvar_ms: float | None
+    agent_failures: int
+    backend_failures: int
 
     def stats(self) -> UniversalStats:
         return UniversalStats(**{f.name: getattr(self, f.name) for f in fields(self)})
@@ -131,6 +140,10 @@ class LifetimeStore:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             db = sqlite3.connect(self.path, check_same_thread=False)
             db.execute(_SCHEMA)
+            present = {row[1] for row in db.execute("PRAGMA table_info(agent_history)")}
+            for name, definition in _ADDED_COLUMNS:
+                if name not in present:
+                    db.execute(f"ALTER TABLE agent_history ADD COLUMN {name} {definition}")
             if self.ttl:
                 db.execute(
                     "DELETE FROM agent_history WHERE updated_at < ?", (time.time() - self.ttl,)

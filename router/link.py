@@ -632,7 +632,10 @@ class AgentLink:
         peer.last_seen = now
         was = peer.routable
         peer.healthy = True
-        peer.backend_healthy = bool(msg["backend_healthy"])
+        backend_healthy = bool(msg["backend_healthy"])
+        if peer.backend_healthy and not backend_healthy:
+            peer.stats.backend_failures += 1
+        peer.backend_healthy = backend_healthy
         engine = msg.get("engine")
         if engine:
             peer.engine = _floats(engine, ENGINE_FIELDS)
@@ -703,6 +706,7 @@ class AgentLink:
                 log.info("agent_removed peer=%s silent_s=%.1f", peer.peer_id, silent)
             elif silent > unhealthy_after and peer.healthy:
                 peer.healthy = False
+                peer.stats.agent_failures += 1
                 log.warning("agent_unhealthy peer=%s silent_s=%.1f", peer.peer_id, silent)
         self._count()
 

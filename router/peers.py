@@ -98,6 +98,10 @@ class UniversalStats:
     output_tokens: int = 0
     rejections: int = 0
     disconnections: int = 0
+    # Upstream's lifetime failure counts: times the router found the agent silent past
+    # --unhealthy-after, and times the agent's heartbeat said its engine went unhealthy.
+    agent_failures: int = 0
+    backend_failures: int = 0
     probe_at: float = math.inf
 
     @property

@@ -143,3 +143,32 @@ def test_an_answer_the_engine_refused_is_a_rejection_not_a_failure(
     assert universal["rejected_requests_total"] == 1
     assert universal["failed_requests_total"] == 0
     assert router.metric("hivenet_router_agent_rejected_requests_total") == 1
+
+
+def test_a_history_file_written_before_the_failure_counts_gains_them(tmp_path: Path) -> None:
+    """A file from before `agent_failures`/`backend_failures` is read as it is (the two
+    start at 0) and written with them from then on."""
+    from router.lifetime import LifetimeStore
+    from router.peers import PeerTable
+
+    path = tmp_path / "old.sqlite3"
+    with sqlite3.connect(path) as db:
+        db.execute(
+            "CREATE TABLE agent_history (peer_id TEXT PRIMARY KEY, successes INTEGER NOT NULL,"
+            " failures INTEGER NOT NULL, input_tokens INTEGER NOT NULL, output_tokens INTEGER"
+            " NOT NULL, rejections INTEGER NOT NULL, disconnections INTEGER NOT NULL, srtt_ms"
+            " REAL, rttvar_ms REAL, updated_at REAL NOT NULL)"
+        )
+        db.execute("INSERT INTO agent_history VALUES ('p1', 5, 1, 10, 20, 0, 2, 12.5, 3.0, 0)")
+    db.close()
+    store = LifetimeStore(str(path), PeerTable())
+    store.load()
+    stats = store.restore("p1")
+    assert stats is not None
+    assert (stats.successes, stats.disconnections, stats.srtt_ms) == (5, 2, 12.5)
+    assert (stats.agent_failures, stats.backend_failures) == (0, 0)
+    store.close()
+    with sqlite3.connect(path) as db:
+        columns = {row[1] for row in db.execute("PRAGMA table_info(agent_history)")}
+    db.close()
+    assert {"agent_failures", "backend_failures"} <= columns

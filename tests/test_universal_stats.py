@@ -423,3 +423,29 @@ def test_gauges_scraped_outside_trio_skip_what_needs_the_clock() -> None:
     got = _samples(registry)
     assert ("hivenet_router_agent_active_requests", peer.peer_id) in got
     assert ("hivenet_router_agent_kv_cache_utilization", peer.peer_id) not in got
+
+
+async def test_agent_and_backend_failures_count_transitions(autojump_clock: Any) -> None:
+    """Upstream's lifetime failure counts: the router finding the agent silent past
+    --unhealthy-after, and the agent's heartbeat turning its engine unhealthy; each
+    counted once per fall, in the routing table and on /metrics."""
+    link, _, _, peer = _link()
+    registry = CollectorRegistry()
+    AgentCollector(link.table, registry)
+    down = m.heartbeat(0.0, False, {}, {})
+    up = m.heartbeat(0.0, True, {}, {})
+    for msg in (down, down, up, down, up, up):
+        link.heartbeat(peer, msg)
+    assert peer.stats.backend_failures == 2
+    await trio.sleep(16)  # past --unhealthy-after
+    link._sweep_table(trio.current_time())
+    link._sweep_table(trio.current_time())
+    assert not peer.healthy and peer.stats.agent_failures == 1
+    link.heartbeat(peer, up)
+    await trio.sleep(16)
+    link._sweep_table(trio.current_time())
+    universal = agent_view(peer, trio.current_time())["universal"]
+    assert (universal["agent_failures_total"], universal["backend_failures_total"]) == (2, 2)
+    got = _samples(registry)
+    assert got[("hivenet_router_agent_failure_total", peer.peer_id)] == 2
+    assert got[("hivenet_router_agent_backend_failure_total", peer.peer_id)] == 2

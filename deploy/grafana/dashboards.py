@@ -342,6 +342,12 @@ FLEET = Dashboard(
                     t(agent_gauge("disconnections_total"), AGENT_LEGEND + " disconnections"),
                     t(agent_gauge("rttvar_milliseconds"), AGENT_LEGEND + " rttvar ms"),
                 ),
+                series(
+                    "Lifetime agent and backend failures",
+                    t(agent_gauge("failure_total"), AGENT_LEGEND + " silent past unhealthy-after"),
+                    t(agent_gauge("backend_failure_total"), AGENT_LEGEND + " engine unhealthy"),
+                    description="Each fall counted once; kept across router restarts",
+                ),
             ),
         ),
         Row(

@@ -65,6 +65,8 @@ def agent_view(peer: Peer, now: float) -> dict:
             "output_tokens_total": stats.output_tokens,
             "rejected_requests_total": stats.rejections,
             "disconnections_total": stats.disconnections,
+            "agent_failures_total": stats.agent_failures,
+            "backend_failures_total": stats.backend_failures,
             "srtt_ms": stats.srtt_ms,
             "rttvar_ms": stats.rttvar_ms,
             "latency_state": "UNKNOWN" if stats.srtt_ms is None else "KNOWN",
