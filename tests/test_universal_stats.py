@@ -329,6 +329,10 @@ async def test_values_older_than_three_sample_periods_are_missing(autojump_clock
     assert view["engine"]["age_seconds"] == pytest.approx(0.2)
     assert view["hardware"]["age_seconds"] == pytest.approx(1.0)
     assert view["hardware"]["gpu_temperature_c"] is None
+    # Upstream's nested objects beside the flat fields, in percent as upstream shows them.
+    assert view["hardware"]["cpu"] == {"usage_percent": 25.0}
+    assert view["hardware"]["memory"]["used_percent"] == 50.0
+    assert view["hardware"]["timestamp"].endswith("Z")
 
     # Engine limit 3 x 0.5 s = 1.5 s from the sample: 1.2 s after this heartbeat it is
     # 1.4 s old and counts; at 1.6 s old it no longer does. Hardware: 3 x 2 s.

@@ -24,6 +24,10 @@ def _wall(monotonic_at: float, now: float) -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(at)) + f".{int(at % 1 * 1000):03d}Z"
 
 
+def _percent(fraction: object) -> float | None:
+    return round(fraction * 100, 2) if isinstance(fraction, float | int) else None
+
+
 def _age(at: float, now: float) -> float | None:
     return round(now - at, 3) if at else None
 
@@ -40,6 +44,15 @@ def agent_view(peer: Peer, now: float) -> dict:
     hardware["gpu_power_watts"] = gpu_total(peer.gpus, "power_watts")
     hardware["gpu_vram_used_bytes"] = gpu_total(peer.gpus, "vram_used_bytes")
     hardware.update(peer.memory)
+    # Upstream's nested objects, in its units (percent, not the policy's fractions).
+    cpu, memory = hardware["cpu_usage_percent"], hardware["memory_used_percent"]
+    hardware["cpu"] = {"usage_percent": _percent(cpu)}
+    hardware["memory"] = {
+        "used_percent": _percent(memory),
+        "available_bytes": peer.memory.get("memory_available_bytes"),
+        "total_bytes": peer.memory.get("memory_total_bytes"),
+    }
+    hardware["timestamp"] = _wall(peer.hardware_at, now) if peer.hardware_at else None
     return {
         "peer_id": peer.peer_id,
         "metadata": peer.metadata.to_json(),
