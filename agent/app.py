@@ -70,7 +70,6 @@ class AgentDaemon:
         )
         self.hardware = HardwareSampler(settings.gpu_devices)
         self.health = HealthTracker()
-        self._health_checked = False
         self.connections: list[RouterConnection] = []
         self.capacity = SharedCapacity(settings.capacity)
         self.endpoints: EngineEndpoints | None = None
@@ -257,8 +256,7 @@ class AgentDaemon:
             ok = await self.adapter.check_health(probe, ep)
         except Exception:  # an engine that cannot answer is unhealthy, nothing more
             ok = False
-        first = not self._health_checked
-        self._health_checked = True
+        first = not self.health.checked
         healthy = self.health.record(ok)
         if healthy != self.status.backend_healthy or first:
             log.info("backend_health healthy=%s", healthy)

@@ -7,9 +7,9 @@ joins the running answer (what was sent so far, then what follows) or gets the f
 one replayed; the engine generates once. The same `Idempotency-Key` with another body
 is 409 `idempotency_conflict`, as Stripe answers; the same `X-Request-ID` with another
 body is another request, served as usual (clients and the seeds' recipes reuse a
-request ID to correlate logs, not to name one answer). Only successful answers are kept (a status
-under 300 and no error event in the stream); a failed one is forgotten, so a retry
-generates anew.
+request ID to correlate logs, not to name one answer). Only successful answers are
+kept (a status under 300 and no error event in the stream); a failed one is
+forgotten, so a retry generates anew.
 
 Memory is bounded: an answer over `MAX_ANSWER_BYTES` is not kept (a retry of it
 generates again), and past `MAX_KEPT_BYTES` or `MAX_ENTRIES` the oldest finished

@@ -326,4 +326,9 @@ def test_an_agents_head_is_judged_as_header_by_header() -> None:
         assert unsendable_head(200, head) == want, head
         assert unsendable_head(200, head, known) == want, head
     assert known and all(token.fullmatch(name) for name in known)
+    # Long hostile values, each failing only at its end: the same verdict (the one
+    # pass over every value stays linear: these would hang a backtracking pattern).
+    for value in ("a " * 50_000 + "\x00", "a \t" * 30_000 + " ", "b" * 100_000 + "\x7f"):
+        head = {"x-one": "fine", "x-two": value}
+        assert unsendable_head(200, head, known) == header_by_header(head)
     assert unsendable_head(199, {}) == "status 199 is not a final status (200-599)"

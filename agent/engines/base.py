@@ -289,10 +289,12 @@ class HealthTracker:
 
     threshold: int = 3
     healthy: bool = False
+    checked: bool = False  # a check was recorded
     seen_healthy: bool = False
     _failures: int = field(default=0, repr=False)
 
     def record(self, ok: bool) -> bool:
+        self.checked = True
         if ok:
             self._failures = 0
             self.healthy = self.seen_healthy = True

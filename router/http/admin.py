@@ -110,22 +110,24 @@ def health(table: PeerTable, queue: WaitQueue) -> dict:
         "healthy_agents": healthy,
         "queue_length": sum(queues.values()),
         "queues": queues,
-        "agents": [
-            {
-                "peer_id": p.peer_id,
-                "model": p.metadata.model,
-                "engine": p.metadata.engine,
-                "version": p.metadata.version,
-                "region": p.metadata.region,
-                "healthy": p.healthy and p.connected,
-                "is_healthy": p.healthy and p.connected,
-                "backend_healthy": p.backend_healthy,
-                "active_requests": p.active,
-                "capacity": p.metadata.capacity,
-                "last_seen": _wall(p.last_seen, now),
-            }
-            for p in sorted(peers, key=lambda p: p.peer_id)
-        ],
+        "agents": [_health_row(p, now) for p in sorted(peers, key=lambda p: p.peer_id)],
+    }
+
+
+def _health_row(peer: Peer, now: float) -> dict[str, object]:
+    healthy = peer.healthy and peer.connected
+    return {
+        "peer_id": peer.peer_id,
+        "model": peer.metadata.model,
+        "engine": peer.metadata.engine,
+        "version": peer.metadata.version,
+        "region": peer.metadata.region,
+        "healthy": healthy,
+        "is_healthy": healthy,  # upstream's name
+        "backend_healthy": peer.backend_healthy,
+        "active_requests": peer.active,
+        "capacity": peer.metadata.capacity,
+        "last_seen": _wall(peer.last_seen, now),
     }
 
 

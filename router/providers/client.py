@@ -267,10 +267,9 @@ class ProviderClient:
         try:
             parsed = json.loads(raw)
             if route.read is None:
-                route.check(parsed)
+                answer = route.check(parsed)
                 if path != CHAT:
                     return raw
-                answer = parsed
             else:
                 answer = route.read(parsed, model)
             if path == CHAT:
