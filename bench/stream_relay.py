@@ -3,11 +3,15 @@
     python -m bench.stream_relay [--tokens 512] [--concurrency 8] [--duration 5]
                                  [--rounds 2] [--against /path/to/other/checkout]
     python -m bench.stream_relay --tokens 16 --concurrency 64 [--whole] --against ...
+    python -m bench.stream_relay --token-latency 0.02 --concurrency 64 --duration 12
 
-Clients stream chat completions of `--tokens` tokens each from a simulated engine (zero
-token latency: it writes its events as fast as it can, one HTTP chunk each) through a
-router and an agent. Reported per build: SSE events relayed (what the client's SDK sees
-as chunks), events per second of router CPU and of agent CPU, and how many HTTP chunks
+Clients stream chat completions of `--tokens` tokens each from a simulated engine
+through a router and an agent. By default the engine has no token latency: it writes
+its events as fast as it can, one HTTP chunk each, and how many of them each hop finds
+waiting in one read depends on how fast the hops are. `--token-latency` paces each
+stream as an engine decodes (seconds per token), so that every event travels alone.
+Reported per build: SSE events relayed (what the client's SDK sees as chunks), events
+per second of router CPU and of agent CPU, and how many HTTP chunks
 the client received per event (below 1 when events that arrived together left
 together), and the router's and the agent's CPU per request. `--whole` asks for
 whole answers instead of streams (the CPU per request of `bench.overhead`'s cells).
@@ -87,14 +91,24 @@ class Build:
         self.procs.append(proc)
         return proc
 
-    def start(self, logs: Path) -> None:
+    def start(self, logs: Path, token_latency: float) -> None:
         sim, metrics, p2p = free_port(), free_port(), free_port()
         self.http = free_port()
         # The engine is always this checkout's, so both builds relay the same events.
         env = {**os.environ, "PYTHONPATH": str(HERE)}
         self.procs.append(
             subprocess.Popen(
-                [sys.executable, "-m", "sim", "--model", MODEL, "--port", str(sim)],
+                [
+                    sys.executable,
+                    "-m",
+                    "sim",
+                    "--model",
+                    MODEL,
+                    "--port",
+                    str(sim),
+                    "--token-latency",
+                    str(token_latency),
+                ],
                 env=env,
                 cwd=HERE,
                 stdout=subprocess.DEVNULL,
@@ -243,6 +257,9 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--whole", action="store_true", help="whole answers, not streams")
+    parser.add_argument(
+        "--token-latency", type=float, default=0.0, help="the engine's seconds per token"
+    )
     parser.add_argument("--against", type=Path, default=None, help="another checkout")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
@@ -253,7 +270,7 @@ def main() -> None:
     totals = {b.name: Tally() for b in builds}
     try:
         for build in builds:
-            build.start(logs)
+            build.start(logs, args.token_latency)
         for round_ in range(args.rounds):
             for build in builds if round_ % 2 == 0 else reversed(builds):
                 totals[build.name].add(measure(build, args))
@@ -283,9 +300,10 @@ def report(totals: dict[str, Tally], args: argparse.Namespace) -> None:
         print(json.dumps(rows))
         return
     kind = "whole answers" if args.whole else "streams"
+    pace = f", {args.token_latency * 1000:g} ms per token" if args.token_latency else ""
     print(
-        f"{args.tokens}-token {kind}, {args.concurrency} clients, {args.rounds} rounds of "
-        f"{args.duration:g} s per build, load average {os.getloadavg()[0]:.1f}"
+        f"{args.tokens}-token {kind}{pace}, {args.concurrency} clients, {args.rounds} rounds "
+        f"of {args.duration:g} s per build, load average {os.getloadavg()[0]:.1f}"
     )
     print()
     print(
