@@ -128,6 +128,8 @@ async def _buffered_read(self: TrioTCPStream, n: int | None = None) -> bytes:
             return b""
         pending: bytes = getattr(self, "_hivenet_pending", b"")
         if not pending:
+            for hook in getattr(self, "_hivenet_before_reads", ()):
+                hook()
             try:
                 pending = await _receive(self, max(n or 0, SOCKET_READ_BYTES))
             except (trio.BrokenResourceError, OSError) as exc:  # OSError: ours, as trio's
@@ -297,6 +299,8 @@ class FramedStream:
         # msgpack.packb builds a packer, and its buffer, for every frame: 0.53 against
         # 0.22 µs for one kept (a streamed answer is a dozen frames).
         self._pack = _packer()
+        # The muxer's task hands this stream's frames over as it reads them (`_reader`).
+        self.direct = False
         self._scope: trio.CancelScope | None = None
         self._abort_early = False
         self._drained = trio.Event()
@@ -380,10 +384,9 @@ class FramedStream:
         a frame no longer waits for a pass through trio's scheduler to reach it, on
         the critical path of every answer (router) and request (agent)."""
         deliver = partial(self._deliver, on_message)
-        direct = False
         while True:
-            if not direct:
-                direct = yamux_fast.deliver_to(self.stream, deliver)
+            if not self.direct:
+                self.direct = yamux_fast.deliver_to(self.stream, deliver)
             try:
                 data = await self.stream.read(READ_BYTES)
             except Exception as exc:
@@ -472,6 +475,22 @@ def tcp_socket_of(stream: Any) -> Any | None:
     while node is not None and seen < 12:
         if isinstance(node, trio.SocketStream):
             return node.socket
+        node = next((getattr(node, a) for a in _TOWARD_SOCKET if hasattr(node, a)), None)
+        seen += 1
+    return None
+
+
+def before_reads(stream: Any, hook: Callable[[], None]) -> Callable[[], None] | None:
+    """Have `hook` called whenever the TCP connection under a libp2p `stream` is about
+    to be read from its socket, that is once all that the last read brought has been
+    handled (`_buffered_read`). `hook` must not raise. Returns what undoes it; None
+    where there is no such connection (WebSocket)."""
+    node, seen = stream, 0
+    while node is not None and seen < 12:
+        if isinstance(node, TrioTCPStream):
+            hooks: list[Callable[[], None]] = node.__dict__.setdefault("_hivenet_before_reads", [])
+            hooks.append(hook)
+            return partial(hooks.remove, hook)
         node = next((getattr(node, a) for a in _TOWARD_SOCKET if hasattr(node, a)), None)
         seen += 1
     return None

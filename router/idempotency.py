@@ -24,6 +24,7 @@ import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
+from functools import partial
 
 import trio
 
@@ -160,16 +161,18 @@ class IdempotencyTable:
         rid: str,
         refuse: Callable[[], Awaitable[int]],
         abandoned: bytes,
-        generate: Callable[[Send], Awaitable[int]],
+        generate: Callable[[Send, Callable[[bytes], None] | None], Awaitable[int]],
     ) -> int:
         """Serve a request once per key: `generate` it (recorded), or send the answer
         of the same request already running or done; `refuse` a key reused with
-        another body. `abandoned` ends a joined stream whose first request failed."""
+        another body. `abandoned` ends a joined stream whose first request failed.
+        `generate` is given the send to answer with and, when it records, what records
+        a body part written past that send."""
         path = scope["path"]
         while True:
             claim = self.claim(scope, tenant, path, body)
             if claim is None:
-                return await generate(send)
+                return await generate(send, None)
             if isinstance(claim, Conflict):
                 return await refuse()
             if isinstance(claim, Join):
@@ -181,7 +184,8 @@ class IdempotencyTable:
                 continue  # the first one failed before its answer began: generate
             status = 499  # cancelled (client gone, deadline) unless generate returns
             try:
-                status = await generate(self.recorder(claim, send))
+                record_part = partial(self.record_part, claim)
+                status = await generate(self.recorder(claim, send), record_part)
             finally:
                 self.finish(claim, status)
             return status
@@ -190,24 +194,30 @@ class IdempotencyTable:
         """`send`, recording what it sends into `entry`."""
 
         async def recording(message: dict) -> None:
-            if entry.state is EntryState.RUNNING:
-                if message["type"] == "http.response.start":
-                    entry.status = message["status"]
-                    entry.headers = list(message.get("headers", []))
-                    entry.started = True
-                else:
-                    body = message.get("body", b"")
-                    if body.startswith((b'data: {"error"', b"event: error")):
-                        entry.failed = True
-                    entry.size += len(body)
-                    if entry.size > MAX_ANSWER_BYTES:
-                        self.drop(entry)
-                    else:
-                        entry.parts.append(body)
+            if message["type"] != "http.response.start":
+                self.record_part(entry, message.get("body", b""))
+            elif entry.state is EntryState.RUNNING:
+                entry.status = message["status"]
+                entry.headers = list(message.get("headers", []))
+                entry.started = True
                 entry._touch()
             await send(message)
 
         return recording
+
+    def record_part(self, entry: Entry, body: bytes) -> None:
+        """One body part of `entry`'s answer, sent through the recorder or written
+        past it (a stream's parts that the link's reader writes, router/link.py)."""
+        if entry.state is not EntryState.RUNNING:
+            return
+        if body.startswith((b'data: {"error"', b"event: error")):
+            entry.failed = True
+        entry.size += len(body)
+        if entry.size > MAX_ANSWER_BYTES:
+            self.drop(entry)
+        else:
+            entry.parts.append(body)
+        entry._touch()
 
     def finish(self, entry: Entry, status: int) -> None:
         """The generating request ended: keep a success for the window, drop the rest."""

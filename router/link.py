@@ -13,7 +13,7 @@ import operator
 import re
 import time
 from collections import deque
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -36,7 +36,7 @@ from protocol.errors import ErrorCode, classify_backend_status
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from protocol.frames import MAX_FRAME_BYTES
 from protocol.logs import quote
-from protocol.p2p import FramedStream, SessionClosed
+from protocol.p2p import FramedStream, SessionClosed, before_reads
 from protocol.router_proof import MAX_CHALLENGE, router_proof
 from protocol.tokens import TokenError, verify_with
 from protocol.tracing import Span
@@ -111,6 +111,8 @@ _JOINED = SessionState.JOINED
 _BODY = RequestState.BODY
 _DONE = RequestState.DONE
 _FAILED = RequestState.FAILED
+# An empty body part: has a relay write what its sink could not.
+_FLUSH: dict = {"type": m.RESPONSE_CHUNK, "data": b""}
 
 # An answer frame and the request state it moved the request to; when that is FAILED,
 # what the try failed with is the request's `failure`.
@@ -171,7 +173,7 @@ class _Pending:
     conversation (protocol/conversation.py), moved by the session's reader.
     """
 
-    __slots__ = ("_task", "failure", "frames", "req_id", "rid", "state")
+    __slots__ = ("_task", "failure", "frames", "req_id", "rid", "sink", "state")
 
     def __init__(self, req_id: int, rid: str = "-") -> None:
         self.req_id = req_id
@@ -180,6 +182,10 @@ class _Pending:
         self.failure: ForwardFailure | None = None
         self.frames: deque[Answer] = deque()
         self._task: trio.lowlevel.Task | None = None
+        # Set by the consuming task while it relays a stream's body: writes the body
+        # parts that arrive while that task waits for one, so that they need not wake
+        # it (AgentSession.write_held). False: taken, but the task must write next.
+        self.sink: Callable[[bytes], bool] | None = None
 
     def __repr__(self) -> str:
         waiting = ", a task waiting" if self._task is not None else ""
@@ -241,6 +247,13 @@ class AgentSession:
         # is read for every frame.
         self._clock = trio.lowlevel.current_clock().current_time
         self.last_rx = self._clock()
+        # Set when the link's reader calls `write_held` before each socket read: a
+        # waiting relay's parts are then held until all that one read brought is in,
+        # and leave joined. Otherwise, and while this session's frames still come from
+        # its own reading task (`fs.direct`: not yet from the muxer's, which makes the
+        # call), each is written as it comes.
+        self.batched = False
+        self.held: list[_Pending] = []
         self.hello_seen = trio.Event()
         self.refused: str | None = None
         self.remote_addr = ""
@@ -279,6 +292,26 @@ class AgentSession:
 
     def _on_hello(self, msg: dict) -> None:
         self.link.admit(self, msg)
+
+    def write_held(self) -> None:
+        """Write the parts held for relays that still wait (`batched`), each relay's
+        joined in one write. A relay woken since (its end came, or a failure, or a
+        cancel) finds its held parts first in its queue."""
+        held = self.held
+        if not held:
+            return
+        self.held = []
+        for pending in held:
+            frames = pending.frames
+            if pending._task is None or pending.sink is None or not frames:
+                continue
+            if len(frames) == 1:
+                data = frames[0][1]["data"]
+            else:
+                data = b"".join([frame["data"] for _, frame in frames])
+            frames.clear()
+            if not pending.sink(data):
+                pending.put((_BODY, _FLUSH))
 
     def _on_heartbeat(self, msg: dict) -> None:
         peer = self.peer
@@ -325,7 +358,19 @@ class AgentSession:
             pending.fail(ForwardFailure(code, msg["message"], status=msg.get("status")))
         else:
             pending.state = state
-            if state is _DONE and "elsewhere" in msg:
+            if state is _BODY and pending.sink is not None and pending._task is not None:
+                # A waiting relay's part goes out without a pass of its task: held for
+                # the end of this read, as its task would have joined it, or now.
+                if self.batched and self.fs.direct:
+                    if not pending.frames:
+                        self.held.append(pending)
+                    pending.frames.append((state, msg))
+                    return
+                if not pending.frames:
+                    if pending.sink(msg["data"]):
+                        return
+                    msg = _FLUSH
+            elif state is _DONE and "elsewhere" in msg:
                 self._elsewhere(msg["elsewhere"], False)
             pending.put((state, msg))
 
@@ -456,6 +501,7 @@ class AgentResponse:
                 if state is _DONE:
                     self.done = True
                     self._ended(frame)
+        self.pending.sink = None
         self.slot.release()
         self.session.finish(self.req_id, cancel=not self.done)
         self.done = True
@@ -517,12 +563,16 @@ class AgentLink:
         session = AgentSession(self, fs, remote, (id(conn), source))
         session.remote_addr = format_endpoint(endpoint)
         reason = "cancelled"
+        unhook = before_reads(stream, session.write_held)
+        session.batched = unhook is not None
         try:
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(self._keepalive, session)
                 reason = await fs.run(session.on_message)
                 nursery.cancel_scope.cancel()
         finally:
+            if unhook is not None:
+                unhook()
             self.release_unjoined(session)
             self._closed(session, reason)
 

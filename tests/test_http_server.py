@@ -12,6 +12,7 @@ import errno
 import json
 import logging
 import os
+import re
 import resource
 import socket
 import struct
@@ -685,6 +686,101 @@ async def test_a_stream_over_tcp_arrives_whole_and_in_order_past_a_full_socket()
     assert body == expected
 
 
+async def test_parts_from_the_part_writer_arrive_whole_and_in_order_past_a_full_socket() -> None:
+    """ANSWER_SCOPE's part writer (what the link's reader writes a stream's parts
+    with): what the kernel does not take at once waits for the app's next write, which
+    goes before what that write brings, and the stream arrives whole and in order."""
+    parts = [b"%d:" % i + (b"z" * 150_000 if i % 10 == 3 else b"e" * 40) for i in range(60)]
+    kept: list[int] = []
+
+    async def stream(scope: dict, receive: Receive, send: Send) -> None:
+        await receive()
+        connection = scope["extensions"][ANSWER_SCOPE]
+        assert connection.part_writer() is None  # no head out yet
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        write_part = connection.part_writer()
+        for i, part in enumerate(parts):
+            if i % 3 == 0:  # the app's own write
+                await send({"type": "http.response.body", "body": part, "more_body": True})
+            elif not write_part(part):
+                kept.append(i)
+                await send({"type": "http.response.body", "body": b"", "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+        assert write_part(b"late") is True  # the answer is over: dropped
+
+    async with serving(stream) as (_, port):
+        client = trio.socket.socket()
+        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+        await client.connect(("127.0.0.1", port))
+        await client.send(b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+        received = b""
+        with trio.fail_after(30):
+            while data := await client.recv(8192):
+                received += data
+        client.close()
+    body = received.split(b"\r\n\r\n", 1)[1]
+    expected = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in parts) + b"0\r\n\r\n"
+    assert body == expected
+    assert kept  # the kernel's room ran out under the writer too
+
+
+@pytest.mark.parametrize("kind", ["content-length", "http/1.0", "head", "memory stream"])
+async def test_a_part_writer_is_offered_for_a_chunked_stream_over_tcp_only(kind: str) -> None:
+    offered: list[bool] = []
+
+    async def stream(scope: dict, receive: Receive, send: Send) -> None:
+        await receive()
+        headers = [(b"content-length", b"2")] if kind == "content-length" else []
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        offered.append(scope["extensions"][ANSWER_SCOPE].part_writer() is not None)
+        await send({"type": "http.response.body", "body": b"ok"})
+
+    version = b"1.0" if kind == "http/1.0" else b"1.1"
+    method = b"HEAD" if kind == "head" else b"GET"
+    request = b"%s / HTTP/%s\r\nHost: t\r\nConnection: close\r\n\r\n" % (method, version)
+    if kind == "memory stream":
+        await writes_of(stream, request)
+    else:
+        async with serving(stream) as (_, port):
+            await exchange(port, request)
+    assert offered == [False]
+
+
+async def test_a_part_for_a_client_that_left_is_dropped_and_the_app_told() -> None:
+    told: list[str] = []
+    results: list[bool] = []
+    gone, left = trio.Event(), trio.Event()
+
+    def tell() -> None:
+        told.append("left")
+        left.set()
+
+    async def stream(scope: dict, receive: Receive, send: Send) -> None:
+        await receive()
+        extensions = scope["extensions"]
+        extensions[ON_DISCONNECT](tell)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        write_part = extensions[ANSWER_SCOPE].part_writer()
+        await gone.wait()
+        with trio.move_on_after(5):
+            while not told:  # the reset found by the write or by the server's watch
+                results.append(write_part(b"x" * 65536))
+                await trio.sleep(0.01)
+        results.append(write_part(b"after"))
+
+    async with serving(stream) as (_, port):
+        client = await trio.open_tcp_stream("127.0.0.1", port)
+        await client.send_all(b"GET / HTTP/1.1\r\nHost: t\r\n\r\n")
+        await client.receive_some(100)
+        client.socket.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await client.aclose()  # a reset
+        gone.set()
+        with trio.fail_after(5):
+            await left.wait()
+    assert told == ["left"]
+    assert results[-1] is True
+
+
 async def test_a_large_answer_leaves_in_pieces_the_write_timeout_counts_on() -> None:
     body = b"y" * (WRITE_PIECE_BYTES * 2 + 1000)
 
@@ -757,6 +853,63 @@ async def test_the_router_frees_the_slot_of_a_client_that_never_reads(fleet: Fle
         stuck.close()
     log = router.log()
     assert "http_write_timeout" in log and "client_disconnected" in log, log[-3000:]
+
+
+async def test_a_client_that_reads_slowly_gets_the_whole_stream_through_the_router(
+    fleet: Fleet,
+) -> None:
+    """End to end: the link's reader writes a stream's parts while its relay waits,
+    the relay what the client's full socket could not take, in order; a client with a
+    small receive buffer reading in small bites gets every event of some 1.2 MB."""
+    router = fleet.router()
+    agent = fleet.agent(router, "m1", "--sim-token-latency", "0ms")
+    words = " ".join(f"{i}{'x' * 4000}" for i in range(20))
+    payload = {
+        "model": "m1",
+        "messages": [{"role": "user", "content": words}],
+        "stream": True,
+        "max_tokens": 300,
+        "ignore_eos": True,
+    }
+    async with httpx.AsyncClient(base_url=router.url, timeout=60) as fast:
+        wanted = (await fast.post("/v1/chat/completions", json=payload)).content
+    body = json.dumps(payload).encode()
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n"
+        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    slow = trio.socket.socket()
+    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    received = b""
+    try:
+        await slow.connect(("127.0.0.1", router.http_port))
+        view = memoryview(request)
+        while view:
+            view = view[await slow.send(view) :]
+        with trio.fail_after(60):
+            while data := await slow.recv(2048):
+                received += data
+                await trio.sleep(0.0005)
+    finally:
+        slow.close()
+    head, chunked = received.split(b"\r\n\r\n", 1)
+    assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
+    events = b""
+    while True:
+        size_line, chunked = chunked.split(b"\r\n", 1)
+        size = int(size_line, 16)
+        events, chunked = events + chunked[:size], chunked[size + 2 :]
+        if size == 0:
+            break
+    assert len(wanted) > 1_000_000
+    # The same events as the fast client's, but for their ids and times.
+    ids = re.compile(rb'"(id|created)":("[^"]*"|\d+)')
+    assert ids.sub(b"", events) == ids.sub(b"", wanted)
+    await trio.to_thread.run_sync(
+        lambda: wait_until(
+            lambda: router.agent(agent.peer_id)["status"]["active_requests"] == 0, 15, "slot"
+        )
+    )
 
 
 # --- what llhttp does differently from h11, held to h11's behaviour -------------------------

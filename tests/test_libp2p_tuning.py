@@ -298,3 +298,64 @@ async def test_yamux_sends_no_rtt_pings_but_answers_them(monkeypatch: pytest.Mon
         assert pings == [2]  # the server's answer (ACK)
         await client.close()
         await server.close()
+
+
+async def test_hooks_run_before_each_socket_read_once_all_it_brought_is_read() -> None:
+    p2p.tune_libp2p()
+    ours, theirs = trio.testing.memory_stream_pair()
+    conn = TrioTCPStream(ours)  # type: ignore[arg-type]
+    calls: list[int] = []
+
+    class Layer:  # what a libp2p stream's layers look like from above
+        def __init__(self, below: object) -> None:
+            self.secured_conn = below
+
+    unhook = p2p.before_reads(Layer(conn), lambda: calls.append(1))
+    assert unhook is not None
+    await theirs.send_all(b"\x00\x05hello\x00\x03abc")
+    await trio.testing.wait_all_tasks_blocked()
+    assert await conn.read(2) == b"\x00\x05"
+    assert calls == [1]  # before the socket read
+    assert await conn.read(5) == b"hello"
+    assert await conn.read() == b"\x00\x03abc"
+    assert calls == [1]  # the same read's bytes: no socket read, no call
+    await theirs.send_all(b"more")
+    assert await conn.read() == b"more"
+    assert calls == [1, 1]
+    unhook()
+    await theirs.send_all(b"again")
+    assert await conn.read() == b"again"
+    assert calls == [1, 1]
+    assert p2p.before_reads(Layer(None), lambda: None) is None  # no TCP below (WebSocket)
+
+
+async def test_a_link_stream_finds_its_connection_for_read_hooks() -> None:
+    p2p.tune_libp2p()
+    listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+    server = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=listen)
+    client = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=[])
+    streams: list[object] = []
+    opened = trio.Event()
+
+    async def handler(stream: object) -> None:
+        streams.append(stream)
+        opened.set()
+        await trio.sleep_forever()
+
+    server.set_stream_handler("/hook-test/1", handler)  # type: ignore[arg-type]
+    async with server.run(listen_addrs=listen), client.run(listen_addrs=[]):
+        info = info_from_p2p_addr(server.get_addrs()[0])
+        await client.connect(info)
+        stream = await client.new_stream(info.peer_id, ["/hook-test/1"])
+        calls: list[int] = []
+        unhook = p2p.before_reads(stream, lambda: calls.append(1))
+        assert unhook is not None
+        await stream.write(b"ping")  # the server reads the frame; this side waits for more
+        with trio.fail_after(10):
+            await opened.wait()
+        await streams[0].write(b"pong")  # type: ignore[attr-defined]
+        assert await stream.read(4) == b"pong"
+        assert calls  # this connection's reader came back to its socket
+        unhook()
+        await client.close()
+        await server.close()

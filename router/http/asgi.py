@@ -29,7 +29,10 @@ BODY_READY = "hivenet.body_ready"
 # deadline (within a quarter of the server's `answer_timeout`), `lift()` once it is
 # over in time, `end()` ends it now. Either ending cancels the connection's scope for
 # good: the app may catch that Cancelled where it answers, must shield what it still
-# awaits, and the connection closes after the request.
+# awaits, and the connection closes after the request. `part_writer()`, once a stream's
+# head is out, gives a function that writes the stream's next part at once from any
+# task (True: done; False: the kernel took part of it, and the app must write next),
+# so that a part need not wake the app's task (router/continuation_relay.py).
 ANSWER_SCOPE = "hivenet.answer_scope"
 
 
@@ -39,6 +42,8 @@ class AnswerScope(Protocol):
     def lift(self) -> None: ...
 
     def end(self) -> None: ...
+
+    def part_writer(self) -> Callable[[bytes], bool] | None: ...
 
 
 class BodyTooLarge(Exception):

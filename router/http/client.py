@@ -329,7 +329,9 @@ class ClientApi:
             rid,
             partial(send_error, send, protocol, conflict, extra, ticket),
             sse_error(protocol, failed),
-            lambda recorded: self._serve(req, protocol, leaving, recorded, extra, ticket, admitted),
+            lambda recorded, record_part: self._serve(
+                req, protocol, leaving, recorded, extra, ticket, admitted, record_part
+            ),
         )
 
     async def _serve(
@@ -341,8 +343,9 @@ class ClientApi:
         extra: list[tuple[str, str]],
         ticket: Ticket | None = None,
         admitted: Admitted | None = None,
+        record_part: Callable[[bytes], None] | None = None,
     ) -> int:
-        state = _Progress(ticket=ticket, admitted=admitted)
+        state = _Progress(ticket, admitted, leaving[2], record_part)
 
         async def tracked_send(message: dict) -> None:
             # Once the last body part is on its way, a disconnect is the client's
@@ -506,8 +509,9 @@ class ClientApi:
                 # No declared output limit: the footprint grows by what streams, one
                 # token per delta event (OpenAI's `delta`, Anthropic's content_block_delta).
                 grow = partial(_grow_by_deltas, gates, admitted)
+            writer = state.part_writer()
             relay = StreamRelay(
-                self.continuer, req, response, partial(setattr, state, "response"), grow
+                self.continuer, req, response, partial(setattr, state, "response"), grow, writer
             )
             await relay.run(send)
         except StreamBroken as exc:
@@ -596,13 +600,30 @@ class ClientApi:
 
 @dataclass
 class _Progress:
+    ticket: Ticket | None = None
+    admitted: Admitted | None = None
+    connection: AnswerScope | None = None  # the server's, when it offers one
+    # The idempotency table's, for the parts of an answer it records (router/idempotency.py).
+    record_part: Callable[[bytes], None] | None = None
     started: bool = False
     status: int = 200
     client_gone: bool = False
     done: bool = False
     response: AgentResponse | None = None
-    ticket: Ticket | None = None
-    admitted: Admitted | None = None
+
+    def part_writer(self) -> Callable[[bytes], bool] | None:
+        """What writes a stream's parts past `send` (ANSWER_SCOPE's), recording them
+        as `send` would."""
+        writer = self.connection.part_writer() if self.connection is not None else None
+        record = self.record_part
+        if writer is None or record is None:
+            return writer
+
+        def recorded(body: bytes) -> bool:
+            record(body)
+            return writer(body)
+
+        return recorded
 
 
 def _client_left(state: _Progress, cancel: Callable[[], None]) -> Callable[[], None]:

@@ -379,6 +379,9 @@ class _Connection:
         self.body_done = True  # the request's body has been read to its END
         self.answer = READING
         self.head: bytes | None = None  # a response head held for the first body part
+        # What the kernel did not take of a part written by `write_part`: it goes out
+        # first with the app's next write, which the caller has promised.
+        self.unsent = b""
         self.framing = _CHUNKED
         self.length_left = 0  # what a Content-Length answer still owes
         self.close_after = False  # the answer said `connection: close`
@@ -448,6 +451,38 @@ class _Connection:
         self.answer_deadline = math.inf
         self.ended = True
         self.scope.cancel()
+
+    def part_writer(self) -> Callable[[bytes], bool] | None:
+        """`write_part` while the answer is a chunked stream whose head is out; None
+        otherwise (the app writes through send())."""
+        if self.answer is not RESPONDING or self.framing is not _CHUNKED:
+            return None
+        if self.head is not None or self.raw is None:
+            return None
+        return self.write_part
+
+    def write_part(self, body: bytes) -> bool:
+        """One more part of a streamed answer, written now from whatever task has it
+        (the link's reader): True when it went out whole, or was dropped because the
+        client is gone or the answer is over (the app learns that as it would from
+        send()). False when the kernel took less: the rest waits in `unsent`, and the
+        caller must have the app write next (an empty part will do), through trio,
+        which waits for room and keeps the write timeout."""
+        if self.state is CLOSED or self.answer is not RESPONDING or not body:
+            return True
+        data = b"%x\r\n%s\r\n" % (len(body), body)
+        if self.unsent:
+            self.unsent += data
+            return False
+        try:
+            sent = send_at_once(self.raw, data)  # type: ignore[arg-type]  # as part_writer found it
+        except OSError:
+            self._lost()
+            return True
+        if sent == len(data):
+            return True
+        self.unsent = data[sent:]
+        return False
 
     def _cancelled(self) -> bool:
         """`scope.cancel_called`: by `end()`, or by a deadline when the scope has one."""
@@ -779,8 +814,11 @@ class _Connection:
         # callback or from receive(). The checkpoint lets an app that keeps writing in a
         # loop still be cancelled.
         if self.state is CLOSED:
+            self.unsent = b""
             await trio.lowlevel.checkpoint()
             return
+        if self.unsent:
+            data, self.unsent = self.unsent + data, b""
         if not data:
             return
         raw = self.raw
