@@ -96,19 +96,10 @@ class Build:
         self.http = free_port()
         # The engine is always this checkout's, so both builds relay the same events.
         env = {**os.environ, "PYTHONPATH": str(HERE)}
+        engine = ("--model", MODEL, "--port", str(sim), "--token-latency", str(token_latency))
         self.procs.append(
             subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "sim",
-                    "--model",
-                    MODEL,
-                    "--port",
-                    str(sim),
-                    "--token-latency",
-                    str(token_latency),
-                ],
+                [sys.executable, "-m", "sim", *engine],
                 env=env,
                 cwd=HERE,
                 stdout=subprocess.DEVNULL,

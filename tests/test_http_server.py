@@ -210,8 +210,7 @@ async def test_keep_alive_ends_idle_and_half_sent_heads_never_a_request_in_progr
         nursery.start_soon(server.run_connection, server_side)
         return client
 
-    async def ends_after(stream: trio.abc.Stream) -> float:
-        began = trio.current_time()
+    async def ends_after(stream: trio.abc.Stream, began: float) -> float:
         with trio.fail_after(10):
             while await stream.receive_some(1000):
                 pass
@@ -222,11 +221,15 @@ async def test_keep_alive_ends_idle_and_half_sent_heads_never_a_request_in_progr
         port = 0
         if served:
             port = await nursery.start(server.serve, ("127.0.0.1", 0), stop.wait)
+        # Timed from before the connection: a half-sent head does not restart the wait
+        # for a request, which began when the server took the connection.
+        began = trio.current_time()
         idle = await connect(nursery)
-        assert timeout <= await ends_after(idle) < timeout + 2
+        assert timeout <= await ends_after(idle, began) < timeout + 2
+        began = trio.current_time()
         half = await connect(nursery)
         await half.send_all(b"GET /a HTTP/1.1\r\nHost: t\r\n")
-        assert timeout <= await ends_after(half) < timeout + 2
+        assert timeout <= await ends_after(half, began) < timeout + 2
         busy = await connect(nursery)
         await busy.send_all(b"GET /b HTTP/1.1\r\nHost: t\r\n\r\n")
         answer = b""
@@ -658,11 +661,47 @@ async def test_a_client_that_never_reads_is_closed_after_the_write_timeout() -> 
         stuck.close()
 
 
+async def through_a_small_window(
+    port: int, request: bytes, piece: int = 8192, pause: float = 0.0
+) -> bytes:
+    """Send `request` from a client with a 4 KB receive buffer, then read `piece` bytes
+    at a time (`pause` seconds apart) until the server closes: what it answered."""
+    client = trio.socket.socket()
+    client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    received = b""
+    try:
+        await client.connect(("127.0.0.1", port))
+        view = memoryview(request)
+        while view:
+            view = view[await client.send(view) :]
+        with trio.fail_after(60):
+            while data := await client.recv(piece):
+                received += data
+                await trio.sleep(pause)
+    finally:
+        client.close()
+    return received
+
+
+LARGE_AND_SMALL = [b"%d:" % i + (b"z" * 150_000 if i % 10 == 3 else b"e" * 40) for i in range(60)]
+
+
+async def arrives_whole(app: Callable, parts: list[bytes]) -> None:
+    """`app`'s streamed answer reaches a client with a small receive buffer as
+    `parts`, whole and in order."""
+    async with serving(app) as (_, port):
+        received = await through_a_small_window(
+            port, b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+        )
+    body = received.split(b"\r\n\r\n", 1)[1]
+    assert body == b"".join(b"%x\r\n%s\r\n" % (len(p), p) for p in parts) + b"0\r\n\r\n"
+
+
 async def test_a_stream_over_tcp_arrives_whole_and_in_order_past_a_full_socket() -> None:
     """Over a real socket each part is written straight to the stdlib socket; what the
     kernel cannot take at once (a reader with a small buffer) goes on through
     trio, after what went before and before what follows."""
-    parts = [b"%d:" % i + (b"z" * 150_000 if i % 10 == 3 else b"e" * 40) for i in range(60)]
+    parts = LARGE_AND_SMALL
 
     async def stream(scope: dict, receive: Receive, send: Send) -> None:
         await receive()
@@ -671,26 +710,14 @@ async def test_a_stream_over_tcp_arrives_whole_and_in_order_past_a_full_socket()
             await send({"type": "http.response.body", "body": part, "more_body": True})
         await send({"type": "http.response.body", "body": b""})
 
-    async with serving(stream) as (_, port):
-        client = trio.socket.socket()
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        await client.connect(("127.0.0.1", port))
-        await client.send(b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
-        received = b""
-        with trio.fail_after(30):
-            while data := await client.recv(8192):
-                received += data
-        client.close()
-    body = received.split(b"\r\n\r\n", 1)[1]
-    expected = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in parts) + b"0\r\n\r\n"
-    assert body == expected
+    await arrives_whole(stream, parts)
 
 
 async def test_parts_from_the_part_writer_arrive_whole_and_in_order_past_a_full_socket() -> None:
     """ANSWER_SCOPE's part writer (what the link's reader writes a stream's parts
     with): what the kernel does not take at once waits for the app's next write, which
     goes before what that write brings, and the stream arrives whole and in order."""
-    parts = [b"%d:" % i + (b"z" * 150_000 if i % 10 == 3 else b"e" * 40) for i in range(60)]
+    parts = LARGE_AND_SMALL
     kept: list[int] = []
 
     async def stream(scope: dict, receive: Receive, send: Send) -> None:
@@ -708,19 +735,7 @@ async def test_parts_from_the_part_writer_arrive_whole_and_in_order_past_a_full_
         await send({"type": "http.response.body", "body": b""})
         assert write_part(b"late") is True  # the answer is over: dropped
 
-    async with serving(stream) as (_, port):
-        client = trio.socket.socket()
-        client.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-        await client.connect(("127.0.0.1", port))
-        await client.send(b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
-        received = b""
-        with trio.fail_after(30):
-            while data := await client.recv(8192):
-                received += data
-        client.close()
-    body = received.split(b"\r\n\r\n", 1)[1]
-    expected = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in parts) + b"0\r\n\r\n"
-    assert body == expected
+    await arrives_whole(stream, parts)
     assert kept  # the kernel's room ran out under the writer too
 
 
@@ -810,6 +825,24 @@ def test_the_write_timeout_is_a_router_flag_and_an_environment_variable(
         settings_from(build_parser().parse_args(["serve", "--http-write-timeout", "0s"]))
 
 
+def long_stream(words: int, tokens: int, extra: bytes = b"") -> tuple[dict, bytes]:
+    """A chat completion streaming `tokens` tokens of some 4 KB each from m1, and its
+    HTTP request (`extra` header lines added)."""
+    payload = {
+        "model": "m1",
+        "messages": [
+            {"role": "user", "content": " ".join(f"{i}{'x' * 4000}" for i in range(words))}
+        ],
+        "stream": True,
+        "max_tokens": tokens,
+        "ignore_eos": True,
+    }
+    body = json.dumps(payload).encode()
+    head = b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n%s" % extra
+    length = b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body)
+    return payload, head + length + body
+
+
 async def test_the_router_frees_the_slot_of_a_client_that_never_reads(fleet: Fleet) -> None:
     """End to end: with a request deadline far away, only the write timeout can end a
     stream whose client reads nothing; the agent's slot (held until the stream ends)
@@ -819,19 +852,7 @@ async def test_the_router_frees_the_slot_of_a_client_that_never_reads(fleet: Fle
     )
     agent = fleet.agent(router, "m1", "--sim-token-latency", "2ms")
     # About 12 MB of answer, far more than the socket buffers hold.
-    words = " ".join(f"{i}{'x' * 4000}" for i in range(10))
-    payload = {
-        "model": "m1",
-        "messages": [{"role": "user", "content": words}],
-        "stream": True,
-        "max_tokens": 3000,
-        "ignore_eos": True,
-    }
-    body = json.dumps(payload).encode()
-    request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\n"
-        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-    )
+    _, request = long_stream(10, 3000)
 
     def active() -> int:
         row = router.agent(agent.peer_id)
@@ -863,35 +884,10 @@ async def test_a_client_that_reads_slowly_gets_the_whole_stream_through_the_rout
     small receive buffer reading in small bites gets every event of some 1.2 MB."""
     router = fleet.router()
     agent = fleet.agent(router, "m1", "--sim-token-latency", "0ms")
-    words = " ".join(f"{i}{'x' * 4000}" for i in range(20))
-    payload = {
-        "model": "m1",
-        "messages": [{"role": "user", "content": words}],
-        "stream": True,
-        "max_tokens": 300,
-        "ignore_eos": True,
-    }
+    payload, request = long_stream(20, 300, b"connection: close\r\n")
     async with httpx.AsyncClient(base_url=router.url, timeout=60) as fast:
         wanted = (await fast.post("/v1/chat/completions", json=payload)).content
-    body = json.dumps(payload).encode()
-    request = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: 127.0.0.1\r\nconnection: close\r\n"
-        b"content-type: application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(body), body)
-    )
-    slow = trio.socket.socket()
-    slow.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
-    received = b""
-    try:
-        await slow.connect(("127.0.0.1", router.http_port))
-        view = memoryview(request)
-        while view:
-            view = view[await slow.send(view) :]
-        with trio.fail_after(60):
-            while data := await slow.recv(2048):
-                received += data
-                await trio.sleep(0.0005)
-    finally:
-        slow.close()
+    received = await through_a_small_window(router.http_port, request, 2048, 0.0005)
     head, chunked = received.split(b"\r\n\r\n", 1)
     assert head.startswith(b"HTTP/1.1 200") and b"transfer-encoding: chunked" in head.lower()
     events = b""

@@ -10,6 +10,9 @@ stream relays, no sockets: the part writer here records what it is given.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+
 import trio
 import trio.testing
 
@@ -78,13 +81,25 @@ class _Client:
             await self.hold.wait()
 
 
-async def test_parts_that_arrive_while_the_relay_waits_are_written_without_it() -> None:
-    session, req_id, pending, response = _answer()
-    writer, client = _Writer(), _Client()
-    relay = StreamRelay(_Continuer(), None, response, lambda r: None, None, writer)  # type: ignore[arg-type]
+@contextlib.asynccontextmanager
+async def _relaying(
+    response: AgentResponse,
+    write_part: Callable[[bytes], bool] | None,
+    client: _Client,
+    grow: Callable[[bytes], Awaitable[None]] | None = None,
+) -> AsyncIterator[StreamRelay]:
+    """A stream relay running until the block's end, first waiting for a part."""
+    relay = StreamRelay(_Continuer(), None, response, lambda r: None, grow, write_part)  # type: ignore[arg-type]
     async with trio.open_nursery() as nursery:
         nursery.start_soon(relay.run, client)
         await trio.testing.wait_all_tasks_blocked()
+        yield relay
+
+
+async def test_parts_that_arrive_while_the_relay_waits_are_written_without_it() -> None:
+    session, req_id, pending, response = _answer()
+    writer, client = _Writer(), _Client()
+    async with _relaying(response, writer, client) as relay:
         for data in (b"a", b"bc", b"d"):
             session.on_message(m.response_chunk(req_id, data))
             assert not pending.frames
@@ -103,10 +118,7 @@ async def test_a_part_taken_in_part_has_the_relay_write_next_and_in_order() -> N
     behind it waits in the queue, not written ahead by the reader."""
     session, req_id, _, response = _answer()
     writer, client = _Writer(keeps=1), _Client()
-    relay = StreamRelay(_Continuer(), None, response, lambda r: None, None, writer)  # type: ignore[arg-type]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(relay.run, client)
-        await trio.testing.wait_all_tasks_blocked()
+    async with _relaying(response, writer, client) as relay:
         session.on_message(m.response_chunk(req_id, b"first"))
         session.on_message(m.response_chunk(req_id, b"second"))
         await trio.testing.wait_all_tasks_blocked()
@@ -121,11 +133,8 @@ async def test_parts_that_arrive_while_the_relay_writes_are_its_own() -> None:
     session, req_id, pending, response = _answer()
     writer, client = _Writer(), _Client()
     client.hold = trio.Event()
-    relay = StreamRelay(_Continuer(), None, response, lambda r: None, None, writer)  # type: ignore[arg-type]
     session.on_message(m.response_chunk(req_id, b"queued"))
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(relay.run, client)
-        await trio.testing.wait_all_tasks_blocked()
+    async with _relaying(response, writer, client):
         assert client.bodies == [(b"queued", True)]  # and blocked in its write
         session.on_message(m.response_chunk(req_id, b"x"))
         session.on_message(m.response_chunk(req_id, b"y"))
@@ -146,10 +155,7 @@ async def test_no_part_writer_or_a_growing_footprint_keeps_every_part_in_the_rel
     for write_part, grows in ((None, None), (_Writer(), grow)):
         session, req_id, pending, response = _answer()
         client = _Client()
-        relay = StreamRelay(_Continuer(), None, response, lambda r: None, grows, write_part)  # type: ignore[arg-type]
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(relay.run, client)
-            await trio.testing.wait_all_tasks_blocked()
+        async with _relaying(response, write_part, client, grows):
             assert pending.sink is None
             session.on_message(m.response_chunk(req_id, b"a"))
             await trio.testing.wait_all_tasks_blocked()
@@ -161,11 +167,8 @@ async def test_no_part_writer_or_a_growing_footprint_keeps_every_part_in_the_rel
 async def test_a_relay_cancelled_while_it_waits_writes_nothing_more() -> None:
     session, req_id, pending, response = _answer()
     writer, client = _Writer(), _Client()
-    relay = StreamRelay(_Continuer(), None, response, lambda r: None, None, writer)  # type: ignore[arg-type]
     with trio.CancelScope() as scope:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(relay.run, client)
-            await trio.testing.wait_all_tasks_blocked()
+        async with _relaying(response, writer, client):
             session.on_message(m.response_chunk(req_id, b"before"))
             scope.cancel()
             # Cancelled but not yet unwound: the part is the relay's, not written.
@@ -188,10 +191,7 @@ def _batched() -> tuple[AgentSession, int, _Pending, AgentResponse]:
 async def test_parts_that_one_read_brought_leave_joined_once_it_is_read() -> None:
     session, req_id, pending, response = _batched()
     writer, client = _Writer(keeps=1), _Client()
-    relay = StreamRelay(_Continuer(), None, response, lambda r: None, None, writer)  # type: ignore[arg-type]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(relay.run, client)
-        await trio.testing.wait_all_tasks_blocked()
+    async with _relaying(response, writer, client) as relay:
         for data in (b"a", b"bc", b"d"):
             session.on_message(m.response_chunk(req_id, data))
         assert writer.parts == [] and len(pending.frames) == 3
@@ -212,10 +212,7 @@ async def test_parts_that_one_read_brought_leave_joined_once_it_is_read() -> Non
 async def test_an_end_in_the_same_read_leaves_with_the_held_parts_from_the_relay() -> None:
     session, req_id, _, response = _batched()
     writer, client = _Writer(), _Client()
-    relay = StreamRelay(_Continuer(), None, response, lambda r: None, None, writer)  # type: ignore[arg-type]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(relay.run, client)
-        await trio.testing.wait_all_tasks_blocked()
+    async with _relaying(response, writer, client):
         session.on_message(m.response_chunk(req_id, b"a"))
         session.on_message(m.response_chunk(req_id, b"b"))
         session.on_message(m.response_end(req_id))
@@ -227,11 +224,8 @@ async def test_an_end_in_the_same_read_leaves_with_the_held_parts_from_the_relay
 async def test_held_parts_of_a_relay_cancelled_in_the_read_are_not_written() -> None:
     session, req_id, _, response = _batched()
     writer, client = _Writer(), _Client()
-    relay = StreamRelay(_Continuer(), None, response, lambda r: None, None, writer)  # type: ignore[arg-type]
     with trio.CancelScope() as scope:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(relay.run, client)
-            await trio.testing.wait_all_tasks_blocked()
+        async with _relaying(response, writer, client):
             session.on_message(m.response_chunk(req_id, b"held"))
             scope.cancel()
             session.write_held()
@@ -246,10 +240,7 @@ async def test_parts_leave_as_they_come_while_the_session_still_reads_for_itself
     session, req_id, _, response = _batched()
     session.fs.direct = False  # type: ignore[attr-defined]
     writer, client = _Writer(), _Client()
-    relay = StreamRelay(_Continuer(), None, response, lambda r: None, None, writer)  # type: ignore[arg-type]
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(relay.run, client)
-        await trio.testing.wait_all_tasks_blocked()
+    async with _relaying(response, writer, client):
         session.on_message(m.response_chunk(req_id, b"a"))
         assert writer.parts == [b"a"] and session.held == []
         session.on_message(m.response_end(req_id))
