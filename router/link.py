@@ -310,8 +310,22 @@ class AgentSession:
             else:
                 data = b"".join([frame["data"] for _, frame in frames])
             frames.clear()
-            if not pending.sink(data):
-                pending.put((_BODY, _FLUSH))
+            self._hand_over(pending, data)
+
+    def _hand_over(self, pending: _Pending, data: bytes) -> None:
+        """`data` to `pending`'s sink, the relay woken when it must write next. This
+        runs in the link's reader, where an exception would end the agent's session
+        and every request on it: a sink that fails is dropped and the part goes to
+        the relay, whose own write then fails its request alone."""
+        try:
+            if pending.sink(data):  # type: ignore[misc]  # set: the callers checked
+                return
+            frame = _FLUSH
+        except Exception:
+            log.exception("req=%s relay_sink_failed peer=%s", pending.rid, self.remote_peer)
+            pending.sink = None
+            frame = {"type": m.RESPONSE_CHUNK, "data": data}
+        pending.put((_BODY, frame))
 
     def _on_heartbeat(self, msg: dict) -> None:
         peer = self.peer
@@ -367,9 +381,8 @@ class AgentSession:
                     pending.frames.append((state, msg))
                     return
                 if not pending.frames:
-                    if pending.sink(msg["data"]):
-                        return
-                    msg = _FLUSH
+                    self._hand_over(pending, msg["data"])
+                    return
             elif state is _DONE and "elsewhere" in msg:
                 self._elsewhere(msg["elsewhere"], False)
             pending.put((state, msg))

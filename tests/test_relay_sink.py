@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator, Awaitable, Callable
 
+import pytest
 import trio
 import trio.testing
 
@@ -245,3 +246,29 @@ async def test_parts_leave_as_they_come_while_the_session_still_reads_for_itself
         assert writer.parts == [b"a"] and session.held == []
         session.on_message(m.response_end(req_id))
     assert client.bodies == [(b"", False)]
+
+
+async def test_a_part_writer_that_fails_leaves_the_part_to_its_relay_and_the_link_up(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The link's reader writes the parts: an exception there would end the agent's
+    session with every request on it. The failing writer is dropped, the part goes to
+    the relay, whose own write then fails that request alone (here it writes)."""
+
+    def broken(body: bytes) -> bool:
+        raise RuntimeError("a bug in a part writer")
+
+    for batched in (False, True):
+        session, req_id, pending, response = _batched() if batched else _answer()
+        client = _Client()
+        async with _relaying(response, broken, client):
+            session.on_message(m.response_chunk(req_id, b"a"))
+            session.write_held()
+            await trio.testing.wait_all_tasks_blocked()
+            assert pending.sink is None
+            session.on_message(m.response_chunk(req_id, b"b"))
+            await trio.testing.wait_all_tasks_blocked()
+            session.on_message(m.response_end(req_id))
+        assert client.bodies == [(b"a", True), (b"b", True), (b"", False)]
+        assert not session.fs.closed.is_set()
+    assert caplog.text.count("relay_sink_failed") == 2
