@@ -468,16 +468,23 @@ _TOWARD_SOCKET = (
 )
 
 
-def tcp_socket_of(stream: Any) -> Any | None:
-    """The TCP socket under a libp2p stream (yamux, Noise, raw connection), or None
-    when there is none to be found (WebSocket transport)."""
+def _layer_under(stream: Any, kind: type) -> Any | None:
+    """The first layer of `kind` from a libp2p stream down toward its socket, or None
+    when there is none (WebSocket transport)."""
     node, seen = stream, 0
     while node is not None and seen < 12:
-        if isinstance(node, trio.SocketStream):
-            return node.socket
+        if isinstance(node, kind):
+            return node
         node = next((getattr(node, a) for a in _TOWARD_SOCKET if hasattr(node, a)), None)
         seen += 1
     return None
+
+
+def tcp_socket_of(stream: Any) -> Any | None:
+    """The TCP socket under a libp2p stream (yamux, Noise, raw connection), or None
+    when there is none to be found (WebSocket transport)."""
+    tcp = _layer_under(stream, trio.SocketStream)
+    return None if tcp is None else tcp.socket
 
 
 def before_reads(stream: Any, hook: Callable[[], None]) -> Callable[[], None] | None:
@@ -485,15 +492,12 @@ def before_reads(stream: Any, hook: Callable[[], None]) -> Callable[[], None] | 
     to be read from its socket, that is once all that the last read brought has been
     handled (`_buffered_read`). `hook` must not raise. Returns what undoes it; None
     where there is no such connection (WebSocket)."""
-    node, seen = stream, 0
-    while node is not None and seen < 12:
-        if isinstance(node, TrioTCPStream):
-            hooks: list[Callable[[], None]] = node.__dict__.setdefault("_hivenet_before_reads", [])
-            hooks.append(hook)
-            return partial(hooks.remove, hook)
-        node = next((getattr(node, a) for a in _TOWARD_SOCKET if hasattr(node, a)), None)
-        seen += 1
-    return None
+    tcp = _layer_under(stream, TrioTCPStream)
+    if tcp is None:
+        return None
+    hooks: list[Callable[[], None]] = tcp.__dict__.setdefault("_hivenet_before_reads", [])
+    hooks.append(hook)
+    return partial(hooks.remove, hook)
 
 
 def limit_unacknowledged(stream: Any, seconds: float) -> bool:

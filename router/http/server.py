@@ -362,6 +362,11 @@ class _Hangups:
         self.epoll.close()
 
 
+def _chunk(body: bytes) -> bytes:
+    """One chunk of a chunked body (RFC 9112 7.1)."""
+    return b"%x\r\n%s\r\n" % (len(body), body)
+
+
 class _Connection:
     def __init__(self, server: HttpServer, stream: trio.abc.Stream) -> None:
         self.server = server
@@ -470,7 +475,7 @@ class _Connection:
         which waits for room and keeps the write timeout."""
         if self.state is CLOSED or self.answer is not RESPONDING or not body:
             return True
-        data = b"%x\r\n%s\r\n" % (len(body), body)
+        data = _chunk(body)
         if self.unsent:
             self.unsent += data
             return False
@@ -701,7 +706,7 @@ class _Connection:
                     self.answer = DONE
             if framing is _CHUNKED:
                 if body:
-                    data = b"%x\r\n%s\r\n" % (len(body), body)
+                    data = _chunk(body)
                     if not more:
                         data += b"0\r\n\r\n"
                 else:
