@@ -152,18 +152,14 @@ async def _relay(
     stream = _Stream(req_id, send, limits, checker, m.response_head(req_id, status, headers), tap)
     limits.stream()
 
-    # A stream is read by its own task, or by the session's pump once another is under
-    # way (agent/read_pump.py); `join` says which.
-    sock = None if pump is None else pump.join(response.socket_fd)
-    try:
-        if sock is None:
-            while not stream.pass_on(await response.receive()):
-                pass
-        elif pump is not None and not stream.pass_on(response.receive_now(read=False)):
-            await pump.until_done(sock, lambda: stream.pass_on(response.receive_now()))
-    finally:
-        if pump is not None:
-            pump.leave()
+    async def alone() -> None:
+        while not stream.pass_on(await response.receive()):
+            pass
+
+    if pump is None:
+        await alone()
+    elif not stream.pass_on(response.receive_now(read=False)):
+        await pump.read(response.socket_fd, lambda: stream.pass_on(response.receive_now()), alone)
     if checker is not None and checker.finished:
         await _drain(response, limits)
 

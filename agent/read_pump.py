@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import select
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import trio
 
@@ -75,18 +75,26 @@ class ReadPump:
             # a socket that only it kept alive then closed between a poll and its use.
             watch = None
 
-    def join(self, sock: int | None) -> int | None:
-        """A stream begins to be read: `sock` when the pump is to read it (`until_done`),
-        None when its own task is, as while it is the only one. A pass of the pump costs
-        one `epoll_wait` more than a task waiting on its own socket, and the stream's
-        task is woken once more, at its end: 8% more of the agent's CPU for a lone
-        client's 16-token streams, where there is nothing to read together. `sock` None
-        (a TLS or test stream): its own task. `leave` when it is over, read or not."""
+    async def read(
+        self,
+        sock: int | None,
+        reader: Callable[[], bool],
+        alone: Callable[[], Awaitable[None]],
+    ) -> None:
+        """Read one stream: with `alone` in this task while it is the only one being
+        read, else with `reader` in the pump's (`until_done`). A pass of the pump costs
+        one `epoll_wait` more than a task waiting on its own socket, and a stream whose
+        reads it takes over wakes its task once more, at the end: 8% more of the
+        agent's CPU for a lone client's 16-token streams, where there is nothing to
+        read together. `sock` None (a TLS or test stream): always `alone`."""
         self.readers += 1
-        return sock if self.readers > 1 else None
-
-    def leave(self) -> None:
-        self.readers -= 1
+        try:
+            if sock is None or self.readers == 1:
+                await alone()
+            else:
+                await self.until_done(sock, reader)
+        finally:
+            self.readers -= 1
 
     async def until_done(self, sock: int, reader: Callable[[], bool]) -> None:
         """Have `reader` called whenever socket `sock` (a descriptor) is readable, until it

@@ -133,20 +133,40 @@ async def test_a_descriptor_closed_and_reused_is_read_for_its_new_socket(pump: R
     assert got == [b"one.", b"two."]
 
 
-def test_a_stream_alone_is_read_by_its_own_task_and_the_pump_joins_from_two() -> None:
+async def test_a_stream_alone_is_read_by_its_own_task_and_the_pump_joins_from_two(
+    pump: ReadPump,
+) -> None:
     """A pass of the pump costs an `epoll_wait` more than a task's own wait: a lone
     stream reads for itself, and a socket the pump cannot wait on (None) too."""
-    pump = ReadPump()
-    assert pump.join(7) is None
-    assert pump.join(None) is None
-    assert pump.join(8) == 8
-    pump.leave()
-    pump.leave()
-    assert pump.join(9) == 9
-    pump.leave()
-    pump.leave()
+    ways: list[str] = []
+    gate = trio.Event()
+
+    async def one(sock: int | None, name: str) -> None:
+        async def alone() -> None:
+            ways.append(f"{name} alone")
+            await gate.wait()
+
+        def reader() -> bool:
+            ways.append(f"{name} pumped")
+            return True
+
+        await pump.read(sock, reader, alone)
+
+    ours, theirs = pair()
+    theirs.send(b"x")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(one, None, "first")
+        await trio.sleep(0.01)
+        nursery.start_soon(one, None, "no socket")
+        await trio.sleep(0.01)
+        nursery.start_soon(one, ours.fileno(), "third")
+        await trio.sleep(0.05)
+        assert pump.readers == 2
+        gate.set()
+    assert ways == ["first alone", "no socket alone", "third pumped"]
     assert pump.readers == 0
-    assert pump.join(7) is None
+    await pump.read(ours.fileno(), lambda: True, gate.wait)  # alone again
+    assert pump.readers == 0
 
 
 # --- an agent session's streams ---------------------------------------------------
