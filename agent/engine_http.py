@@ -496,59 +496,23 @@ class EngineResponse:
         `wait_first=False`: the socket's first read is tried before any wait (`_read`).
         """
         while True:
-            piece = self._parsed()
-            if piece is not None:
-                return piece
+            if self._body:
+                parts = self._body
+                self._body = []
+                return parts[0] if len(parts) == 1 else b"".join(parts)
+            if self._error:
+                raise EngineBrokeOff(f"answer is not valid HTTP/1.1: {self._error}")
+            if self._complete:
+                return b""
             data = await self._read(wait_first)
             wait_first = True
-            self._take_in(data)
-
-    @property
-    def socket_fd(self) -> int | None:
-        """The descriptor of a plain TCP connection's socket, for `receive_now`; None for
-        any other stream, or once closed."""
-        conn = self._conn
-        return None if conn is None or conn.raw is None else conn.raw.fileno()
-
-    def receive_now(self, read: bool = True) -> bytes | None:
-        """`receive` without waiting, on a plain TCP connection (`socket_fd`): the body
-        bytes parsed already or brought by one read of the socket, b"" at the end, None
-        when there is nothing yet. `read=False`: only what is parsed already."""
-        piece = self._parsed()
-        if piece is not None or not read:
-            return piece
-        conn = self._conn
-        assert conn is not None and conn.raw is not None
-        try:
-            data = conn.raw.recv(RECEIVE_BYTES)
-        except BlockingIOError:
-            return None
-        except OSError as exc:
-            raise self._failed(exc) from None
-        self._take_in(data)
-        return self._parsed()
-
-    def _parsed(self) -> bytes | None:
-        """The body bytes parsed and not yet taken, b"" at the end, None when none."""
-        if self._body:
-            parts = self._body
-            self._body = []
-            return parts[0] if len(parts) == 1 else b"".join(parts)
-        if self._error:
-            raise EngineBrokeOff(f"answer is not valid HTTP/1.1: {self._error}")
-        if self._complete:
-            return b""
-        return None
-
-    def _take_in(self, data: bytes) -> None:
-        """Parse what a read brought; b"" is the connection's end."""
-        if data:
+            if not data:
+                if self._close_delimited():
+                    self._complete = True
+                    self._keep_alive = False
+                    return b""
+                raise EngineBrokeOff("engine closed the connection inside the answer")
             self._feed(data)
-        elif self._close_delimited():
-            self._complete = True
-            self._keep_alive = False
-        else:
-            raise EngineBrokeOff("engine closed the connection inside the answer")
 
     async def read_all(self, limit: int, limits: ReadLimits | None = None) -> bytes:
         """The whole body, within one read timeout; EngineBrokeOff past `limit` bytes.
@@ -614,13 +578,9 @@ class EngineResponse:
                     pass
             return await receive_when_ready(raw, RECEIVE_BYTES)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
-            raise self._failed(exc) from None
-
-    def _failed(self, exc: BaseException) -> EngineError:
-        """A failed read: before the head, no answer exists; after it, one broke off."""
-        if not self.status:
-            return EngineUnavailable(f"engine connection failed: {_why(exc)}")
-        return EngineBrokeOff(f"engine connection failed: {_why(exc)}")
+            if not self.status:
+                raise EngineUnavailable(f"engine connection failed: {_why(exc)}") from None
+            raise EngineBrokeOff(f"engine connection failed: {_why(exc)}") from None
 
     def _feed(self, data: bytes) -> None:
         try:

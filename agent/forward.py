@@ -15,7 +15,6 @@ from agent.engine_http import (
     EngineUnavailable,
     ReadLimits,
 )
-from agent.read_pump import ReadPump
 from agent.usage import UsageTap
 from protocol import messages as m
 from protocol.errors import ErrorCode
@@ -49,7 +48,6 @@ async def forward(
     send: Callable[[dict], None],
     span: Span = NULL_SPAN,
     limits: ReadLimits | None = None,
-    pump: ReadPump | None = None,
 ) -> None:
     """Run one request against the engine; every outcome is reported with `send`.
 
@@ -58,15 +56,13 @@ async def forward(
     session's end) cancels it, and so does a timeout. Its Cancelled then leaves this
     call, after a timeout's failure is reported. Without them the request has a scope
     of its own. A cancellation closes the engine connection, which is how engines
-    notice an abandoned request. `pump`, when given, reads a streamed body (the
-    session's, agent/read_pump.py).
+    notice an abandoned request.
     """
     if limits is None:
         with trio.CancelScope() as own:
-            own_limits = ReadLimits(engine.timeouts.read, own)
-            await _forward(engine, msg, send, span, own_limits, pump)
+            await _forward(engine, msg, send, span, ReadLimits(engine.timeouts.read, own))
         return
-    await _forward(engine, msg, send, span, limits, pump)
+    await _forward(engine, msg, send, span, limits)
 
 
 async def _forward(
@@ -75,7 +71,6 @@ async def _forward(
     send: Callable[[dict], None],
     span: Span,
     limits: ReadLimits,
-    pump: ReadPump | None,
 ) -> None:
     req_id: int = msg["id"]
     tap = UsageTap(msg) if msg.get("report_usage") else None
@@ -92,7 +87,7 @@ async def _forward(
                 msg["method"], msg["path"], headers, tap.body if tap else msg["body"], limits
             )
             span.set("http.response.status_code", response.status)
-            await _relay(response, msg, tap, send, limits, pump)
+            await _relay(response, msg, tap, send, limits)
         except trio.Cancelled as exc:
             expired = limits.expired()
             if expired is None:
@@ -125,7 +120,6 @@ async def _relay(
     tap: UsageTap | None,
     send: Callable[[dict], None],
     limits: ReadLimits,
-    pump: ReadPump | None,
 ) -> None:
     req_id: int = msg["id"]
     status = response.status
@@ -145,85 +139,38 @@ async def _relay(
             tap.of_answer(answer, body)
         send(m.response_end(req_id, tap.usage if tap else None))
         return
+    # The head waits for the first checked event: until it leaves, the router may
+    # still try another agent.
     # Usage is read by the check's parse, so not from an unchecked stream (usage.py).
     checker = (
         SSEChecker(tap.of_event if tap else None) if ok and encoding in ("", "identity") else None
     )
-    stream = _Stream(req_id, send, limits, checker, m.response_head(req_id, status, headers), tap)
+    head: dict | None = m.response_head(req_id, status, headers)
+    if checker is None:
+        send(head)
+        head = None
+    # Each piece is all that one socket read brought, however many chunks and events it
+    # held, so events that arrive together leave in one frame.
     limits.stream()
-
-    async def alone() -> None:
-        while not stream.pass_on(await response.receive()):
-            pass
-
-    if pump is None:
-        await alone()
-    elif not stream.pass_on(response.receive_now(read=False)):
-        await pump.read(response.socket_fd, lambda: stream.pass_on(response.receive_now()), alone)
-    if checker is not None and checker.finished:
-        await _drain(response, limits)
-
-
-class _Stream:
-    """A streamed answer on its way to the router, piece by piece.
-
-    Each piece is all that one socket read brought, however many chunks and events it
-    held, so events that arrive together leave in one frame. With a `checker`, each
-    event is checked before it leaves, and the head waits for the first: until it
-    leaves, the router may still try another agent. Without one, the head leaves at
-    once.
-    """
-
-    __slots__ = ("checker", "head", "limits", "req_id", "send", "tap")
-
-    def __init__(
-        self,
-        req_id: int,
-        send: Callable[[dict], None],
-        limits: ReadLimits,
-        checker: SSEChecker | None,
-        head: dict,
-        tap: UsageTap | None,
-    ) -> None:
-        self.req_id = req_id
-        self.send = send
-        self.limits = limits
-        self.checker = checker
-        self.tap = tap
-        self.head: dict | None = head
-        if checker is None:
-            send(head)
-            self.head = None
-
-    def pass_on(self, piece: bytes | None) -> bool:
-        """Send what `piece` completes; True once the answer's end has been sent, at the
-        body's end (b"") or its last event. None is a read that brought nothing."""
-        if piece is None:
-            return False
-        if not piece:
-            self._end()
-            return True
-        self.limits.arrived()
-        checker = self.checker
+    while piece := await response.receive():
+        limits.arrived()
         if checker is not None:
             piece = checker.feed(piece)
             if not piece:
-                return False
-            if self.head is not None:
-                self.send(self.head)
-                self.head = None
-        self.send(m.response_chunk(self.req_id, piece))
+                continue
+            if head is not None:
+                send(head)
+                head = None
+        send(m.response_chunk(req_id, piece))
         if checker is not None and checker.finished:
             # The last event and the end leave in one write: an SDK leaves at
             # `[DONE]`, and the router must have the end (and the usage) by then.
-            self._end()
-            return True
-        return False
-
-    def _end(self) -> None:
-        if self.checker is not None:
-            self.checker.close()
-        self.send(m.response_end(self.req_id, self.tap.usage if self.tap else None))
+            break
+    if checker is not None:
+        checker.close()
+    send(m.response_end(req_id, tap.usage if tap else None))
+    if checker is not None and checker.finished:
+        await _drain(response, limits)
 
 
 async def _drain(response: EngineResponse, limits: ReadLimits) -> None:

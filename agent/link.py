@@ -17,7 +17,6 @@ from agent.capacity import SharedCapacity
 from agent.dial_errors import describe
 from agent.engine_http import EnginePool, ReadLimits
 from agent.forward import forward, request_id
-from agent.read_pump import ReadPump
 from agent.router_identity import RouterAddress, learn_peer_id, parse_router
 from protocol import messages as m
 from protocol.conversation import (
@@ -170,9 +169,7 @@ class RouterSession:
         self._idle = trio.Event()
         # Workers waiting for a request, the most recently busy last.
         self._waiting: list[_Worker] = []
-        self._watching = False  # `_watch_reads` and the pump run
-        # Reads the streamed answers' engine sockets, all in one task.
-        self.pump = ReadPump()
+        self._watching = False  # `_watch_reads` runs
         self._handlers = {
             m.REQUEST: self._on_request,
             m.CANCEL: self._on_cancel,
@@ -206,7 +203,6 @@ class RouterSession:
                 reason = await self.fs.run(self._on_message)
                 nursery.cancel_scope.cancel()
         finally:
-            self.pump.close()
             self.capacity.leave(self.share)
         if self.refusal is not None:
             raise Refused(self.refusal)
@@ -260,7 +256,6 @@ class RouterSession:
             if not self._watching:
                 self._watching = True
                 self._nursery.start_soon(self._watch_reads)
-                self._nursery.start_soon(self.pump.run)
             self._nursery.start_soon(self._work, worker, msg, served)
 
     def _on_cancel(self, msg: dict) -> None:
@@ -353,7 +348,7 @@ class RouterSession:
         cancelled: trio.Cancelled | None = None
         with span:
             try:
-                await forward(self.engine, msg, send, span, served.limits, self.pump)
+                await forward(self.engine, msg, send, span, served.limits)
             except trio.Cancelled as exc:
                 cancelled = exc
             except m.ProtocolError as exc:

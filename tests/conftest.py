@@ -1,15 +1,12 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Awaitable, Callable, Iterator
-from functools import partial
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import trio
 
 from tests.fleet import Fleet
-from tests.raw_engine import Engine, Handler, start_engine
 
 # The checks against real engines need engines built by `scripts/real-engines`; they run
 # only through it (`scripts/test --real-engines`), never in the default suite.
@@ -26,9 +23,3 @@ def fleet(tmp_path: Path) -> Iterator[Fleet]:
         yield f
     finally:
         f.close()
-
-
-@pytest.fixture
-def serve(nursery: trio.Nursery) -> Callable[[Handler], Awaitable[Engine]]:
-    """Start a raw engine on loopback (tests/raw_engine.py), for the test's length."""
-    return partial(start_engine, nursery)

@@ -17,7 +17,7 @@ import os
 import socket
 import ssl
 import struct
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from functools import partial
 from pathlib import Path
 
@@ -39,10 +39,100 @@ from agent.engine_http import (
     ReadLimits,
 )
 from agent.forward import forward
-from agent.read_pump import ReadPump
 from protocol import messages as m
-from tests.raw_engine import ANSWER, Conn, Engine, Handler, answering, json_answer, read_request
 from tests.scheduler_passes import passes_of_this_task
+
+Handler = Callable[["Conn"], Awaitable[None]]
+ANSWER = json.dumps({"id": "x", "object": "chat.completion", "choices": []}).encode()
+
+
+class Engine:
+    """A raw engine on a loopback port: every connection runs `handler`."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.closed = trio.Event()  # a connection ended from the agent's side
+
+
+class Conn:
+    """One connection of an engine, as its handler sees it."""
+
+    def __init__(self, stream: trio.SocketStream, engine: Engine) -> None:
+        self.stream = stream
+        self.engine = engine
+
+    async def send_all(self, data: bytes) -> None:
+        await self.stream.send_all(data)
+
+    async def receive_some(self) -> bytes:
+        return await self.stream.receive_some(65536)
+
+    async def aclose(self) -> None:
+        await self.stream.aclose()
+
+
+async def read_request(conn: Conn, buf: bytearray) -> bool:
+    """One request (head and Content-Length body) off the connection; False at its end."""
+    while b"\r\n\r\n" not in buf:
+        data = await conn.receive_some()
+        if not data:
+            conn.engine.closed.set()
+            return False
+        buf += data
+    end = buf.index(b"\r\n\r\n") + 4
+    head = bytes(buf[:end]).lower()
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.startswith(b"content-length:"):
+            length = int(line.split(b":")[1])
+    while len(buf) < end + length:
+        buf += await conn.receive_some()
+    conn.engine.requests.append(bytes(buf[: end + length]))
+    del buf[: end + length]
+    return True
+
+
+def json_answer(body: bytes = ANSWER, extra: bytes = b"") -> bytes:
+    return (
+        b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n%scontent-length: %d\r\n\r\n%s"
+        % (extra, len(body), body)
+    )
+
+
+def answering(*answers: bytes) -> Handler:
+    """Answer each request on a connection with the next of `answers`, then wait."""
+
+    async def handler(conn: Conn) -> None:
+        buf = bytearray()
+        for answer in answers:
+            if not await read_request(conn, buf):
+                return
+            await conn.send_all(answer)
+        await read_request(conn, buf)
+
+    return handler
+
+
+@pytest.fixture
+async def serve(nursery: trio.Nursery) -> AsyncIterator[Callable[[Handler], Awaitable[Engine]]]:
+    async def start(handler: Handler) -> Engine:
+        engine = Engine(0)
+
+        async def counted(stream: Conn) -> None:
+            engine.connections += 1
+            try:
+                await handler(Conn(stream, engine))
+            except trio.BrokenResourceError:
+                engine.closed.set()
+
+        serve_tcp = partial(trio.serve_tcp, host="127.0.0.1")
+        listeners = await nursery.start(serve_tcp, counted, 0)
+        engine.port = listeners[0].socket.getsockname()[1]
+        return engine
+
+    yield start
 
 
 def pool(engine: Engine, read: float = 5.0) -> EnginePool:
@@ -61,22 +151,10 @@ def request(stream: bool = False, req_id: int = 1, **headers: str) -> dict:
     )
 
 
-async def run(engine_pool: EnginePool, msg: dict, pump: ReadPump | None = None) -> list[dict]:
+async def run(engine_pool: EnginePool, msg: dict) -> list[dict]:
     sent: list[dict] = []
-    await forward(engine_pool, msg, sent.append, pump=pump)
+    await forward(engine_pool, msg, sent.append)
     return sent
-
-
-@pytest.fixture(params=["alone", "pumped"])
-def pump(request: pytest.FixtureRequest, nursery: trio.Nursery) -> ReadPump | None:
-    """A stream read by its own task, or by a session's pump (agent/read_pump.py), as
-    it is once another stream is under way."""
-    if request.param == "alone":
-        return None
-    pump = ReadPump()
-    nursery.start_soon(pump.run)
-    pump.readers += 1  # the other stream
-    return pump
 
 
 def only_error(sent: list[dict]) -> dict:
@@ -223,7 +301,6 @@ async def test_headers_repeated_are_joined_and_hop_by_hop_ones_dropped(serve: Ca
 
 async def test_events_read_together_leave_in_one_frame_and_none_waits(
     serve: Callable,
-    pump: ReadPump | None,
 ) -> None:
     events = [b'data: {"choices":[{"delta":{"content":"%d"}}]}\n\n' % i for i in range(5)]
     together = b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
@@ -246,7 +323,7 @@ async def test_events_read_together_leave_in_one_frame_and_none_waits(
             step.set()  # the first events left before the engine sent the last one
 
     async with pool(engine) as p:
-        await forward(p, request(stream=True), record, pump=pump)
+        await forward(p, request(stream=True), record)
     chunks = [f["data"] for f in sent if f["type"] == m.RESPONSE_CHUNK]
     assert chunks == [b"".join(events), b"data: [DONE]\n\n"]
     assert sent[-1]["type"] == m.RESPONSE_END
@@ -301,7 +378,7 @@ async def test_answers_that_are_not_http_fail_in_the_routers_terms(
     assert error["message"].startswith(says), error["message"]
 
 
-async def test_a_close_before_or_inside_the_answer(serve: Callable, pump: ReadPump | None) -> None:
+async def test_a_close_before_or_inside_the_answer(serve: Callable) -> None:
     async def before(stream: Conn) -> None:
         await read_request(stream, bytearray())
         await stream.aclose()
@@ -334,16 +411,14 @@ async def test_a_close_before_or_inside_the_answer(serve: Callable, pump: ReadPu
     )
     engine = await serve(inside_chunked)
     async with pool(engine) as p:
-        sent = await run(p, request(stream=True), pump)
+        sent = await run(p, request(stream=True))
     # The checked event already left; the stream then fails.
     assert [f["type"] for f in sent] == [m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.ERROR]
     assert sent[-1]["message"].startswith("engine answer broke off: engine closed")
 
 
 @pytest.mark.parametrize("waiting", [True, False], ids=["reset-while-waiting", "reset-queued"])
-async def test_a_reset_inside_the_answer_breaks_it_off(
-    serve: Callable, pump: ReadPump | None, waiting: bool
-) -> None:
+async def test_a_reset_inside_the_answer_breaks_it_off(serve: Callable, waiting: bool) -> None:
     """The engine resets the connection part way through a stream, while the agent
     waits for more or before it reads again: the stream ends with an error, never
     hangs (reads wait for readiness on the bare socket, `EngineResponse._read`)."""
@@ -360,7 +435,7 @@ async def test_a_reset_inside_the_answer_breaks_it_off(
     engine = await serve(reset)
     async with pool(engine, read=5) as p:
         with trio.fail_after(4):
-            sent = await run(p, request(stream=True), pump)
+            sent = await run(p, request(stream=True))
     assert sent[-1]["type"] == m.ERROR
     assert sent[-1]["message"].startswith("engine answer broke off: engine connection failed"), (
         sent[-1]
@@ -381,9 +456,7 @@ async def test_a_slowloris_head_times_out_within_the_read_timeout(serve: Callabl
     assert error["message"] == "engine timed out: no answer head within 0.3 s"
 
 
-async def test_a_silent_stream_and_a_dribbled_whole_answer_break_off(
-    serve: Callable, pump: ReadPump | None
-) -> None:
+async def test_a_silent_stream_and_a_dribbled_whole_answer_break_off(serve: Callable) -> None:
     async def silent(stream: Conn) -> None:
         await read_request(stream, bytearray())
         head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
@@ -399,7 +472,7 @@ async def test_a_silent_stream_and_a_dribbled_whole_answer_break_off(
 
     engine = await serve(silent)
     async with pool(engine, read=0.3) as p:
-        sent = await run(p, request(stream=True), pump)
+        sent = await run(p, request(stream=True))
     assert sent[-1]["message"] == "engine answer broke off: no answer data for 0.3 s"
     assert await _closed_soon(engine)
     engine = await serve(dribbled)
@@ -408,9 +481,7 @@ async def test_a_silent_stream_and_a_dribbled_whole_answer_break_off(
     assert error["message"] == "engine answer broke off: answer not whole within 0.3 s"
 
 
-async def test_a_steady_stream_outlives_its_first_read_deadline(
-    serve: Callable, pump: ReadPump | None
-) -> None:
+async def test_a_steady_stream_outlives_its_first_read_deadline(serve: Callable) -> None:
     """Events every 0.2 s against a 0.3 s read timeout, for four times as long as the
     stream's first deadline: each arrival moves it on (`ReadIdle`)."""
     events = 8
@@ -430,7 +501,7 @@ async def test_a_steady_stream_outlives_its_first_read_deadline(
     engine = await serve(steady)
     async with pool(engine, read=0.3) as p:
         began = trio.current_time()
-        sent = await run(p, request(stream=True), pump)
+        sent = await run(p, request(stream=True))
         took = trio.current_time() - began
     assert took > 1.25 * 0.3 * 3  # well past where a deadline never moved would cut it
     assert [f["type"] for f in sent][-1] == m.RESPONSE_END, sent[-1]
@@ -440,7 +511,7 @@ async def test_a_steady_stream_outlives_its_first_read_deadline(
 
 @pytest.mark.parametrize("apart", [False, True], ids=["end-with-done", "end-after-done"])
 async def test_a_stream_s_connection_is_reused_whether_its_end_came_with_done_or_after(
-    serve: Callable, pump: ReadPump | None, apart: bool
+    serve: Callable, apart: bool
 ) -> None:
     """After `[DONE]` the agent reads the chunked body's end, when it has not come with
     the last event, so that the connection serves the next request."""
@@ -466,7 +537,7 @@ async def test_a_stream_s_connection_is_reused_whether_its_end_came_with_done_or
     engine = await serve(handler)
     async with pool(engine) as p:
         for i in range(3):
-            sent = await run(p, request(stream=True, req_id=i), pump)
+            sent = await run(p, request(stream=True, req_id=i))
             assert sent[-1]["type"] == m.RESPONSE_END, sent
         # What `_drain` looks at: after the `[DONE]` read, whole only if the end came too.
         response = await p.send("POST", "/v1/chat/completions", {}, b"{}")
@@ -528,7 +599,7 @@ async def test_an_answer_enters_one_cancel_scope_for_all_its_read_timeouts(
 
 
 async def test_a_stream_whose_body_never_ends_is_complete_and_its_connection_closed(
-    serve: Callable, pump: ReadPump | None, monkeypatch: pytest.MonkeyPatch
+    serve: Callable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """`[DONE]` came but the chunked body's end does not: the client has its whole
     answer, and the connection is dropped after DRAIN_SECONDS, not pooled."""
@@ -536,7 +607,7 @@ async def test_a_stream_whose_body_never_ends_is_complete_and_its_connection_clo
     engine = await serve(_stream_answers(None))
     async with pool(engine, read=5.0) as p:
         began = trio.current_time()
-        sent = await run(p, request(stream=True), pump)
+        sent = await run(p, request(stream=True))
         assert trio.current_time() - began < 2.0
         assert [f["type"] for f in sent][-1] == m.RESPONSE_END, sent
         assert not [f for f in sent if f["type"] == m.ERROR]
@@ -546,7 +617,7 @@ async def test_a_stream_whose_body_never_ends_is_complete_and_its_connection_clo
 
 @pytest.mark.parametrize("phase", ["head", "stream"])
 async def test_a_cancel_before_a_deadline_reports_nothing_and_closes_the_connection(
-    serve: Callable, pump: ReadPump | None, phase: str
+    serve: Callable, phase: str
 ) -> None:
     """The router's cancel ends the request's scope too: no timeout is reported for
     it (the router stopped listening), and the engine sees its connection close."""
@@ -567,7 +638,7 @@ async def test_a_cancel_before_a_deadline_reports_nothing_and_closes_the_connect
     async def worker(p: EnginePool) -> None:
         with scope:  # as the session's worker enters it
             limits = ReadLimits(p.timeouts.read, scope)
-            await forward(p, request(stream=True), sent.append, limits=limits, pump=pump)
+            await forward(p, request(stream=True), sent.append, limits=limits)
 
     async with pool(engine, read=5.0) as p, trio.open_nursery() as nursery:
         nursery.start_soon(worker, p)
@@ -686,9 +757,7 @@ async def test_junk_after_an_answer_and_an_engine_closing_idle_connections(
     assert engine.connections == 3
 
 
-async def test_a_cancelled_request_closes_its_engine_connection(
-    serve: Callable, pump: ReadPump | None
-) -> None:
+async def test_a_cancelled_request_closes_its_engine_connection(serve: Callable) -> None:
     async def endless(stream: Conn) -> None:
         await read_request(stream, bytearray())
         head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked"
@@ -702,7 +771,7 @@ async def test_a_cancelled_request_closes_its_engine_connection(
     sent: list[dict] = []
     async with pool(engine) as p:
         with trio.move_on_after(0.3):
-            await forward(p, request(stream=True), sent.append, pump=pump)
+            await forward(p, request(stream=True), sent.append)
         assert await _closed_soon(engine)
         assert repr(p).endswith("0 idle, 1 opened>")
     assert sent[0]["type"] == m.RESPONSE_HEAD

@@ -81,7 +81,7 @@ def test_an_agent_answer_out_of_order_fails_that_request_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async def broken_forward(
-        engine: object, msg: dict, send: object, span: object, scope: object, pump: object
+        engine: object, msg: dict, send: object, span: object, scope: object
     ) -> None:
         send(m.response_chunk(msg["id"], b"before the head"))  # type: ignore[operator]
 
