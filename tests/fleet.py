@@ -124,15 +124,20 @@ class Proc:
 class Router(Proc):
     def __init__(self, fleet: Fleet, flags: list[str], env: dict[str, str]) -> None:
         self.fleet = fleet
-        workers = int(flags[flags.index("--workers") + 1]) if "--workers" in flags else 1
-        self.http_port = free_port()
-        self.metrics_port = free_ports(workers)
-        self.p2p_port = free_ports(workers)
-        self.identity = fleet.dir / f"router-{self.p2p_port}.key"
-        self.peer_id = str(peer_id_of(load_or_create_identity(self.identity)))
+        self.workers = int(flags[flags.index("--workers") + 1]) if "--workers" in flags else 1
         self.flags = flags
-        argv = [str(VENV_BIN / "hivenet-router"), "serve", *self.port_flags(), *flags]
-        super().__init__("router", argv, env, fleet.dir / f"router-{self.p2p_port}.log")
+        # Named by its place in the fleet: its ports may change before it first runs.
+        name = f"router-{sum(isinstance(p, Router) for p in fleet.procs)}"
+        self.identity = fleet.dir / f"{name}.key"
+        self.peer_id = str(peer_id_of(load_or_create_identity(self.identity)))
+        self._pick_ports()
+        super().__init__("router", self.argv, env, fleet.dir / f"{name}.log")
+
+    def _pick_ports(self) -> None:
+        self.http_port = free_port()
+        self.metrics_port = free_ports(self.workers)
+        self.p2p_port = free_ports(self.workers)
+        self.argv = [str(VENV_BIN / "hivenet-router"), "serve", *self.port_flags(), *self.flags]
 
     def port_flags(self) -> list[str]:
         return [
@@ -159,9 +164,23 @@ class Router(Proc):
         return f"/ip4/127.0.0.1/tcp/{self.p2p_port}/p2p/{self.peer_id}"
 
     def start(self) -> Router:
-        super().start()
-        self.wait_log("router_ready")
-        return self
+        retries = 2 if self.popen is None else 0
+        while True:
+            logged = self.log_path.stat().st_size if self.log_path.exists() else 0
+            super().start()
+            try:
+                self.wait_log("router_ready")
+                return self
+            except AssertionError:
+                # A port free when picked can be taken before the router binds it (the
+                # other worker's sockets, any client's ephemeral port): a first start
+                # that fails on that alone starts again on other ports. A restart keeps
+                # its ports, which its agents dial.
+                taken = "Address already in use" in self.log()[logged:]
+                if not (retries and taken and not self.alive()):
+                    raise
+                retries -= 1
+                self._pick_ports()
 
     def admin(self, path: str) -> Any:
         r = httpx.get(self.url + path, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)
