@@ -48,8 +48,10 @@ async def forward(
     send: Callable[[dict], None],
     span: Span = NULL_SPAN,
     limits: ReadLimits | None = None,
+    whole: bool = False,
 ) -> None:
     """Run one request against the engine; every outcome is reported with `send`.
+    `whole`: the router takes a whole answer as one `response` message.
 
     `limits`, when given, holds the engine's read timeouts for the request's scope,
     which the caller (the session's worker) has entered: the router's cancel (or the
@@ -60,9 +62,9 @@ async def forward(
     """
     if limits is None:
         with trio.CancelScope() as own:
-            await _forward(engine, msg, send, span, ReadLimits(engine.timeouts.read, own))
+            await _forward(engine, msg, send, span, ReadLimits(engine.timeouts.read, own), whole)
         return
-    await _forward(engine, msg, send, span, limits)
+    await _forward(engine, msg, send, span, limits, whole)
 
 
 async def _forward(
@@ -71,6 +73,7 @@ async def _forward(
     send: Callable[[dict], None],
     span: Span,
     limits: ReadLimits,
+    whole: bool,
 ) -> None:
     req_id: int = msg["id"]
     tap = UsageTap(msg) if msg.get("report_usage") else None
@@ -87,7 +90,7 @@ async def _forward(
                 msg["method"], msg["path"], headers, tap.body if tap else msg["body"], limits
             )
             span.set("http.response.status_code", response.status)
-            await _relay(response, msg, tap, send, limits)
+            await _relay(response, msg, tap, send, limits, whole)
         except trio.Cancelled as exc:
             expired = limits.expired()
             if expired is None:
@@ -120,6 +123,7 @@ async def _relay(
     tap: UsageTap | None,
     send: Callable[[dict], None],
     limits: ReadLimits,
+    whole: bool,
 ) -> None:
     req_id: int = msg["id"]
     status = response.status
@@ -129,15 +133,19 @@ async def _relay(
     ok = 200 <= status < 300
     encoding = response.headers.get("content-encoding", "")
     if not msg["stream"] or (ok and not is_event_stream(response.headers.get("content-type", ""))):
-        # Head, body and end queued together leave in one write and one frame read.
         # Raw bytes: the engine's content-encoding header travels with them.
         body = await response.read_all(MAX_ANSWER_BYTES, limits)
         answer = check_json_answer(body, encoding) if ok else None
-        send(m.response_head(req_id, status, headers))
-        send(m.response_chunk(req_id, body))
         if tap:
             tap.of_answer(answer, body)
-        send(m.response_end(req_id, tap.usage if tap else None))
+        usage = tap.usage if tap else None
+        if whole:
+            send(m.response(req_id, status, headers, body, usage))
+            return
+        # Head, body and end queued together leave in one write and one frame read.
+        send(m.response_head(req_id, status, headers))
+        send(m.response_chunk(req_id, body))
+        send(m.response_end(req_id, usage))
         return
     # The head waits for the first checked event: until it leaves, the router may
     # still try another agent.

@@ -157,6 +157,8 @@ class RouterSession:
         self.refusal: str | None = None
         self.last_rx = trio.current_time()
         self.router_interval = heartbeat_interval
+        # The router's welcome `accepts` whole answers as one message (m.RESPONSE).
+        self.whole_answers = False
         self.state = SessionState.AWAITING_HELLO
         self.requests: dict[int, _Served] = {}
         # A session on its own (tests, benches) counts only its own requests.
@@ -276,6 +278,7 @@ class RouterSession:
             return
         interval = _positive(msg.get("liveness_interval")) or _positive(msg["heartbeat_interval"])
         self.router_interval = interval or self.heartbeat_interval
+        self.whole_answers = m.RESPONSE in (msg.get("accepts") or ())
         workers = msg.get("workers")
         if workers and self.on_workers is not None:
             self.on_workers(workers)
@@ -348,7 +351,7 @@ class RouterSession:
         cancelled: trio.Cancelled | None = None
         with span:
             try:
-                await forward(self.engine, msg, send, span, served.limits)
+                await forward(self.engine, msg, send, span, served.limits, self.whole_answers)
             except trio.Cancelled as exc:
                 cancelled = exc
             except m.ProtocolError as exc:

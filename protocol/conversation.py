@@ -77,7 +77,7 @@ SESSION_END = "session_end"
 # Messages that belong to one request (they carry its `id`), by sender.
 PER_REQUEST: dict[Role, frozenset[str]] = {
     ROUTER: frozenset({m.REQUEST, m.CANCEL}),
-    AGENT: frozenset({m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END, m.ERROR}),
+    AGENT: frozenset({m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END, m.RESPONSE, m.ERROR}),
 }
 
 # SESSION_TRANSITIONS[sender][state][message type] -> next state. Nested dicts, not
@@ -97,7 +97,7 @@ SESSION_TRANSITIONS: dict[Role, dict[SessionState, dict[str, SessionState]]] = {
     },
 }
 
-_AGENT_ANSWERS = (m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END, m.ERROR)
+_AGENT_ANSWERS = (m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END, m.RESPONSE, m.ERROR)
 
 # REQUEST_TRANSITIONS[sender][state][message type] -> next state. A request starts in
 # AWAITING_HEAD with the router's `request`; no state takes a second `request`, so an
@@ -114,7 +114,12 @@ REQUEST_TRANSITIONS: dict[Role, dict[RequestState, dict[str, RequestState]]] = {
         CANCELLED: {m.CANCEL: CANCELLED},
     },
     AGENT: {
-        AWAITING_HEAD: {m.RESPONSE_HEAD: BODY, m.ERROR: FAILED, SESSION_END: FAILED},
+        AWAITING_HEAD: {
+            m.RESPONSE_HEAD: BODY,
+            m.RESPONSE: DONE,  # the whole answer at once
+            m.ERROR: FAILED,
+            SESSION_END: FAILED,
+        },
         BODY: {
             m.RESPONSE_CHUNK: BODY,
             m.RESPONSE_END: DONE,

@@ -18,6 +18,10 @@ REQUEST = "request"
 RESPONSE_HEAD = "response_head"
 RESPONSE_CHUNK = "response_chunk"
 RESPONSE_END = "response_end"
+# A whole answer (head, body and end) in one message, sent only to a router whose
+# welcome `accepts` it: per answer the router decodes, checks and queues one frame
+# instead of three.
+RESPONSE = "response"
 ERROR = "error"
 CANCEL = "cancel"
 DRAIN = "drain"
@@ -47,6 +51,7 @@ _REQUIRED: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
     RESPONSE_HEAD: (("id", int), ("status", int), ("headers", dict)),
     RESPONSE_CHUNK: (("id", int), ("data", bytes)),
     RESPONSE_END: (("id", int),),
+    RESPONSE: (("id", int), ("status", int), ("headers", dict), ("body", bytes)),
     ERROR: (("id", int), ("code", str), ("message", str)),
     CANCEL: (("id", int),),
     DRAIN: (),
@@ -60,18 +65,29 @@ _OPTIONAL: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
         ("hardware", dict),
         ("elsewhere", int),
     ),
-    WELCOME: (("liveness_interval", _NUM), ("proof", str), ("workers", list)),
+    WELCOME: (
+        ("liveness_interval", _NUM),
+        ("proof", str),
+        ("workers", list),
+        ("accepts", list),
+    ),
     # protocol/router_proof.py: the agent's challenge and the router's answer.
     HELLO: (("challenge", str),),
     ERROR: (("status", int), ("elsewhere", int)),
     REQUEST: (("report_usage", bool), ("traceparent", str)),
     RESPONSE_END: (("usage", dict), ("elsewhere", int)),
+    RESPONSE: (("usage", dict), ("elsewhere", int)),
 }
 
 # `elsewhere` (heartbeat, response_end, error): how many requests from other routers
 # the agent holds right now, so each router counts the agent's whole load against its
 # `--capacity`. `workers` (welcome): the other router processes of the same host
 # (`--workers`), as {"tcp_port": int, "peer_id": str}, which the agent dials too.
+# `accepts` (welcome): the message types beyond the base set the router takes from
+# the agent (`response`); an agent sends only the base set to a router that names none.
+
+
+_HEADED = frozenset({REQUEST, RESPONSE_HEAD, RESPONSE})
 
 
 def validate(message: object) -> None:
@@ -91,7 +107,7 @@ def validate(message: object) -> None:
             not isinstance(value, types) or (types is int and isinstance(value, bool))
         ):
             raise ProtocolError(f"{kind}: field {name!r} of the wrong type")
-    if kind in (REQUEST, RESPONSE_HEAD):
+    if kind in _HEADED:
         for key, value in message["headers"].items():
             if not isinstance(key, str) or not isinstance(value, str):
                 raise ProtocolError(f"{kind}: headers must map strings to strings")
@@ -109,10 +125,12 @@ def welcome(
     router_peer_id: str,
     liveness_interval: float,
     workers: list[dict] | None = None,
+    accepts: tuple[str, ...] = (),
 ) -> dict:
     """`heartbeat_interval` is the period the router expects of the agent;
     `liveness_interval` the longest the router stays silent on an idle session;
-    `workers` the host's other router processes."""
+    `workers` the host's other router processes; `accepts` the message types beyond
+    the base set that the router takes."""
     msg: dict = {
         "type": WELCOME,
         "heartbeat_interval": heartbeat_interval,
@@ -122,6 +140,8 @@ def welcome(
     }
     if workers:
         msg["workers"] = workers
+    if accepts:
+        msg["accepts"] = list(accepts)
     return msg
 
 
@@ -184,6 +204,13 @@ def response_end(req_id: int, usage: dict | None = None) -> dict:
     if usage is None:
         return {"type": RESPONSE_END, "id": req_id}
     return {"type": RESPONSE_END, "id": req_id, "usage": usage}
+
+
+def response(req_id: int, status: int, headers: dict, body: bytes, usage: dict | None) -> dict:
+    msg = {"type": RESPONSE, "id": req_id, "status": status, "headers": headers, "body": body}
+    if usage is not None:
+        msg["usage"] = usage
+    return msg
 
 
 def error(

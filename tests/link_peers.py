@@ -116,9 +116,11 @@ class FakeRouter:
 @asynccontextmanager
 async def fake_router(
     on_join: Callable[[FramedStream], None] | None = None,
+    accepts: tuple[str, ...] = (),
 ) -> AsyncIterator[FakeRouter]:
-    """Answers every hello with a welcome, records every frame an agent sends, and
-    calls `on_join` with the session."""
+    """Answers every hello with a welcome (that `accepts` these message types beyond
+    the base set), records every frame an agent sends, and calls `on_join` with the
+    session."""
     key_pair = create_new_key_pair(os.urandom(32))
     listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
     host = new_host(key_pair=key_pair, listen_addrs=listen)
@@ -131,7 +133,8 @@ async def fake_router(
         def on_message(msg: dict) -> None:
             router.record(msg)
             if msg["type"] == m.HELLO:
-                fs.send_nowait(m.welcome(5.0, str(peer_id_of(key_pair)), 30.0))
+                peer_id = str(peer_id_of(key_pair))
+                fs.send_nowait(m.welcome(5.0, peer_id, 30.0, accepts=accepts))
                 router.joined.set()
                 if on_join is not None:
                     on_join(fs)

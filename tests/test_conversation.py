@@ -31,6 +31,7 @@ ALL_KINDS = (
     m.RESPONSE_HEAD,
     m.RESPONSE_CHUNK,
     m.RESPONSE_END,
+    m.RESPONSE,
     m.ERROR,
     m.CANCEL,
     m.DRAIN,

@@ -108,6 +108,7 @@ TYPES = (
     m.RESPONSE_HEAD,
     m.RESPONSE_CHUNK,
     m.RESPONSE_END,
+    m.RESPONSE,
     m.ERROR,
     m.CANCEL,
     m.DRAIN,
@@ -133,6 +134,8 @@ FIELDS = (
     "hardware",
     "router_peer_id",
     "version",
+    "usage",
+    "accepts",
 )
 
 ids = st.integers(0, 2**63 - 1)
@@ -194,6 +197,14 @@ valid_messages = st.one_of(
     st.builds(m.response_head, ids, st.integers(100, 599), headers),
     st.builds(m.response_chunk, ids, st.binary(max_size=300)),
     st.builds(m.response_end, ids),
+    st.builds(
+        m.response,
+        ids,
+        st.integers(100, 599),
+        headers,
+        st.binary(max_size=300),
+        st.none() | st.just({"prompt_tokens": 1, "completion_tokens": 2}),
+    ),
     st.builds(m.error, ids, st.text(max_size=20), st.text(max_size=40), st.none() | INT64),
     st.builds(m.cancel, ids),
     st.builds(m.drain),
@@ -254,6 +265,12 @@ REQUIRED: dict[str, tuple[tuple[str, Callable[[object], bool]], ...]] = {
     ),
     m.RESPONSE_CHUNK: (("id", _is_int), ("data", lambda v: isinstance(v, bytes))),
     m.RESPONSE_END: (("id", _is_int),),
+    m.RESPONSE: (
+        ("id", _is_int),
+        ("status", _is_int),
+        ("headers", _is_headers),
+        ("body", lambda v: isinstance(v, bytes)),
+    ),
     m.ERROR: (
         ("id", _is_int),
         ("code", lambda v: isinstance(v, str)),
@@ -270,8 +287,10 @@ OPTIONAL: dict[str, tuple[tuple[str, Callable[[object], bool]], ...]] = {
         ("engine", lambda v: isinstance(v, dict)),
         ("hardware", lambda v: isinstance(v, dict)),
     ),
-    m.WELCOME: (("liveness_interval", _is_num),),
+    m.WELCOME: (("liveness_interval", _is_num), ("accepts", lambda v: isinstance(v, list))),
     m.ERROR: (("status", _is_int),),
+    m.RESPONSE_END: (("usage", lambda v: isinstance(v, dict)),),
+    m.RESPONSE: (("usage", lambda v: isinstance(v, dict)),),
 }
 
 

@@ -66,11 +66,17 @@ def fuzz(examples: int) -> settings:
 
 # --- the rules against a reference ------------------------------------------------
 
-ANSWERS = (m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END, m.ERROR)
+ANSWERS = (m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END, m.RESPONSE, m.ERROR)
 # One request's answer frames, written as a regular language: a head, chunks, then an
-# end or an error; or an error at once.
-ANSWER_ORDER = re.compile(r"HC*[EX]|X")
-LETTER = {m.RESPONSE_HEAD: "H", m.RESPONSE_CHUNK: "C", m.RESPONSE_END: "E", m.ERROR: "X"}
+# end or an error; or a whole answer or an error at once.
+ANSWER_ORDER = re.compile(r"HC*[EX]|W|X")
+LETTER = {
+    m.RESPONSE_HEAD: "H",
+    m.RESPONSE_CHUNK: "C",
+    m.RESPONSE_END: "E",
+    m.RESPONSE: "W",
+    m.ERROR: "X",
+}
 
 
 @fuzz(1000)
@@ -115,6 +121,7 @@ agent_frames = st.one_of(
     st.builds(m.response_head, ids, st.integers(0, 700), header_maps),
     st.builds(m.response_chunk, ids, st.binary(max_size=20)),
     st.builds(m.response_end, ids),
+    st.builds(m.response, ids, st.integers(0, 700), header_maps, st.binary(max_size=20), st.none()),
     st.builds(m.error, ids, st.sampled_from(("backend_error", "nonsense")), st.text(max_size=10)),
     st.builds(m.heartbeat, st.floats(), st.booleans(), st.just({}), st.just({})),
     st.builds(m.drain),
@@ -186,8 +193,8 @@ class RecordingStream:
         self.close(reason)
 
 
-def route_request(stream: bool) -> RouteRequest:
-    return RouteRequest("r", "m1", "llm", "t", "POST", "/v1/chat/completions", {}, b"{}", stream)
+def route_request(stream: bool, rid: str = "r") -> RouteRequest:
+    return RouteRequest(rid, "m1", "llm", "t", "POST", "/v1/chat/completions", {}, b"{}", stream)
 
 
 @fuzz(400)
@@ -218,7 +225,7 @@ def test_a_router_session_ends_every_request_once_whatever_the_agent_sends(
         async def one(index: int, stream: bool) -> None:
             peer.active += 1
             slot = Slot(peer, lambda p: None)
-            result = await link.forward(peer, route_request(stream), slot)
+            result = await link.forward(peer, route_request(stream, f"r{index}"), slot)
             record = outcomes.setdefault(index, [])
             if isinstance(result, ForwardFailure):
                 slot.release()  # as the routing session does on a failed try
@@ -235,12 +242,18 @@ def test_a_router_session_ends_every_request_once_whatever_the_agent_sends(
                 nursery.start_soon(one, index, stream)
             await trio.sleep(0.01)
             live = [msg["id"] for msg in fs.sent if msg["type"] == m.REQUEST]
+            # trio starts the tasks in any order: which id each request got.
+            id_of = {int(p.rid[1:]): req_id for req_id, p in session.pending.items()}
             for target, frame in script:
                 frame = dict(frame)
                 if "id" in frame and target < len(live) and isinstance(frame.get("id"), int):
                     frame["id"] = live[target]
-                if frame.get("type") == m.RESPONSE_CHUNK and isinstance(frame.get("id"), int):
-                    frame["data"] = f"<{frame['id']}>".encode()
+                if isinstance(frame.get("id"), int):
+                    mine = f"<{frame['id']}>".encode()
+                    if frame.get("type") == m.RESPONSE_CHUNK:
+                        frame["data"] = mine
+                    elif frame.get("type") == m.RESPONSE:
+                        frame["body"] = mine
                 try:
                     m.validate(frame)
                     session.on_message(frame)
@@ -254,7 +267,7 @@ def test_a_router_session_ends_every_request_once_whatever_the_agent_sends(
             assert len(record) == 1, record  # ended exactly once
             body = record[0]
             if isinstance(body, bytes):
-                mine = f"<{live[index]}>".encode()
+                mine = f"<{id_of[index]}>".encode()
                 assert body == mine * (len(body) // len(mine)), (index, body)
         assert not session.pending
         assert peer.active == 0
@@ -327,9 +340,9 @@ class NoStream:
 
 
 @fuzz(300)
-@given(st.lists(router_frames, max_size=20))
+@given(st.lists(router_frames, max_size=20), st.booleans())
 def test_an_agent_session_answers_every_request_once_whatever_the_router_sends(
-    script: list[dict],
+    script: list[dict], whole: bool
 ) -> None:
     async def main() -> None:
         session, fs = agent_session()
@@ -337,7 +350,8 @@ def test_an_agent_session_answers_every_request_once_whatever_the_router_sends(
         refused: list[int] = []
         async with trio.open_nursery() as nursery:
             session._nursery = nursery
-            for frame in [m.welcome(5.0, "r", 30.0), *script]:
+            welcome = m.welcome(5.0, "r", 30.0, accepts=(m.RESPONSE,) if whole else ())
+            for frame in [welcome, *script]:
                 try:
                     m.validate(frame)
                 except ProtocolError:
@@ -352,8 +366,10 @@ def test_an_agent_session_answers_every_request_once_whatever_the_router_sends(
                 await trio.sleep(0.001)
             await session.wait_idle()
             nursery.cancel_scope.cancel()
-        ends = [f["id"] for f in fs.sent if f["type"] in (m.RESPONSE_END, m.ERROR)]
-        heads = [f["id"] for f in fs.sent if f["type"] == m.RESPONSE_HEAD]
+        ends = [f["id"] for f in fs.sent if f["type"] in (m.RESPONSE_END, m.RESPONSE, m.ERROR)]
+        heads = [f["id"] for f in fs.sent if f["type"] in (m.RESPONSE_HEAD, m.RESPONSE)]
+        # A whole answer is one frame to a router that takes it, three to one that does not.
+        assert whole or not any(f["type"] == m.RESPONSE for f in fs.sent)
         # One head and one end per accepted request (a cancelled one may stop short),
         # and one error per refused reuse; nothing for ids never asked for.
         for req_id in set(accepted):

@@ -236,3 +236,78 @@ async def test_an_agent_refuses_a_reused_live_id_and_serves_the_first(fleet: Fle
         # No X-Request-ID in this request: the link's own number stands in.
         assert "req=7 router_out_of_step id=7" in agent.log()
         assert agent.alive()
+
+
+def whole_answer(status: int, headers: dict[str, str], body: bytes) -> Answer:
+    def answer(msg: dict, fs: FramedStream) -> None:
+        fs.send_nowait(m.response(msg["id"], status, headers, body, None))
+
+    return answer
+
+
+async def test_a_whole_answer_in_one_frame_is_served_and_checked_as_three(
+    router: Router,
+) -> None:
+    json_head = {"content-type": "application/json", "x-engine": "e1"}
+    async with scripted_agent(router, whole_answer(200, json_head, b'{"choices": []}')) as one:
+        welcome = next(f for f in one.received if f["type"] == m.WELCOME)
+        assert welcome["accepts"] == [m.RESPONSE]  # what lets a real agent send it
+    async with scripted_agent(
+        router, whole_answer(200, json_head, b'{"choices": []}'), ONLY_HOSTILE
+    ):
+        reply = await chat(router, "m2")
+        assert reply.status_code == 200, reply.text
+        assert reply.content == b'{"choices": []}'
+        assert reply.headers["x-engine"] == "e1"
+    # An engine's refusal inside it is classified as the head and body would be.
+    refusal = b'{"error": {"message": "messages must not be empty", "type": "BadRequestError"}}'
+    async with scripted_agent(router, whole_answer(400, json_head, refusal), ONLY_HOSTILE):
+        reply = await chat(router, "m2")
+        assert reply.status_code == 400, reply.text
+        assert "messages must not be empty" in reply.json()["error"]["message"]
+    # A head no HTTP server may send is a failed try, as in a response_head.
+    evil = {"x-evil": "a\r\nset-cookie: stolen=1"}
+    async with scripted_agent(router, whole_answer(200, evil, b"{}"), ONLY_HOSTILE) as alone:
+        reply = await chat(router, "m2")
+        assert reply.status_code == 502, reply.text
+        assert "set-cookie" not in reply.headers
+        with trio.fail_after(5):
+            await alone.cancelled.wait()
+
+
+async def test_a_whole_answer_after_a_head_fails_the_request(router: Router) -> None:
+    def answer(msg: dict, fs: FramedStream) -> None:
+        fs.send_nowait(m.response_head(msg["id"], 200, {"content-type": "application/json"}))
+        fs.send_nowait(m.response(msg["id"], 200, {}, b"{}", None))
+
+    async with scripted_agent(router, answer, ONLY_HOSTILE):
+        reply = await chat(router, "m2")
+        assert reply.status_code == 502, reply.text
+        assert "can't handle response in state BODY" in reply.json()["error"]["message"]
+
+
+@pytest.mark.parametrize("accepts", [(m.RESPONSE,), ()])
+async def test_a_real_agent_sends_a_whole_answer_whole_only_where_the_router_takes_it(
+    fleet: Fleet, accepts: tuple[str, ...]
+) -> None:
+    def on_join(fs: FramedStream) -> None:
+        body = json.dumps({"model": "m1", "messages": [{"role": "user", "content": "x"}]})
+        headers = {"content-type": "application/json"}
+        fs.send_nowait(m.request(5, "POST", "/v1/chat/completions", headers, body.encode(), False))
+
+    async with fake_router(on_join, accepts) as router:
+        fleet.agent(router, "m1", wait=False)  # type: ignore[arg-type]
+        with trio.fail_after(30):
+            await router.wait_for(
+                lambda: any(f["type"] in (m.RESPONSE, m.RESPONSE_END) for f in router.frames_for(5))
+            )
+        frames = router.frames_for(5)
+        if accepts:
+            [whole] = frames
+            assert whole["type"] == m.RESPONSE and whole["status"] == 200
+            body = whole["body"]
+        else:
+            kinds = [f["type"] for f in frames]
+            assert kinds == [m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END]
+            body = frames[1]["data"]
+        assert json.loads(body)["choices"][0]["message"]["content"] == "Echo: x"

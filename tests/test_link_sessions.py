@@ -81,7 +81,7 @@ def test_an_agent_answer_out_of_order_fails_that_request_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async def broken_forward(
-        engine: object, msg: dict, send: object, span: object, scope: object
+        engine: object, msg: dict, send: object, span: object, scope: object, whole: bool
     ) -> None:
         send(m.response_chunk(msg["id"], b"before the head"))  # type: ignore[operator]
 
@@ -332,3 +332,48 @@ def test_an_agents_head_is_judged_as_header_by_header() -> None:
         head = {"x-one": "fine", "x-two": value}
         assert unsendable_head(200, head, known) == header_by_header(head)
     assert unsendable_head(199, {}) == "status 199 is not a final status (200-599)"
+
+
+class _EngineWithUsage(CannedEngine):
+    """The canned answer with the engine's token count in it."""
+
+    async def send_all(self, data: bytes) -> None:
+        await trio.lowlevel.checkpoint()
+        body = b'{"id": "x", "choices": [], "usage": {"prompt_tokens": 7, "completion_tokens": 3}}'
+        self.unread = (
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            b"content-length: %d\r\n\r\n%s" % (len(body), body)
+        )
+
+
+async def _engine_with_usage() -> CannedEngine:
+    return _EngineWithUsage()
+
+
+@pytest.mark.parametrize("accepts", [(m.RESPONSE,), ()])
+def test_a_whole_answer_is_one_frame_to_a_router_that_takes_it(accepts: tuple[str, ...]) -> None:
+    async def main() -> list[dict]:
+        session, fs = agent_session(_engine_with_usage)
+        async with trio.open_nursery() as nursery:
+            session._nursery = nursery
+            session._on_message(m.welcome(5.0, "r", 30.0, accepts=accepts))
+            body = b'{"model": "m1", "messages": []}'
+            session._on_message(m.request(3, "POST", "/v1/chat/completions", {}, body, False, True))
+            await session.wait_idle()
+            nursery.cancel_scope.cancel()
+        return fs.sent
+
+    sent = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    usage = {"prompt_tokens": 7, "completion_tokens": 3}
+    if accepts:
+        [whole] = sent
+        assert whole["type"] == m.RESPONSE
+        assert (whole["id"], whole["status"], whole["usage"]) == (3, 200, usage)
+        assert whole["headers"]["content-type"] == "application/json"
+        assert b'"completion_tokens": 3' in whole["body"]
+        assert whole["elsewhere"] == 0  # the answer's end says what an end says
+    else:
+        # A router that names nothing gets the base set: head, body, end.
+        assert [f["type"] for f in sent] == [m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END]
+        assert sent[2]["usage"] == usage
+        assert b'"completion_tokens": 3' in sent[1]["data"]
