@@ -46,6 +46,10 @@ class Role(Enum):
 
 
 class SessionState(Enum):
+    # Members are singletons: hashed by identity, in C. Enum's own hash, of the name,
+    # is a Python call on every table lookup (one per frame on both daemons).
+    __hash__ = object.__hash__
+
     AWAITING_HELLO = "awaiting_hello"
     AWAITING_WELCOME = "awaiting_welcome"
     JOINED = "joined"
@@ -53,6 +57,8 @@ class SessionState(Enum):
 
 
 class RequestState(Enum):
+    __hash__ = object.__hash__  # as SessionState's
+
     AWAITING_HEAD = "awaiting_head"
     BODY = "body"
     DONE = "done"
