@@ -340,16 +340,23 @@ class ReadLimits:
     scope's own deadline cost trio 1.9 µs, three or four per answer.
     """
 
-    __slots__ = ("_phase", "deadline", "scope", "timeout", "watched")
+    __slots__ = ("_now", "_phase", "deadline", "scope", "timeout", "watched")
 
     def __init__(
-        self, timeout: float, scope: trio.CancelScope | None = None, watched: bool = False
+        self,
+        timeout: float,
+        scope: trio.CancelScope | None = None,
+        watched: bool = False,
+        clock: Callable[[], float] | None = None,
     ) -> None:
         self.timeout = timeout
         self.scope = scope if scope is not None else trio.CancelScope()
         self.watched = watched
         self.deadline = math.inf
         self._phase = _HEAD
+        # The run's clock, read without trio.current_time()'s two calls around it: it
+        # is read on every read of a stream. A session passes its own.
+        self._now = clock or trio.lowlevel.current_clock().current_time
 
     def head(self) -> None:
         self._begin(_HEAD, self.timeout)
@@ -365,7 +372,7 @@ class ReadLimits:
 
     def arrived(self) -> None:
         """Bytes of a stream came: it has at least `timeout` more to send the next."""
-        now = trio.current_time()
+        now = self._now()
         if self.watched:
             self.deadline = now + self.timeout
         elif self.scope.deadline < now + self.timeout:
@@ -391,9 +398,9 @@ class ReadLimits:
     def _begin(self, phase: str, seconds: float) -> None:
         self._phase = phase
         if self.watched:
-            self.deadline = trio.current_time() + seconds
+            self.deadline = self._now() + seconds
         else:
-            self.scope.deadline = trio.current_time() + seconds
+            self.scope.deadline = self._now() + seconds
 
 
 def head_timeout(timeout: float) -> EngineUnavailable:

@@ -155,7 +155,10 @@ class RouterSession:
         self.heartbeat_interval = heartbeat_interval
         self.welcomed = trio.Event()
         self.refusal: str | None = None
-        self.last_rx = trio.current_time()
+        # The run's clock, read without trio.current_time()'s two calls around it: it
+        # is read for every frame and every read of a stream.
+        self._clock = trio.lowlevel.current_clock().current_time
+        self.last_rx = self._clock()
         self.router_interval = heartbeat_interval
         # The router's welcome `accepts` whole answers as one message (m.RESPONSE).
         self.whole_answers = False
@@ -211,7 +214,7 @@ class RouterSession:
         return reason
 
     def _on_message(self, msg: dict) -> None:
-        self.last_rx = trio.current_time()
+        self.last_rx = self._clock()
         kind = msg["type"]
         self.state = next_session_state(Role.ROUTER, self.state, kind)
         self._handlers[kind](msg)
@@ -249,7 +252,7 @@ class RouterSession:
             )
             return
         worker = self._waiting.pop() if self._waiting else _Worker()
-        limits = ReadLimits(self.engine.timeouts.read, worker.scope, watched=True)
+        limits = ReadLimits(self.engine.timeouts.read, worker.scope, True, self._clock)
         served = self.requests[req_id] = _Served(state, limits)
         if worker.task is not None:  # one that waits for a request
             worker.job = (msg, served)
