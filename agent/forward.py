@@ -30,6 +30,9 @@ DRAIN_BYTES = 64 * 1024
 DRAIN_SECONDS = 1.0
 # A whole answer leaves in one frame; its headers and the frame's fields fit in the rest.
 MAX_ANSWER_BYTES = MAX_FRAME_BYTES - 64 * 1024
+# A body up to this size goes in one `response` frame with its head (64 KiB at most)
+# and its end; a larger one in its own chunk frame, where the frame limit holds it.
+MAX_WHOLE_BYTES = 1024 * 1024
 
 _HOP_BY_HOP = frozenset(
     {"content-length", "transfer-encoding", "connection", "keep-alive", "date", "server"}
@@ -139,7 +142,7 @@ async def _relay(
         if tap:
             tap.of_answer(answer, body)
         usage = tap.usage if tap else None
-        if whole:
+        if whole and len(body) <= MAX_WHOLE_BYTES:
             send(m.response(req_id, status, headers, body, usage))
             return
         # Head, body and end queued together leave in one write and one frame read.

@@ -10,6 +10,7 @@ import pytest
 import trio
 import trio.testing
 
+import agent.forward as agent_forward
 import agent.link as agent_link
 from agent.capacity import SharedCapacity
 from agent.engine_http import EnginePool, EngineTimeouts
@@ -350,8 +351,18 @@ async def _engine_with_usage() -> CannedEngine:
     return _EngineWithUsage()
 
 
-@pytest.mark.parametrize("accepts", [(m.RESPONSE,), ()])
-def test_a_whole_answer_is_one_frame_to_a_router_that_takes_it(accepts: tuple[str, ...]) -> None:
+@pytest.mark.parametrize(
+    ("accepts", "largest"), [((m.RESPONSE,), None), ((), None), ((m.RESPONSE,), 10)]
+)
+def test_a_whole_answer_is_one_frame_to_a_router_that_takes_it(
+    accepts: tuple[str, ...], largest: int | None, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    if largest is not None:
+        # A body past the one-frame size goes in its own chunk frame, as to a router
+        # that takes only the base set: a head of up to 64 KiB cannot push it past
+        # the frame limit.
+        monkeypatch.setattr(agent_forward, "MAX_WHOLE_BYTES", largest)
+
     async def main() -> list[dict]:
         session, fs = agent_session(_engine_with_usage)
         async with trio.open_nursery() as nursery:
@@ -365,7 +376,7 @@ def test_a_whole_answer_is_one_frame_to_a_router_that_takes_it(accepts: tuple[st
 
     sent = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
     usage = {"prompt_tokens": 7, "completion_tokens": 3}
-    if accepts:
+    if accepts and largest is None:
         [whole] = sent
         assert whole["type"] == m.RESPONSE
         assert (whole["id"], whole["status"], whole["usage"]) == (3, 200, usage)
