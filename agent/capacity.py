@@ -3,12 +3,11 @@
 Each router counts its own requests; only the agent sees them all. It refuses a
 request that would exceed its capacity (`agent_full`, before any work) and tells each
 router how many requests the others hold (`elsewhere`) in the frames it sends anyway:
-heartbeats, `response_end` (or `response`) and `error`. Frames beyond those go out only
-near the limit:
-when a slot frees, each other router last told a count that left no room or one slot
-(`told_full`) gets a heartbeat, so its queued requests need not wait a heartbeat period
-(5 s) for the room. At most one such heartbeat per router per finished request, and
-none while the agent has two slots or more free.
+heartbeats, `response_end` (or `response`) and `error`. Frames beyond those go out
+only near the limit: when a slot frees, each other router last told a count that left
+no room or one slot (`told_full`) gets a heartbeat, so its queued requests need not
+wait a heartbeat period (5 s) for the room. At most one such heartbeat per router per
+finished request, and none while the agent has two slots or more free.
 """
 
 from __future__ import annotations
