@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import socket
+from pathlib import Path
 
 import httpx
+import pytest
+import redis
 
-from tests.fleet import Fleet
+from tests import redis_server
+from tests.fleet import Fleet, free_port
 
 
 def test_a_router_whose_port_was_taken_before_its_first_start_starts_on_others(
@@ -23,3 +27,21 @@ def test_a_router_whose_port_was_taken_before_its_first_start_starts_on_others(
         assert router.metrics_port != taken
         assert "Address already in use" in router.log()
         assert httpx.get(router.url + "/health", timeout=5).status_code == 200
+
+
+def test_a_redis_server_whose_port_was_taken_before_its_first_start_starts_on_another(
+    fleet: Fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        picks = iter([taken])
+        monkeypatch.setattr(redis_server, "free_port", lambda: next(picks, None) or free_port())
+        server = redis_server.RedisServer(tmp_path, fleet.env).start()
+        try:
+            assert server.port != taken
+            assert "Address already in use" in (tmp_path / f"redis-{taken}.log").read_text()
+            assert redis.Redis(port=server.port, socket_timeout=2).ping()
+        finally:
+            server.stop()
