@@ -74,6 +74,25 @@ class Proc:
             )
         return self
 
+    def start_on_free_ports(self, ready: Callable[[], object], repick: Callable[[], None]) -> None:
+        """Start it and wait for `ready`. A port free when picked can be taken before
+        the process binds it (the other worker's sockets, any client's ephemeral port):
+        a first start that fails on that alone starts again, up to twice, on the ports
+        `repick` chooses. A restart keeps its ports, which its peers were given."""
+        retries = 2 if self.popen is None else 0
+        while True:
+            logged = self.log_path.stat().st_size if self.log_path.exists() else 0
+            Proc.start(self)
+            try:
+                ready()
+                return
+            except AssertionError:
+                taken = "Address already in use" in self.log()[logged:]
+                if not (retries and taken and not self.alive()):
+                    raise
+                retries -= 1
+                repick()
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
@@ -164,23 +183,8 @@ class Router(Proc):
         return f"/ip4/127.0.0.1/tcp/{self.p2p_port}/p2p/{self.peer_id}"
 
     def start(self) -> Router:
-        retries = 2 if self.popen is None else 0
-        while True:
-            logged = self.log_path.stat().st_size if self.log_path.exists() else 0
-            super().start()
-            try:
-                self.wait_log("router_ready")
-                return self
-            except AssertionError:
-                # A port free when picked can be taken before the router binds it (the
-                # other worker's sockets, any client's ephemeral port): a first start
-                # that fails on that alone starts again on other ports. A restart keeps
-                # its ports, which its agents dial.
-                taken = "Address already in use" in self.log()[logged:]
-                if not (retries and taken and not self.alive()):
-                    raise
-                retries -= 1
-                self._pick_ports()
+        self.start_on_free_ports(lambda: self.wait_log("router_ready"), self._pick_ports)
+        return self
 
     def admin(self, path: str) -> Any:
         r = httpx.get(self.url + path, headers={"Authorization": f"Bearer {ADMIN_KEY}"}, timeout=10)

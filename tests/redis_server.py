@@ -48,23 +48,10 @@ class RedisServer(Proc):
         return f"redis://127.0.0.1:{self.port}/0"
 
     def start(self) -> RedisServer:
-        # As a router's first start (tests/fleet.py): a port free when picked can be
-        # taken before redis-server binds it; a restart keeps its port, which the
-        # routers were given.
-        retries = 2 if self.popen is None else 0
-        while True:
-            logged = self.log_path.stat().st_size if self.log_path.exists() else 0
-            super().start()
-            try:
-                # Not a PING first: one to a port another process holds waits on it.
-                self.wait_log("Ready to accept connections", 10)
-                break
-            except AssertionError:
-                taken = "Address already in use" in self.log()[logged:]
-                if not (retries and taken and not self.alive()):
-                    raise
-                retries -= 1
-                self._pick_port()
+        # Not a PING first: one to a port another process holds waits on that process.
+        self.start_on_free_ports(
+            lambda: self.wait_log("Ready to accept connections", 10), self._pick_port
+        )
         client = redis.Redis(port=self.port, socket_timeout=1)
 
         def answers() -> bool:
