@@ -36,7 +36,7 @@ from router.http.server import HttpServer
 from router.lifetime import LifetimeStore, history_path
 from router.link import AgentLink, LinkSettings
 from router.metrics import RouterMetrics
-from router.p2p_host import close_listeners, router_host
+from router.p2p_host import check_listening, close_listeners, router_host
 from router.peers import Peer, PeerTable
 from router.policy.describe import policy_warnings
 from router.policy.rank import Ranking
@@ -312,6 +312,7 @@ class RouterDaemon:
             max_conns_per_ip=s.p2p_max_conns_per_ip,
         )
         async with host.run(listen_addrs=addrs):
+            check_listening(host, addrs)
             host.set_stream_handler(PROTOCOL_ID, self.link.handle_stream)
             try:
                 async with trio.open_nursery() as nursery:

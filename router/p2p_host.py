@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import ipaddress
 import logging
+import socket
 import ssl
 from collections.abc import Sequence
 from typing import Any
@@ -169,6 +170,29 @@ def router_host(
     )
     _fix_inbound_handler(host.get_network(), max_conns_per_ip)
     return host
+
+
+def check_listening(host: Any, listen_addrs: Sequence[multiaddr.Multiaddr]) -> None:
+    """OSError unless every address asked for has its listener.
+
+    py-libp2p starts the listeners it can and notes the rest in a debug line only: with
+    its agent port taken, a router reported itself listening and ready, and no agent
+    could reach it."""
+    listening = getattr(host.get_network(), "listeners", {})
+    for addr in listen_addrs:
+        if str(addr) not in listening:
+            raise OSError(f"cannot listen for agents on {addr}: {_why_not(addr)}")
+
+
+def _why_not(addr: multiaddr.Multiaddr) -> str:
+    """What binding the address says now (py-libp2p kept its own error to itself)."""
+    try:
+        ip, port = addr.value_for_protocol("ip4"), int(addr.value_for_protocol("tcp"))
+        with socket.socket() as probe:
+            probe.bind((ip, port))
+    except (OSError, ValueError, multiaddr.exceptions.ProtocolLookupError) as exc:
+        return str(exc) or type(exc).__name__
+    return "its listener did not start"
 
 
 async def close_listeners(host: Any) -> None:

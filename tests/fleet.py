@@ -152,7 +152,10 @@ class Router(Proc):
         self._pick_ports()
         super().__init__("router", self.argv, env, fleet.dir / f"{name}.log")
 
-    def _pick_ports(self) -> None:
+    def _pick_ports(self, again: bool = False) -> None:
+        if again and "--p2p-ws-port" in self.flags:
+            # Picked by the caller, and as likely as the others to have been taken.
+            self.flags[self.flags.index("--p2p-ws-port") + 1] = str(free_port())
         self.http_port = free_port()
         self.metrics_port = free_ports(self.workers)
         self.p2p_port = free_ports(self.workers)
@@ -183,7 +186,9 @@ class Router(Proc):
         return f"/ip4/127.0.0.1/tcp/{self.p2p_port}/p2p/{self.peer_id}"
 
     def start(self) -> Router:
-        self.start_on_free_ports(lambda: self.wait_log("router_ready"), self._pick_ports)
+        self.start_on_free_ports(
+            lambda: self.wait_log("router_ready"), lambda: self._pick_ports(again=True)
+        )
         return self
 
     def admin(self, path: str) -> Any:

@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import os
+import socket
 import stat
 import subprocess
 import time
 from pathlib import Path
 
 import jwt
+import pytest
 
-from tests.fleet import SECRET, VENV_BIN
+from tests.fleet import SECRET, VENV_BIN, free_port
 
 ROUTER = str(VENV_BIN / "hivenet-router")
 
@@ -82,3 +84,29 @@ def test_token_without_a_usable_secret_is_a_clear_error() -> None:
     short = run("token", "--peer-id", "p", env={**env, "HIVENET_ROUTER_JWT_SECRET": "short"})
     assert short.returncode == 2
     assert "at least 32" in short.stderr
+
+
+@pytest.mark.parametrize("which", ["--p2p-port", "--p2p-ws-port"])
+def test_a_router_whose_agent_port_is_taken_stops_and_says_so(tmp_path: Path, which: str) -> None:
+    """py-libp2p starts the listeners it can and keeps quiet about the rest: with its
+    agent port taken the router used to log router_listening and router_ready, and no
+    agent could reach it."""
+    env = {**os.environ, "HIVENET_ROUTER_JWT_SECRET": SECRET, "HIVENET_ROUTER_ADMIN_API_KEYS": "k"}
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        ports = {"--p2p-port": str(free_port()), "--p2p-ws-port": str(free_port())}
+        ports[which] = str(taken)
+        out = run(
+            "serve",
+            *("--identity-path", str(tmp_path / "k"), "--http-port", f"127.0.0.1:{free_port()}"),
+            *("--metrics-port", f"127.0.0.1:{free_port()}"),
+            *(item for flag, port in ports.items() for item in (flag, port)),
+            env=env,
+        )
+    assert out.returncode != 0
+    log = out.stdout + out.stderr
+    assert f"cannot listen for agents on /ip4/127.0.0.1/tcp/{taken}" in log, log[-2000:]
+    assert "Address already in use" in log
+    assert "router_ready" not in log

@@ -29,6 +29,17 @@ def test_a_router_whose_port_was_taken_before_its_first_start_starts_on_others(
         assert httpx.get(router.url + "/health", timeout=5).status_code == 200
 
 
+def test_a_router_whose_websocket_port_was_taken_starts_on_another(fleet: Fleet) -> None:
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        taken = squatter.getsockname()[1]
+        router = fleet.router("--p2p-ws-port", str(taken))
+        assert f"/tcp/{taken}/" not in router.multiaddr
+        assert "/ws/p2p/" in router.multiaddr
+        assert "Address already in use" in router.log()
+
+
 def test_a_redis_server_whose_port_was_taken_before_its_first_start_starts_on_another(
     fleet: Fleet, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
