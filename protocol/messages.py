@@ -81,8 +81,8 @@ _OPTIONAL: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
 
 # `elsewhere` (heartbeat, response_end, response, error): how many requests from
 # other routers the agent holds right now, so each router counts the agent's whole load
-# against its `--capacity`. `workers` (welcome): the other router processes of the same host
-# (`--workers`), as {"tcp_port": int, "peer_id": str}, which the agent dials too.
+# against its `--capacity`. `workers` (welcome): the other router processes of the same
+# host (`--workers`), as {"tcp_port": int, "peer_id": str}, which the agent dials too.
 # `accepts` (welcome): the message types beyond the base set the router takes from
 # the agent (`response`); an agent sends only the base set to a router that names none.
 
