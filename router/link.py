@@ -436,7 +436,6 @@ class AgentResponse:
         status: int,
         headers: dict[str, str],
         slot: Slot,
-        whole: dict | None = None,
     ) -> None:
         self.session = session
         self.req_id = req_id
@@ -444,9 +443,6 @@ class AgentResponse:
         self.status = status
         self.headers = headers
         self.slot = slot
-        # The agent's `response` message when the answer came whole: its body is the
-        # one part, and its end has arrived with it.
-        self.whole = whole
         self.done = False
         # The engine's token count, when the agent was asked for it (response_end).
         self.usage: dict[str, int] | None = None
@@ -469,7 +465,7 @@ class AgentResponse:
         try:
             frames = self.pending.frames
             while (data := await self._next_part()) is not None:
-                yield data, self.done or (bool(frames) and frames[0][0] is _DONE)
+                yield data, bool(frames) and frames[0][0] is _DONE
         finally:
             self.close()
 
@@ -486,13 +482,6 @@ class AgentResponse:
 
     async def _next_part(self) -> bytes | None:
         """The next body bytes, the queued ones joined; None at the end."""
-        whole = self.whole
-        if whole is not None:
-            if self.done:
-                return None
-            self.done = True
-            self._ended(whole)
-            return whole["body"]
         state, frame = await self.pending.get()
         if state is _BODY:
             data = frame["data"]
@@ -519,9 +508,6 @@ class AgentResponse:
 
     def close(self) -> None:
         """Release the slot and, if the answer is unfinished, tell the agent to stop."""
-        if not self.done and self.whole is not None:
-            self.done = True
-            self._ended(self.whole)
         if not self.done:
             # A client may leave as soon as it has the last event (the SDKs stop at
             # `[DONE]`): an end that already arrived still brings the engine's usage.
@@ -871,13 +857,17 @@ class AgentLink:
                     ErrorCode.BACKEND_ERROR,
                     f"agent sent a response head the router cannot send: {problem}",
                 )
-            whole = head if state is _DONE else None  # a `response`: the answer entire
+            if state is _DONE:
+                # A `response`, the whole answer at once: its body and end are queued
+                # as a head's would be, for the one path that reads answers.
+                pending.frames.appendleft((_DONE, head))
+                pending.frames.appendleft((_BODY, {"data": head["body"]}))
             if status >= 400:
-                return await self._failed_answer(session, req_id, pending, head, whole)
+                return await self._failed_answer(session, req_id, pending, status, headers)
         except BaseException:
             session.finish(req_id, cancel=True)
             raise
-        response = AgentResponse(session, req_id, pending, status, headers, slot, whole)
+        response = AgentResponse(session, req_id, pending, status, headers, slot)
         if req.stream and self.settings.release_stream_slot_at_head:
             slot.release()
         return response
@@ -887,17 +877,16 @@ class AgentLink:
         session: AgentSession,
         req_id: int,
         pending: _Pending,
-        head: dict,
-        whole: dict | None,
+        status: int,
+        headers: dict[str, str],
     ) -> ForwardFailure:
-        status, headers = head["status"], head["headers"]
-        body = bytearray(whole["body"] if whole is not None else b"")
-        while whole is None and len(body) <= MAX_ERROR_BODY:
+        body = bytearray()
+        while len(body) <= MAX_ERROR_BODY:
             state, frame = await pending.get()
             if state is not _BODY:
                 break
             body += frame["data"]
-        session.finish(req_id, cancel=len(body) > MAX_ERROR_BODY and whole is None)
+        session.finish(req_id, cancel=len(body) > MAX_ERROR_BODY)
         code = classify_backend_status(status, bytes(body)) or ErrorCode.BACKEND_ERROR
         text = bytes(body[:2000]).decode("utf-8", "replace")
         return ForwardFailure(
