@@ -420,6 +420,7 @@ class FramedStream:
     async def _writer(self, cancel_scope: trio.CancelScope) -> None:
         outbox = self._outbox
         frames = outbox.frames
+        direct = yamux_fast.DirectWriter.of(self.stream)
         try:
             while True:
                 if not frames:
@@ -436,7 +437,8 @@ class FramedStream:
                     size += len(more)
                 data = batch[0] if len(batch) == 1 else b"".join(batch)
                 self.write_began = self.last_tx = trio.current_time()
-                await self.stream.write(data)
+                if direct is None or not await direct.write(data):
+                    await self.stream.write(data)
                 self.write_began = math.inf
         except Exception as exc:
             self.close_reason = self.close_reason or f"write failed: {type(exc).__name__}"

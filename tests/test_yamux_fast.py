@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import itertools
 import os
 import socket
 import struct
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -17,6 +20,7 @@ import trio
 import trio.testing
 from libp2p import new_host
 from libp2p.crypto.ed25519 import create_new_key_pair
+from libp2p.io.trio import TrioTCPStream
 from libp2p.network.stream.net_stream import NetStream
 from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.stream_muxer.yamux import yamux as yamux_module
@@ -33,6 +37,7 @@ from agent.link import SILENT_PERIODS, RouterSession, Status
 from protocol import messages as m
 from protocol import p2p, yamux_fast
 from protocol.conversation import Role, next_session_state
+from protocol.frames import encode_frame
 from tests.scheduler_passes import passes_of_this_task
 
 
@@ -328,3 +333,170 @@ async def test_a_stream_write_takes_its_free_state_lock_without_a_scheduler_pass
         await trio.testing.wait_all_tasks_blocked()
         assert written == [b"one"]  # waiting for the lock
     assert written == [b"one", b"two"]
+
+
+@asynccontextmanager
+async def _libp2p_stream() -> AsyncIterator[tuple[Any, Any]]:
+    """A libp2p stream over yamux, Noise and loopback TCP: (ours, the peer's end)."""
+    p2p.tune_libp2p()
+    listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+    server = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=listen)
+    client = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=[])
+    theirs: list[Any] = []
+    opened = trio.Event()
+
+    async def handler(stream: Any) -> None:
+        theirs.append(stream)
+        opened.set()
+        await trio.sleep_forever()
+
+    server.set_stream_handler("/test/1.0.0", handler)
+    async with server.run(listen_addrs=listen), client.run(listen_addrs=[]):
+        info = info_from_p2p_addr(server.get_addrs()[0])
+        await client.connect(info)
+        stream = await client.new_stream(info.peer_id, ["/test/1.0.0"])
+        await stream.write(b"")  # py-libp2p opens the stream on its first frame
+        with trio.fail_after(10):
+            await opened.wait()
+        yield stream, theirs[0]
+        # A test may leave the connection unable to write: the hosts' ends cancel it.
+        with trio.move_on_after(1):
+            await stream.reset()
+
+
+async def _frames_arrive(stream: Any, messages: list[dict]) -> None:
+    """The peer reads exactly these messages' frames, in order."""
+    expected = b"".join(encode_frame(message) for message in messages)
+    received = bytearray()
+    with trio.fail_after(20):
+        while len(received) < len(expected):
+            data = await stream.read(1 << 20)
+            assert data, "the stream ended early"
+            received += data
+    assert bytes(received) == expected
+
+
+def _pause_reads(stream: Any) -> trio.Event:
+    """Have the TCP connection under `stream` read nothing from its socket, once the
+    read under way returns, until the event returned is set."""
+    tcp = p2p._layer_under(stream, TrioTCPStream)
+    resume = trio.Event()
+
+    async def paused(n: int | None = None) -> bytes:
+        await resume.wait()
+        return await p2p._buffered_read(tcp, n)
+
+    tcp.read = paused
+    return resume
+
+
+async def test_a_small_batch_goes_to_the_socket_without_py_libp2ps_layers(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The writer's batch that fits one Noise message is one socket write of its own
+    making; a larger one takes py-libp2p's path; the peer reads both as written."""
+    layered: list[int] = []
+    original = NetStream.write
+
+    async def counted(self: NetStream, data: bytes) -> None:
+        layered.append(len(data))
+        await original(self, data)
+
+    monkeypatch.setattr(NetStream, "write", counted)
+    async with _libp2p_stream() as (ours, theirs), trio.open_nursery() as nursery:
+        layered.clear()  # the stream's opening
+        fs = p2p.FramedStream(ours)
+        nursery.start_soon(fs.run, lambda message: None)
+        small = {"type": "data", "pad": b"s" * 100}
+        large = {"type": "data", "pad": b"l" * 100_000}
+        fs.send_nowait(small)
+        await _frames_arrive(theirs, [small])
+        assert layered == []
+        fs.send_nowait(large)
+        await _frames_arrive(theirs, [large])
+        assert len(layered) == 1 and layered[0] > 100_000
+        nursery.cancel_scope.cancel()
+
+
+def _socket_buffers(ours: Any, theirs: Any, size: int) -> None:
+    """Our send buffer and the peer's receive buffer: small ones fill at once."""
+    for end, option in ((ours, socket.SO_SNDBUF), (theirs, socket.SO_RCVBUF)):
+        sock = p2p.tcp_socket_of(end)
+        assert sock is not None
+        sock.setsockopt(socket.SOL_SOCKET, option, size)
+
+
+def _count_sends(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """(bytes sent, bytes offered) of each of DirectWriter's socket writes."""
+    sends: list[tuple[int, int]] = []
+    send = yamux_fast.send_at_once
+
+    def counted(sock: socket.socket, data: bytes) -> int:
+        sends.append((send(sock, data), len(data)))
+        return sends[-1][0]
+
+    monkeypatch.setattr(yamux_fast, "send_at_once", counted)
+    return sends
+
+
+async def test_direct_and_layered_writes_arrive_whole_and_in_order_when_the_kernel_is_full(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Small socket buffers and a peer that stops reading for a while: direct writes
+    that the kernel takes whole or only in part, and batches too large for them, which
+    take py-libp2p's path, interleave; the peer decrypts and decodes every frame, in
+    order, once it reads again."""
+    sends = _count_sends(monkeypatch)
+    async with _libp2p_stream() as (ours, theirs), trio.open_nursery() as nursery:
+        _socket_buffers(ours, theirs, 4096)
+        resume = _pause_reads(theirs)
+        fs = p2p.FramedStream(ours)
+        nursery.start_soon(fs.run, lambda message: None)
+        sent: list[dict] = []
+        for burst in range(60):
+            if burst == 30:
+                resume.set()
+                _socket_buffers(ours, theirs, 1 << 20)  # a 4 KB window makes the rest slow
+            size = 70_000 if burst in (5, 45) else burst * 997 % 9000 + 1
+            message = {"type": "data", "n": burst, "pad": b"p" * size}
+            fs.send_nowait(message)
+            sent.append(message)
+            await trio.sleep(0.001)
+        await _frames_arrive(theirs, sent)
+        assert any(done == offered for done, offered in sends)
+        assert any(done < offered for done, offered in sends)
+        assert len(sends) < 60  # the 70 KB ones, and batches joined behind a full kernel
+        nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_that_stops_reading_still_times_out_a_direct_write(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What a direct write could not send at once is the connection's write to finish:
+    a peer that reads no more ends the session at the write timeout, as before."""
+    sends = _count_sends(monkeypatch)
+
+    async def deaf(n: int | None = None) -> bytes:
+        await trio.sleep_forever()
+        return b""
+
+    async with _libp2p_stream() as (ours, theirs):
+        _socket_buffers(ours, theirs, 4096)
+        # The peer's connection reads nothing more once its read under way returns.
+        peer_tcp = p2p._layer_under(theirs, TrioTCPStream)
+        peer_tcp.read = deaf
+        fs = p2p.FramedStream(ours, write_timeout=0.5)
+        reasons: list[str] = []
+
+        async def run() -> None:
+            reasons.append(await fs.run(lambda message: None))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(run)
+            with trio.fail_after(10):
+                while not fs.closed.is_set():
+                    with contextlib.suppress(p2p.SessionClosed):
+                        fs.send_nowait({"type": "data", "pad": b"p" * 3000})
+                    await trio.sleep(0.01)
+        assert reasons == ["write timed out after 0.5 s"]
+        assert any(done < offered for done, offered in sends)
