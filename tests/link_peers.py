@@ -1,5 +1,6 @@
 """Hand-driven link peers for tests: an agent of the test's own against a real router,
-and a router of the test's own that a real agent process dials."""
+a router of the test's own that a real agent process dials, and a bare libp2p stream
+between two hosts in the test's own process."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from libp2p.network.config import ConnectionConfig
 from libp2p.peer.peerinfo import info_from_p2p_addr
 
 from protocol import messages as m
-from protocol.p2p import FramedStream, peer_id_of
+from protocol.p2p import FramedStream, peer_id_of, tune_libp2p
 from protocol.tokens import issue_token
 from tests.fleet import SECRET, Router
 from tests.test_link import METADATA, raw_session
@@ -177,3 +178,33 @@ async def stranger(router: Router, ip: str = "127.0.0.1") -> AsyncIterator[Calla
             yield open_stream
         finally:
             await host.close()
+
+
+@asynccontextmanager
+async def libp2p_stream() -> AsyncIterator[tuple[Any, Any]]:
+    """A libp2p stream over yamux, Noise and loopback TCP between two hosts in this
+    process: (ours, the peer's end)."""
+    tune_libp2p()
+    listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+    server = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=listen)
+    client = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=[])
+    theirs: list[Any] = []
+    opened = trio.Event()
+
+    async def handler(stream: Any) -> None:
+        theirs.append(stream)
+        opened.set()
+        await trio.sleep_forever()
+
+    server.set_stream_handler("/test/1.0.0", handler)
+    async with server.run(listen_addrs=listen), client.run(listen_addrs=[]):
+        info = info_from_p2p_addr(server.get_addrs()[0])
+        await client.connect(info)
+        stream = await client.new_stream(info.peer_id, ["/test/1.0.0"])
+        await stream.write(b"")  # py-libp2p opens the stream on its first frame
+        with trio.fail_after(10):
+            await opened.wait()
+        yield stream, theirs[0]
+        # A test may leave the connection unable to write: the hosts' ends cancel it.
+        with trio.move_on_after(1):
+            await stream.reset()

@@ -20,6 +20,7 @@ from libp2p.peer.peerinfo import info_from_p2p_addr
 from libp2p.stream_muxer.yamux.yamux import TYPE_PING, YAMUX_HEADER_FORMAT, Yamux
 
 from protocol import p2p
+from tests.link_peers import libp2p_stream
 from tests.scheduler_passes import passes_of_this_task
 
 
@@ -330,32 +331,11 @@ async def test_hooks_run_before_each_socket_read_once_all_it_brought_is_read() -
 
 
 async def test_a_link_stream_finds_its_connection_for_read_hooks() -> None:
-    p2p.tune_libp2p()
-    listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
-    server = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=listen)
-    client = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=[])
-    streams: list[object] = []
-    opened = trio.Event()
-
-    async def handler(stream: object) -> None:
-        streams.append(stream)
-        opened.set()
-        await trio.sleep_forever()
-
-    server.set_stream_handler("/hook-test/1", handler)  # type: ignore[arg-type]
-    async with server.run(listen_addrs=listen), client.run(listen_addrs=[]):
-        info = info_from_p2p_addr(server.get_addrs()[0])
-        await client.connect(info)
-        stream = await client.new_stream(info.peer_id, ["/hook-test/1"])
+    async with libp2p_stream() as (stream, theirs):
         calls: list[int] = []
         unhook = p2p.before_reads(stream, lambda: calls.append(1))
         assert unhook is not None
-        await stream.write(b"ping")  # the server reads the frame; this side waits for more
-        with trio.fail_after(10):
-            await opened.wait()
-        await streams[0].write(b"pong")  # type: ignore[attr-defined]
+        await theirs.write(b"pong")
         assert await stream.read(4) == b"pong"
         assert calls  # this connection's reader came back to its socket
         unhook()
-        await client.close()
-        await server.close()

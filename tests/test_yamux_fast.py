@@ -9,8 +9,6 @@ import itertools
 import os
 import socket
 import struct
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +36,7 @@ from protocol import messages as m
 from protocol import p2p, yamux_fast
 from protocol.conversation import Role, next_session_state
 from protocol.frames import encode_frame
+from tests.link_peers import libp2p_stream
 from tests.scheduler_passes import passes_of_this_task
 
 
@@ -335,35 +334,6 @@ async def test_a_stream_write_takes_its_free_state_lock_without_a_scheduler_pass
     assert written == [b"one", b"two"]
 
 
-@asynccontextmanager
-async def _libp2p_stream() -> AsyncIterator[tuple[Any, Any]]:
-    """A libp2p stream over yamux, Noise and loopback TCP: (ours, the peer's end)."""
-    p2p.tune_libp2p()
-    listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
-    server = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=listen)
-    client = new_host(key_pair=create_new_key_pair(os.urandom(32)), listen_addrs=[])
-    theirs: list[Any] = []
-    opened = trio.Event()
-
-    async def handler(stream: Any) -> None:
-        theirs.append(stream)
-        opened.set()
-        await trio.sleep_forever()
-
-    server.set_stream_handler("/test/1.0.0", handler)
-    async with server.run(listen_addrs=listen), client.run(listen_addrs=[]):
-        info = info_from_p2p_addr(server.get_addrs()[0])
-        await client.connect(info)
-        stream = await client.new_stream(info.peer_id, ["/test/1.0.0"])
-        await stream.write(b"")  # py-libp2p opens the stream on its first frame
-        with trio.fail_after(10):
-            await opened.wait()
-        yield stream, theirs[0]
-        # A test may leave the connection unable to write: the hosts' ends cancel it.
-        with trio.move_on_after(1):
-            await stream.reset()
-
-
 async def _frames_arrive(stream: Any, messages: list[dict]) -> None:
     """The peer reads exactly these messages' frames, in order."""
     expected = b"".join(encode_frame(message) for message in messages)
@@ -403,7 +373,7 @@ async def test_a_small_batch_goes_to_the_socket_without_py_libp2ps_layers(
         await original(self, data)
 
     monkeypatch.setattr(NetStream, "write", counted)
-    async with _libp2p_stream() as (ours, theirs), trio.open_nursery() as nursery:
+    async with libp2p_stream() as (ours, theirs), trio.open_nursery() as nursery:
         layered.clear()  # the stream's opening
         fs = p2p.FramedStream(ours)
         nursery.start_soon(fs.run, lambda message: None)
@@ -447,7 +417,7 @@ async def test_direct_and_layered_writes_arrive_whole_and_in_order_when_the_kern
     take py-libp2p's path, interleave; the peer decrypts and decodes every frame, in
     order, once it reads again."""
     sends = _count_sends(monkeypatch)
-    async with _libp2p_stream() as (ours, theirs), trio.open_nursery() as nursery:
+    async with libp2p_stream() as (ours, theirs), trio.open_nursery() as nursery:
         _socket_buffers(ours, theirs, 4096)
         resume = _pause_reads(theirs)
         fs = p2p.FramedStream(ours)
@@ -480,7 +450,7 @@ async def test_a_peer_that_stops_reading_still_times_out_a_direct_write(
         await trio.sleep_forever()
         return b""
 
-    async with _libp2p_stream() as (ours, theirs):
+    async with libp2p_stream() as (ours, theirs):
         _socket_buffers(ours, theirs, 4096)
         # The peer's connection reads nothing more once its read under way returns.
         peer_tcp = p2p._layer_under(theirs, TrioTCPStream)
