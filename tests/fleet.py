@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
+import random
 import re
 import signal
 import socket
@@ -23,26 +23,88 @@ ADMIN_KEY = "test-admin-key"
 VENV_BIN = Path(sys.executable).parent
 
 
-def free_port() -> int:
+# Daemons bind the ports a test picks for them a moment after the pick. A port the
+# kernel may hand out to any outgoing connection (another test's client, the other
+# worker's) can be taken in between, which failed suite runs with Errno 98. Picks
+# come from below that range, where the kernel never hands out ports on its own, and
+# each xdist worker from its own slice, so the two never pick the same.
+LOWEST_PICK = 10_000
+
+
+def ephemeral_floor() -> int:
+    """The lowest port the kernel hands out for outgoing connections (0: unknown)."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as ports:
+            return int(ports.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def pick_span(floor: int, worker: str, workers: int) -> range | None:
+    """This worker's ports below `floor`; None when there is too little room there."""
+    width = (floor - LOWEST_PICK) // max(workers, 1)
+    if width < 1_000:
+        return None
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else 0
+    start = LOWEST_PICK + min(index, max(workers, 1) - 1) * width
+    return range(start, start + width)
+
+
+class _Picks:
+    """Ports in turn from a random place in a span (another suite running on the same
+    host starts elsewhere in it), each one nothing holds when it is picked."""
+
+    def __init__(self, span: range) -> None:
+        self.span = span
+        self.cursor = random.randrange(len(span))
+
+    def take(self, count: int) -> int | None:
+        """The first of `count` consecutive free ports, which no later pick returns
+        until the span comes round again; None when the span has none."""
+        for _ in range(len(self.span)):
+            first = self.span[self.cursor % len(self.span)]
+            self.cursor += 1
+            if first + count <= self.span.stop and all(
+                _bindable(port) for port in range(first, first + count)
+            ):
+                self.cursor += count - 1
+                return first
+        return None
+
+
+def _bindable(port: int) -> bool:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
+_SPAN = pick_span(
+    ephemeral_floor(),
+    os.environ.get("PYTEST_XDIST_WORKER", ""),
+    int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1),
+)
+_PICKS = _Picks(_SPAN) if _SPAN is not None else None
+
+
+def free_port() -> int:
+    """A loopback port nothing holds now, from this worker's span when there is one."""
+    return free_ports(1)
 
 
 def free_ports(count: int) -> int:
     """The first of `count` consecutive free ports (`serve --workers N` takes port + i)."""
-    while True:
-        first = free_port()
-        if first + count > 65536:
-            continue
-        with contextlib.ExitStack() as held:
-            try:
-                for port in range(first, first + count):
-                    s = held.enter_context(socket.socket())
-                    s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
+    first = _PICKS.take(count) if _PICKS is not None else None
+    if first is not None:
         return first
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            first = s.getsockname()[1]
+        if first + count <= 65536 and all(_bindable(p) for p in range(first + 1, first + count)):
+            return first
 
 
 def wait_until(check: Callable[[], Any], timeout: float = 15.0, what: str = "condition") -> Any:

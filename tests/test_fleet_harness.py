@@ -10,7 +10,7 @@ import pytest
 import redis
 
 from tests import redis_server
-from tests.fleet import Fleet, free_port
+from tests.fleet import LOWEST_PICK, Fleet, ephemeral_floor, free_port, free_ports, pick_span
 
 
 def test_a_router_whose_port_was_taken_before_its_first_start_starts_on_others(
@@ -56,3 +56,20 @@ def test_a_redis_server_whose_port_was_taken_before_its_first_start_starts_on_an
             assert redis.Redis(port=server.port, socket_timeout=2).ping()
         finally:
             server.stop()
+
+
+def test_ports_are_picked_below_the_kernels_own_and_apart_for_each_worker() -> None:
+    """No outgoing connection can take a picked port before its daemon binds it, and
+    the two xdist workers never pick the same one."""
+    first, second = pick_span(32768, "gw0", 2), pick_span(32768, "gw1", 2)
+    assert first is not None and second is not None
+    assert LOWEST_PICK <= first.start < first.stop <= second.start < second.stop <= 32768
+    assert pick_span(32768, "", 1) == range(LOWEST_PICK, 32768)  # no xdist: all of it
+    assert pick_span(LOWEST_PICK + 500, "gw0", 1) is None  # too little room: port 0
+    block = free_ports(3)
+    later = {free_port() for _ in range(20)}
+    assert not later & {block, block + 1, block + 2}
+    assert len(later) == 20
+    floor = ephemeral_floor()
+    if floor - LOWEST_PICK >= 2_000:
+        assert all(LOWEST_PICK <= port < floor for port in later | {block})
