@@ -33,6 +33,7 @@ from typing import Any
 
 import trio
 from libp2p.io import utils as io_utils
+from libp2p.io.exceptions import ConnectionClosedError
 from libp2p.io.trio import TrioTCPStream
 from libp2p.network.stream.net_stream import NetStream, StreamState
 from libp2p.security.noise.io import MAX_PLAINTEXT_LENGTH, NoiseTransportReadWriter
@@ -321,28 +322,63 @@ async def _read_data_body(self: Yamux, length: int) -> bytes:
         return await io_utils.read_exactly(reader, length)
 
 
+async def _next_message(reader: Any, n: int) -> tuple[bytes, bytes] | None:
+    """The first `n` bytes of the connection's next Noise message and the rest of it,
+    read and decrypted without `read_exactly`'s and `SecureSession.read`'s layers or
+    the session's buffer; None (nothing read) where that path does not apply: a reader
+    that is not a Noise session, or one that still holds decrypted bytes."""
+    noise = getattr(reader, "conn", None)
+    if not isinstance(noise, NoiseTransportReadWriter) or getattr(
+        reader, "high_watermark", None
+    ) != getattr(reader, "low_watermark", 0):
+        return None
+    message = await _noise_read_msg(noise)
+    if not message:
+        raise ConnectionClosedError("Connection closed")  # as SecureSession.read
+    if len(message) < n:
+        reader._fill(message)
+        return await io_utils.read_exactly(reader, n), b""
+    return message[:n], message[n:]
+
+
 async def _next_header(
     reader: Any, n: int, retry_count: int = io_utils.DEFAULT_RETRY_READ_COUNT
 ) -> bytes:
     """The next header py-libp2p's frame loop has to handle itself.
 
     Common frames are applied here, as that loop would apply them, and never reach it.
+    A Noise message that holds a header and its DATA body whole (what the other side's
+    `DirectWriter` sends) is taken apart here, without the session's buffer; what is
+    left of a message goes back to that buffer before anything else reads it.
     """
     muxer: Yamux | None = getattr(reader, _MUXER, None)
     while True:
+        rest = b""
         header = _decrypted(reader, n)
         if header is None:
-            header = await io_utils.read_exactly(reader, n, retry_count)
+            taken = await _next_message(reader, n)
+            if taken is None:
+                header = await io_utils.read_exactly(reader, n, retry_count)
+            else:
+                header, rest = taken
         if muxer is None or n != HEADER_SIZE:
+            _put_back(reader, rest)
             return header
         version, kind, flags, stream_id, length = _HEADER.unpack(header)
         stream = muxer.streams.get(stream_id)
         if version or flags or stream is None or stream.closed or stream.recv_closed:
+            _put_back(reader, rest)
             return header
         if kind == TYPE_WINDOW_UPDATE:
             stream.send_window += length
+            _put_back(reader, rest)
         elif kind == TYPE_DATA and 0 < length <= MAX_WINDOW_SIZE:
-            data = await muxer._read_data_body(length)
+            if len(rest) >= length:
+                data = rest[:length]
+                _put_back(reader, rest[length:])
+            else:
+                _put_back(reader, rest)
+                data = await muxer._read_data_body(length)
             # The stream may have gone while the body was read: its bytes go with it.
             if muxer.streams.get(stream_id) is stream:
                 stream.recv_window = max(0, stream.recv_window - length)
@@ -355,4 +391,12 @@ async def _next_header(
                     sink(data)
                     await stream._auto_tune_and_send_window_update(bytes_read=length)
         else:
+            _put_back(reader, rest)
             return header
+
+
+def _put_back(reader: Any, rest: bytes) -> None:
+    """What is left of a message taken whole (`_next_message`) into the session's
+    buffer, then empty, for the next read."""
+    if rest:
+        reader._fill(rest)

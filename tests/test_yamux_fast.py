@@ -7,6 +7,7 @@ import contextlib
 import importlib.util
 import itertools
 import os
+import random
 import socket
 import struct
 from dataclasses import dataclass, field
@@ -470,3 +471,62 @@ async def test_a_peer_that_stops_reading_still_times_out_a_direct_write(
                     await trio.sleep(0.01)
         assert reasons == ["write timed out after 0.5 s"]
         assert any(done < offered for done, offered in sends)
+
+
+async def test_frames_packed_into_noise_messages_any_way_arrive_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A peer's yamux may put several frames in one Noise message (go-yamux buffers its
+    writes) and run a frame on into the next message: a message is taken apart without
+    the session's buffer while it holds headers and bodies whole, and what is left of
+    it goes through that buffer, so every byte arrives once and in order."""
+    taken: list[int] = []
+    next_message = yamux_fast._next_message
+
+    async def counted(reader: Any, n: int) -> tuple[bytes, bytes] | None:
+        got = await next_message(reader, n)
+        taken.append(0 if got is None else len(got[1]))
+        return got
+
+    monkeypatch.setattr(yamux_fast, "_next_message", counted)
+    async with libp2p_stream() as (ours, theirs):
+        noise = ours.muxed_conn.secured_conn.conn
+        stream_id = ours.muxed_stream.stream_id
+        rng = random.Random(5)
+        bodies = [bytes([65 + i % 26]) * rng.randrange(1, 700) for i in range(60)]
+        frames: list[bytes] = []
+        for i, body in enumerate(bodies):
+            frames.append(frame(TYPE_DATA, 0, stream_id, len(body), body))
+            if i % 7 == 3:
+                frames.append(frame(TYPE_WINDOW_UPDATE, 0, stream_id, 1))
+        # One to four frames a message; every fifth message ends inside a frame, which
+        # the next one finishes.
+        pieces: list[bytes] = []
+        carry = b""
+        while frames:
+            count = rng.randrange(1, 5)
+            group, frames = carry + b"".join(frames[:count]), frames[count:]
+            carry = b""
+            if len(pieces) % 5 == 4 and frames:
+                cut = rng.randrange(1, len(frames[0]))
+                group, carry, frames = group + frames[0][:cut], frames[0][cut:], frames[1:]
+            pieces.append(group)
+        if carry:
+            pieces.append(carry)
+        joined = bytearray()
+        for piece in pieces:
+            message = noise.encrypt(piece)
+            joined += len(message).to_bytes(2, "big") + message
+        # One frame a message, as DirectWriter sends them; then a header in two.
+        last = frame(TYPE_DATA, 0, stream_id, 5, b"split")
+        for data in (frame(TYPE_DATA, 0, stream_id, 5, b"whole"), last[:5], last[5:]):
+            message = noise.encrypt(data)
+            joined += len(message).to_bytes(2, "big") + message
+        await noise.read_writer.read_write_closer.write(bytes(joined))
+        expected = b"".join(bodies) + b"wholesplit"
+        received = bytearray()
+        with trio.fail_after(10):
+            while len(received) < len(expected):
+                received += await theirs.read(1 << 20)
+        assert bytes(received) == expected
+        assert any(taken)  # messages with more than a header, taken apart here
