@@ -16,7 +16,9 @@ replacements below keep the same guarantees without them:
 - a Noise message that one socket read brought whole is decrypted straight from that
   read, and a DATA frame's body taken from its header's message, without py-libp2p's
   layers of reads between them (bench.frames: 138-217 to 132-183 µs per frame, both
-  sides, four interleaved pairs on a loaded host);
+  sides, four interleaved pairs on a loaded host), and one that starts at a frame
+  boundary is taken apart by the muxer's task without the session's buffer
+  (`_next_message`);
 - the connection's write lock and the socket's read lock are taken without a
   scheduler pass when they are free, and so is each libp2p stream's state lock, which
   its every write took first (one task step more before each frame batch left);
