@@ -106,8 +106,8 @@ class DirectWriter:
     checked, the yamux header, the window taken, the Noise message sealed and handed to
     the kernel. A write it cannot make so (a stream not open for writing, a lock held,
     too little window, more than one Noise message) is left to py-libp2p's path.
-    bench.stream_relay: 8% of either daemon's CPU for a lone request, where each write
-    is one frame; 1 to 2% at 64 clients, where one write carries several."""
+    bench.stream_relay: 6 to 8% of either daemon's CPU for a lone request, where each
+    write is one frame; 0 to 3% at 64 clients, where one write carries several."""
 
     __slots__ = ("muxed", "muxer", "net", "noise", "socket", "tcp")
 
@@ -324,11 +324,11 @@ async def _read_data_body(self: Yamux, length: int) -> bytes:
         return await io_utils.read_exactly(reader, length)
 
 
-async def _next_message(reader: Any, n: int) -> tuple[bytes, bytes] | None:
-    """The first `n` bytes of the connection's next Noise message and the rest of it,
-    read and decrypted without `read_exactly`'s and `SecureSession.read`'s layers or
-    the session's buffer; None (nothing read) where that path does not apply: a reader
-    that is not a Noise session, or one that still holds decrypted bytes."""
+async def _next_message(reader: Any) -> bytes | None:
+    """The connection's next Noise message, read and decrypted without `read_exactly`'s
+    and `SecureSession.read`'s layers or the session's buffer; None (nothing read) where
+    that path does not apply: a reader that is not a Noise session, or one that still
+    holds decrypted bytes."""
     noise = getattr(reader, "conn", None)
     if not isinstance(noise, NoiseTransportReadWriter) or getattr(
         reader, "high_watermark", None
@@ -337,10 +337,7 @@ async def _next_message(reader: Any, n: int) -> tuple[bytes, bytes] | None:
     message = await _noise_read_msg(noise)
     if not message:
         raise ConnectionClosedError("Connection closed")  # as SecureSession.read
-    if len(message) < n:
-        reader._fill(message)
-        return await io_utils.read_exactly(reader, n), b""
-    return message[:n], message[n:]
+    return message
 
 
 async def _next_header(
@@ -350,36 +347,42 @@ async def _next_header(
 
     Common frames are applied here, as that loop would apply them, and never reach it.
     A Noise message that holds a header and its DATA body whole (what the other side's
-    `DirectWriter` sends) is taken apart here, without the session's buffer; what is
-    left of a message goes back to that buffer before anything else reads it.
+    `DirectWriter` sends) is taken apart here, each piece sliced from it once, without
+    the session's buffer; what is left of a message goes back to that buffer before
+    anything else reads it.
     """
     muxer: Yamux | None = getattr(reader, _MUXER, None)
     while True:
-        rest = b""
+        # A message taken whole, and how much of it has been taken.
+        message, taken = b"", 0
         header = _decrypted(reader, n)
         if header is None:
-            taken = await _next_message(reader, n)
-            if taken is None:
+            whole = await _next_message(reader)
+            if whole is None:
+                header = await io_utils.read_exactly(reader, n, retry_count)
+            elif len(whole) < n:
+                reader._fill(whole)
                 header = await io_utils.read_exactly(reader, n, retry_count)
             else:
-                header, rest = taken
+                message, taken = whole, n
+                header = whole[:n]
         if muxer is None or n != HEADER_SIZE:
-            _put_back(reader, rest)
+            _put_back(reader, message, taken)
             return header
         version, kind, flags, stream_id, length = _HEADER.unpack(header)
         stream = muxer.streams.get(stream_id)
         if version or flags or stream is None or stream.closed or stream.recv_closed:
-            _put_back(reader, rest)
+            _put_back(reader, message, taken)
             return header
         if kind == TYPE_WINDOW_UPDATE:
             stream.send_window += length
-            _put_back(reader, rest)
+            _put_back(reader, message, taken)
         elif kind == TYPE_DATA and 0 < length <= MAX_WINDOW_SIZE:
-            if len(rest) >= length:
-                data = rest[:length]
-                _put_back(reader, rest[length:])
+            if len(message) - taken >= length:
+                data = message[taken : taken + length]
+                _put_back(reader, message, taken + length)
             else:
-                _put_back(reader, rest)
+                _put_back(reader, message, taken)
                 data = await muxer._read_data_body(length)
             # The stream may have gone while the body was read: its bytes go with it.
             if muxer.streams.get(stream_id) is stream:
@@ -393,12 +396,12 @@ async def _next_header(
                     sink(data)
                     await stream._auto_tune_and_send_window_update(bytes_read=length)
         else:
-            _put_back(reader, rest)
+            _put_back(reader, message, taken)
             return header
 
 
-def _put_back(reader: Any, rest: bytes) -> None:
+def _put_back(reader: Any, message: bytes, taken: int) -> None:
     """What is left of a message taken whole (`_next_message`) into the session's
     buffer, then empty, for the next read."""
-    if rest:
-        reader._fill(rest)
+    if taken < len(message):
+        reader._fill(message[taken:])

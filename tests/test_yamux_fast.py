@@ -483,9 +483,9 @@ async def test_frames_packed_into_noise_messages_any_way_arrive_in_order(
     taken: list[int] = []
     next_message = yamux_fast._next_message
 
-    async def counted(reader: Any, n: int) -> tuple[bytes, bytes] | None:
-        got = await next_message(reader, n)
-        taken.append(0 if got is None else len(got[1]))
+    async def counted(reader: Any) -> bytes | None:
+        got = await next_message(reader)
+        taken.append(0 if got is None else len(got) - yamux_fast.HEADER_SIZE)
         return got
 
     monkeypatch.setattr(yamux_fast, "_next_message", counted)
@@ -529,4 +529,4 @@ async def test_frames_packed_into_noise_messages_any_way_arrive_in_order(
             while len(received) < len(expected):
                 received += await theirs.read(1 << 20)
         assert bytes(received) == expected
-        assert any(taken)  # messages with more than a header, taken apart here
+        assert any(size > 0 for size in taken)  # more than a header, taken apart here
