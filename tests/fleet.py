@@ -349,9 +349,16 @@ class Fleet:
         self.procs.append(a)
         a.start()
         if wait:
-            for r in routers:
-                r.wait_agent(a.peer_id)
+            self.join(a)
         return a
+
+    def join(self, *agents: Agent) -> None:
+        """Wait until each agent, started with `wait=False`, is healthy on its routers.
+        Agents started together this way start up side by side: about a second less
+        for each agent after the first than starting each after the last has joined."""
+        for a in agents:
+            for r in a.routers:
+                r.wait_agent(a.peer_id)
 
     def close(self) -> None:
         for p in reversed(self.procs):

@@ -46,13 +46,18 @@ class EndpointFleet:
         policy = tmp / "policy.yaml"
         policy.write_text(POLICY)
         self.router: Router = fleet.router("--auth-file", str(auth), "--policy-file", str(policy))
-        self.sim: Agent = fleet.agent(self.router, "m1", "--sim-token-latency", "2ms")
+        self.sim: Agent = fleet.agent(self.router, "m1", "--sim-token-latency", "2ms", wait=False)
         self.rerank: Agent = fleet.agent(self.router, "rr", "--capability", "reranker")
         engine = self.rerank.sim_url()
         ollama_flags = ["--capability", "reranker", "--backend-url", engine]
         ollama_flags += ["--health-url", engine + "/health"]
-        self.ollama_rr: Agent = fleet.agent(self.router, "rr", *ollama_flags, engine="ollama")
-        self.ollama_only: Agent = fleet.agent(self.router, "ro", *ollama_flags, engine="ollama")
+        self.ollama_rr: Agent = fleet.agent(
+            self.router, "rr", *ollama_flags, engine="ollama", wait=False
+        )
+        self.ollama_only: Agent = fleet.agent(
+            self.router, "ro", *ollama_flags, engine="ollama", wait=False
+        )
+        fleet.join(self.sim, self.ollama_rr, self.ollama_only)
 
     def client(self) -> openai.OpenAI:
         return openai.OpenAI(

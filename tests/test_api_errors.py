@@ -102,12 +102,13 @@ class ErrFleet:
                 "HIVENET_ROUTER_MAX_REQUEST_BYTES": str(MAX_BYTES),
             }
         )
-        self.m1 = fleet.agent(self.router, "m1", "--heartbeat-interval", "1s")
-        self.emb = fleet.agent(self.router, "emb", "--capability", "embedding")
-        self.rr = fleet.agent(self.router, "rr", "--capability", "reranker")
+        self.m1 = fleet.agent(self.router, "m1", "--heartbeat-interval", "1s", wait=False)
+        self.emb = fleet.agent(self.router, "emb", "--capability", "embedding", wait=False)
+        self.rr = fleet.agent(self.router, "rr", "--capability", "reranker", wait=False)
         # Served by embedding agents only: chat requests must stop at gate 3.
-        self.shared = fleet.agent(self.router, "shared", "--capability", "embedding")
-        self.down = fleet.agent(self.router, "down", "--heartbeat-interval", "1s")
+        self.shared = fleet.agent(self.router, "shared", "--capability", "embedding", wait=False)
+        self.down = fleet.agent(self.router, "down", "--heartbeat-interval", "1s", wait=False)
+        fleet.join(self.m1, self.emb, self.rr, self.shared, self.down)
 
     def model_for(self, path: str) -> str:
         return {EMBEDDINGS: "emb", RERANK: "rr"}.get(path, "m1")

@@ -156,8 +156,9 @@ def test_admin_keys_and_agent_secrets_rotate_without_a_restart(
     assert answer.status_code == 501
     assert answer.json()["error"] == "dynamic key registry not active"  # upstream's
     assert "api.mode: dynamic" in answer.json()["hint"]
-    old_agent = fleet.agent(router, "m1")
-    moving = fleet.agent(router, "m1")
+    old_agent = fleet.agent(router, "m1", wait=False)
+    moving = fleet.agent(router, "m1", wait=False)
+    fleet.join(old_agent, moving)
 
     # Step 1: the new secret becomes current, the old one previous; nobody is cut off.
     new_secret = "new-secret-" + "n" * 40

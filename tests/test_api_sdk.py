@@ -34,9 +34,12 @@ class SdkFleet:
         self.router: Router = fleet.router(
             env={"HIVENET_ROUTER_API_KEYS": f"{CLIENT_KEY}:{TENANT}"}
         )
-        self.chat: Agent = fleet.agent(self.router, CHAT, "--sim-token-latency", "5ms")
-        self.embed: Agent = fleet.agent(self.router, EMBED, "--capability", "embedding")
-        self.rerank: Agent = fleet.agent(self.router, RERANK, "--capability", "reranker")
+        self.chat: Agent = fleet.agent(self.router, CHAT, "--sim-token-latency", "5ms", wait=False)
+        self.embed: Agent = fleet.agent(self.router, EMBED, "--capability", "embedding", wait=False)
+        self.rerank: Agent = fleet.agent(
+            self.router, RERANK, "--capability", "reranker", wait=False
+        )
+        fleet.join(self.chat, self.embed, self.rerank)
 
     def openai(self) -> openai.OpenAI:
         return openai.OpenAI(

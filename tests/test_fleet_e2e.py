@@ -26,8 +26,9 @@ def assert_no_slots_held(router) -> None:
 
 def test_chat_non_streaming_and_streaming_through_two_agents(fleet: Fleet) -> None:
     router = fleet.router()
-    a1 = fleet.agent(router, "m1", "--sim-token-latency", "50ms")
-    a2 = fleet.agent(router, "m1", "--sim-token-latency", "50ms")
+    a1 = fleet.agent(router, "m1", "--sim-token-latency", "50ms", wait=False)
+    a2 = fleet.agent(router, "m1", "--sim-token-latency", "50ms", wait=False)
+    fleet.join(a1, a2)
     client = client_for(router.url)
 
     answer = client.chat.completions.create(
@@ -82,8 +83,9 @@ async def test_200_concurrent_requests_on_one_stream_keep_their_answers(fleet: F
 
 def test_killed_agent_is_marked_unhealthy_and_traffic_moves(fleet: Fleet) -> None:
     router = fleet.router("--heartbeat-interval", "1s", "--unhealthy-after", "3s")
-    a1 = fleet.agent(router, "m1", "--heartbeat-interval", "1s")
-    a2 = fleet.agent(router, "m1", "--heartbeat-interval", "1s")
+    a1 = fleet.agent(router, "m1", "--heartbeat-interval", "1s", wait=False)
+    a2 = fleet.agent(router, "m1", "--heartbeat-interval", "1s", wait=False)
+    fleet.join(a1, a2)
     a1.stop(signal.SIGKILL)
     router.wait_agent(a1.peer_id, healthy=False, timeout=10)
     client = client_for(router.url)
@@ -99,8 +101,9 @@ def test_killed_agent_is_marked_unhealthy_and_traffic_moves(fleet: Fleet) -> Non
 
 def test_agents_rejoin_a_restarted_router_on_their_own(fleet: Fleet) -> None:
     router = fleet.router()
-    a1 = fleet.agent(router, "m1")
-    a2 = fleet.agent(router, "m1")
+    a1 = fleet.agent(router, "m1", wait=False)
+    a2 = fleet.agent(router, "m1", wait=False)
+    fleet.join(a1, a2)
     router.stop(signal.SIGKILL)
     router.start()
     router.wait_agent(a1.peer_id, timeout=15)

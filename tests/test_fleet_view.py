@@ -31,9 +31,10 @@ def test_every_router_shows_every_agent_with_its_routers_and_merged_statistics(
     server = RedisServer(tmp_path, fleet.env).start()
     fleet.procs.append(server)
     r1, r2 = (fleet.router("--state-url", server.url) for _ in range(2))
-    only_r1 = fleet.agent(r1, "m1")
-    only_r2 = fleet.agent(r2, "m2")
-    both = fleet.agent([r1, r2], "m3")
+    only_r1 = fleet.agent(r1, "m1", wait=False)
+    only_r2 = fleet.agent(r2, "m2", wait=False)
+    both = fleet.agent([r1, r2], "m3", wait=False)
+    fleet.join(only_r1, only_r2, both)
     for _ in range(3):
         ask(r1, "m3")
     for _ in range(2):

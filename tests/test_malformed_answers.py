@@ -52,9 +52,12 @@ def malformed_fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Malfor
         router = fleet.router()
         pairs = []
         for model, capability in (("m1", "llm"), ("emb", "embedding"), ("rr", "reranker")):
-            agents = [fleet.agent(router, model, "--capability", capability) for _ in range(2)]
+            agents = [
+                fleet.agent(router, model, "--capability", capability, wait=False) for _ in range(2)
+            ]
             bad, good = sorted(agents, key=lambda a: a.peer_id)
             pairs.append(Pair(model, bad, good))
+        fleet.join(*(agent for pair in pairs for agent in (pair.bad, pair.good)))
         yield MalformedFleet(router, *pairs)
     finally:
         fleet.close()

@@ -36,7 +36,10 @@ def test_agent_keeps_a_session_with_each_router(fleet: Fleet) -> None:
 def test_killing_one_router_leaves_the_fleet_serving_through_the_other(fleet: Fleet) -> None:
     r1 = fleet.router("--heartbeat-interval", "1s")
     r2 = fleet.router("--heartbeat-interval", "1s")
-    agents = [fleet.agent([r1, r2], "m1", "--heartbeat-interval", "1s") for _ in range(2)]
+    agents = [
+        fleet.agent([r1, r2], "m1", "--heartbeat-interval", "1s", wait=False) for _ in range(2)
+    ]
+    fleet.join(*agents)
     assert ask(r1.url, "before").status_code == 200
 
     r1.stop(signal.SIGKILL)

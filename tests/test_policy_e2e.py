@@ -85,8 +85,9 @@ def test_primary_drained_by_match_first_fallback_by_exclude_if_second_serves(
         "1s",
         env={"HIVENET_ROUTER_API_KEYS": f"{API_KEY}:{TENANT}"},
     )
-    eu = fleet.agent(router, MODEL, "--region", "EU", "--heartbeat-interval", "1s")
-    us = fleet.agent(router, MODEL, "--region", "US", "--heartbeat-interval", "1s")
+    eu = fleet.agent(router, MODEL, "--region", "EU", "--heartbeat-interval", "1s", wait=False)
+    us = fleet.agent(router, MODEL, "--region", "US", "--heartbeat-interval", "1s", wait=False)
+    fleet.join(eu, us)
 
     # The EU agent's cache is cool: the first fallback serves.
     r = chat(router)
@@ -159,7 +160,8 @@ def test_a_retryable_failure_is_served_by_another_agent_in_the_same_step(
     fleet: Fleet,
 ) -> None:
     router = fleet.router()
-    agents = [fleet.agent(router, MODEL), fleet.agent(router, MODEL)]
+    agents = [fleet.agent(router, MODEL, wait=False), fleet.agent(router, MODEL, wait=False)]
+    fleet.join(*agents)
     # Equal load: the lowest peer ID is tried first, so make that one fail.
     first, second = sorted(agents, key=lambda a: a.peer_id)
     first.sim_state(fail_status=503, fail_count=1)

@@ -121,9 +121,10 @@ def test_accepted_values_at_the_edges() -> None:
 class TypedFleet:
     def __init__(self, fleet: Fleet) -> None:
         self.router: Router = fleet.router()
-        self.m1: Agent = fleet.agent(self.router, "m1")
-        self.emb: Agent = fleet.agent(self.router, "emb", "--capability", "embedding")
-        self.rr: Agent = fleet.agent(self.router, "rr", "--capability", "reranker")
+        self.m1: Agent = fleet.agent(self.router, "m1", wait=False)
+        self.emb: Agent = fleet.agent(self.router, "emb", "--capability", "embedding", wait=False)
+        self.rr: Agent = fleet.agent(self.router, "rr", "--capability", "reranker", wait=False)
+        fleet.join(self.m1, self.emb, self.rr)
 
     def engine_requests(self) -> int:
         return sum(a.sim_state()["requests_total"] for a in (self.m1, self.emb, self.rr))

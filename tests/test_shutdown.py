@@ -152,8 +152,9 @@ async def test_sigterm_router_idle_exits_at_once(fleet: Fleet) -> None:
 async def test_sigterm_agent_under_load_loses_no_request(fleet: Fleet) -> None:
     router = fleet.router("--heartbeat-interval", "1s")
     flags = ("--capacity", "16", "--sim-token-latency", "20ms", "--heartbeat-interval", "1s")
-    leaving = fleet.agent(router, "m1", *flags)
-    staying = fleet.agent(router, "m1", *flags)
+    leaving = fleet.agent(router, "m1", *flags, wait=False)
+    staying = fleet.agent(router, "m1", *flags, wait=False)
+    fleet.join(leaving, staying)
     results: list[tuple[int, int, str, str]] = []  # (worker, status, streamed?, outcome)
     stop = trio.Event()
 

@@ -42,7 +42,8 @@ def test_a_conversation_sticks_to_its_cache_and_another_goes_elsewhere(
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY)
     router = fleet.router("--policy-file", str(policy), "--stream-slot-release", "end")
-    agents = sorted((fleet.agent(router) for _ in range(3)), key=lambda a: a.peer_id)
+    agents = sorted((fleet.agent(router, wait=False) for _ in range(3)), key=lambda a: a.peer_id)
+    fleet.join(*agents)
     client = openai.OpenAI(base_url=f"{router.url}/v1", api_key="unused", max_retries=0)
     first_system = "You answer questions about the tide tables of Brittany. " * 12
     chat = [

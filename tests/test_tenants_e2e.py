@@ -77,9 +77,11 @@ def test_tenants_keys_models_and_every_limit(fleet: Fleet, tmp_path: Path) -> No
     router = fleet.router(
         "--auth-file", write(tmp_path / "auth.yaml", AUTH), "--audit-log", str(audit)
     )
-    fleet.agent(router, "m1")
-    fleet.agent(router, "m2")
-    fleet.agent(router, "slow", "--sim-token-latency", "0.2s")
+    fleet.join(
+        fleet.agent(router, "m1", wait=False),
+        fleet.agent(router, "m2", wait=False),
+        fleet.agent(router, "slow", "--sim-token-latency", "0.2s", wait=False),
+    )
 
     # No key, an unknown key: 401 as without tenants.
     for key in ("", "hnr-nobody"):

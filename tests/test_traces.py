@@ -327,7 +327,8 @@ def test_a_failed_try_and_the_next_are_spans_of_their_step(
     got, port = collector
     env = _otel_env(port)
     router = fleet.router(env=env)
-    agents = [fleet.agent(router, "m1", env=env) for _ in range(2)]
+    agents = [fleet.agent(router, "m1", env=env, wait=False) for _ in range(2)]
+    fleet.join(*agents)
     # Idle agents tie, and ties go to the lowest peer id: that one fails first.
     first, second = sorted(agents, key=lambda a: a.peer_id)
     first.sim_state(fail_count=1, fail_status=500)

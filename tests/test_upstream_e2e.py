@@ -235,8 +235,7 @@ admin:
 def test_upstream_auth_file_serves_end_to_end(fleet: Fleet) -> None:
     source = upstream("deploy", "auth", "auth.api-key.yaml")
     router = fleet.router("--auth-config-file", str(source))
-    fleet.agent(router, "m1")
-    fleet.agent(router, "m2")
+    fleet.join(fleet.agent(router, "m1", wait=False), fleet.agent(router, "m2", wait=False))
     # Unchanged, its one key is a placeholder: every client is refused, as upstream.
     refused = chat(router, "m1", "sk-hivenet-anything")
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "unauthorized"
