@@ -881,12 +881,16 @@ class AgentLink:
         headers: dict[str, str],
     ) -> ForwardFailure:
         body = bytearray()
-        while len(body) <= MAX_ERROR_BODY:
+        state = _BODY
+        while state is _BODY and len(body) <= MAX_ERROR_BODY:
             state, frame = await pending.get()
-            if state is not _BODY:
-                break
-            body += frame["data"]
-        session.finish(req_id, cancel=len(body) > MAX_ERROR_BODY)
+            if state is _BODY:
+                body += frame["data"]
+        # Past MAX_ERROR_BODY the rest is not read, and the agent is told to stop unless
+        # its end is already here (a whole answer's comes in the same frame).
+        frames = pending.frames
+        ended = state is not _BODY or (bool(frames) and frames[0][0] is not _BODY)
+        session.finish(req_id, cancel=not ended)
         code = classify_backend_status(status, bytes(body)) or ErrorCode.BACKEND_ERROR
         text = bytes(body[:2000]).decode("utf-8", "replace")
         return ForwardFailure(

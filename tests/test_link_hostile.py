@@ -19,6 +19,7 @@ import trio
 
 from protocol import messages as m
 from protocol.p2p import FramedStream
+from router.link import MAX_ERROR_BODY
 from tests.fleet import Agent, Fleet, Router
 from tests.link_peers import Answer, fake_router, key_below, scripted_agent
 from tests.test_link import METADATA
@@ -273,6 +274,33 @@ async def test_a_whole_answer_in_one_frame_is_served_and_checked_as_three(
         assert "set-cookie" not in reply.headers
         with trio.fail_after(5):
             await alone.cancelled.wait()
+
+
+async def test_an_oversized_whole_refusal_is_not_cancelled_after_its_end(
+    router: Router,
+) -> None:
+    # Past MAX_ERROR_BODY the router stops reading a failed answer and cancels the rest;
+    # a whole answer has no rest: its end came in the same frame.
+    refusal = b'{"error": {"message": "' + b"x" * MAX_ERROR_BODY + b'"}}'
+    head = {"content-type": "application/json"}
+    async with scripted_agent(router, whole_answer(400, head, refusal), ONLY_HOSTILE) as agent:
+        reply = await chat(router, "m2")
+        assert reply.status_code == 400, reply.text
+        # A heartbeat's round trip later, a cancel sent with the answer would be here.
+        await trio.sleep(1.0)
+        assert not agent.cancelled.is_set()
+        assert [f["type"] for f in agent.received].count(m.CANCEL) == 0
+
+    # The same refusal streamed with no end yet: the rest is cancelled.
+    def streamed(msg: dict, fs: FramedStream) -> None:
+        fs.send_nowait(m.response_head(msg["id"], 400, head))
+        fs.send_nowait(m.response_chunk(msg["id"], refusal))
+
+    async with scripted_agent(router, streamed, ONLY_HOSTILE) as agent:
+        reply = await chat(router, "m2")
+        assert reply.status_code == 400, reply.text
+        with trio.fail_after(5):
+            await agent.cancelled.wait()
 
 
 async def test_a_whole_answer_after_a_head_fails_the_request(router: Router) -> None:
