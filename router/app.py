@@ -353,6 +353,7 @@ class RouterDaemon:
                     await self.providers.aclose()
                     await self.lifetime.write()
                     await self.tracer.flush()
+                    await self.fleet.leave()
                 self.tenants.close()
                 self.lifetime.close()
                 if self.fleet_redis is not None:

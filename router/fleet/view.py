@@ -1,11 +1,11 @@
 """The fleet's view: which agents are on which router, and their merged statistics.
 
 Each router with a `--state-url` writes its own entry, `hivenet:fleet:router:<peer id>`,
-every REFRESH_INTERVAL with a TTL of ENTRY_TTL, so a router that stops leaves the view
-by itself. The entries are read only when someone asks (`?scope=fleet` on
-`/admin/routing-table` and `/v1/models`), never on the request path. An entry holds
-about 200 bytes per agent: at 10,000 agents the whole fleet writes about 2 MB every 5 s,
-whatever the number of routers.
+every REFRESH_INTERVAL with a TTL of ENTRY_TTL, and deletes it when it stops; one that
+crashes leaves the view by itself when the entry expires. The entries are read only when
+someone asks (`?scope=fleet` on `/admin/routing-table` and `/v1/models`), never on the
+request path. An entry holds about 200 bytes per agent: at 10,000 agents the whole fleet
+writes about 2 MB every 5 s, whatever the number of routers.
 
 Statistics merge as counts: successes and failures add up (so the success rate is the
 fleet's), consecutive failures take the worst router's, SRTT is each router's weighted
@@ -81,6 +81,21 @@ class FleetView:
             except redis.RedisError as exc:
                 log.debug("fleet_entry_unwritten error=%s", quote(str(exc)))
             await trio.sleep(REFRESH_INTERVAL)
+
+    async def leave(self) -> None:
+        """Delete this router's entry, at a clean stop. A write the run's cancel
+        abandoned in its thread may still land after the delete: the entry then expires
+        as a crashed router's does."""
+        if self.client is None:
+            return
+        client = self.client
+        with trio.move_on_after(CALL_TIMEOUT * 2):
+            try:
+                await trio.to_thread.run_sync(
+                    lambda: client.delete(KEY + self.router_id), abandon_on_cancel=True
+                )
+            except redis.RedisError as exc:
+                log.debug("fleet_entry_undeleted error=%s", quote(str(exc)))
 
     async def entries(self) -> list[dict]:
         """Every router's entry, this router's current one first."""
