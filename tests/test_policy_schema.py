@@ -488,7 +488,8 @@ def test_describe_production_example() -> None:
         "  max_tries:  2\n"
         "\n"
         "fallback_provider: openai, model gpt-4o-mini"
-        " (non-streaming llm chat requests only; needs HIVENET_ROUTER_OPENAI_API_KEY)\n"
+        " (llm requests, streamed or whole; never embeddings or rerank;"
+        " needs HIVENET_ROUTER_OPENAI_API_KEY)\n"
     )
 
 

@@ -57,7 +57,8 @@ def describe(policy: Policy, default_max_tries: int) -> str:
     else:
         lines.append(
             f"fallback_provider: {provider.engine}, model {provider.model}"
-            f" (non-streaming llm chat requests only; needs {_PROVIDER_KEYS[provider.engine]})"
+            f" (llm requests, streamed or whole; never embeddings or rerank;"
+            f" needs {_PROVIDER_KEYS[provider.engine]})"
         )
     warnings = policy_warnings(policy)
     if warnings:
