@@ -1,4 +1,5 @@
-"""`hivenet-router identity` and `hivenet-router token` as INTERFACE.md names them."""
+"""`hivenet-router identity` and `hivenet-router token`, and both commands' defaults, as
+INTERFACE.md names them."""
 
 from __future__ import annotations
 
@@ -12,6 +13,10 @@ from pathlib import Path
 import jwt
 import pytest
 
+from agent.cli import build_parser as agent_parser
+from agent.cli import upstream_values
+from router.cli import build_parser as router_parser
+from router.cli import settings_from
 from tests.fleet import SECRET, VENV_BIN, free_port
 
 ROUTER = str(VENV_BIN / "hivenet-router")
@@ -110,3 +115,28 @@ def test_a_router_whose_agent_port_is_taken_stops_and_says_so(tmp_path: Path, wh
     assert f"cannot listen for agents on /ip4/127.0.0.1/tcp/{taken}" in log, log[-2000:]
     assert "Address already in use" in log
     assert "router_ready" not in log
+
+
+def test_serve_defaults_are_interface_md_s(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("HIVENET_ROUTER_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("HIVENET_ROUTER_ADMIN_API_KEYS", "k")
+    monkeypatch.setenv("HIVENET_ROUTER_JWT_SECRET", SECRET)
+    s = settings_from(router_parser().parse_args(["serve"]))
+    assert (s.http_addr[1], s.metrics_addr[1], s.p2p_port) == (8080, 2112, 9000)
+    assert (s.p2p_listen_addr, s.p2p_announce_addr) == ("127.0.0.1", None)
+    assert (s.identity_path, s.policy_file) == ("./router_identity.key", None)
+    assert (s.max_tries_per_step, s.queue_depth, s.request_timeout) == (3, 30, 60.0)
+    assert (s.heartbeat_interval, s.unhealthy_after, s.remove_after) == (5.0, 15.0, 30.0)
+
+
+def test_agent_defaults_are_interface_md_s() -> None:
+    args = agent_parser().parse_args(["--router", "/ip4/127.0.0.1/tcp/9000/p2p/x"])
+    assert (args.model, args.capacity, args.capability, args.engine) == ("", 10, "llm", "vllm")
+    assert (args.region, args.organization, args.machine) == ("", "", socket.gethostname())
+    assert args.identity_path == "./agent_identity.key"
+    assert (args.engine_sample_interval, args.hardware_sample_interval) == (0.5, 2.0)
+    assert (args.http_timeout, args.stream_write_timeout) == (120.0, 60.0)
+    values = upstream_values(args, {})
+    assert (values["tags"], values["heartbeat_interval"]) == (["production"], 5.0)
