@@ -40,6 +40,10 @@ MAX_WORKERS = 64
 # Seconds between health checks of an engine never yet seen answering (at most the
 # heartbeat interval).
 STARTING_PROBE_INTERVAL = 1.0
+# Seconds between health checks of an engine that has answered (at most the heartbeat
+# interval): the Go agent's cadence, so three failed checks in a row, a fault, are
+# reported within about 6 s, not three heartbeats.
+PROBE_INTERVAL = 2.0
 
 
 async def _tick(next_at: float, interval: float) -> float:
@@ -265,11 +269,10 @@ class AgentDaemon:
 
     async def _health_loop(self, probe: httpx.AsyncClient, ep: EngineEndpoints) -> None:
         while True:
-            period = self.settings.heartbeat_interval
-            if not self.health.seen_healthy:
-                # An engine still starting is taken into service within a second of
-                # its first answer, not a heartbeat later.
-                period = min(period, STARTING_PROBE_INTERVAL)
+            # An engine still starting is taken into service within a second of its
+            # first answer, not a heartbeat later.
+            every = PROBE_INTERVAL if self.health.seen_healthy else STARTING_PROBE_INTERVAL
+            period = min(self.settings.heartbeat_interval, every)
             await trio.sleep(period)
             await self._probe_health(probe, ep)
 

@@ -901,7 +901,8 @@ async def test_a_backend_never_seen_answering_is_unhealthy_from_the_first_check(
 async def test_an_engine_still_starting_is_checked_every_second(
     tmp_path: Path, autojump_clock: Any
 ) -> None:
-    """Until its first answer the engine is checked every second, then every heartbeat."""
+    """Until its first answer the engine is checked every second, then every 2 s (the Go
+    agent's cadence) while heartbeats are slower."""
     daemon = _daemon(tmp_path)
     daemon.settings.heartbeat_interval = 5.0
     ep = daemon.adapter.endpoints("http://engine:8000", None, None)
@@ -913,9 +914,9 @@ async def test_an_engine_still_starting_is_checked_every_second(
         return httpx.Response(next(answers))
 
     async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as probe:
-        with trio.move_on_after(13.5):
+        with trio.move_on_after(9.5):
             await daemon._health_loop(probe, ep)
-    assert checked == [1.0, 2.0, 3.0, 4.0, 9.0]
+    assert checked == [1.0, 2.0, 3.0, 4.0, 6.0, 8.0]
     assert daemon.status.backend_healthy is True
 
 
