@@ -488,24 +488,59 @@ def _llamacpp_counters(seconds: float, tokens: float) -> str:
 
 @pytest.mark.parametrize("engine", ["llamacpp", "custom"])
 def test_llamacpp_average_itl_from_its_decode_counters(engine: str) -> None:
-    """Seconds decoding over tokens decoded, per scrape interval: the first scrape, an
-    interval with no token done and a counter that fell (a restart) give None."""
+    """Seconds decoding over tokens decoded in the window: the first scrape, a window
+    with no token done and a counter that fell (a restart) give None."""
     sampler = get_adapter(engine).new_sampler(None)
     scrapes = [
-        ((10.0, 1000.0), None),  # first: nothing to compare with
-        ((12.5, 1100.0), 0.025),  # 2.5 s for 100 tokens
-        ((12.5, 1100.0), None),  # idle: no verdict, not zero
-        ((13.0, 1150.0), 0.01),
-        ((0.2, 10.0), None),  # restarted
-        ((0.5, 40.0), 0.01),
+        (0.0, (10.0, 1000.0), None),  # first: nothing to compare with
+        (0.5, (12.5, 1100.0), 0.025),  # 2.5 s for 100 tokens
+        (1.0, (12.5, 1100.0), 0.025),  # idle, within the window: the window's average
+        (1.5, (13.0, 1150.0), 0.02),  # 3 s for 150 tokens since the first scrape
+        (40.0, (13.0, 1150.0), None),  # idle for a window: no verdict, not zero
+        (40.5, (0.2, 10.0), None),  # restarted
+        (41.0, (0.5, 40.0), 0.01),
     ]
-    for (seconds, tokens), want in scrapes:
-        values = sampler.update(_llamacpp_counters(seconds, tokens), now=0.0)
+    for now, (seconds, tokens), want in scrapes:
+        values = sampler.update(_llamacpp_counters(seconds, tokens), now=now)
         if want is None:
-            assert values["avg_itl_seconds"] is None
+            assert values["avg_itl_seconds"] is None, now
         else:
-            assert values["avg_itl_seconds"] == pytest.approx(want)
+            assert values["avg_itl_seconds"] == pytest.approx(want), now
         assert values["p90_itl_seconds"] is None and values["avg_ttft_seconds"] is None
+
+
+def _ttft_page(total: float, count: float, fast: float) -> str:
+    """A TTFT histogram: `fast` of `count` observations within 0.1 s, the rest within 1 s."""
+    return (
+        f'vllm:time_to_first_token_seconds_bucket{{le="0.1",model_name="{MODEL}"}} {fast}\n'
+        f'vllm:time_to_first_token_seconds_bucket{{le="1.0",model_name="{MODEL}"}} {count}\n'
+        f'vllm:time_to_first_token_seconds_bucket{{le="+Inf",model_name="{MODEL}"}} {count}\n'
+        f'vllm:time_to_first_token_seconds_sum{{model_name="{MODEL}"}} {total}\n'
+        f'vllm:time_to_first_token_seconds_count{{model_name="{MODEL}"}} {count}\n'
+    )
+
+
+def test_latencies_cover_the_window_not_one_scrape_interval() -> None:
+    """A slow answer keeps its agent's TTFT through LATENCY_WINDOW seconds of scrapes
+    without another, so a gate on it holds between requests; then the value is missing
+    again, and the agent, excluded meanwhile, is tried again."""
+    sampler = get_adapter("vllm").new_sampler(MODEL)
+    assert sampler.update(_ttft_page(0.0, 0, 0), now=0.0)["avg_ttft_seconds"] is None
+    # Two answers of 0.8 s each between the first two scrapes.
+    slow = sampler.update(_ttft_page(1.6, 2, 0), now=0.5)
+    assert slow["avg_ttft_seconds"] == pytest.approx(0.8)
+    assert slow["p90_ttft_seconds"] == pytest.approx(0.1 + 0.9 * 1.8 / 2)
+
+    def scrapes(start: float, end: float, page: str) -> list[float | None]:
+        times = [start + 0.5 * i for i in range(int((end - start) / 0.5) + 1)]
+        return [sampler.update(page, now=t)["avg_ttft_seconds"] for t in times]
+
+    assert scrapes(1.0, 10.0, _ttft_page(1.6, 2, 0)) == [pytest.approx(0.8)] * 19
+    # Eight fast answers (0.05 s each): the window holds all ten.
+    assert scrapes(10.5, 30.0, _ttft_page(2.0, 10, 8)) == [pytest.approx(0.2)] * 40
+    # A window after the slow ones, only the fast ones; a window after those, nothing.
+    assert scrapes(30.5, 40.0, _ttft_page(2.0, 10, 8)) == [pytest.approx(0.05)] * 20
+    assert scrapes(40.5, 41.0, _ttft_page(2.0, 10, 8)) == [None, None]
 
 
 def test_an_itl_histogram_wins_over_the_decode_counters() -> None:

@@ -303,3 +303,39 @@ def test_failing_metrics_age_out_and_streams_time_to_the_head(fleet: Fleet, tmp_
     sim.sim_state(metrics_status=200)
     took = _wait_kv(router, sim, lambda kv: kv == 0.95, "kv fresh again", 15)
     assert took <= 2 * SAMPLE + SLACK, f"fresh after {took:.2f}s"
+
+
+def test_a_ttft_gate_keeps_a_slow_agent_out_between_requests(fleet: Fleet, tmp_path: Path) -> None:
+    """The latency an engine reported stays in force for the window (30 s), not for the
+    scrape after the answers: bursts a few sample periods apart all avoid the slow agent,
+    though the fast one, of capacity 1, makes them queue."""
+    path = tmp_path / "ttft.yaml"
+    gate = POLICY.replace("kv_cache_utilization:", "avg_ttft_seconds:").replace("0.85", "0.2")
+    path.write_text(gate)
+    router = fleet.router("--policy-file", str(path))
+    often = ("--engine-sample-interval", "500ms")
+    slow = fleet.agent(router, "m1", *often, "--sim-ttft", "400ms", wait=False)
+    fast = fleet.agent(
+        router, "m1", *often, "--capacity", "1", "--sim-token-latency", "30ms", wait=False
+    )
+    fleet.join(slow, fast)
+
+    def ttft() -> Any:
+        view = router.agent(slow.peer_id)
+        return None if view is None else view["engine"]["avg_ttft_seconds"]
+
+    def served() -> tuple[int, int]:
+        return slow.sim_state()["requests_total"], fast.sim_state()["requests_total"]
+
+    # Until it has answered, its TTFT is missing and it passes the gate: it takes what
+    # the fast agent has no room for.
+    assert _burst(router, 4) == [200] * 4
+    assert served()[0] > 0, served()
+    wait_until(lambda: (ttft() or 0) > 0.2, 15, "its TTFT reported")
+    for _ in range(3):
+        time.sleep(2 * SAMPLE)
+        assert (ttft() or 0) > 0.2, ttft()
+        before = served()
+        assert _burst(router, 4) == [200] * 4
+        after = served()
+        assert (after[0] - before[0], after[1] - before[1]) == (0, 4), (before, after, ttft())

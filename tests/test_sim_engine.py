@@ -451,6 +451,9 @@ async def test_metrics_follow_load(nursery: trio.Nursery) -> None:
                 "ttft": 0.03,
             },
         )
+        # A new sampler: its window holds only the two requests below, not the three
+        # cancelled ones, whose first token came at once.
+        sampler = get_adapter("sim").new_sampler(MODEL)
         after = await scrape()
         assert (after["running_requests"], after["kv_cache_utilization"]) == (0.0, 0.0)
 

@@ -13,9 +13,10 @@ from __future__ import annotations
 
 import math
 import re
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Generic, TypeVar
 
 import httpx
 
@@ -31,6 +32,13 @@ FIELDS = (*ENGINE_FIELDS, "preemptions_total")
 
 # Series of the served model are picked by this label (vLLM and SGLang both use it).
 MODEL_LABEL = "model_name"
+# Latencies are averaged over the requests the engine completed in this many seconds. A
+# scrape interval alone (half a second) holds no completion most of the time at low
+# traffic, and a gate on a missing value passes: the agent would be excluded for a
+# moment after each slow answer and taken again the next. Past the window without a
+# completion the value is missing again, so an agent excluded for its latency, which
+# then gets no requests to measure, is tried again after it rather than never.
+LATENCY_WINDOW = 30.0
 
 
 @dataclass(frozen=True)
@@ -93,6 +101,48 @@ class _HistogramSnapshot:
     # (upper bound, cumulative count), sorted by bound; the last bound is +Inf when present
     buckets: tuple[tuple[float, float], ...]
 
+    def restarted_since(self, earlier: _HistogramSnapshot) -> bool:
+        """Another series, or a counter that fell: an engine restart."""
+        if self.name != earlier.name or self.count < earlier.count or self.total < earlier.total:
+            return True
+        before = dict(earlier.buckets)
+        return any(count < before.get(bound, 0.0) for bound, count in self.buckets)
+
+
+@dataclass(frozen=True)
+class _CounterSnapshot:
+    name: str
+    spent: float
+    done: float
+
+    def restarted_since(self, earlier: _CounterSnapshot) -> bool:
+        return self.name != earlier.name or self.spent < earlier.spent or self.done < earlier.done
+
+
+Snapshot = TypeVar("Snapshot", _HistogramSnapshot, _CounterSnapshot)
+
+
+class _Window(Generic[Snapshot]):
+    """An engine's cumulative counters over the last LATENCY_WINDOW seconds of scrapes."""
+
+    def __init__(self) -> None:
+        self._scrapes: deque[tuple[float, Snapshot]] = deque()
+
+    def baseline(self, now: float, current: Snapshot | None) -> Snapshot | None:
+        """The scrape `current` is compared with: the newest at least a window old, or the
+        oldest kept. None without an earlier scrape of the same counters since the
+        engine (re)started."""
+        scrapes = self._scrapes
+        if current is None:
+            scrapes.clear()
+            return None
+        if scrapes and current.restarted_since(scrapes[-1][1]):
+            scrapes.clear()
+        scrapes.append((now, current))
+        while len(scrapes) > 1 and scrapes[1][0] <= now - LATENCY_WINDOW:
+            scrapes.popleft()
+        return scrapes[0][1] if len(scrapes) > 1 else None
+
 
 def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> float | None:
     """Quantile of cumulative buckets, interpolated linearly as Prometheus does.
@@ -125,8 +175,9 @@ def histogram_quantile(q: float, buckets: Iterable[tuple[float, float]]) -> floa
 class MetricSampler:
     """Turns successive `/metrics` scrapes of one engine into the policy's engine fields.
 
-    Stateful: histogram averages and P90s cover only the interval since the previous
-    scrape, so the first scrape, and an interval without new observations, give None.
+    Stateful: histogram averages and P90s cover the requests completed in the last
+    LATENCY_WINDOW seconds, so the first scrape, and a window without a completion,
+    give None.
     """
 
     def __init__(self, names: MetricNames, model: str | None) -> None:
@@ -139,24 +190,25 @@ class MetricSampler:
         # prometheus_client, was most of an idle agent's CPU.
         alternatives = "|".join(re.escape(name) for name in sorted(self._wanted))
         self._lines = re.compile(rf"^[ \t]*(?:{alternatives})[ \t{{][^\n]*", re.MULTILINE)
-        self._previous: dict[str, _HistogramSnapshot | None] = {"ttft": None, "itl": None}
-        self._previous_itl_counters: tuple[str, float, float] | None = None
+        self._windows: dict[str, _Window[_HistogramSnapshot]] = {
+            "ttft": _Window(),
+            "itl": _Window(),
+        }
+        self._itl_counters: _Window[_CounterSnapshot] = _Window()
 
     def update(self, text: str, now: float) -> dict[str, float | None]:
         """Fields from one scrape taken at `now` (monotonic seconds).
 
-        The interval fields come from counter differences alone, so `now` does not enter
-        them; it is part of the signature for callers that time their scrapes.
         Raises ValueError when `text` is not Prometheus text exposition format; the
         histogram history is then left as it was.
         """
         series = self._collect(text)
-        avg_ttft, p90_ttft = self._interval("ttft", series, self._names.ttft_histogram)
-        avg_itl, p90_itl = self._interval("itl", series, self._names.itl_histogram)
+        avg_ttft, p90_ttft = self._latency("ttft", now, series, self._names.ttft_histogram)
+        avg_itl, p90_itl = self._latency("itl", now, series, self._names.itl_histogram)
         if self._names.itl_counters:
             # Kept every scrape; read only where no histogram answered (`custom` knows
             # every engine's names).
-            per_token = self._per_token(series, self._names.itl_counters)
+            per_token = self._per_token(now, series, self._names.itl_counters)
             if avg_itl is None:
                 avg_itl = per_token
         values = {
@@ -214,43 +266,38 @@ class MetricSampler:
                 return float(combine(value for _, value in samples))
         return None
 
-    def _interval(
-        self, key: str, series: dict[str, Series], names: tuple[str, ...]
+    def _latency(
+        self, key: str, now: float, series: dict[str, Series], names: tuple[str, ...]
     ) -> tuple[float | None, float | None]:
         current = _snapshot(series, names)
-        previous = self._previous[key]
-        self._previous[key] = current
-        if current is None or previous is None or previous.name != current.name:
+        earlier = self._windows[key].baseline(now, current)
+        if current is None or earlier is None:
             return None, None
-        observed = current.count - previous.count
-        added = current.total - previous.total
-        before = dict(previous.buckets)
+        observed = current.count - earlier.count
+        if observed <= 0:
+            return None, None
+        before = dict(earlier.buckets)
         deltas = [(bound, count - before.get(bound, 0.0)) for bound, count in current.buckets]
-        # A drop in any counter is an engine restart: the interval is not measurable.
-        if observed <= 0 or added < 0 or any(d < 0 for _, d in deltas):
-            return None, None
-        return added / observed, histogram_quantile(0.9, deltas)
+        return (current.total - earlier.total) / observed, histogram_quantile(0.9, deltas)
 
     def _per_token(
-        self, series: dict[str, Series], pairs: tuple[tuple[str, str], ...]
+        self, now: float, series: dict[str, Series], pairs: tuple[tuple[str, str], ...]
     ) -> float | None:
-        """Seconds spent over tokens done since the previous scrape (llama.cpp counts a
-        request's decode time and tokens as it ends); None on the first scrape, when no
-        token was done, and when a counter fell (an engine restart)."""
+        """Seconds spent over tokens done in the window (llama.cpp counts a request's
+        decode time and tokens as it ends); None on the first scrape, when no token was
+        done, and after a counter fell (an engine restart)."""
         current = None
         for seconds, tokens in pairs:
             spent, done = series.get(seconds), series.get(tokens)
             if spent and done:
-                current = (seconds, sum(v for _, v in spent), sum(v for _, v in done))
+                current = _CounterSnapshot(
+                    seconds, sum(v for _, v in spent), sum(v for _, v in done)
+                )
                 break
-        previous = self._previous_itl_counters
-        self._previous_itl_counters = current
-        if current is None or previous is None or previous[0] != current[0]:
+        earlier = self._itl_counters.baseline(now, current)
+        if current is None or earlier is None or current.done <= earlier.done:
             return None
-        spent_now, done_now = current[1] - previous[1], current[2] - previous[2]
-        if done_now <= 0 or spent_now < 0:
-            return None
-        return spent_now / done_now
+        return (current.spent - earlier.spent) / (current.done - earlier.done)
 
 
 def _snapshot(series: dict[str, Series], names: tuple[str, ...]) -> _HistogramSnapshot | None:
