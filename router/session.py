@@ -478,12 +478,14 @@ class RoutingSession:
             run.last_failure = result
             run.failed.add(peer.peer_id)
             return None
+        # Kept even when the try is free: if the agent is then gone from the pool, the
+        # client hears `agent_disconnected`, not that no agent was ever there.
+        run.last_failure = result
         if result.connection_level and peer.peer_id not in run.recovered:
             # The first connection failure per agent and request is free.
             run.recovered.add(peer.peer_id)
             self.metrics.resets.labels(req.model, req.tenant).inc()
             return None
-        run.last_failure = result
         run.failed.add(peer.peer_id)
         run.tries += 1
         if run.tries >= run.budget:

@@ -110,7 +110,8 @@ def disconnect() -> ForwardFailure:
 
 
 OK = "ok"
-# A behaviour: OK, a ForwardFailure, or an async callable run in place of the answer.
+# A behaviour: OK, a ForwardFailure, or an async callable run in place of the answer
+# (which answers OK unless it returns a ForwardFailure).
 Behaviour = Any
 
 
@@ -165,8 +166,7 @@ class Harness:
         outcomes = self.script.get(peer.peer_id, [])
         behaviour = outcomes.pop(0) if outcomes else OK
         if callable(behaviour):
-            await behaviour()
-            behaviour = OK
+            behaviour = await behaviour() or OK
         if isinstance(behaviour, ForwardFailure):
             return behaviour
         return Answer(peer, slot, req.request_id)
@@ -442,6 +442,26 @@ async def test_second_disconnect_of_an_agent_consumes_a_try(autojump_clock: Any)
     assert isinstance(outcome, Exhausted)
     assert h.tried() == ["A", "A"]  # B untried: the second disconnect spent the only try
     assert outcome.reason == "routing_policy: max_tries exhausted"
+    assert outcome.error.code == ErrorCode.AGENT_DISCONNECTED
+    assert h.metric("hivenet_router_agent_connection_resets_total") == 1
+
+
+async def test_an_agent_gone_after_its_free_recovery_is_agent_disconnected(
+    autojump_clock: Any,
+) -> None:
+    """The only agent's session died with the request on it: the client hears that, not
+    that no agent was ever there."""
+    agent = make_peer("A")
+
+    async def session_lost() -> ForwardFailure:
+        agent.connected = False
+        return disconnect()
+
+    h = Harness(policy("max_tries: 3\n" + ANY), [agent], script={"A": [session_lost]})
+    outcome = await h.route()
+    assert isinstance(outcome, Exhausted)
+    assert h.tried() == ["A"]
+    assert outcome.reason == "routing_policy: gate[2] health [disconnected=1]"
     assert outcome.error.code == ErrorCode.AGENT_DISCONNECTED
     assert h.metric("hivenet_router_agent_connection_resets_total") == 1
 
