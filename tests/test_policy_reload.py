@@ -70,6 +70,7 @@ def test_check_policy_accepts_every_example_and_prints_its_chain(
     assert any(line.startswith("fallback_provider: ") for line in lines)
     warnings = [line.removeprefix("warning: ") for line in lines if line.startswith("warning: ")]
     assert warnings == header(path, "warning")
+    assert all(out.count(warning) == 1 for warning in warnings), out
 
 
 @pytest.mark.parametrize("path", INVALID, ids=lambda path: path.name)

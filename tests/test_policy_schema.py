@@ -530,9 +530,6 @@ def test_warnings_for_the_seeds_common_mistakes() -> None:
         " same agents again, so it can only retry them",
     ]
     assert policy_warnings(policy) == warnings
-    assert describe(policy, 3).endswith(
-        "\nwarnings:\n" + "".join(f"  {warning}\n" for warning in warnings)
-    )
     assert policy_warnings(load_policy(PRODUCTION)) == []
 
 

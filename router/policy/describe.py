@@ -38,7 +38,8 @@ _PROVIDER_KEYS = {
 
 
 def describe(policy: Policy, default_max_tries: int) -> str:
-    """The chain, each step's filters, gates, strategy and budget, and the provider."""
+    """The chain, each step's filters, gates, strategy and budget, and the provider.
+    Warnings are `policy_warnings`', which check-policy prints after it."""
     chain = " → ".join(policy.chain_names())
     provider = policy.fallback_provider
     if provider is not None:
@@ -60,9 +61,6 @@ def describe(policy: Policy, default_max_tries: int) -> str:
             f" (llm requests, streamed or whole; never embeddings or rerank;"
             f" needs {_PROVIDER_KEYS[provider.engine]})"
         )
-    warnings = policy_warnings(policy)
-    if warnings:
-        lines += ["", "warnings:", *(f"  {warning}" for warning in warnings)]
     return "\n".join(lines) + "\n"
 
 
