@@ -18,7 +18,7 @@ from protocol.errors import ErrorCode, RouterError
 from router.capacity import WaitQueue
 from router.metrics import RouterMetrics
 from router.policy.admission import load_value, shed
-from router.policy.describe import describe
+from router.policy.describe import describe, policy_warnings
 from router.policy.schema import PolicyError, Rule, Shed, load_policy
 from router.session import Exhausted, LoadShed, Served, _QueuePlace
 from tests.test_session import MODEL, Harness, hold, make_peer, policy, request
@@ -95,7 +95,8 @@ def test_check_policy_prints_shed_if_and_warns_about_percentages() -> None:
     assert "  shed_if:    model_capacity_utilization >= 80\n" in text
     assert "              applies to priority <= 0\n" in text
     assert "              503 load_shed, Retry-After: 1\n" in text
-    assert "routing_policy.shed_if.model_capacity_utilization.gte: 80 is outside 0.0 to 1.0" in text
+    warning = "routing_policy.shed_if.model_capacity_utilization.gte: 80 is outside 0.0 to 1.0"
+    assert any(w.startswith(warning) for w in policy_warnings(loaded))
 
 
 # --- selection and load values -----------------------------------------------------------
