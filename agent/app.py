@@ -244,6 +244,7 @@ class AgentDaemon:
         return f"http://127.0.0.1:{port}"
 
     async def _discover(self, probe: httpx.AsyncClient, ep: EngineEndpoints) -> str:
+        said = False
         while True:
             try:
                 model = await self.adapter.discover_model(probe, ep)
@@ -253,11 +254,19 @@ class AgentDaemon:
             if model:
                 log.info("model_discovered model=%s", quote(model))
                 return model
+            if not said:
+                # Once: an engine still loading is the common case, not an error.
+                log.warning(
+                    "model_discovery_pending backend=%s reason=%s",
+                    ep.backend_url,
+                    quote("engine unreachable or lists no model yet; retrying every 2 s"),
+                )
+                said = True
             await trio.sleep(2)
 
     async def _probe_health(self, probe: httpx.AsyncClient, ep: EngineEndpoints) -> None:
         try:
-            ok = await self.adapter.check_health(probe, ep)
+            ok = await self.adapter.check_health(probe, ep, self.model)
         except Exception:  # an engine that cannot answer is unhealthy, nothing more
             ok = False
         first = not self.health.checked

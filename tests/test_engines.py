@@ -678,7 +678,7 @@ def test_health_tracker_three_strikes() -> None:
         ("vllm", "http://localhost:8000", "/health", "/metrics"),
         ("sglang", "http://localhost:30000", "/health", "/metrics"),
         ("llamacpp", "http://localhost:8080", "/health", "/metrics"),
-        ("ollama", "http://localhost:11434", "/api/version", None),
+        ("ollama", "http://localhost:11434", "/api/tags", None),
     ],
 )
 def test_default_endpoints(engine: str, backend: str, health: str, metrics: str | None) -> None:
@@ -731,9 +731,24 @@ async def test_health_checks() -> None:
     async with httpx.AsyncClient(transport=httpx.MockTransport(refuse)) as client:
         assert await vllm.check_health(client, ep) is False
 
+
+async def test_ollama_is_healthy_when_it_lists_the_agents_model() -> None:
+    """Health is `/api/tags` answering with the agent's model in it (its implicit
+    `:latest` or not): a model not pulled fails every request sent to it."""
     ollama = get_adapter("ollama")
+    ep = ollama.endpoints(None, None, None)
+    tags = {"models": [{"name": "llama3.1:latest"}, {"name": "mistral:7b"}]}
+    async with _client({"/api/tags": httpx.Response(200, json=tags)}) as client:
+        for model in (None, "llama3.1", "llama3.1:latest", "mistral:7b"):
+            assert await ollama.check_health(client, ep, model) is True, model
+        for model in ("llama3.1:8b", "mistral", "qwen2.5:7b"):
+            assert await ollama.check_health(client, ep, model) is False, model
+    async with _client({"/api/tags": httpx.Response(500)}) as client:
+        assert await ollama.check_health(client, ep, None) is False
+    # An operator's --health-url that is no model list: Ollama answering is enough.
+    own = ollama.endpoints(None, "http://localhost:11434/api/version", None)
     async with _client({"/api/version": httpx.Response(200, json={"version": "0.5.7"})}) as client:
-        assert await ollama.check_health(client, ollama.endpoints(None, None, None)) is True
+        assert await ollama.check_health(client, own, "llama3.1") is True
 
 
 async def test_openai_model_discovery() -> None:
@@ -750,20 +765,21 @@ async def test_openai_model_discovery() -> None:
 
 
 async def test_ollama_model_discovery() -> None:
+    """The first model `/api/tags` lists, less an implicit `:latest`, as the Go agent
+    registers it; loaded ones (`/api/ps`) come first in no way."""
     ollama = get_adapter("ollama")
     ep = ollama.endpoints(None, None, None)
-    tags = {"models": [{"name": "qwen2.5:7b", "model": "qwen2.5:7b", "size": 4683087332}]}
     loaded = {"models": [{"name": "llama3.1:8b", "model": "llama3.1:8b", "size_vram": 1}]}
-    routes = {
-        "/api/ps": httpx.Response(200, json=loaded),
-        "/api/tags": httpx.Response(200, json=tags),
-    }
-    async with _client(routes) as client:
-        assert await ollama.discover_model(client, ep) == "llama3.1:8b"
-    # Nothing loaded yet: the first pulled model.
-    routes["/api/ps"] = httpx.Response(200, json={"models": []})
-    async with _client(routes) as client:
-        assert await ollama.discover_model(client, ep) == "qwen2.5:7b"
+    for first, registered in (("qwen2.5:7b", "qwen2.5:7b"), ("llama3.1:latest", "llama3.1")):
+        tags = {"models": [{"name": first, "model": first}, {"name": "llama3.1:8b"}]}
+        routes = {
+            "/api/ps": httpx.Response(200, json=loaded),
+            "/api/tags": httpx.Response(200, json=tags),
+        }
+        async with _client(routes) as client:
+            assert await ollama.discover_model(client, ep) == registered
+    async with _client({"/api/tags": httpx.Response(200, json={"models": []})}) as client:
+        assert await ollama.discover_model(client, ep) is None
     async with _client({}) as client:
         assert await ollama.discover_model(client, ep) is None
 
@@ -931,6 +947,25 @@ async def test_a_backend_never_seen_answering_is_unhealthy_from_the_first_check(
     assert seen == [False, False, True, True]
     lines = [r.getMessage() for r in caplog.records if "backend_health" in r.getMessage()]
     assert lines == ["backend_health healthy=False", "backend_health healthy=True"]
+
+
+async def test_discovery_says_once_that_it_waits_for_the_engine(
+    tmp_path: Path, autojump_clock: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    daemon = _daemon(tmp_path)
+    ep = daemon.adapter.endpoints("http://engine:8000", None, None)
+    answers = iter([503, 503, 200])
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        status = next(answers)
+        listing = {"data": [{"id": MODEL}]} if status == 200 else {}
+        return httpx.Response(status, json=listing)
+
+    caplog.set_level(logging.INFO, logger="agent")
+    async with httpx.AsyncClient(transport=httpx.MockTransport(handle)) as probe:
+        assert await daemon._discover(probe, ep) == MODEL
+    lines = [r.getMessage().split(" ")[0] for r in caplog.records if "model_disc" in r.getMessage()]
+    assert lines == ["model_discovery_pending", "model_discovered"]
 
 
 async def test_an_engine_still_starting_is_checked_every_second(

@@ -386,7 +386,11 @@ class EngineAdapter:
             metrics_url=metrics_url or _default(backend, self.metrics_path),
         )
 
-    async def check_health(self, client: httpx.AsyncClient, ep: EngineEndpoints) -> bool:
+    async def check_health(
+        self, client: httpx.AsyncClient, ep: EngineEndpoints, model: str | None = None
+    ) -> bool:
+        """The engine's health URL answers 2xx (`model`, the agent's, for engines whose
+        health says which models they hold)."""
         if ep.health_url is None:
             return True
         try:
