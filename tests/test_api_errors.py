@@ -290,6 +290,11 @@ def test_unhealthy_backend_exhausts_the_chain(ef: ErrFleet, path: str, protocol:
     r = post(ef.router, path, request_body(path, model="down"))
     err = assert_error(r, 503, "no_agents_available", protocol)
     assert "gate[2]" in err["message"]
+    # /admin/health agrees with itself: not counted healthy, not shown healthy.
+    health = ef.router.admin("/admin/health")
+    [row] = [a for a in health["agents"] if a["peer_id"] == ef.down.peer_id]
+    assert (row["healthy"], row["backend_healthy"], row["is_healthy"]) == (True, False, False)
+    assert health["healthy_agents"] == sum(a["is_healthy"] for a in health["agents"])
     ef.down.sim_state(healthy=True)
     wait_until(
         lambda: ef.router.agent(ef.down.peer_id)["status"]["backend_healthy"] is True,

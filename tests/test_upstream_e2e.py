@@ -356,6 +356,10 @@ def test_display_fields_hide_llm_and_agents_list(fleet: Fleet) -> None:
     [entry] = detail["agents"]["list"]
     assert entry["peer_id"] == shown.peer_id and entry["version"] == "1.2.3"
     assert entry["is_healthy"] is True and isinstance(entry["last_seen"], int)
+    # The admin list is the same cards (hidden ones included, marked), as upstream's.
+    admin = {card["id"]: card for card in router.admin("/admin/models")["data"]}
+    assert admin["m1"]["pretty_name"] == "Balanced · M1" and admin["m1"]["info"] == "Good balance"
+    assert admin["secret-model"]["hide_llm"] is True
     metadata = router.agent(shown.peer_id)["metadata"]
     assert metadata["deployment_id"] == "dep-1" and metadata["replica_id"] == "r-7"
     assert metadata["tags"] == ["production"]

@@ -115,15 +115,17 @@ def health(table: PeerTable, queue: WaitQueue) -> dict:
 
 
 def _health_row(peer: Peer, now: float) -> dict[str, object]:
-    healthy = peer.healthy and peer.connected
     return {
         "peer_id": peer.peer_id,
         "model": peer.metadata.model,
         "engine": peer.metadata.engine,
         "version": peer.metadata.version,
         "region": peer.metadata.region,
-        "healthy": healthy,
-        "is_healthy": healthy,  # upstream's name
+        # The agent's own link and heartbeats; its engine's health is `backend_healthy`.
+        "healthy": peer.healthy and peer.connected,
+        # Upstream's: whether requests may go to it, as `healthy_agents` counts (and
+        # `/v1/models/{model}`'s `is_healthy`).
+        "is_healthy": peer.routable,
         "backend_healthy": peer.backend_healthy,
         "active_requests": peer.active,
         "capacity": peer.metadata.capacity,

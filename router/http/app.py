@@ -327,7 +327,7 @@ class RouterApp:
             card["agent_peer_ids"] = [p.peer_id for p in peers]
             card["active_requests"] = sum(p.active for p in peers)
             card["queue_length"] = self.queue.length(card["id"])
-            cards.append(card)
+            cards.append(models.with_display(card, peers))
         return cards
 
 
