@@ -35,6 +35,8 @@ _NONE_LEFT = Evaluation(
     None, 0, f"gate[1] {MODEL_FILTER.name} [no_agents]", False, MODEL_FILTER.number
 )
 
+_BACKEND_FAILURES = frozenset({ErrorCode.BACKEND_UNAVAILABLE, ErrorCode.BACKEND_ERROR})
+
 
 @dataclass
 class RouteRequest:
@@ -505,8 +507,11 @@ class RoutingSession:
         if last_failure is not None and last_failure.code is ErrorCode.ENDPOINT_NOT_SUPPORTED:
             error = RouterError(last_failure.code, f"{last_failure.message}; {reason}", "router")
         elif last_failure is not None:
+            # What an engine answered (or failed to) is the backend's, as upstream
+            # reports it; a lost agent is the router's.
+            source = "backend" if last_failure.code in _BACKEND_FAILURES else "router"
             error = RouterError(
-                last_failure.code, f"all local routing steps failed: {reason}", "router"
+                last_failure.code, f"all local routing steps failed: {reason}", source
             )
         elif capacity_drained:
             error = RouterError(ErrorCode.NO_CAPACITY, f"no capacity: {reason}")

@@ -362,7 +362,7 @@ def test_backend_5xx_is_retried_then_reported(
     ef.m1.sim_state(fail_status=fail_status, fail_count=1, fail_body=None)
     rid = str(uuid.uuid4())
     r = post(ef.router, path, request_body(path), headers={"x-request-id": rid})
-    err = assert_error(r, status, code, protocol)
+    err = assert_error(r, status, code, protocol, source="backend")
     assert "gate[5]" in err["message"]
     log = ef.router.log()
     assert re.search(rf"req={rid} forward_error [^\n]*code={code}", log)
