@@ -110,6 +110,9 @@ def upstream_values(args: argparse.Namespace, env: Mapping[str, str]) -> dict[st
     values["heartbeat_interval"] = next((v for v in (heartbeat, signal) if v is not None), 5.0)
     if values["heartbeat_interval"] <= 0:  # type: ignore[operator]
         raise ValueError("--heartbeat-interval must be positive")
+    if args.http_timeout <= 0:
+        # Zero would fail every engine call at once; a long answer needs a long timeout.
+        raise ValueError("--http-timeout must be positive (e.g. 10m for long answers)")
     tags = args.tags.split(",") if args.tags else []
     if any(not t.strip() for t in tags):
         raise ValueError(f"--tags {args.tags!r} has an empty tag")

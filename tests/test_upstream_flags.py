@@ -270,6 +270,7 @@ def test_agent_refuses_grpc_flags_saying_what_to_use(
         (["--tags", "production,,gpu"], "empty tag"),
         (["--heartbeat-interval", "1s", "--routing-signal-interval", "2s"], "keep one"),
         (["--heartbeat-interval", "0"], "must be positive"),
+        (["--http-timeout", "0s"], "--http-timeout must be positive"),
         (["--gpu-devices-file", "/nonexistent/gpus"], "--gpu-devices-file"),
     ],
 )
