@@ -162,6 +162,7 @@ class RouterDaemon:
             AdmitSettings(settings.admit_fraction, settings.admit_park_timeout),
             self.metrics,
             self._healthy_replicas,
+            label=self.dispatcher.model_label,
         )
         self.client.admission = self.admission
         self.tenants = TenantGate(

@@ -11,7 +11,7 @@ from typing import NoReturn, Protocol
 from protocol.errors import ErrorCode, RouterError
 from protocol.paths import GENERATIVE
 from router.forward_limit import ForwardLimit
-from router.metrics import RouterMetrics
+from router.metrics import UNREGISTERED_MODEL, RouterMetrics
 from router.peers import PeerTable
 from router.policy.schema import ProviderFallback
 from router.policy.store import PolicyStore
@@ -77,6 +77,13 @@ class Dispatcher:
         self.provider_available = provider_available
         self.limit = limit or ForwardLimit(0, 0)
 
+    def model_label(self, model: str) -> str:
+        """`model` as metrics label it: its name once an agent registered it or a
+        per-model policy names it, else UNREGISTERED_MODEL."""
+        if self.table.registered(model) or self.store.models.for_model(model) is not None:
+            return model
+        return UNREGISTERED_MODEL
+
     def provider_for(self, req: RouteRequest) -> ProviderFallback | None:
         provider = self.store.for_model(req.model).fallback_provider
         if (
@@ -130,7 +137,7 @@ class Dispatcher:
     def _shed(self, req: RouteRequest, shed: LoadShed) -> NoReturn:
         """Refused under load: no provider (shedding is meant to cut work), no exhaustion."""
         log.info("%s", shed_line(req, shed))
-        self.metrics.shed.labels(req.model, req.tenant, shed.step_name).inc()
+        self.metrics.shed.labels(self.model_label(req.model), req.tenant, shed.step_name).inc()
         if shed.front_door:
             # Upstream's answer for its top-level shed_if, so its clients back off alike.
             raise RouterError(
@@ -149,6 +156,7 @@ class Dispatcher:
     async def _after_chain(self, req: RouteRequest, ex: Exhausted) -> ProviderServed:
         log.warning("%s", exhaustion_line(req, ex))
         provider = self.provider_for(req)
+        model = self.model_label(req.model)
         if provider is not None and self.provider_call is not None:
             if req.on_provider is not None:
                 await req.on_provider()
@@ -158,11 +166,11 @@ class Dispatcher:
                     served = await self.provider_call(provider, req)
             except BaseException:
                 # Failed, or cut short by the deadline or the client: no result followed.
-                self.metrics.exhausted.labels(req.model, req.tenant).inc()
+                self.metrics.exhausted.labels(model, req.tenant).inc()
                 raise
-            self.metrics.provider.labels(req.model, req.tenant).inc()
+            self.metrics.provider.labels(model, req.tenant).inc()
             return served
-        self.metrics.exhausted.labels(req.model, req.tenant).inc()
+        self.metrics.exhausted.labels(model, req.tenant).inc()
         if not self.table.for_model(req.model):
             raise RouterError(
                 ErrorCode.MODEL_NOT_FOUND,

@@ -8,6 +8,9 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from router.lean_metrics import LeanCounter, LeanHistogram
 
 P = "hivenet_router_"
+# The `model` label of a request for a model no agent has registered (404, or the
+# provider's): clients choose those names, and each would be a series for good.
+UNREGISTERED_MODEL = "(unregistered)"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
 

@@ -211,6 +211,9 @@ class PeerTable:
     def __init__(self) -> None:
         self._by_id: dict[str, Peer] = {}
         self._by_model: dict[str, tuple[Peer, ...]] = {}
+        # Every model an agent has registered since the router started: the names a
+        # metric may carry (a client's own name for a model is not one).
+        self._registered: set[str] = set()
         self._listeners: list[Callable[[str], None]] = []
         self._removed: list[Callable[[str], None]] = []
 
@@ -230,6 +233,10 @@ class PeerTable:
         """Gate 1's pool, in peer-ID order."""
         return self._by_model.get(model, ())
 
+    def registered(self, model: str) -> bool:
+        """An agent has registered `model` since the router started (it may be gone)."""
+        return model in self._registered
+
     def add(self, peer: Peer) -> Peer | None:
         """Insert `peer`; returns the record it replaced when the peer reconnected."""
         old = self._by_id.get(peer.peer_id)
@@ -237,6 +244,7 @@ class PeerTable:
             self.remove(old)
         self._by_id[peer.peer_id] = peer
         model = peer.metadata.model
+        self._registered.add(model)
         peers = self._by_model.get(model, ())
         at = bisect.bisect([p.peer_id for p in peers], peer.peer_id)
         self._by_model[model] = (*peers[:at], peer, *peers[at:])

@@ -17,7 +17,7 @@ from router.admission.estimate import (
     Estimator,
 )
 from router.admission.limits import AdmissionLimits, AdmitSettings
-from router.metrics import RouterMetrics
+from router.metrics import UNREGISTERED_MODEL, RouterMetrics
 from router.tenants.config import ApiKey, KeyLimits
 
 TEXT = "x" * 320  # 100 tokens at the default 3.2 characters per token
@@ -142,6 +142,33 @@ async def test_b2_parks_until_occupancy_leaves_then_refuses_with_retry_after() -
     sample = metrics.registry.get_sample_value
     assert sample("hivenet_router_admission_occupancy_tokens", {"model": "m"}) == 0
     assert sample("hivenet_router_admission_rejections_total", {"reason": "b2", "model": "m"}) == 1
+
+
+async def test_models_no_agent_registered_share_one_label_and_pool() -> None:
+    """Clients pick model names; only registered ones become series (and pools)."""
+    metrics = RouterMetrics()
+
+    def label(model: str) -> str:
+        return model if model == "m" else UNREGISTERED_MODEL
+
+    admission = Admission(AdmitSettings(park_timeout=0), metrics, label=label)
+    limits = AdmissionLimits(max_inflight=1)
+
+    async def reserve(model: str) -> object:
+        return await admission.reserve(model, limits, None, admission.estimate(model, chat()))
+
+    x1, m = await reserve("x1"), await reserve("m")
+    assert isinstance(x1, Admitted) and isinstance(m, Admitted)
+    # x1 holds the one place of the pool every unregistered model shares.
+    for model in ("x2", "x3"):
+        assert not isinstance(await reserve(model), Admitted)
+    assert sorted(admission.statistics()) == [UNREGISTERED_MODEL, "m"]
+    sample = metrics.registry.get_sample_value
+    rejections = "hivenet_router_admission_rejections_total"
+    assert sample(rejections, {"reason": "b2", "model": UNREGISTERED_MODEL}) == 2
+    assert sample(rejections, {"reason": "b2", "model": "x2"}) is None
+    await admission.finish(x1)
+    await admission.finish(m)
 
 
 async def test_b2_max_inflight_and_an_undeclared_output_grows() -> None:

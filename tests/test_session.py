@@ -21,7 +21,7 @@ from router import session as session_module
 from router.capacity import WaitQueue
 from router.dispatch import Dispatcher, ProviderServed
 from router.http import admin
-from router.metrics import RouterMetrics
+from router.metrics import UNREGISTERED_MODEL, RouterMetrics
 from router.peers import AgentMetadata, Peer, PeerTable
 from router.policy.schema import ProviderFallback, load_policy
 from router.policy.store import PolicyStore
@@ -837,7 +837,23 @@ async def test_an_unknown_model_drains_every_step_at_gate_1(
         f'chain=[routing_policy→a→b] tried=3/3 reason="routing_policy: {drained} | a: {drained}'
         f' | b: {drained}"'
     )
-    assert h.metric("hivenet_router_policy_exhausted_total", model=req.model) == 1
+    # The log names the client's model; the metric does not make it a series of its own.
+    assert 'model="nobody-serves-this"' in line
+    assert h.metric("hivenet_router_policy_exhausted_total", model=req.model) == 0
+    assert h.metric("hivenet_router_policy_exhausted_total", model=UNREGISTERED_MODEL) == 1
+
+
+async def test_a_model_whose_agents_all_left_keeps_its_name_in_the_metrics(
+    autojump_clock: Any,
+) -> None:
+    agent = make_peer("A")
+    h = Harness(policy(ANY), [agent])
+    h.table.remove(agent)
+    with pytest.raises(RouterError) as caught:
+        await h.dispatcher().dispatch(request())
+    assert caught.value.code == ErrorCode.MODEL_NOT_FOUND
+    assert h.metric("hivenet_router_policy_exhausted_total", model=MODEL) == 1
+    assert h.metric("hivenet_router_policy_exhausted_total", model=UNREGISTERED_MODEL) == 0
 
 
 async def test_a_pool_the_request_itself_emptied_is_no_agents_not_unregistered(

@@ -102,10 +102,14 @@ class Admission:
         metrics: RouterMetrics,
         replicas: Callable[[str], int] = lambda model: 1,
         shared: SharedAdmission | None = None,
+        label: Callable[[str], str] = lambda model: model,
     ) -> None:
         self.settings = settings
         self.metrics = metrics
         self.replicas = replicas
+        # A model's name in the metrics and in `pools`: every model no agent registered
+        # shares one (`Dispatcher.model_label`), so clients' names make no series.
+        self.label = label
         # The counts in Redis (--state-url); local while it is unreachable.
         self.shared = shared
         self.estimator = Estimator()
@@ -142,16 +146,17 @@ class Admission:
         return None
 
     def _pool(self, model: str, limits: AdmissionLimits) -> Pool:
-        pool = self.pools.get(model)
+        name = self.label(model)
+        pool = self.pools.get(name)
         if pool is None:
-            pool = self.pools[model] = Pool(model, quiet_since=trio.current_time())
+            pool = self.pools[name] = Pool(name, quiet_since=trio.current_time())
             # Read at scrape time: a gauge set per change costs about 1.5 µs, and a
             # request changes its pool at least twice.
             m = self.metrics
-            m.admission_occupancy.labels(model).set_function(pool.shown_occupancy)
-            m.admission_inflight.labels(model).set_function(pool.shown_inflight)
-            m.admission_budget.labels(model).set_function(lambda: pool.budget)
-            m.admission_max_inflight.labels(model).set_function(lambda: pool.backstop)
+            m.admission_occupancy.labels(name).set_function(pool.shown_occupancy)
+            m.admission_inflight.labels(name).set_function(pool.shown_inflight)
+            m.admission_budget.labels(name).set_function(lambda: pool.budget)
+            m.admission_max_inflight.labels(name).set_function(lambda: pool.backstop)
         replicas = max(1, self.replicas(model))
         pool.budget = math.floor(self.settings.fraction * limits.admit_budget_tokens * replicas)
         pool.backstop = limits.max_inflight * replicas
@@ -264,7 +269,7 @@ class Admission:
             # Fairness, not box safety: without HIVENET_ROUTER_ADMIT_FRACTION, as upstream.
             replicas = max(1, self.replicas(model))
             share = math.floor(own.max_occupancy_share * limits.admit_budget_tokens * replicas)
-            pool = self.pools.get(model)
+            pool = self.pools.get(self.label(model))
             held = pool.by_key.get(key_id, 0) if pool is not None else 0
             if held and held + footprint > share:
                 return self._refuse(
@@ -442,7 +447,7 @@ class Admission:
     def _refuse(
         self, model: str, gate: str, code: ErrorCode, message: str, retry_after: float | None
     ) -> AdmissionRefused:
-        self.metrics.admission_rejections.labels(gate, model).inc()
+        self.metrics.admission_rejections.labels(gate, self.label(model)).inc()
         return AdmissionRefused(code, message, retry_after=retry_after, gate=gate)
 
     def sweep(self, now: float) -> tuple[int, int]:
