@@ -148,6 +148,7 @@ def test_local_bucket_burst_and_refill() -> None:
     refused = counters.admit(tenant, "3")
     assert refused.code is ErrorCode.RATE_LIMITED
     assert refused.retry_after == pytest.approx(1.0)
+    assert (refused.requests_left, refused.tokens_left) == (0, None)  # the 429's header
     clock.now += 0.5
     assert counters.admit(tenant, "4").retry_after == pytest.approx(0.5)
     clock.now += 0.5
@@ -163,9 +164,13 @@ def test_local_concurrency_and_daily_tokens() -> None:
     assert busy.code is ErrorCode.TOO_MANY_CONCURRENT
     counters.release("t", "a", 60)
     assert counters.admit(tenant, "c").code is None
-    counters.release("t", "c", 50)
+    counters.release("t", "c", 30)
+    # 90 used: a request that may take 20 does not fit, and the refusal says 10 are left.
+    short = counters.admit(tenant, "d", need=20)
+    assert (short.code, short.tokens_left) == (ErrorCode.QUOTA_EXCEEDED, 10)
+    counters.release("t", "x", 10)
     over = counters.admit(tenant, "d")
-    assert over.code is ErrorCode.QUOTA_EXCEEDED
+    assert (over.code, over.tokens_left) == (ErrorCode.QUOTA_EXCEEDED, 0)
     assert over.retry_after == pytest.approx(until_midnight(clock.now))
     clock.now += over.retry_after  # a new UTC day
     assert counters.admit(tenant, "e").code is None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import time
 from pathlib import Path
 
@@ -10,8 +11,11 @@ import openai
 import pytest
 import redis
 
-from router.tenants.config import hash_key
+from protocol.errors import ErrorCode
+from router.metrics import RouterMetrics
+from router.tenants.config import Tenant, hash_key
 from router.tenants.counters import utc_day
+from router.tenants.shared import TenantState
 from tests.fleet import Fleet, Router, wait_until
 from tests.redis_server import RedisServer
 
@@ -37,7 +41,11 @@ def ask(router: Router) -> str:
 def refused_code(router: Router) -> str:
     with pytest.raises(openai.RateLimitError) as exc:
         ask(router)
-    return exc.value.response.json()["error"]["code"]
+    response = exc.value.response
+    code = response.json()["error"]["code"]
+    if code == "rate_limit_exceeded":
+        assert response.headers["x-ratelimit-remaining-requests"] == "0"  # upstream's 429
+    return code
 
 
 def health(router: Router) -> dict:
@@ -89,3 +97,26 @@ def test_two_routers_share_one_quota_and_survive_redis_loss(fleet: Fleet, tmp_pa
         r.wait_log(r"state_store_available url=\S+ counts=shared")
     assert [ask(r1), ask(r2), ask(r1)] == ["Echo: hi"] * 3
     assert refused_code(r2) == "rate_limit_exceeded"
+
+
+async def test_the_shared_counts_refuse_with_what_is_left(tmp_path: Path) -> None:
+    """Redis's verdicts say what the local ones say: 0 requests left on a rate refusal,
+    the day's tokens left on a budget refusal."""
+    redis_server = RedisServer(tmp_path, dict(os.environ)).start()
+    try:
+        state = TenantState(redis_server.url, RouterMetrics(), lease=60.0)
+        state._up()
+        tenant = Tenant("t", requests_per_minute=60, burst=1, tokens_per_day=100)
+        admitted, shared = await state.admit(tenant, "a", need=50, charge=90)
+        assert shared and admitted.code is None
+        assert (admitted.requests_left, admitted.tokens_left) == (0, 100)
+        short, _ = await state.admit(tenant, "b", need=20)
+        assert (short.code, short.tokens_left) == (ErrorCode.QUOTA_EXCEEDED, 10)
+        limited, _ = await state.admit(Tenant("u", requests_per_minute=60, burst=1), "c")
+        assert limited.code is None
+        limited, _ = await state.admit(Tenant("u", requests_per_minute=60, burst=1), "d")
+        assert (limited.code, limited.requests_left) == (ErrorCode.RATE_LIMITED, 0)
+        assert state.client is not None
+        state.client.close()
+    finally:
+        redis_server.stop()

@@ -292,6 +292,7 @@ def test_upstream_auth_file_serves_end_to_end(fleet: Fleet) -> None:
     over = chat(router, "m1", limited)
     assert over.status_code == 429 and over.json()["error"]["code"] == "rate_limit_exceeded"
     assert int(over.headers["retry-after"]) >= 1
+    assert over.headers["x-ratelimit-remaining-requests"] == "0"  # upstream's, on the 429
 
 
 def test_cors_preflight_and_headers(fleet: Fleet) -> None:

@@ -24,7 +24,8 @@ MIN_RETRY_AFTER = 1.0
 class Verdict:
     code: ErrorCode | None  # None: admitted
     retry_after: float = 0.0
-    # What an admitted request leaves (X-RateLimit-Remaining-*); None: no such limit.
+    # What an admitted request leaves (X-RateLimit-Remaining-*), and on a refusal what
+    # refused it: 0 requests, or the tokens the day still has; None: not known here.
     requests_left: int | None = None
     tokens_left: int | None = None
 
@@ -97,7 +98,8 @@ class LocalCounters:
                 counts.day, counts.tokens = day, 0
             used = counts.tokens
             if used >= tenant.tokens_per_day or used + need > tenant.tokens_per_day:
-                return Verdict(ErrorCode.QUOTA_EXCEEDED, until_midnight(wall))
+                left = max(0, tenant.tokens_per_day - used)
+                return Verdict(ErrorCode.QUOTA_EXCEEDED, until_midnight(wall), None, left)
         if tenant.max_concurrent and len(counts.inflight) >= tenant.max_concurrent:
             return Verdict(ErrorCode.TOO_MANY_CONCURRENT, MIN_RETRY_AFTER)
         requests_left = None
@@ -111,7 +113,7 @@ class LocalCounters:
             tokens = min(burst, bucket.tokens + (now - bucket.stamp) * rate)
             bucket.tokens, bucket.stamp, bucket.burst, bucket.rate = tokens, now, burst, rate
             if tokens < 1.0:
-                return Verdict(ErrorCode.RATE_LIMITED, (1.0 - tokens) / rate)
+                return Verdict(ErrorCode.RATE_LIMITED, (1.0 - tokens) / rate, 0)
             bucket.tokens = tokens - 1.0
             requests_left = int(bucket.tokens)
         if tenant.max_concurrent:

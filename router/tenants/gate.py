@@ -33,6 +33,7 @@ from router.tenants.config import (
     load_auth,
     load_auth_file,
 )
+from router.tenants.counters import Verdict
 from router.tenants.keys import DEFAULT_TENANT, ClientKeys
 from router.tenants.registry import KeyRegistry
 from router.tenants.shared import TenantState
@@ -329,14 +330,17 @@ class Ticket:
         elif (tenant := tenant.for_model(model, self.gate.replicas(model))).limited:
             self.record = tenant
             verdict, self.shared = await self.gate.state.admit(tenant, self.id, need, charge)
+            # Sent on the answer, a refusal's included (upstream's headers on a 429).
+            self.remaining = (verdict.requests_left, verdict.tokens_left)
             if verdict.code is not None:
                 refusal = TenantRefused(
-                    verdict.code, _MESSAGES[verdict.code](tenant), retry_after=verdict.retry_after
+                    verdict.code,
+                    _refusal_message(tenant, verdict, need),
+                    retry_after=verdict.retry_after,
                 )
             else:
                 self.slot_taken = bool(tenant.max_concurrent)
                 self.charged = charge if tenant.tokens_per_day else 0
-                self.remaining = (verdict.requests_left, verdict.tokens_left)
         if refusal is not None:
             self.code = str(refusal.code)
             self.gate.metrics.tenant_rejections.labels(tenant.name, self.code).inc()
@@ -385,15 +389,21 @@ class Ticket:
             await self.gate.state.release(tenant.name, self.id, tokens, self.shared)
 
 
-_MESSAGES = {
-    ErrorCode.RATE_LIMITED: lambda t: (
-        f"tenant {t.name!r} is over its rate limit of {t.requests_per_minute} requests"
-        f" per minute (burst {t.burst})"
-    ),
-    ErrorCode.QUOTA_EXCEEDED: lambda t: (
-        f"tenant {t.name!r} has used its {t.tokens_per_day} tokens for today (UTC)"
-    ),
-    ErrorCode.TOO_MANY_CONCURRENT: lambda t: (
-        f"tenant {t.name!r} already has {t.max_concurrent} requests in flight"
-    ),
-}
+def _refusal_message(t: Tenant, verdict: Verdict, need: int) -> str:
+    if verdict.code is ErrorCode.RATE_LIMITED:
+        return (
+            f"tenant {t.name!r} is over its rate limit of {t.requests_per_minute} requests"
+            f" per minute (burst {t.burst})"
+        )
+    if verdict.code is ErrorCode.QUOTA_EXCEEDED:
+        left = verdict.tokens_left
+        if left:
+            # Upstream's words: the request's own estimate and max_tokens are over what
+            # the day has left, which the header says.
+            return (
+                f"insufficient daily token budget for requested max_tokens: this request"
+                f" may take {need} tokens, tenant {t.name!r} has {left} of"
+                f" {t.tokens_per_day} left today (UTC)"
+            )
+        return f"tenant {t.name!r} has used its {t.tokens_per_day} tokens for today (UTC)"
+    return f"tenant {t.name!r} already has {t.max_concurrent} requests in flight"

@@ -52,7 +52,7 @@ local left_requests, left_tokens = -1, -1
 if quota > 0 then
   local used = tonumber(redis.call('GET', KEYS[3]) or '0')
   if used >= quota or used + tonumber(ARGV[8]) > quota then
-    return {'token_limit_exceeded', ARGV[7]}
+    return {'token_limit_exceeded', ARGV[7], -1, math.max(0, quota - used)}
   end
   left_tokens = quota - used
 end
@@ -67,7 +67,7 @@ if rate > 0 then
   tokens = math.min(burst, tokens + math.max(0, now - ts) * rate)
   if tokens < 1 then
     redis.call('HSET', KEYS[1], 'tokens', tostring(tokens), 'ts', tostring(now))
-    return {'rate_limit_exceeded', tostring((1 - tokens) / rate)}
+    return {'rate_limit_exceeded', tostring((1 - tokens) / rate), 0, -1}
   end
   redis.call('HSET', KEYS[1], 'tokens', tostring(tokens - 1), 'ts', tostring(now))
   left_requests = math.floor(tokens - 1)
@@ -209,12 +209,13 @@ class TenantState:
                 charge,
             ],
         )
-        if not code:
-            requests, tokens = (int(v) for v in left)
-            return Verdict(
-                None, 0.0, None if requests < 0 else requests, None if tokens < 0 else tokens
-            )
-        return Verdict(ErrorCode(code.decode()), float(retry))
+        requests, tokens = (int(v) for v in left) if left else (-1, -1)
+        return Verdict(
+            ErrorCode(code.decode()) if code else None,
+            float(retry) if code else 0.0,
+            None if requests < 0 else requests,
+            None if tokens < 0 else tokens,
+        )
 
     def _release_shared(self, tenant: str, ticket_id: str, tokens: int) -> None:
         keys = _keys(tenant, utc_day(time.time()))
