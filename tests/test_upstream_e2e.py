@@ -368,7 +368,8 @@ def test_display_fields_hide_llm_and_agents_list(fleet: Fleet) -> None:
 
 async def test_max_concurrent_and_queue_size_answer_queue_full(fleet: Fleet) -> None:
     router = fleet.router("--max-concurrent", "1", "--queue-size", "1")
-    agent = fleet.agent(router, "m1", "--sim-ttft", "4s", "--capacity", "8")
+    # The first answer holds the one slot past the 5 s a request waits for a queue place.
+    agent = fleet.agent(router, "m1", "--sim-ttft", "7s", "--capacity", "8")
     async with httpx.AsyncClient(timeout=60) as client:
 
         async def ask(results: list[int]) -> None:
@@ -387,7 +388,8 @@ async def test_max_concurrent_and_queue_size_answer_queue_full(fleet: Fleet) -> 
                 if router.agent(agent.peer_id)["status"]["active_requests"] >= 1:
                     break
                 await trio.sleep(0.05)
-            # One slot, taken: the next request waits, the one after is refused.
+            # One slot, taken: the next request waits, the one after waits 5 s for a
+            # place in the queue of 1, and is refused.
             nursery.start_soon(ask, results)
             nursery.start_soon(ask, results)
     assert sorted(results) == [200, 200, 503]

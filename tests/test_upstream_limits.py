@@ -12,7 +12,7 @@ import trio
 import trio.testing
 
 from protocol.errors import ErrorCode, RouterError
-from router.forward_limit import ForwardLimit
+from router.forward_limit import QUEUE_FULL_WAIT, ForwardLimit
 from router.p2p_host import PerSourceLimit
 from tests.fleet import Fleet
 
@@ -71,14 +71,43 @@ async def test_forwards_past_max_concurrent_wait_and_past_queue_size_are_refused
         nursery.start_soon(forward, 2)
         await trio.testing.wait_all_tasks_blocked()
         assert entered == [1] and limit.waiting == 1
+        # Past the queue, a request waits QUEUE_FULL_WAIT for a place, then is refused.
+        started = trio.current_time()
         with pytest.raises(RouterError) as caught:
             async with limit.slot():
                 pass
+        assert trio.current_time() - started == pytest.approx(QUEUE_FULL_WAIT)
         assert caught.value.code == ErrorCode.QUEUE_FULL and caught.value.http_status == 503
         assert caught.value.retry_after == 1.0 and "--queue-size 1" in caught.value.message
         assert "1/1 in flight, 1/1 waiting" in repr(limit)
+        # One that finds a place within the wait goes on: the queue moves after 1 s.
+        nursery.start_soon(forward, 3)
+        await trio.sleep(1)
         release.set()
-    assert entered == [1, 2] and limit.waiting == 0
+    assert entered == [1, 2, 3] and limit.waiting == 0
+
+
+async def test_without_a_queue_a_request_waits_for_a_slot_as_long(autojump_clock: Any) -> None:
+    limit = ForwardLimit(1, 0)
+    held = trio.Event()
+    async with trio.open_nursery() as nursery:
+
+        async def hold(seconds: float) -> None:
+            async with limit.slot():
+                held.set()
+                await trio.sleep(seconds)
+
+        nursery.start_soon(hold, 2.0)
+        await held.wait()
+        async with limit.slot():  # the slot frees after 2 s, within the wait
+            assert trio.current_time() == pytest.approx(2.0)
+        nursery.start_soon(hold, 60.0)
+        await trio.testing.wait_all_tasks_blocked()
+        with pytest.raises(RouterError):
+            async with limit.slot():
+                pass
+        assert trio.current_time() == pytest.approx(2.0 + QUEUE_FULL_WAIT)
+        nursery.cancel_scope.cancel()
 
 
 async def test_no_max_concurrent_means_no_limit(autojump_clock: Any) -> None:
