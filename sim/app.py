@@ -122,6 +122,11 @@ class SimEngine:
         if handler is None:
             await Exchange(send).reply(405, b'{"detail":"Method Not Allowed"}')
             return
+        if scope["method"] == "POST" and scope["path"] != "/sim/state":
+            # What reached the engine, for tests of what the agent forwards.
+            self.state.last_headers = {
+                k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
+            }
         await handler(receive, send)
 
     def next_id(self) -> int:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from sim.faults import MALFORMED
@@ -54,6 +54,8 @@ class SimState:
     in_flight: int = 0
     # The most requests the engine has held at once since it started.
     max_in_flight: int = 0
+    # The headers of the last inference request (names lowercase).
+    last_headers: dict[str, str] = field(default_factory=dict)
 
     def update(self, changes: Any) -> None:
         """Apply `/sim/state` changes all or nothing; ValueError names the bad key."""

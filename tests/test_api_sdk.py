@@ -107,6 +107,31 @@ def test_openai_chat_max_tokens_is_forwarded(sdk: SdkFleet) -> None:
     assert answer.choices[0].finish_reason == "length"
 
 
+def test_the_clients_headers_reach_the_engine_but_its_credentials(sdk: SdkFleet) -> None:
+    """As upstream forwards them; the key for this router, hop-by-hop fields and content
+    coding stay here, and the request id is the router's."""
+    rid = str(uuid.uuid4())
+    sdk.anthropic().messages.create(
+        model=CHAT,
+        max_tokens=8,
+        messages=[{"role": "user", "content": "hi"}],
+        extra_headers={
+            "X-Custom-Tenant": "blue",
+            "OpenAI-Organization": "org-7",
+            "Cookie": "session=secret",
+            "Accept-Encoding": "gzip",
+            "X-Request-ID": rid,
+        },
+    )
+    seen = sdk.chat.sim_state()["last_headers"]
+    assert seen["x-custom-tenant"] == "blue" and seen["openai-organization"] == "org-7"
+    assert seen["anthropic-version"] and seen["user-agent"].startswith("Anthropic/")
+    assert seen["x-request-id"] == rid and seen["content-type"] == "application/json"
+    for withheld in ("x-api-key", "authorization", "cookie", "accept-encoding"):
+        assert withheld not in seen, seen
+    assert CLIENT_KEY not in str(seen)
+
+
 def test_anthropic_messages_non_streaming(sdk: SdkFleet) -> None:
     raw = sdk.anthropic().messages.with_raw_response.create(
         model=CHAT,

@@ -64,7 +64,34 @@ ENDPOINTS: dict[str, tuple[str, str]] = {
     "/v1/rerank": ("reranker", "openai"),
     count_tokens.COUNT_TOKENS_PATH: ("llm", "anthropic"),
 }
-_FORWARDED_REQUEST_HEADERS = ("content-type", "accept", "anthropic-version", "anthropic-beta")
+# The client's headers go to the engine, as upstream forwards them, but for these: the
+# hop's own (HTTP/1.1 framing, the connection), the client's credentials for this router
+# (an agent's host is not trusted with them, and an engine with its own key wants that),
+# what the router sets itself, and content coding (the agent's hop is plain).
+_NOT_FORWARDED = frozenset(
+    {
+        "host",
+        "content-length",
+        "transfer-encoding",
+        "connection",
+        "keep-alive",
+        "proxy-connection",
+        "te",
+        "trailer",
+        "upgrade",
+        "expect",
+        "authorization",
+        "proxy-authorization",
+        "x-api-key",
+        "api-key",
+        "cookie",
+        "accept-encoding",
+        "content-encoding",
+        "x-request-id",
+        "traceparent",
+        "idempotency-key",
+    }
+)
 # The endpoints admission control gates (B1, B2, B4).
 _GATED = GENERATIVE
 _DROPPED_RESPONSE_HEADERS = frozenset(
@@ -273,8 +300,10 @@ class ClientApi:
         traceparent = None
         for key, value in scope["headers"]:
             name = key.decode("latin-1")
-            if name in _FORWARDED_REQUEST_HEADERS:
-                headers[name] = value.decode("latin-1")
+            if name not in _NOT_FORWARDED:
+                text = value.decode("latin-1")
+                # A repeated field is one list (RFC 9110, 5.3).
+                headers[name] = f"{headers[name]}, {text}" if name in headers else text
             elif name == "traceparent":
                 traceparent = value.decode("latin-1")
         # The body is known to be JSON: say so to engines that check.
