@@ -25,7 +25,7 @@ from agent.link import (
     parse_router_address,
 )
 from agent.settings import AgentSettings
-from protocol.logs import quote
+from protocol.logs import label_lines, quote
 from protocol.messages import VERSION
 from protocol.p2p import load_or_create_identity, peer_id_of, tune_libp2p
 from protocol.router_proof import new_challenge, proof_valid
@@ -67,6 +67,7 @@ class AgentDaemon:
         self.adapter = get_adapter(settings.engine)
         self.key_pair = load_or_create_identity(settings.identity_path)
         self.peer_id = str(peer_id_of(self.key_pair))
+        label_lines(peer_id=self.peer_id)
         self.status = Status(
             engine_interval=settings.engine_sample_interval,
             hardware_interval=settings.hardware_sample_interval,

@@ -163,12 +163,18 @@ class _Formatter(logging.Formatter):
 
 
 class _JsonFormatter(logging.Formatter):
+    def __init__(self) -> None:
+        super().__init__()
+        # Fields of the process on every line (`label_lines`).
+        self.labels: dict[str, str] = {}
+
     def format(self, record: logging.LogRecord) -> str:
         ts = time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
         head = {
             "ts": f"{ts}.{int(record.msecs):03d}Z",
             "level": _NAMES.get(record.levelno, record.levelname.lower()),
             "subsystem": record.name,
+            **self.labels,
         }
         body = fields_of(record.getMessage())
         if record.exc_info:
@@ -231,6 +237,14 @@ def log_format_from(flag: str | None, env: dict[str, str] | os._Environ[str]) ->
     if flag:
         return flag
     return "json" if env.get("GOLOG_LOG_FMT", "").strip().lower() == "json" else "text"
+
+
+def label_lines(**fields: str) -> None:
+    """Put `fields` on every JSON line from now on, as the Go agent labels its lines with
+    its peer ID; text lines keep their shape."""
+    for handler in logging.getLogger().handlers:
+        if isinstance(handler.formatter, _JsonFormatter):
+            handler.formatter.labels.update(fields)
 
 
 def setup_logging(environ: dict[str, str] | None = None, log_format: str | None = None) -> None:

@@ -342,5 +342,10 @@ def test_router_and_agent_write_json_lines(tmp_path: Path) -> None:
         agent_lines = [line for line in agent.log().splitlines() if line.strip()]
         assert agent_lines
         assert all(json.loads(line)["subsystem"] for line in agent_lines)
+        # The Go agent's process-wide label: its peer ID on every line after the key
+        # is read (the first lines, about reading it, come before).
+        labelled = [json.loads(line).get("peer_id") for line in agent_lines]
+        after_key = labelled[labelled.index(agent.peer_id) :]
+        assert len(after_key) > 1 and set(after_key) == {agent.peer_id}, agent_lines
     finally:
         fleet.close()
