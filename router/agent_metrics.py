@@ -71,7 +71,11 @@ _LIFETIME = (
     ("requests_failed", "failures", "Failed forwards counted against the agent (lifetime)"),
     ("input_tokens", "input_tokens", "Prompt tokens the engine reported (lifetime)"),
     ("output_tokens", "output_tokens", "Completion tokens the engine reported (lifetime)"),
-    ("rejected_requests", "rejections", "Requests the engine refused with a 4xx (lifetime)"),
+    (
+        "rejected_requests",
+        "rejections",
+        "Tries to take a capacity slot the agent did not have (lifetime)",
+    ),
     ("disconnections", "disconnections", "Agent sessions that ended (lifetime)"),
     (
         "failure",

@@ -410,7 +410,10 @@ class RoutingSession:
                 return _Queued(ev)
             wait.leave()
             if not try_acquire(peer):
-                continue  # lost the race for the last slot: select again, no try used
+                # Lost the race for the last slot: select again, no try used. Upstream's
+                # `rejected_requests_total` counts these.
+                peer.stats.rejections += 1
+                continue
             self.ranking.chosen(step.strategy, step.strategy_params, peer, run.rank_request)
             if log.isEnabledFor(logging.DEBUG):  # every request passes here: no quoting when off
                 log.debug(
@@ -448,10 +451,9 @@ class RoutingSession:
             stats.record_failure(now, self.failure_cooldown)
         elif sent.probe:
             stats.end_probe(sent.held)
-        if result.code in REQUEST_LEVEL:
-            stats.rejections += 1  # the engine refused the request: lifetime history
         req.waited += now - started
         if result.code is ErrorCode.AGENT_FULL:
+            stats.rejections += 1  # no slot for it on the agent: upstream's rejection
             # Other routers hold the agent's capacity. The refusal made the agent full
             # in this router's count too, so selecting again goes to another agent or
             # queues for its next report; no try is used.

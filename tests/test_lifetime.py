@@ -128,9 +128,11 @@ def test_a_history_file_that_is_not_sqlite_is_a_startup_error(fleet: Fleet, tmp_
     assert f"hivenet-router: --history-path {bad}: file is not a database" in router.log()
 
 
-def test_an_answer_the_engine_refused_is_a_rejection_not_a_failure(
+def test_an_answer_the_engine_refused_is_neither_a_rejection_nor_a_failure(
     fleet: Fleet, tmp_path: Path
 ) -> None:
+    """The client's error, not the agent's: upstream's rejections are capacity refusals
+    (tests/test_session.py)."""
     router, agent, _ = _setup(fleet, tmp_path)
     agent.sim_state(fail_count=1, fail_status=400, fail_body={"error": {"message": "bad"}})
     r = httpx.post(
@@ -140,9 +142,9 @@ def test_an_answer_the_engine_refused_is_a_rejection_not_a_failure(
     )
     assert r.status_code == 400
     universal = _universal(router, agent)
-    assert universal["rejected_requests_total"] == 1
+    assert universal["rejected_requests_total"] == 0
     assert universal["failed_requests_total"] == 0
-    assert router.metric("hivenet_router_agent_rejected_requests_total") == 1
+    assert router.metric("hivenet_router_agent_rejected_requests_total") == 0
 
 
 def test_a_history_file_written_before_the_failure_counts_gains_them(tmp_path: Path) -> None:

@@ -466,6 +466,25 @@ async def test_an_agent_gone_after_its_free_recovery_is_agent_disconnected(
     assert h.metric("hivenet_router_agent_connection_resets_total") == 1
 
 
+async def test_an_agent_without_a_slot_for_it_counts_a_rejection_not_a_try(
+    autojump_clock: Any,
+) -> None:
+    """Upstream's `rejected_requests_total`: the agent refused for lack of capacity (other
+    routers hold it). An engine's 4xx is the client's error, not a rejection."""
+    full = ForwardFailure(ErrorCode.AGENT_FULL, "no free slot")
+    agent = make_peer("A")
+    h = Harness(policy("max_tries: 1\n" + ANY), [agent], script={"A": [full]})
+    served = await h.route()
+    assert isinstance(served, Served)  # the one try was not used by the refusal
+    assert (agent.stats.rejections, agent.stats.failures) == (1, 0)
+    served.response.close()
+    invalid = ForwardFailure(ErrorCode.INVALID_PARAMETER, "bad", status=400, body=b"{}")
+    h.script["A"] = [invalid]
+    with pytest.raises(BackendRejected):
+        await h.dispatcher().dispatch(request())
+    assert agent.stats.rejections == 1
+
+
 async def test_recovery_is_once_per_agent_and_per_request(autojump_clock: Any) -> None:
     h = Harness(
         policy("max_tries: 2\n" + ANY, "name: again\nmax_tries: 1\n" + ANY),
