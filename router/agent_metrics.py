@@ -57,6 +57,10 @@ INFO_LABELS = (
     "version",
     "deployment_id",
     "replica_id",
+    # Upstream's registered-agent labels, which its dashboards filter on.
+    "organization",
+    "machine",
+    "capacity",
 )
 GPU_LABELS = (*LABELS, "gpu_index")
 # (gauge name, per-GPU field, help text)
@@ -198,7 +202,17 @@ class AgentCollector(Collector):
         put("rttvar_milliseconds", stats.rttvar_ms)
         for name, attr, _ in _LIFETIME:
             put(name, getattr(stats, attr))
-        meta = (md.capability, md.region, md.gpu_model, md.version, md.deployment_id, md.replica_id)
+        meta = (
+            md.capability,
+            md.region,
+            md.gpu_model,
+            md.version,
+            md.deployment_id,
+            md.replica_id,
+            md.organization,
+            md.machine,
+            str(md.capacity),
+        )
         families["info"].add_metric([*labels, *meta], 1.0)
         if stats.successes + stats.failures:
             put("consecutive_failures", stats.consecutive_failures)

@@ -40,7 +40,20 @@ def _setup(fleet: Fleet, tmp_path: Path) -> tuple[Router, Agent, Path]:
     router = fleet.router(
         "--history-path", str(history), "--audit-log", str(tmp_path / "audit.log")
     )
-    agent = fleet.agent(router, "m1", "--heartbeat-interval", "1s", "--deployment-id", "d1")
+    agent = fleet.agent(
+        router,
+        "m1",
+        "--heartbeat-interval",
+        "1s",
+        "--deployment-id",
+        "d1",
+        "--organization",
+        "org1",
+        "--machine",
+        "gpu-7",
+        "--capacity",
+        "6",
+    )
     return router, agent, history
 
 
@@ -78,9 +91,10 @@ def test_lifetime_stats_survive_a_router_restart(fleet: Fleet, tmp_path: Path) -
     _chat(router)
     assert _universal(router, agent)["successful_requests_total"] == 3
     assert router.metric("hivenet_router_agent_requests_success_total", peer_id=agent.peer_id) == 3
-    assert (
-        router.metric("hivenet_router_agent_info", peer_id=agent.peer_id, deployment_id="d1") == 1
-    )
+    # Upstream's labels of a registered agent, which its dashboards filter on, too.
+    upstream = {"organization": "org1", "machine": "gpu-7", "capacity": "6"}
+    info = {"peer_id": agent.peer_id, "deployment_id": "d1", **upstream}
+    assert router.metric("hivenet_router_agent_info", **info) == 1
 
 
 def test_metrics_reset_clears_memory_and_disk(fleet: Fleet, tmp_path: Path) -> None:
