@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import subprocess
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -111,11 +112,16 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Router, Pr
 
         def rates_seen() -> bool:
             chat(router)
-            result = prom.query("model:hivenet_router_routing_requests_routed:rate5m > 0")
-            return bool(result["result"])
+            # A client's typo, which no alert is about (a 404, no agent's model).
+            typo = {"model": "m1-typo", "messages": [{"role": "user", "content": "hi"}]}
+            httpx.post(router.url + "/v1/chat/completions", json=typo, timeout=30)
+            routed = prom.query("model:hivenet_router_routing_requests_routed:rate5m > 0")
+            typos = prom.query("model:hivenet_router_policy_exhausted:rate5m > 0")
+            return bool(routed["result"]) and bool(typos["result"])
 
-        # Requests keep coming until two scrapes apart show the counter rising.
-        wait_until(rates_seen, 60, "a routed rate in Prometheus")
+        # Requests keep coming until two scrapes apart show the counters rising.
+        wait_until(rates_seen, 60, "routed and exhausted rates in Prometheus")
+        time.sleep(2)  # two evaluations of the alerts after the recordings
         wait_until(
             lambda: all(r["health"] != "unknown" for r in prom.rules()), 30, "rules evaluated"
         )
