@@ -125,7 +125,7 @@ class SimEngine:
         if scope["method"] == "POST" and scope["path"] != "/sim/state":
             # What reached the engine, for tests of what the agent forwards.
             self.state.last_headers = {
-                k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
+                k.decode("latin-1"): v.decode("latin-1") for k, v in scope.get("headers", ())
             }
         await handler(receive, send)
 
