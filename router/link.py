@@ -686,6 +686,9 @@ class AgentLink:
             self.registrations.publish(registration("unregistered", peer))
         peer.connected = False
         peer.healthy = False
+        # What the agent said the other routers hold dies with its session: no report
+        # will correct it, and the record would show that load until it is removed.
+        report_elsewhere(peer, 0)
         self.table.changed(peer.metadata.model)
         self._count()
         log.info("agent_disconnected peer=%s reason=%s", peer.peer_id, quote(reason))

@@ -177,6 +177,28 @@ def test_heartbeats_carry_the_elsewhere_count_and_a_drop_wakes_the_model() -> No
     ]
 
 
+def test_a_closed_session_leaves_no_load_of_the_other_routers_on_its_record() -> None:
+    """No report will come to correct it: the dead agent's record would show that load
+    until it is removed (--remove-after), to dashboards and to anything that sums it."""
+    link = AgentLink(
+        PeerTable(), RouterMetrics(), LinkSettings(SECRET.encode(), 5.0, 15.0, 30.0, "r")
+    )
+
+    async def main() -> tuple[int, int]:
+        session = AgentSession(link, RecordingStream(), PEER)  # type: ignore[arg-type]
+        session.on_message(m.hello(issue_token(SECRET.encode(), PEER, 60), METADATA))
+        peer = session.peer
+        assert peer is not None
+        msg = m.heartbeat(1.0, True, {}, {})
+        msg["elsewhere"] = 2
+        session.on_message(msg)
+        assert (peer.elsewhere, peer.active) == (2, 2)
+        link._closed(session, "agent killed")
+        return peer.elsewhere, peer.active
+
+    assert trio.run(main) == (0, 0)
+
+
 class _StalledEngine(CannedEngine):
     """An engine connection that takes the request and never answers it."""
 
