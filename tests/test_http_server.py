@@ -943,6 +943,33 @@ async def test_header_names_arrive_lowercased_and_values_without_surrounding_spa
     assert headers == [["host", "t"], ["x-spaces", "padded"], ["x-tight", "v"]]
 
 
+async def test_trailer_fields_are_no_request_headers() -> None:
+    """Fields after a chunked body would reach the engine as headers a proxy in front
+    never saw (one that strips X-Forwarded-For, say)."""
+    request = (
+        b"POST / HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\n"
+        b"2\r\n{}\r\n0\r\nX-Forwarded-For: 6.6.6.6\r\nX-Injected: yes\r\n\r\n"
+    )
+    _, received = await writes_of(headers_of, request)
+    assert received.startswith(b"HTTP/1.1 200 "), received
+    headers = json.loads(received.partition(b"\r\n\r\n")[2])
+    assert headers == [["host", "t"], ["transfer-encoding", "chunked"]]
+
+
+@pytest.mark.parametrize("piece", [0, 1000], ids=["one-write", "dribbled"])
+async def test_whitespace_around_a_value_counts_toward_the_head_limit(piece: int) -> None:
+    """llhttp skips the whitespace before a value without a word to the reader: a head
+    padded with it is counted as it came all the same."""
+    start = b"GET /v1/models HTTP/1.1\r\nHost: t\r\nX-Pad:"
+    before = start + b" " * 120_000 + b"a\r\n\r\n"
+    after = start + b" a" + b" " * 20_000 + b"\r\n\r\n"
+    at_limit = start + b" " * (MAX_HEAD_BYTES - len(start) - 5) + b"a\r\n\r\n"
+    async with serving(echo) as (_, port):
+        refusal(await exchange(port, before, piece), 431, "request_invalid")
+        refusal(await exchange(port, after, piece), 431, "request_invalid")
+        assert (await exchange(port, at_limit + SECOND, piece)).count(b"HTTP/1.1 200 ") == 2
+
+
 async def test_an_http10_client_gets_its_stream_up_to_the_close_and_no_keep_alive() -> None:
     # HTTP/1.0 has no chunks; as h11, its keep-alive is not kept (the server closes).
     request = b"GET / HTTP/1.0\r\nConnection: keep-alive\r\n\r\n" + SECOND

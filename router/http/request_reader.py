@@ -88,9 +88,9 @@ class RequestReader:
         "_head_read",
         "_headers",
         "_host",
-        "_in_head",
         "_parser",
         "_size",
+        "_tail",
         "_target",
         "buffered",
         "events",
@@ -103,8 +103,10 @@ class RequestReader:
         # Bytes held in queued body events, for the server's bound on reading ahead.
         self.buffered = 0
         self.stopped = False
-        self._in_head = False
+        # Raw bytes of the head being read (from the end of the last one), and the end
+        # of the last read while no blank line had come, which may hold part of one.
         self._head_read = 0
+        self._tail = b""
         self._target = b""
         self._headers: list[tuple[bytes, bytes]] = []
         self._size = _LINE_OVERHEAD
@@ -119,10 +121,9 @@ class RequestReader:
     def feed(self, data: bytes) -> None:
         if self.stopped or not data:
             return
-        if self._in_head:
-            # llhttp keeps a header line it has not finished inside httptools, where
-            # `_size` cannot see it; whole reads into an unfinished head bound it.
-            self._head_read += len(data)
+        if not self._body and self._over_head_limit(data):
+            self._refuse(431, f"request head larger than {MAX_HEAD_BYTES} bytes")
+            return
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -131,9 +132,28 @@ class RequestReader:
         except httptools.HttpParserError as exc:
             if not self.stopped:  # llhttp's own verdict (a _Stop queued its refusal)
                 self._refuse(400, _reason(str(exc), self._body))
-            return
-        if self._in_head and self._head_read > MAX_HEAD_BYTES:
-            self._refuse(431, f"request head larger than {MAX_HEAD_BYTES} bytes")
+
+    def _over_head_limit(self, data: bytes) -> bool:
+        """Whether the head being read, with `data`, is over MAX_HEAD_BYTES as it came:
+        up to its blank line, the whitespace llhttp skips before a value without a
+        callback (and so `_size` never sees) included, as is a header line llhttp holds
+        unfinished. A head that follows another request's body in the same read is
+        counted from the next read on."""
+        scan = self._tail + data
+        end = scan.find(b"\r\n\r\n")
+        if end < 0:
+            self._head_read += len(data)
+            self._tail = scan[-3:]
+        else:
+            self._head_read += end + 4 - len(self._tail)
+            self._tail = b""
+        if self._head_read <= MAX_HEAD_BYTES:
+            return False
+        if not self._target:
+            # Refused before llhttp saw it: the target, for the answer's format.
+            words = scan.split(b"\r\n", 1)[0].split(b" ")
+            self._target = words[1] if len(words) > 1 else b""
+        return True
 
     def next_event(self) -> Event | _NeedData:
         if not self.events:
@@ -154,8 +174,6 @@ class RequestReader:
     # llhttp's callbacks (httptools calls them by these names).
 
     def on_message_begin(self) -> None:
-        self._in_head = True
-        self._head_read = 0
         self._target = b""
         self._headers = []
         self._size = _LINE_OVERHEAD
@@ -169,10 +187,16 @@ class RequestReader:
 
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
-        value = value.rstrip(b" \t")
+        # Counted with the whitespace after it, which llhttp hands over (the whitespace
+        # before a value it skips without keeping it).
         self._size += len(name) + len(value) + 4
         if self._size > MAX_HEAD_BYTES:
             raise self._stop(431, f"request head larger than {MAX_HEAD_BYTES} bytes")
+        if self._body:
+            # A trailer field, after a chunked body: no request header. Merged into the
+            # head, it would reach the engine as one a proxy in front never saw.
+            return
+        value = value.rstrip(b" \t")
         if name == b"transfer-encoding":
             if self._chunked or value.lower() != b"chunked":
                 raise self._stop(400, "only Transfer-Encoding: chunked is supported")
@@ -185,7 +209,7 @@ class RequestReader:
 
     def on_headers_complete(self) -> None:
         parser = self._parser
-        self._in_head = False
+        self._head_read, self._tail = 0, b""
         version = parser.get_http_version()
         method = parser.get_method().decode("ascii")
         size = len(method) + len(self._target) + self._size
