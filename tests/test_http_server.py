@@ -27,6 +27,7 @@ from router.cli import build_parser, settings_from
 from router.http.app import protocol_of
 from router.http.asgi import ANSWER_SCOPE, BODY_READY, ON_DISCONNECT
 from router.http.server import (
+    IDLE,
     MAX_HEAD_BYTES,
     WRITE_PIECE_BYTES,
     HttpServer,
@@ -372,6 +373,35 @@ async def test_accept_retries_when_out_of_descriptors() -> None:
             answer = await stream.receive_some(1000)
         assert answer.endswith(b"POST /m x"), answer
         await stream.aclose()
+        nursery.cancel_scope.cancel()
+
+
+async def test_out_of_descriptors_the_longest_idle_connection_makes_room() -> None:
+    """Connections left open by the thousand must not lock every client out: at EMFILE
+    the server closes its longest-idle ones, and the new client is served while the
+    limit stays where it is."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    server = HttpServer(echo)
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(server.serve, ("127.0.0.1", 0), trio.sleep_forever)
+        idle = await trio.open_tcp_stream("127.0.0.1", port)
+        await trio.testing.wait_all_tasks_blocked()
+        assert [c.state for c in server.connections] == [IDLE]
+        client = trio.socket.socket()
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (_lowest_free_fd(), hard))
+            await client.connect(("127.0.0.1", port))
+            stream = trio.SocketStream(client)
+            await stream.send_all(b"POST /m HTTP/1.1\r\nHost: t\r\nContent-Length: 1\r\n\r\nx")
+            with trio.fail_after(10):
+                answer = await stream.receive_some(1000)
+                with contextlib.suppress(trio.BrokenResourceError):  # closed or reset
+                    assert await idle.receive_some(100) == b""  # closed to make room
+        finally:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+        assert answer.endswith(b"POST /m x"), answer
+        await stream.aclose()
+        await idle.aclose()
         nursery.cancel_scope.cancel()
 
 

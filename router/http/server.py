@@ -93,6 +93,9 @@ WATCH_PERIOD = 1.0
 # frees some; any other error is a bug or a broken listener and ends the server.
 ACCEPT_CAPACITY_ERRNOS = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS})
 ACCEPT_RETRY_DELAY = 0.1
+# Out of descriptors, the server closes this share of its idle connections (the oldest
+# first), so that connections left open by the thousand cannot lock every client out.
+SHED_IDLE_SHARE = 16
 
 _KNOWN_STATUSES = frozenset(s.value for s in http.HTTPStatus)
 _DISCONNECT = {"type": "http.disconnect"}
@@ -302,14 +305,32 @@ class HttpServer:
             except OSError as exc:
                 if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
                     raise
+                if not _pending(listener.socket):
+                    # Linux refuses accept() at the descriptor limit whether or not a
+                    # connection waits: nothing to make room for until one does.
+                    await trio.lowlevel.wait_readable(listener.socket)
+                    continue
                 log.warning(
-                    "http_accept_failed error=%s retry_s=%g",
+                    "http_accept_failed error=%s idle_closed=%d retry_s=%g",
                     errno.errorcode[exc.errno],
+                    self._shed_idle(),
                     ACCEPT_RETRY_DELAY,
                 )
                 await trio.sleep(ACCEPT_RETRY_DELAY)
                 continue
             nursery.start_soon(self.run_connection, stream)
+
+    def _shed_idle(self) -> int:
+        """Close the longest-idle 1/SHED_IDLE_SHARE of the connections waiting for a
+        request (at least one): their clients reconnect when they have one to send."""
+        idle = sorted(
+            (c for c in self.connections if c.state is IDLE), key=lambda c: c.waiting_since
+        )
+        shed = idle[: max(1, len(idle) // SHED_IDLE_SHARE)]
+        for conn in shed:
+            conn.shed = True
+            conn.end()
+        return len(shed)
 
     async def run_connection(self, stream: trio.abc.Stream) -> None:
         """Serve one client connection until it ends."""
@@ -390,6 +411,8 @@ class _Connection:
         self.framing = _CHUNKED
         self.length_left = 0  # what a Content-Length answer still owes
         self.close_after = False  # the answer said `connection: close`
+        # Shed for descriptors (`HttpServer._shed_idle`): its close waits for nothing.
+        self.shed = False
         self.expects_continue = False  # a 100 Continue is owed before the body is read
         # ANSWER_SCOPE: the app's deadline for its answer, which the watchdog keeps.
         self.answer_deadline = math.inf
@@ -930,7 +953,8 @@ class _Connection:
     async def _close(self) -> None:
         self._forget()
         try:
-            if self.state is not CLOSED:
+            # Shed while idle, it has no answer on its way a lingering close would save.
+            if self.state is not CLOSED and not self.shed:
                 await self.stream.send_eof()
                 with trio.move_on_after(LINGER_TIMEOUT):
                     while await self.stream.receive_some(READ_BYTES):
@@ -939,6 +963,13 @@ class _Connection:
             pass
         finally:
             await self.stream.aclose()
+
+
+def _pending(sock: trio.socket.SocketType) -> bool:
+    """A connection waits on the listening `sock` (one poll, no wait)."""
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLIN)
+    return bool(poller.poll(0))
 
 
 def _path_of(target: bytes) -> str:
