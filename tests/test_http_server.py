@@ -966,6 +966,38 @@ async def test_an_http11_request_without_host_is_refused() -> None:
     assert "Host" in refusal(answer, 400, "request_invalid")["error"]["message"]
 
 
+async def test_two_host_headers_are_refused() -> None:
+    async with serving(echo) as (_, port):
+        answer = await exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n")
+    assert "Host" in refusal(answer, 400, "request_invalid")["error"]["message"]
+
+
+async def test_an_http_version_other_than_1_0_and_1_1_is_505() -> None:
+    async with serving(echo) as (_, port):
+        answer = await exchange(port, b"GET /v1/models HTTP/2.0\r\nHost: t\r\n\r\n")
+    assert "HTTP/1.1" in refusal(answer, 505, "request_invalid")["error"]["message"]
+
+
+@pytest.mark.parametrize(
+    ("target", "path"),
+    [
+        (b"http://router.example/v1/models?x=1", "/v1/models"),
+        (b"HTTPS://router.example:8080/m", "/m"),
+        (b"http://router.example", "/"),
+        (b"http://router.example?x=1", "/"),
+    ],
+)
+async def test_an_absolute_form_target_is_served_by_its_path(target: bytes, path: str) -> None:
+    async def path_of(scope: dict, receive: Receive, send: Send) -> None:
+        body = scope["path"].encode()
+        headers = [(b"content-length", b"%d" % len(body))]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    _, received = await writes_of(path_of, b"GET " + target + b" HTTP/1.1\r\nHost: t\r\n\r\n")
+    assert received.startswith(b"HTTP/1.1 200 ") and received.endswith(path.encode()), received
+
+
 async def test_header_names_arrive_lowercased_and_values_without_surrounding_spaces() -> None:
     request = b"GET / HTTP/1.1\r\nHost: t\r\nX-Spaces:   padded   \r\nX-Tight:v\r\n\r\n"
     _, received = await writes_of(headers_of, request)

@@ -202,6 +202,9 @@ class RequestReader:
                 raise self._stop(400, "only Transfer-Encoding: chunked is supported")
             self._chunked = True
         elif name == b"host":
+            if self._host:
+                # Which one names the origin is anyone's guess (RFC 9112 §3.2: 400).
+                raise self._stop(400, "malformed request: more than one Host header")
             self._host = True
         elif name == b"expect" and value.lower() == b"100-continue":
             self._expects = True
@@ -215,8 +218,20 @@ class RequestReader:
         size = len(method) + len(self._target) + self._size
         if size > MAX_HEAD_BYTES:
             raise self._stop(431, f"request head larger than {MAX_HEAD_BYTES} bytes")
+        if version not in ("1.0", "1.1"):
+            raise self._stop(505, f"HTTP/{version} is not served here: send HTTP/1.1")
         if version == "1.1" and not self._host:
             raise self._stop(400, "malformed request: missing mandatory Host header")
+        target = self._target
+        if target[:7].lower() == b"http://" or target[:8].lower() == b"https://":
+            # Absolute form (RFC 9112 §3.2.2), which a server must accept: its path.
+            rest = target.partition(b"://")[2]
+            slash = rest.find(b"/")
+            query = rest.find(b"?")
+            if slash < 0 or 0 <= query < slash:
+                self._target = b"/" + (rest[query:] if query >= 0 else b"")
+            else:
+                self._target = rest[slash:]
         # As h11: only HTTP/1.1 keeps a connection alive (1.0's keep-alive is not kept).
         keep_alive = version == "1.1" and parser.should_keep_alive()
         if parser.should_upgrade():
