@@ -309,7 +309,7 @@ def check_connection(data: bytes, calls: list[Call], ended_early: bool) -> list[
             call = calls[answered]
             answered += 1
         else:  # the server's refusal of a request, maybe one the app saw part of
-            assert status in (400, 431), (status, headers)
+            assert status in (400, 431, 505), (status, headers)
             assert headers.get(b"connection") == b"close", headers
             refused = True
             if answered < len(calls) and calls[answered].disconnected:

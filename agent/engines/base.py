@@ -389,15 +389,20 @@ class EngineAdapter:
     async def check_health(
         self, client: httpx.AsyncClient, ep: EngineEndpoints, model: str | None = None
     ) -> bool:
-        """The engine's health URL answers 2xx (`model`, the agent's, for engines whose
-        health says which models they hold)."""
+        """The engine's health URL answers 2xx, and what it says is fit (`answers_for`;
+        `model`, the agent's)."""
         if ep.health_url is None:
             return True
         try:
             response = await client.get(ep.health_url)
         except httpx.HTTPError:
             return False
-        return response.is_success
+        return response.is_success and self.answers_for(response, model)
+
+    def answers_for(self, response: httpx.Response, model: str | None) -> bool:
+        """Whether a 2xx health answer means the engine serves `model`: for engines
+        whose health page names no model, it does."""
+        return True
 
     async def discover_model(self, client: httpx.AsyncClient, ep: EngineEndpoints) -> str | None:
         """The first model of the OpenAI-compatible `/v1/models` list."""

@@ -34,19 +34,9 @@ class OllamaAdapter(EngineAdapter):
     # No reranking API (agent/engines/endpoints.py).
     api_paths = API_PATHS - {RERANK}
 
-    async def check_health(
-        self, client: httpx.AsyncClient, ep: EngineEndpoints, model: str | None = None
-    ) -> bool:
-        """Ollama answers, and lists the agent's model: a model not pulled yet (or
-        removed) would fail every request sent to it."""
-        if ep.health_url is None:
-            return True
-        try:
-            response = await client.get(ep.health_url)
-        except httpx.HTTPError:
-            return False
-        if not response.is_success:
-            return False
+    def answers_for(self, response: httpx.Response, model: str | None) -> bool:
+        """Ollama lists the agent's model: a model not pulled yet (or removed) would
+        fail every request sent to it."""
         if not model:
             return True
         try:
