@@ -11,6 +11,10 @@ from __future__ import annotations
 import difflib
 import hashlib
 import logging
+import os
+import reprlib
+import stat
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Generic, TypeVar
@@ -21,6 +25,17 @@ from prometheus_client import Counter
 from protocol.logs import quote
 
 T = TypeVar("T")
+
+# A document file larger than this is refused unread (the admin API takes 1 MiB).
+MAX_FILE_BYTES = 16 * 1024 * 1024
+# Errors listed per refused document: every one matters to whoever fixes a file, but a
+# document of a hundred thousand bad keys must not make a reply of megabytes.
+MAX_ERRORS = 100
+# A value quoted in an error message: its beginning. YAML aliases can make a small
+# document hold a structure whose full repr is gigabytes.
+_SHOWN = reprlib.Repr()
+_SHOWN.maxlevel, _SHOWN.maxdict, _SHOWN.maxlist, _SHOWN.maxtuple = 2, 4, 4, 4
+_SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 80, 80, 40
 
 
 class DocumentError(ValueError):
@@ -118,6 +133,11 @@ def hint(word: str, known: tuple[str, ...]) -> str:
     return f"; did you mean {close[0]!r}?" if close else ""
 
 
+def shown(value: object) -> str:
+    """`value`'s repr, cut short past a few items and characters."""
+    return _SHOWN.repr(value)
+
+
 def kind(value: object) -> str:
     """How a wrong value reads in an error message."""
     if value is None:
@@ -126,7 +146,9 @@ def kind(value: object) -> str:
         # YAML 1.1 reads bare yes/no/on/off (and NO, the country code) as booleans.
         return f"boolean {str(value).lower()} (quote the value if it is text)"
     if isinstance(value, str):
-        return f"string {value!r}"
+        return f"string {shown(value)}"
+    if isinstance(value, int) and not is_number(value):
+        return f"a number too large ({shown(value)})"
     if isinstance(value, int | float):
         return f"number {value}"
     if isinstance(value, list):
@@ -137,8 +159,15 @@ def kind(value: object) -> str:
 
 
 def is_number(value: object) -> bool:
-    """An int or float from YAML; booleans (`yes`) are not numbers."""
-    return isinstance(value, int | float) and not isinstance(value, bool)
+    """An int or float from YAML; booleans (`yes`) are not numbers, nor an integer past
+    what a float holds (`float()` of it raises)."""
+    if isinstance(value, float):
+        return True
+    return (
+        isinstance(value, int)
+        and not isinstance(value, bool)
+        and -sys.float_info.max <= value <= sys.float_info.max
+    )
 
 
 class Validator:
@@ -149,7 +178,11 @@ class Validator:
         self.errors = errors
 
     def error(self, path: str, message: str) -> None:
-        self.errors.append(f"{path}: {message}")
+        errors = self.errors
+        if len(errors) < MAX_ERRORS:
+            errors.append(f"{path}: {message}")
+        elif len(errors) == MAX_ERRORS:
+            errors.append(f"(more errors not listed: the first {MAX_ERRORS} are above)")
 
     def unknown_keys(
         self,
@@ -202,10 +235,24 @@ class Validator:
         return value
 
 
+def read_text(path: str | Path) -> str:
+    """A document file's UTF-8 text. OSError for what is no regular file (a FIFO would
+    block the daemon's one thread until a writer came, /dev/zero never end) or holds
+    over MAX_FILE_BYTES; UnicodeDecodeError for what is not UTF-8."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as file:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(f"{path} is not a regular file")
+        data = file.read(MAX_FILE_BYTES + 1)
+    if len(data) > MAX_FILE_BYTES:
+        raise OSError(f"{path} is larger than {MAX_FILE_BYTES} bytes")
+    return data.decode("utf-8")
+
+
 def read_document(path: str | Path, error: type[DocumentError], noun: str) -> str:
     """A document file's text; one that cannot be read is `error`, naming the file."""
     try:
-        return Path(path).read_text(encoding="utf-8")
+        return read_text(path)
     except (OSError, UnicodeDecodeError) as exc:
         raise error([f"{path}: cannot read {noun} ({exc})"]) from None
 
@@ -261,6 +308,10 @@ class DocumentStore(Generic[T]):
             value = self.parse(text)
         except DocumentError as exc:
             return self.reject(exc.errors, origin)
+        except Exception as exc:  # a validator's bug: the document is refused, the daemon lives
+            self.log.exception("%s_validation_failed origin=%s", self.kind, origin)
+            why = f"{self.title} could not be checked ({type(exc).__name__})"
+            return self.reject([why], origin)
         self.commit(value, origin)
         return []
 
@@ -293,7 +344,7 @@ class DocumentStore(Generic[T]):
             return self.without_file()
         try:
             # Not UTF-8 must be a rejected reload, not an exception in the signal task.
-            text = Path(self.path).read_text(encoding="utf-8")
+            text = read_text(self.path)
         except (OSError, UnicodeDecodeError) as exc:
             return self.reject([f"{self.path}: cannot read {self.title} ({exc})"], "file")
         return self.replace(text, "file")

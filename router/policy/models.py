@@ -17,7 +17,7 @@ from pathlib import Path
 
 import yaml
 
-from router.documents import DocumentError
+from router.documents import DocumentError, read_text
 from router.policy.schema import Policy, PolicyError, load_policy
 
 DEFAULT_NAMES: tuple[str, ...] = ("_default.yaml", "_default.yml")
@@ -42,6 +42,8 @@ def check_name(name: str) -> str | None:
     """Why `name` cannot name a document, or None."""
     if not name or len(name) > 128 or not set(name) <= NAME_CHARS or name.startswith("_"):
         return "policy names are 1-128 letters, digits, `.`, `_` or `-`, not starting with `_`"
+    if not name.strip("."):
+        return "a policy name needs a letter, digit, `_` or `-` (`.` and `..` name directories)"
     return None
 
 
@@ -113,7 +115,7 @@ def read_directory(directory: str) -> tuple[str | None, dict[str, str], list[str
         if path.suffix not in SUFFIXES or not path.is_file():
             continue
         try:
-            text = path.read_text(encoding="utf-8")
+            text = read_text(path)
         except (OSError, UnicodeDecodeError) as exc:
             errors.append(f"{path}: cannot read policy file ({exc})")
             continue

@@ -23,6 +23,7 @@ from router.documents import (
     kind,
     parse_document,
     read_document,
+    shown,
 )
 from router.peers import UNIVERSAL_FIELDS
 from router.policy.rank import PARAMS, STRATEGIES
@@ -56,6 +57,7 @@ POLICY_SHED_FIELDS: tuple[str, ...] = (*POOL_SHED_FIELDS, *SHED_FIELDS)
 DEFAULT_RETRY_AFTER = 1
 MAX_RETRY_AFTER = 3600
 TOP_LEVEL_KEYS: tuple[str, ...] = ("routing_policy", "fallback_chain", "fallback_provider")
+MAX_FALLBACK_STEPS = 64
 # Upstream's top-level fields: `models` names the models of a per-model file
 # (--policy-model-dir), `shed_if` is the front-door check. Not in the `known:` list of
 # the message above, which tests and operators' notes pin.
@@ -257,6 +259,11 @@ class _Validator(Validator):
             return ()
         if not isinstance(raw, list):
             self.error("fallback_chain", f"must be a list of steps, got {kind(raw)}")
+            return None
+        if len(raw) > MAX_FALLBACK_STEPS:
+            # Each step is checked against the others: thousands would hold up the
+            # router while it checks them, for a chain no request could walk in time.
+            self.error("fallback_chain", f"{len(raw)} steps, at most {MAX_FALLBACK_STEPS}")
             return None
         steps: list[Step] = []
         valid = True
@@ -472,7 +479,8 @@ class _Validator(Validator):
         value = body[name]
         if not is_number(value) or not math.isfinite(value) or value < 0:
             self.error(
-                f"{path}.{name}", f"must be a finite number of at least 0 ({unit}), got {value!r}"
+                f"{path}.{name}",
+                f"must be a finite number of at least 0 ({unit}), got {shown(value)}",
             )
             return default
         return float(value)
@@ -500,7 +508,7 @@ class _Validator(Validator):
         self.unknown_keys(f"{path}.", raw, PROVIDER_KEYS, "unknown key")
         engine = self.required_string(f"{path}.engine", raw, "openai or anthropic")
         if engine and engine not in PROVIDER_ENGINES:
-            self.error(f"{path}.engine", f"must be openai or anthropic, got {engine!r}")
+            self.error(f"{path}.engine", f"must be openai or anthropic, got {shown(engine)}")
             engine = ""
         model = self.required_string(f"{path}.model", raw, "the provider's model name")
         if not engine or not model:

@@ -128,6 +128,8 @@ def rfc3339(text: str) -> float | None:
     at = calendar.timegm((year, month, day, hour, minute, second, 0, 0, 0))
     zone = m.group(8)
     if zone not in ("Z", "z"):
+        if int(zone[1:3]) > 23 or int(zone[4:6]) > 59:
+            return None  # RFC 3339's offsets run to 23:59
         sign = 1 if zone[0] == "+" else -1
         at -= sign * (int(zone[1:3]) * 3600 + int(zone[4:6]) * 60)
     return float(at) + float(m.group(7) or 0)

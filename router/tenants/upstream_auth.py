@@ -16,7 +16,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from router.documents import Validator, kind
+from router.documents import Validator, kind, shown
 from router.tenants.config import (
     HASH_PREFIX,
     ApiKey,
@@ -300,7 +300,7 @@ class _Upstream(Validator):
         # Upstream's example file ships a placeholder here; it loads there and matches
         # no key. Loading it too keeps that file working, and check-auth says so.
         self.warnings.append(
-            f"{path}: {raw!r} is not a SHA-256 in hex, so no key can match it"
+            f"{path}: {shown(raw)} is not a SHA-256 in hex, so no key can match it"
             " (`hivenet-router keygen` prints a real one)"
         )
         return HASH_PREFIX + raw
