@@ -3,19 +3,21 @@
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
+from protocol.files import read_regular
 from protocol.tokens import check_secret
 
 SECRET_ENV = "HIVENET_ROUTER_JWT_SECRET"
 # The secret being rotated out: a router accepts agents' tokens signed by either.
 PREVIOUS_ENV = "HIVENET_ROUTER_JWT_SECRET_PREVIOUS"
+# A secret file is a line of text; a larger file is some other file.
+MAX_SECRET_FILE_BYTES = 64 * 1024
 
 
 def load_secret(path: str | None, environ: dict[str, str] | None = None) -> bytes:
     env = os.environ if environ is None else environ
     if path:
-        secret = Path(path).read_bytes().strip()
+        secret = read_regular(path, MAX_SECRET_FILE_BYTES).strip()
     elif env.get(SECRET_ENV):
         secret = env[SECRET_ENV].strip().encode()
     else:
@@ -33,7 +35,7 @@ def load_previous_secret(
     env = os.environ if environ is None else environ
     if path:
         try:
-            secret = Path(path).read_bytes().strip()
+            secret = read_regular(path, MAX_SECRET_FILE_BYTES).strip()
         except FileNotFoundError:
             if missing_ok:
                 return b""

@@ -11,9 +11,7 @@ from __future__ import annotations
 import difflib
 import hashlib
 import logging
-import os
 import reprlib
-import stat
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -22,6 +20,7 @@ from typing import Any, Generic, TypeVar
 import yaml
 from prometheus_client import Counter
 
+from protocol.files import read_regular
 from protocol.logs import quote
 
 T = TypeVar("T")
@@ -236,17 +235,9 @@ class Validator:
 
 
 def read_text(path: str | Path) -> str:
-    """A document file's UTF-8 text. OSError for what is no regular file (a FIFO would
-    block the daemon's one thread until a writer came, /dev/zero never end) or holds
-    over MAX_FILE_BYTES; UnicodeDecodeError for what is not UTF-8."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    with os.fdopen(fd, "rb") as file:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(f"{path} is not a regular file")
-        data = file.read(MAX_FILE_BYTES + 1)
-    if len(data) > MAX_FILE_BYTES:
-        raise OSError(f"{path} is larger than {MAX_FILE_BYTES} bytes")
-    return data.decode("utf-8")
+    """A document file's UTF-8 text (`read_regular`'s refusals: no FIFO, no device, at
+    most MAX_FILE_BYTES); UnicodeDecodeError for what is not UTF-8."""
+    return read_regular(path, MAX_FILE_BYTES).decode("utf-8")
 
 
 def read_document(path: str | Path, error: type[DocumentError], noun: str) -> str:

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.durations import parse_duration
+from protocol.files import read_regular
 from router.admission.limits import DEFAULT_ADMIT_FRACTION, DEFAULT_PARK_TIMEOUT, parse_fraction
 from router.peers import DEFAULT_FAILURE_COOLDOWN
 
@@ -17,6 +18,8 @@ DEFAULT_MAX_REQUEST_BYTES = 10 * 1024 * 1024
 UNLIMITED_REQUEST_BYTES = 1024 * 1024 * 1024
 AUTH_MODES: tuple[str, ...] = ("none", "api-key", "dynamic")
 ENV_PREFIX = "HIVENET_ROUTER_"
+# HIVENET_ROUTER_ADMIN_API_KEYS_FILE: a list of keys; a larger file is some other file.
+MAX_KEYS_FILE_BYTES = 1024 * 1024
 
 
 def env_value(
@@ -161,8 +164,7 @@ def _non_negative(raw: str) -> int:
 def read_admin_keys(path: str) -> list[str]:
     """Admin keys from a file: comma- or line-separated, `#` starts a comment."""
     try:
-        with open(path, encoding="utf-8") as file:
-            text = file.read()
+        text = read_regular(path, MAX_KEYS_FILE_BYTES).decode("utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise ValueError(f"HIVENET_ROUTER_ADMIN_API_KEYS_FILE={path}: {exc}") from None
     keys: list[str] = []

@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 
+from protocol.secrets import MAX_SECRET_FILE_BYTES, load_previous_secret, load_secret
 from router.documents import MAX_ERRORS, MAX_FILE_BYTES, read_text
 from router.metrics import RouterMetrics
 from router.policy.models import check_name
 from router.policy.schema import MAX_FALLBACK_STEPS, PolicyError, load_policy
 from router.policy.store import PolicyStore
+from router.settings import read_admin_keys
 from router.tenants.config import AuthError, load_auth
 from router.tenants.registry import rfc3339
 
@@ -139,3 +141,22 @@ def test_a_utc_offset_past_23_59_is_no_instant(offset: str) -> None:
 def test_a_policy_name_of_dots_alone_is_refused(name: str) -> None:
     assert check_name(name) is not None
     assert check_name("v1.2") is None
+
+
+def test_secret_and_admin_key_files_are_read_the_same_guarded_way(tmp_path: Path) -> None:
+    """Re-read on SIGHUP too: a FIFO put in a secret's place must not freeze the router."""
+    fifo = tmp_path / "secret.fifo"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="not a regular file"):
+        load_secret(str(fifo))
+    with pytest.raises(OSError, match="not a regular file"):
+        load_previous_secret(str(fifo))
+    with pytest.raises(ValueError, match="not a regular file"):
+        read_admin_keys(str(fifo))
+    big = tmp_path / "secret"
+    big.write_bytes(b"s" * (MAX_SECRET_FILE_BYTES + 1))
+    with pytest.raises(OSError, match="larger than"):
+        load_secret(str(big))
+    good = tmp_path / "good"
+    good.write_bytes(b"s" * 40 + b"\n")
+    assert load_secret(str(good)) == b"s" * 40
