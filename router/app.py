@@ -29,7 +29,7 @@ from router.dispatch import Dispatcher
 from router.fleet.config_sync import CALL_TIMEOUT, ConfigSync
 from router.fleet.view import FleetView
 from router.forward_limit import ForwardLimit
-from router.http.app import RouterApp, protocol_of, with_lifespan
+from router.http.app import RouterApp, metrics_only, protocol_of, with_lifespan
 from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
 from router.http.server import HttpServer
@@ -330,7 +330,7 @@ class RouterDaemon:
                     nursery.start_soon(self.fleet.run)
                     nursery.start_soon(self._signals, nursery.cancel_scope)
                     await nursery.start(self._serve_http, self.app, s.http_addr)
-                    metrics_app = with_lifespan(make_asgi_app(self.metrics.registry))
+                    metrics_app = with_lifespan(metrics_only(make_asgi_app(self.metrics.registry)))
                     await nursery.start(self._serve_http, metrics_app, s.metrics_addr)
                     for addr in self.announce_addrs(host):
                         log.info("router_listening p2p=%s", addr)

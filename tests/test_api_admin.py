@@ -719,7 +719,11 @@ METRIC_FAMILIES = (
 def test_metrics_endpoint_has_every_family(af: AdminFleet) -> None:
     router = af.router
     assert af.chat().status_code == 200
-    text = httpx.get(f"http://127.0.0.1:{router.metrics_port}/metrics", timeout=10).text
+    base_url = f"http://127.0.0.1:{router.metrics_port}"
+    text = httpx.get(base_url + "/metrics", timeout=10).text
+    # Only the page Prometheus scrapes answers with it.
+    assert httpx.get(base_url + "/admin/routing-table", timeout=10).status_code == 404
+    assert httpx.post(base_url + "/metrics", timeout=10).status_code == 405
     for family in METRIC_FAMILIES:
         base = family.removesuffix("_total")
         assert re.search(rf"^# TYPE {base}(_total)? ", text, re.M), family

@@ -1018,6 +1018,17 @@ async def test_trailer_fields_are_no_request_headers() -> None:
     assert headers == [["host", "t"], ["transfer-encoding", "chunked"]]
 
 
+async def test_a_head_of_headers_without_spaces_is_measured_as_sent() -> None:
+    """`name:value` lines are a byte shorter than `name: value`: 16 KiB of them pass."""
+    start = b"GET /v1/models HTTP/1.1\r\nHost: t\r\n"
+    line = b"x-h:v\r\n"
+    count = (MAX_HEAD_BYTES - len(start) - 2) // len(line)
+    head = start + line * count + b"\r\n"
+    assert MAX_HEAD_BYTES - len(line) < len(head) <= MAX_HEAD_BYTES
+    async with serving(echo) as (_, port):
+        assert (await exchange(port, head + SECOND)).count(b"HTTP/1.1 200 ") == 2
+
+
 @pytest.mark.parametrize("piece", [0, 1000], ids=["one-write", "dribbled"])
 async def test_whitespace_around_a_value_counts_toward_the_head_limit(piece: int) -> None:
     """llhttp skips the whitespace before a value without a word to the reader: a head

@@ -414,3 +414,24 @@ def with_lifespan(app: Any) -> Any:
             await app(scope, receive, send)
 
     return wrapped
+
+
+def metrics_only(app: Any) -> Any:
+    """prometheus_client's app, at `GET /metrics` (and HEAD) only, as Prometheus scrapes
+    it; it answers the page to any path and method of its own."""
+
+    async def wrapped(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or (
+            scope["path"] == "/metrics" and scope["method"] in ("GET", "HEAD")
+        ):
+            await app(scope, receive, send)
+            return
+        status = 404 if scope["path"] != "/metrics" else 405
+        body = b"only GET /metrics here\n"
+        headers = [(b"content-type", b"text/plain"), (b"content-length", b"%d" % len(body))]
+        if status == 405:
+            headers.append((b"allow", b"GET, HEAD"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+    return wrapped

@@ -188,8 +188,9 @@ class RequestReader:
     def on_header(self, name: bytes, value: bytes) -> None:
         name = name.lower()
         # Counted with the whitespace after it, which llhttp hands over (the whitespace
-        # before a value it skips without keeping it).
-        self._size += len(name) + len(value) + 4
+        # before a value it skips without keeping it, which the raw count sees), and the
+        # least a header line adds: a colon and a CRLF.
+        self._size += len(name) + len(value) + 3
         if self._size > MAX_HEAD_BYTES:
             raise self._stop(431, f"request head larger than {MAX_HEAD_BYTES} bytes")
         if self._body:
@@ -215,7 +216,7 @@ class RequestReader:
         self._head_read, self._tail = 0, b""
         version = parser.get_http_version()
         method = parser.get_method().decode("ascii")
-        size = len(method) + len(self._target) + self._size
+        size = len(method) + self._size  # the target is in `_size` (on_url)
         if size > MAX_HEAD_BYTES:
             raise self._stop(431, f"request head larger than {MAX_HEAD_BYTES} bytes")
         if version not in ("1.0", "1.1"):
