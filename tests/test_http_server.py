@@ -966,6 +966,16 @@ async def test_an_http11_request_without_host_is_refused() -> None:
     assert "Host" in refusal(answer, 400, "request_invalid")["error"]["message"]
 
 
+async def test_an_upgrade_with_a_body_is_refused_not_served_empty() -> None:
+    request = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\nConnection: Upgrade\r\n"
+        b"Upgrade: websocket\r\nContent-Length: 2\r\n\r\n{}"
+    )
+    async with serving(echo) as (_, port):
+        answer = await exchange(port, request)
+    assert "Upgrade" in refusal(answer, 400, "request_invalid")["error"]["message"]
+
+
 async def test_two_host_headers_are_refused() -> None:
     async with serving(echo) as (_, port):
         answer = await exchange(port, b"GET /v1/models HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n")

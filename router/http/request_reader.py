@@ -236,6 +236,12 @@ class RequestReader:
         # As h11: only HTTP/1.1 keeps a connection alive (1.0's keep-alive is not kept).
         keep_alive = version == "1.1" and parser.should_keep_alive()
         if parser.should_upgrade():
+            if self._chunked or any(
+                k == b"content-length" and v.strip(b"0") for k, v in self._headers
+            ):
+                # llhttp hands nothing after an upgrade's head over: its body would be
+                # lost, and the app would call the request empty.
+                raise self._stop(400, "a request asking for an Upgrade may not have a body")
             keep_alive = False
         self._body = True
         self.events.append(
