@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import base64
 import math
-import select
 import ssl
 import zlib
 from collections import deque
@@ -39,7 +38,7 @@ from urllib.parse import SplitResult, unquote, urlsplit
 import httptools
 import trio
 
-from protocol.sockets import receive_when_ready, send_at_once, stdlib_socket
+from protocol.sockets import readable_now, receive_when_ready, send_at_once, stdlib_socket
 
 RECEIVE_BYTES = 64 * 1024
 # An engine's head is a few hundred bytes; h11 (httpx) refused any over 16 KiB. A
@@ -107,13 +106,7 @@ class _Connection:
     def closed_by_engine(self) -> bool:
         """An idle connection with anything to read has been closed by the engine (or
         carries bytes no request asked for): one poll, no read."""
-        if self.sock is None:
-            return False
-        # poll, not select: an agent with a thousand sessions has descriptors past
-        # select's limit of 1,024.
-        poller = select.poll()
-        poller.register(self.sock, select.POLLIN)
-        return bool(poller.poll(0))
+        return self.sock is not None and readable_now(self.sock)
 
     async def send_all(self, data: bytes) -> None:
         """Straight to the socket while the kernel has room: trio's `send_all` passes

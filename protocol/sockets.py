@@ -11,7 +11,9 @@ sockets through these instead, and through trio only when the kernel has no room
 
 from __future__ import annotations
 
+import select
 import socket
+from typing import Any
 
 import trio
 
@@ -44,3 +46,12 @@ def send_at_once(raw: socket.socket, data: bytes | memoryview) -> int:
         return raw.send(data)
     except BlockingIOError:
         return 0
+
+
+def readable_now(sock: Any) -> bool:
+    """`sock` (anything with a `fileno()`) has something to read, or its end, now: one
+    poll, no read. poll, not select: a daemon with a thousand sessions has descriptors
+    past select's limit of 1,024."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(0))

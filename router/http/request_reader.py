@@ -30,6 +30,8 @@ MAX_HEAD_BYTES = 16 * 1024
 # A request line plus the CRLFs around it: "METHOD SP target SP HTTP/1.1 CRLF" and the
 # blank line, as `head_size` counts a head.
 _LINE_OVERHEAD = 14
+# An absolute-form target's beginnings (RFC 9112 §3.2.2); origin-form starts with `/`.
+_ABSOLUTE = (b"http://", b"https://")
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,7 +226,7 @@ class RequestReader:
         if version == "1.1" and not self._host:
             raise self._stop(400, "malformed request: missing mandatory Host header")
         target = self._target
-        if target[:7].lower() == b"http://" or target[:8].lower() == b"https://":
+        if not target.startswith(b"/") and target[:8].lower().startswith(_ABSOLUTE):
             # Absolute form (RFC 9112 §3.2.2), which a server must accept: its path.
             rest = target.partition(b"://")[2]
             slash = rest.find(b"/")

@@ -53,7 +53,7 @@ import trio
 
 from protocol.errors import ErrorCode, RouterError, anthropic_error_body, openai_error_body
 from protocol.logs import quote
-from protocol.sockets import receive_when_ready, send_at_once, stdlib_socket
+from protocol.sockets import readable_now, receive_when_ready, send_at_once, stdlib_socket
 from router.http.asgi import ANSWER_SCOPE, BODY_READY, ON_DISCONNECT
 from router.http.request_reader import (
     END,
@@ -305,7 +305,7 @@ class HttpServer:
             except OSError as exc:
                 if exc.errno not in ACCEPT_CAPACITY_ERRNOS:
                     raise
-                if not _pending(listener.socket):
+                if not readable_now(listener.socket):  # no connection waits
                     # Linux refuses accept() at the descriptor limit whether or not a
                     # connection waits: nothing to make room for until one does.
                     await trio.lowlevel.wait_readable(listener.socket)
@@ -963,13 +963,6 @@ class _Connection:
             pass
         finally:
             await self.stream.aclose()
-
-
-def _pending(sock: trio.socket.SocketType) -> bool:
-    """A connection waits on the listening `sock` (one poll, no wait)."""
-    poller = select.poll()
-    poller.register(sock.fileno(), select.POLLIN)
-    return bool(poller.poll(0))
 
 
 def _path_of(target: bytes) -> str:
