@@ -32,6 +32,7 @@ MAX_FILE_BYTES = 16 * 1024 * 1024
 MAX_ERRORS = 100
 # A value quoted in an error message: its beginning. YAML aliases can make a small
 # document hold a structure whose full repr is gigabytes.
+_MORE_ERRORS = f"(more errors not listed: the first {MAX_ERRORS} are above)"
 _SHOWN = reprlib.Repr()
 _SHOWN.maxlevel, _SHOWN.maxdict, _SHOWN.maxlist, _SHOWN.maxtuple = 2, 4, 4, 4
 _SHOWN.maxstring, _SHOWN.maxother, _SHOWN.maxlong = 80, 80, 40
@@ -43,8 +44,16 @@ class DocumentError(ValueError):
     label = "document"
 
     def __init__(self, errors: list[str]) -> None:
+        errors = capped(errors)
         super().__init__(f"invalid {self.label}: " + "; ".join(errors))
         self.errors = errors
+
+
+def capped(errors: list[str]) -> list[str]:
+    """The first MAX_ERRORS of `errors`, and a line saying there were more."""
+    if len(errors) <= MAX_ERRORS:
+        return errors
+    return [*errors[:MAX_ERRORS], _MORE_ERRORS]
 
 
 class YamlInvalid(ValueError):
@@ -189,11 +198,9 @@ class Validator:
         self.errors = errors
 
     def error(self, path: str, message: str) -> None:
-        errors = self.errors
-        if len(errors) < MAX_ERRORS:
-            errors.append(f"{path}: {message}")
-        elif len(errors) == MAX_ERRORS:
-            errors.append(f"(more errors not listed: the first {MAX_ERRORS} are above)")
+        # Past what `DocumentError` lists, one more says so and the rest are not made.
+        if len(self.errors) <= MAX_ERRORS:
+            self.errors.append(f"{path}: {message}")
 
     def unknown_keys(
         self,
@@ -209,7 +216,7 @@ class Validator:
         or else the closest known key."""
         for key in mapping:
             if len(self.errors) > MAX_ERRORS:
-                break  # no more are listed: no hint to look for (difflib, per key)
+                break  # none more is listed: no hint to look for (difflib, per key)
             if key not in known:
                 word = str(key)
                 if aliases and word in aliases:

@@ -11,6 +11,7 @@ import pytest
 import trio
 
 from protocol.tokens import TokenError, issue_token, verify_with
+from router.documents import MAX_ERRORS
 from router.metrics import RouterMetrics
 from router.settings import RouterSettings
 from router.tenants.registry import (
@@ -245,3 +246,18 @@ def test_hostile_numbers_are_refused_not_a_crash(tmp_path: Path) -> None:
         assert registry.current.entries == {}
 
     trio.run(main)
+
+
+def test_a_replace_lists_at_most_a_hundred_errors_and_names_a_bad_ids_type(
+    tmp_path: Path,
+) -> None:
+    registry = registry_in(tmp_path)
+    keys = [entry("same") for _ in range(300)]
+    with pytest.raises(RegistryError) as refused:
+        registry.replaced_by({"version": "v1", "keys": keys})
+    errors = refused.value.errors
+    assert len(errors) == MAX_ERRORS + 1 and "not listed" in errors[-1]
+    assert errors[0] == "keys[1].id: 'same' is listed twice"
+    with pytest.raises(RegistryError) as refused:
+        registry.replaced_by({"version": "v1", "keys": [entry(key_id=[1])]})  # type: ignore[arg-type]
+    assert refused.value.errors == ["keys[0].id: a string is required in a replace, got a list"]

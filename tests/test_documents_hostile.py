@@ -77,6 +77,13 @@ def test_errors_past_the_hundredth_are_counted_not_listed() -> None:
     assert "not listed" in errors[-1]
 
 
+def test_duplicate_keys_past_the_hundredth_are_counted_not_listed() -> None:
+    text = "routing_policy:\n  strategy: least-loaded\n" + "x: 1\n" * 500
+    errors = policy_errors(text)
+    assert len(errors) == MAX_ERRORS + 1 and "not listed" in errors[-1]
+    assert errors[0].startswith("x: duplicate key at line 4")
+
+
 def test_a_chain_past_the_most_steps_is_refused_before_its_steps_are_checked() -> None:
     step = "  - {strategy: least-loaded, exclude_if: {srtt: {gt: 500}}}\n"
     text = "routing_policy:\n  strategy: least-loaded\nfallback_chain:\n" + step * 5000

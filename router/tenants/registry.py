@@ -39,7 +39,7 @@ import orjson
 import trio
 
 from router.admission.crosscheck import PolicyLimits, below_serverless_cap
-from router.documents import DocumentError, DocumentStore, Validator, kind
+from router.documents import DocumentError, DocumentStore, Validator, kind, shown
 from router.metrics import RouterMetrics
 from router.tenants.config import HASH_PREFIX, ApiKey, AuthConfig, Tenant
 from router.tenants.upstream_auth import upstream_key
@@ -451,10 +451,11 @@ class KeyRegistry(DocumentStore[Registry]):
         for i, entry in enumerate(keys):  # type: ignore[arg-type]
             if isinstance(entry, dict) and isinstance(entry.get("id"), str):
                 if entry["id"] in entries:
-                    errors.append(f"keys[{i}].id: {entry['id']!r} is listed twice")
+                    errors.append(f"keys[{i}].id: {shown(entry['id'])} is listed twice")
                 entries.setdefault(entry["id"], entry)
             else:
-                errors.append(f"keys[{i}].id: missing (required in a replace), got {kind(entry)}")
+                got = kind(entry.get("id")) if isinstance(entry, dict) else kind(entry)
+                errors.append(f"keys[{i}].id: a string is required in a replace, got {got}")
         if errors:
             raise RegistryError(errors)
         # In the caller's order, so that `keys[i]` in an error is the caller's entry i.
