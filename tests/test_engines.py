@@ -745,6 +745,11 @@ async def test_ollama_is_healthy_when_it_lists_the_agents_model() -> None:
             assert await ollama.check_health(client, ep, model) is False, model
     async with _client({"/api/tags": httpx.Response(500)}) as client:
         assert await ollama.check_health(client, ep, None) is False
+    # A list of no model names lists no model: not healthy for one.
+    junk = {"models": [1, None, {"name": 5}, {"model": ["x"]}]}
+    async with _client({"/api/tags": httpx.Response(200, json=junk)}) as client:
+        assert await ollama.check_health(client, ep, "llama3.1") is False
+        assert await ollama.discover_model(client, ep) is None
     # An operator's --health-url that is no model list: Ollama answering is enough.
     own = ollama.endpoints(None, "http://localhost:11434/api/version", None)
     async with _client({"/api/version": httpx.Response(200, json={"version": "0.5.7"})}) as client:

@@ -995,6 +995,8 @@ async def test_an_http_version_other_than_1_0_and_1_1_is_505() -> None:
         (b"HTTPS://router.example:8080/m", "/m"),
         (b"http://router.example", "/"),
         (b"http://router.example?x=1", "/"),
+        (b"http://", "/"),
+        (b"hTtP://a/b?c=/d", "/b"),
     ],
 )
 async def test_an_absolute_form_target_is_served_by_its_path(target: bytes, path: str) -> None:

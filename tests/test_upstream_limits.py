@@ -115,3 +115,28 @@ async def test_no_max_concurrent_means_no_limit(autojump_clock: Any) -> None:
     async with limit.slot(), limit.slot():
         pass
     assert repr(limit) == "<ForwardLimit off>"
+
+
+async def test_a_request_that_leaves_while_past_the_queue_takes_no_place(
+    autojump_clock: Any,
+) -> None:
+    """A client gone while it waited for a place (its deadline, its disconnect) leaves
+    the counts as they were: the next request still gets its place and its slot."""
+    limit = ForwardLimit(1, 1)
+    release = trio.Event()
+
+    async def hold() -> None:
+        async with limit.slot():
+            await release.wait()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(hold)
+        nursery.start_soon(hold)  # the one place in the queue
+        await trio.testing.wait_all_tasks_blocked()
+        with trio.move_on_after(1):
+            async with limit.slot():
+                pytest.fail("a slot past a full queue")
+        assert limit.waiting == 1
+        release.set()
+    async with limit.slot():
+        assert limit.waiting == 0
