@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import base64
 import math
+import socket
 import ssl
 import zlib
 from collections import deque
@@ -44,6 +45,11 @@ RECEIVE_BYTES = 64 * 1024
 # An engine's head is a few hundred bytes; h11 (httpx) refused any over 16 KiB. A
 # head still unfinished after this much is not an answer.
 MAX_HEAD_BYTES = 64 * 1024
+# What the pool reads of a finished stream's body after its last event, and how long it
+# waits for it, before it gives up on the connection (`EngineResponse.finish_later`):
+# only the chunked end is expected, microseconds after the last event.
+FINISH_BYTES = 64 * 1024
+FINISH_SECONDS = 1.0
 # uvicorn (vLLM, SGLang) and hypercorn (the sim) close a connection idle for 5 s; the
 # agent drops its own a second earlier, so it never writes into one being closed.
 KEEPALIVE_EXPIRY = 4.0
@@ -90,7 +96,7 @@ OpenStream = Callable[[], Awaitable[ClosableStream]]
 
 
 class _Connection:
-    __slots__ = ("idle_since", "raw", "sock", "stream")
+    __slots__ = ("idle_since", "pending", "raw", "sock", "stream")
 
     def __init__(
         self, stream: trio.abc.Stream | ClosableStream, sock: trio.socket.SocketType | None
@@ -102,11 +108,22 @@ class _Connection:
         # The stdlib socket under a plain TCP stream (`EngineResponse._read`).
         self.raw = stdlib_socket(stream)
         self.idle_since = 0.0
+        # The answer whose body's end is still to be read (`EngineResponse.finish_later`).
+        self.pending: EngineResponse | None = None
 
-    def closed_by_engine(self) -> bool:
-        """An idle connection with anything to read has been closed by the engine (or
-        carries bytes no request asked for): one poll, no read."""
-        return self.sock is not None and readable_now(self.sock)
+    def reusable(self) -> bool | None:
+        """Whether an idle connection can carry the next request: its last answer read
+        to its end, and nothing else to read (an engine's close, or bytes no request
+        asked for); None while the end of its last answer is still on its way
+        (`EngineResponse.finish_later`). One poll, or the pending end's reads, no wait."""
+        pending = self.pending
+        if pending is None:
+            return self.sock is None or not readable_now(self.sock)
+        assert self.raw is not None  # finish_later holds only plain TCP connections
+        done = pending.finish_now(self.raw)
+        if done is not None:
+            self.pending = None
+        return done
 
     async def send_all(self, data: bytes) -> None:
         """Straight to the socket while the kernel has room: trio's `send_all` passes
@@ -144,7 +161,7 @@ def check_engine_url(url: str) -> SplitResult:
 class EnginePool:
     """Keep-alive connections to one engine origin, most recently used first.
 
-    Taking a connection looks at one socket (`closed_by_engine`), not at every pooled
+    Taking a connection looks at one socket (`_Connection.reusable`), not at every pooled
     one as httpcore did; connections idle for `KEEPALIVE_EXPIRY` are dropped as others
     come back. At most `max_idle` wait; every connection in use is one request in
     flight, which the agent's `--capacity` bounds.
@@ -258,12 +275,44 @@ class EnginePool:
     def _take(self) -> _Connection | None:
         now = trio.current_time()
         idle = self._idle
+        unfinished: list[_Connection] = []
+        taken = None
         while idle:
             conn = idle.pop()
-            if now - conn.idle_since < KEEPALIVE_EXPIRY and not conn.closed_by_engine():
-                return conn
-            conn.close()
-        return None
+            if now - conn.idle_since >= KEEPALIVE_EXPIRY:
+                conn.close()
+                continue
+            usable = conn.reusable()
+            if usable:
+                taken = conn
+                break
+            if usable is None and now - conn.idle_since < FINISH_SECONDS:
+                unfinished.append(conn)
+            else:
+                conn.close()
+        # Back where they were, under every connection ready to use.
+        idle.extendleft(unfinished)
+        return taken
+
+    async def tidy(self, every: float = 1.0) -> None:
+        """Close, every `every` seconds, the idle connections past `KEEPALIVE_EXPIRY` and
+        those whose answer's end has not come within `FINISH_SECONDS`, so that an
+        engine still writing an answer nobody reads sees it dropped even when no other
+        request comes to take the connection."""
+        while True:
+            await trio.sleep(every)
+            now = trio.current_time()
+            kept: deque[_Connection] = deque()
+            for conn in self._idle:
+                if now - conn.idle_since >= KEEPALIVE_EXPIRY or (
+                    conn.pending is not None
+                    and now - conn.idle_since >= FINISH_SECONDS
+                    and not conn.reusable()
+                ):
+                    conn.close()
+                else:
+                    kept.append(conn)
+            self._idle = kept
 
     def _put_back(self, conn: _Connection) -> None:
         now = conn.idle_since = trio.current_time()
@@ -273,7 +322,12 @@ class EnginePool:
             now - idle[0].idle_since >= KEEPALIVE_EXPIRY or len(idle) >= self._max_idle
         ):
             idle.popleft().close()
-        idle.append(conn)
+        if conn.pending is None:
+            idle.append(conn)
+        else:
+            # Its answer's end is due any moment: taken after those ready now, by
+            # when it has come.
+            idle.appendleft(conn)
 
     async def _connect(self) -> _Connection:
         with trio.move_on_after(self.timeouts.connect) as scope:
@@ -412,6 +466,8 @@ class EngineResponse:
         "_conn",
         "_error",
         "_extra",
+        "_finish_later",
+        "_finish_left",
         "_head_only",
         "_keep_alive",
         "_parser",
@@ -430,6 +486,8 @@ class EngineResponse:
         self._body: list[bytes] = []
         self._complete = False
         self._extra = False
+        self._finish_later = False
+        self._finish_left = FINISH_BYTES
         self._keep_alive = False
         self._error = ""
         self.status = 0
@@ -549,14 +607,52 @@ class EngineResponse:
         return self._complete and not self._body
 
     def close(self) -> None:
-        """Give the connection back when the answer was read whole, else close it."""
+        """Give the connection back when the answer was read whole (or its end is left
+        to read, `finish_later`), else close it."""
         conn, self._conn = self._conn, None
         if conn is None:
             return
-        if self._complete and self._keep_alive and not self._extra and not self._error:
+        if self._extra or self._error:
+            conn.close()
+        elif self._complete and self._keep_alive:
+            self._pool._put_back(conn)
+        elif self._finish_later and self._keep_alive:
+            conn.pending = self
             self._pool._put_back(conn)
         else:
             conn.close()
+
+    def finish_later(self) -> bool:
+        """Leave what is left of the body (a stream's chunked end after its last event)
+        to be read when the pool next takes the connection, by then long arrived: no
+        wait for it now, one pass through trio's loop and epoll less per stream. False
+        where it cannot be read without waiting (TLS, a test's stream): the caller
+        reads it."""
+        if self._conn is None or self._conn.raw is None:
+            return False
+        self._finish_later = True
+        return True
+
+    def finish_now(self, raw: socket.socket) -> bool | None:
+        """Read the body's end without waiting (`finish_later`): whether the answer is
+        now complete and the connection can carry another request; None when its end
+        has not come yet. More than `FINISH_BYTES` of body, a close or bytes past the
+        end: False."""
+        while not self._complete:
+            try:
+                data = raw.recv(RECEIVE_BYTES)
+            except BlockingIOError:
+                return None
+            except OSError:
+                return False
+            self._finish_left -= len(data)
+            if not data or self._finish_left < 0:
+                return False
+            self._feed(data)
+            self._body.clear()
+            if self._error:
+                return False
+        return self._keep_alive and not self._extra and not self._error and not readable_now(raw)
 
     async def _read(self, wait_first: bool = True) -> bytes:
         """The next read, waiting for it. A plain TCP connection waits for readiness

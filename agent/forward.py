@@ -180,7 +180,7 @@ async def _relay(
     if checker is not None:
         checker.close()
     send(m.response_end(req_id, tap.usage if tap else None))
-    if checker is not None and checker.finished:
+    if checker is not None and checker.finished and not response.finish_later():
         await _drain(response, limits)
 
 

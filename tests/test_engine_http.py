@@ -28,6 +28,7 @@ from cryptography.hazmat.primitives import hashes, serialization
 from cryptography.hazmat.primitives.asymmetric import ec
 from cryptography.x509.oid import NameOID
 
+from agent import engine_http
 from agent import forward as forward_module
 from agent.engine_http import (
     MAX_HEAD_BYTES,
@@ -513,8 +514,9 @@ async def test_a_steady_stream_outlives_its_first_read_deadline(serve: Callable)
 async def test_a_stream_s_connection_is_reused_whether_its_end_came_with_done_or_after(
     serve: Callable, apart: bool
 ) -> None:
-    """After `[DONE]` the agent reads the chunked body's end, when it has not come with
-    the last event, so that the connection serves the next request."""
+    """After `[DONE]` the chunked body's end is read when the pool next takes the
+    connection, not waited for: a request that comes before it opens another, and
+    the connection serves the next one once its end has come."""
     done = b"data: [DONE]\n\n"
     event = b"%x\r\n%s\r\n" % (len(done), done)
     end = b"0\r\n\r\n"
@@ -536,10 +538,17 @@ async def test_a_stream_s_connection_is_reused_whether_its_end_came_with_done_or
 
     engine = await serve(handler)
     async with pool(engine) as p:
-        for i in range(3):
+        for i in range(2):
             sent = await run(p, request(stream=True, req_id=i))
             assert sent[-1]["type"] == m.RESPONSE_END, sent
-        # What `_drain` looks at: after the `[DONE]` read, whole only if the end came too.
+        assert engine.connections == (2 if apart else 1)
+        await trio.sleep(0.3)  # every end has come
+        for i in range(2, 5):
+            sent = await run(p, request(stream=True, req_id=i))
+            assert sent[-1]["type"] == m.RESPONSE_END, sent
+            if apart:
+                await trio.sleep(0.3)
+        # Whole only if the end came with `[DONE]`.
         response = await p.send("POST", "/v1/chat/completions", {}, b"{}")
         try:
             pieces = b""
@@ -548,7 +557,40 @@ async def test_a_stream_s_connection_is_reused_whether_its_end_came_with_done_or
             assert response.read_whole is not apart
         finally:
             response.close()
-    assert engine.connections == 1
+    assert engine.connections == (2 if apart else 1)
+
+
+@pytest.mark.parametrize(
+    "after",
+    [b"junk", b"0\r\n\r\nHTTP/1.1 200 OK\r\n", b"%x\r\n%s\r\n" % (70000, b"x" * 70000)],
+    ids=["junk", "bytes-past-the-end", "more-body-than-finish-bytes"],
+)
+async def test_a_stream_s_connection_whose_end_is_not_an_end_is_closed_not_reused(
+    serve: Callable, after: bytes
+) -> None:
+    """What the pool reads after a stream's last event must be the chunked body's end
+    and no more, within FINISH_BYTES; anything else and the connection is closed."""
+    done = b"data: [DONE]\n\n"
+
+    async def handler(stream: Conn) -> None:
+        buf = bytearray()
+        while await read_request(stream, buf):
+            head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+            await stream.send_all(
+                head + b"transfer-encoding: chunked\r\n\r\n%x\r\n%s\r\n" % (len(done), done)
+            )
+            await trio.sleep(0.05)
+            await stream.send_all(after)
+
+    engine = await serve(handler)
+    async with pool(engine) as p:
+        sent = await run(p, request(stream=True))
+        assert sent[-1]["type"] == m.RESPONSE_END, sent
+        await trio.sleep(0.3)
+        sent = await run(p, request(stream=True, req_id=2))
+        assert sent[-1]["type"] == m.RESPONSE_END, sent
+        assert engine.connections == 2
+        assert await _closed_soon(engine, 0.5)  # the first, when the second was asked
 
 
 def _stream_answers(end_apart: float | None) -> Handler:
@@ -590,27 +632,69 @@ async def test_an_answer_enters_one_cancel_scope_for_all_its_read_timeouts(
 
     async with pool(engine) as p:
         await run(p, request(stream=stream))  # the connection opens (its own scope)
+        await trio.sleep(0.1)  # a stream's end has come: the connection is taken again
         monkeypatch.setattr(trio.CancelScope, "__enter__", counted)
         sent = await run(p, request(stream=stream, req_id=2))
         monkeypatch.undo()
         assert sent[-1]["type"] == m.RESPONSE_END, sent
-        assert repr(p).endswith("1 idle, 1 opened>")  # drained, with a wait, and kept
+        assert repr(p).endswith("1 idle, 1 opened>")  # kept, a stream's end read later
     assert entered == 1
 
 
+@pytest.mark.parametrize("taken", [False, True], ids=["tidied", "taken"])
 async def test_a_stream_whose_body_never_ends_is_complete_and_its_connection_closed(
-    serve: Callable, monkeypatch: pytest.MonkeyPatch
+    serve: Callable, monkeypatch: pytest.MonkeyPatch, nursery: trio.Nursery, taken: bool
 ) -> None:
     """`[DONE]` came but the chunked body's end does not: the client has its whole
-    answer, and the connection is dropped after DRAIN_SECONDS, not pooled."""
-    monkeypatch.setattr(forward_module, "DRAIN_SECONDS", 0.2)
+    answer, and the connection is dropped FINISH_SECONDS later, by the pool's tidying
+    or by the next request that would take it, and not pooled."""
+    monkeypatch.setattr(engine_http, "FINISH_SECONDS", 0.2)
     engine = await serve(_stream_answers(None))
     async with pool(engine, read=5.0) as p:
+        if not taken:
+            nursery.start_soon(partial(p.tidy, every=0.05))
         began = trio.current_time()
         sent = await run(p, request(stream=True))
         assert trio.current_time() - began < 2.0
         assert [f["type"] for f in sent][-1] == m.RESPONSE_END, sent
         assert not [f for f in sent if f["type"] == m.ERROR]
+        if taken:
+            await trio.sleep(0.3)
+            assert p._take() is None
+        assert await _closed_soon(engine, 1.0)  # not KEEPALIVE_EXPIRY's 4 s
+        assert repr(p).endswith("0 idle, 1 opened>")
+
+
+async def test_a_stream_s_end_is_read_in_the_request_where_it_cannot_be_read_later(
+    serve: Callable, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A connection the pool cannot read without waiting (TLS; here a test's stream)
+    has its stream's end read before the request is over, at most DRAIN_SECONDS."""
+    monkeypatch.setattr(forward_module, "DRAIN_SECONDS", 0.2)
+    engine = await serve(_stream_answers(None))
+
+    class Wrapped:  # not a plain TCP stream: no socket the pool could read
+        def __init__(self, stream: trio.SocketStream) -> None:
+            self.stream = stream
+
+        async def send_all(self, data: bytes) -> None:
+            await self.stream.send_all(data)
+
+        async def receive_some(self, max_bytes: int | None = None) -> bytes:
+            return await self.stream.receive_some(max_bytes)
+
+        def close(self) -> None:
+            self.stream.socket.close()
+
+    async def open_stream() -> Wrapped:
+        return Wrapped(await trio.open_tcp_stream("127.0.0.1", engine.port))
+
+    url = f"http://127.0.0.1:{engine.port}"
+    async with EnginePool(url, EngineTimeouts(2.0, 5.0), 8, open_stream) as p:
+        began = trio.current_time()
+        sent = await run(p, request(stream=True))
+        assert 0.2 <= trio.current_time() - began < 2.0
+        assert [f["type"] for f in sent][-1] == m.RESPONSE_END, sent
         assert await _closed_soon(engine)
         assert repr(p).endswith("0 idle, 1 opened>")
 
@@ -651,8 +735,8 @@ async def test_a_cancel_before_a_deadline_reports_nothing_and_closes_the_connect
     assert await _closed_soon(engine)
 
 
-async def _closed_soon(engine: Engine) -> bool:
-    with trio.move_on_after(5):
+async def _closed_soon(engine: Engine, within: float = 5.0) -> bool:
+    with trio.move_on_after(within):
         await engine.closed.wait()
     return engine.closed.is_set()
 
