@@ -110,6 +110,14 @@ def upstream_values(args: argparse.Namespace, env: Mapping[str, str]) -> dict[st
     values["heartbeat_interval"] = next((v for v in (heartbeat, signal) if v is not None), 5.0)
     if values["heartbeat_interval"] <= 0:  # type: ignore[operator]
         raise ValueError("--heartbeat-interval must be positive")
+    if args.capacity <= 0:
+        # The router refuses such an agent's hello; an agent that starts only to be
+        # refused on every redial looks alive to systemd and never serves.
+        raise ValueError(f"--capacity must be positive, not {args.capacity}")
+    for flag in ("engine_sample_interval", "hardware_sample_interval"):
+        if getattr(args, flag) <= 0:
+            # Zero would sample back to back, a busy loop against the engine or NVML.
+            raise ValueError(f"--{flag.replace('_', '-')} must be positive")
     if args.http_timeout <= 0:
         # Zero would fail every engine call at once; a long answer needs a long timeout.
         raise ValueError("--http-timeout must be positive (e.g. 10m for long answers)")

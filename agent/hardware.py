@@ -3,7 +3,7 @@
 GPU values come from NVML: the highest across GPUs, since one hot or full GPU is what
 slows a sharded model. Utilization and memory are fractions 0-1; temperature is degrees
 Celsius. Without NVML (no driver, no GPU) the GPU fields are None, never zero, and the
-failed initialisation is not retried on every sample.
+failed initialisation is logged once, not retried on every sample.
 
 Beside those policy fields the sample carries what the routing table and /metrics show
 and no gate reads: `gpus`, one record per GPU in upstream's shape (index, utilization in
@@ -13,11 +13,16 @@ query that fails leaves that one value None.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from typing import Any, TypeVar
 
 import psutil
 import pynvml
+
+from protocol.logs import quote
+
+log = logging.getLogger("agent")
 
 
 def read_devices_file(path: str) -> frozenset[str]:
@@ -32,16 +37,28 @@ def read_devices_file(path: str) -> frozenset[str]:
 class HardwareSampler:
     def __init__(self, devices: frozenset[str] | None = None) -> None:
         """`devices`: the GPU UUIDs this agent owns (None: every visible GPU)."""
-        self._handles: list[Any] = []
+        # (NVML index, handle) per GPU reported: the index labels its record, as
+        # `nvidia-smi` numbers it, also when `devices` leaves GPUs before it out.
+        self._gpus: list[tuple[int, Any]] = []
         try:
             pynvml.nvmlInit()
-            self._handles = [
-                pynvml.nvmlDeviceGetHandleByIndex(i) for i in range(pynvml.nvmlDeviceGetCount())
-            ]
-            if devices is not None:
-                self._handles = [h for h in self._handles if _uuid(h) in devices]
-        except pynvml.NVMLError:
-            self._handles = []
+            count = pynvml.nvmlDeviceGetCount()
+        except pynvml.NVMLError as exc:
+            # Said once: the agent goes on with CPU and memory, its GPU fields missing.
+            log.warning("hardware_nvml_unavailable error=%s", quote(str(exc)))
+            count = 0
+        for index in range(count):
+            # One GPU NVML cannot reach (fallen off the bus, its UUID unreadable) is
+            # left out alone; the others are still reported.
+            try:
+                handle = pynvml.nvmlDeviceGetHandleByIndex(index)
+                if devices is not None and _uuid(handle) not in devices:
+                    continue
+            except pynvml.NVMLError as exc:
+                log.warning("hardware_gpu_unavailable index=%d error=%s", index, quote(str(exc)))
+                continue
+            self._gpus.append((index, handle))
+        self._handles = [handle for _, handle in self._gpus]
         # psutil measures CPU use since the previous call: the first call only primes it,
         # so that `sample` never blocks for an interval.
         psutil.cpu_percent(interval=None)
@@ -57,7 +74,7 @@ class HardwareSampler:
             "memory_used_bytes": memory.used,
             "memory_available_bytes": memory.available,
             "memory_total_bytes": memory.total,
-            "gpus": [_gpu(index, handle) for index, handle in enumerate(self._handles)],
+            "gpus": [_gpu(index, handle) for index, handle in self._gpus],
         }
 
     def gpu_model(self) -> str | None:

@@ -2,8 +2,11 @@
 
 It speaks the HTTP API of a real engine (OpenAI chat/completions/embeddings, vLLM rerank
 and `/tokenize`, Anthropic messages, `/health`, `/v1/models`, vLLM-named `/metrics`), so
-the agent and router meet it exactly as they meet vLLM. Answers are a function of the
-prompt; timing, failures and stalls are set at start or at run time through `/sim/state`.
+the agent and router meet it exactly as they meet vLLM. `--kind sglang`, `llamacpp` or
+`ollama` gives another engine's health answer, model list and metrics page (Ollama:
+`/api/tags`, no `/metrics`), for the agent's adapters of those engines. Answers are a
+function of the prompt; timing, failures and stalls are set at start or at run time
+through `/sim/state`.
 
 The package stands apart from both daemons (it imports neither) and its HTTP server,
 Hypercorn, is the optional `sim` extra: the router and an agent in front of a real engine

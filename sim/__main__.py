@@ -1,6 +1,6 @@
 """`python -m sim`: serve the simulated engine on its own, as `vllm serve` would.
 
-`python -m sim --model m --port 8000 [--token-latency 0.01]`
+`python -m sim --model m --port 8000 [--token-latency 0.01] [--kind sglang]`
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import trio
 
 from sim import missing_extra
 from sim.app import SimEngine, create_sim_app
+from sim.metrics import KINDS
 from sim.state import DEFAULT_PREFIX_BLOCK_TOKENS, DEFAULT_PREFIX_CACHE_BLOCKS
 
 
@@ -45,6 +46,12 @@ def main(argv: list[str] | None = None) -> None:
         prog="python -m sim", description="Simulated vLLM-like inference engine."
     )
     parser.add_argument("--model", required=True, help="served model name")
+    parser.add_argument(
+        "--kind",
+        choices=KINDS,
+        default="vllm",
+        help="the engine whose health, model list and metric names it answers with",
+    )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--token-latency", type=float, default=0.0, help="seconds per token")
@@ -83,6 +90,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app = create_sim_app(
             args.model,
+            kind=args.kind,
             token_latency=args.token_latency,
             ttft=args.ttft,
             max_context=args.max_context,

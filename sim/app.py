@@ -10,6 +10,7 @@ gap per generated token.
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import time
@@ -21,15 +22,49 @@ from typing import Any
 import trio
 
 from sim import anthropic, openai, vllm
-from sim.asgi import TEXT_TYPE, Exchange, Handler, Receive, Send, dumps, lifespan, read_body
+from sim.asgi import (
+    JSON_TYPE,
+    TEXT_TYPE,
+    Exchange,
+    Handler,
+    Receive,
+    Send,
+    dumps,
+    lifespan,
+    read_body,
+)
 from sim.faults import reply_failure
 from sim.generation import Emit, Job, RequestError, Run, answer, check_context
-from sim.metrics import METRICS_TYPE, EngineMetrics
+from sim.metrics import KINDS, METRICS_TYPE, EngineMetrics
 from sim.prefix_cache import PrefixCache, block_hashes
 from sim.state import DEFAULT_PREFIX_BLOCK_TOKENS, DEFAULT_PREFIX_CACHE_BLOCKS, SimState
 
 Prepare = Callable[["SimEngine", dict[str, Any], float], Run]
 ErrorBody = Callable[[RequestError], bytes]
+
+# Each engine's answer to a path it does not serve: FastAPI's (vLLM, SGLang),
+# llama-server's, Ollama's (Go's net/http).
+_NOT_FOUND = {
+    "vllm": (b'{"detail":"Not Found"}', JSON_TYPE),
+    "sglang": (b'{"detail":"Not Found"}', JSON_TYPE),
+    "llamacpp": (
+        b'{"error":{"code":404,"message":"File Not Found","type":"not_found_error"}}',
+        JSON_TYPE,
+    ),
+    "ollama": (b"404 page not found", TEXT_TYPE),
+}
+# `owned_by` in each engine's `/v1/models`.
+_OWNER = {"vllm": "vllm", "sglang": "sglang", "llamacpp": "llamacpp", "ollama": "library"}
+# llama-server's health answers, ready and loading.
+_LLAMACPP_OK = b'{"status":"ok"}'
+_LLAMACPP_LOADING = b'{"error":{"code":503,"message":"Loading model","type":"unavailable_error"}}'
+# What `/api/version` reports; the agent reads no version.
+OLLAMA_VERSION = "0.12.6"
+
+
+def ollama_name(model: str) -> str:
+    """The name Ollama lists a model under: a name without a tag is `:latest`."""
+    return model if ":" in model.rpartition("/")[2] else f"{model}:latest"
 
 
 class SimEngine:
@@ -39,6 +74,7 @@ class SimEngine:
         self,
         model: str,
         *,
+        kind: str = "vllm",
         token_latency: float,
         ttft: float,
         max_context: int,
@@ -51,7 +87,12 @@ class SimEngine:
     ) -> None:
         if capacity <= 0 or max_context <= 0 or embedding_dim <= 0:
             raise ValueError("capacity, max_context and embedding_dim must be positive")
+        if kind not in KINDS:
+            raise ValueError(f"kind must be one of {', '.join(KINDS)}, not {kind!r}")
+        self.kind = kind
         self.model = model
+        # Ollama takes a model's name with or without its implicit `:latest`.
+        self.model_names = {model, ollama_name(model)} if kind == "ollama" else {model}
         self.model_json = dumps(model)
         self.max_context = max_context
         self.capacity = capacity
@@ -66,7 +107,7 @@ class SimEngine:
                 "prefix_cache_blocks": prefix_cache_blocks,
             }
         )
-        self.metrics = EngineMetrics(model)
+        self.metrics = EngineMetrics(model, kind)
         self.prefix_cache = PrefixCache()
         # The engine's scheduler: at most `capacity` requests run, the rest wait.
         self._slots = trio.Semaphore(capacity)
@@ -83,7 +124,7 @@ class SimEngine:
                         "id": model,
                         "object": "model",
                         "created": int(time.time()),
-                        "owned_by": "vllm",
+                        "owned_by": _OWNER[kind],
                         "root": model,
                         "parent": None,
                         "max_model_len": max_context,
@@ -91,19 +132,34 @@ class SimEngine:
                 ],
             }
         )
-        self._routes: dict[str, dict[str, Handler]] = {
-            "/health": {"GET": self._health},
+        self._routes = self._routes_of(kind)
+
+    def _routes_of(self, kind: str) -> dict[str, dict[str, Handler]]:
+        """The paths `kind` serves (agent/engines/endpoints.py lists the same per engine)."""
+        routes: dict[str, dict[str, Handler]] = {
             "/v1/models": {"GET": self._models},
-            "/metrics": {"GET": self._metrics},
             "/sim/state": {"GET": self._get_state, "POST": self._set_state},
             "/v1/chat/completions": {"POST": self._api(openai.prepare_chat, openai.error_body)},
             "/v1/completions": {"POST": self._api(openai.prepare_completion, openai.error_body)},
             "/v1/responses": {"POST": self._api(openai.prepare_response, openai.error_body)},
             "/v1/embeddings": {"POST": self._api(openai.prepare_embeddings, openai.error_body)},
-            "/v1/rerank": {"POST": self._api(vllm.prepare_rerank, openai.error_body)},
-            "/tokenize": {"POST": self._api(vllm.prepare_tokenize, openai.error_body)},
             "/v1/messages": {"POST": self._api(anthropic.prepare_messages, anthropic.error_body)},
         }
+        if kind == "ollama":
+            # No /health, /metrics, rerank or /tokenize: its own API says it is up.
+            routes["/"] = {"GET": self._ollama_root}
+            routes["/api/version"] = {"GET": self._ollama_version}
+            routes["/api/tags"] = {"GET": self._ollama_tags}
+            routes["/api/ps"] = {"GET": self._ollama_tags}
+            return routes
+        routes["/health"] = {"GET": self._health}
+        routes["/metrics"] = {"GET": self._metrics}
+        routes["/v1/rerank"] = {"POST": self._api(vllm.prepare_rerank, openai.error_body)}
+        if kind != "llamacpp":
+            # vLLM's form, which SGLang's text form is a part of; llama-server's
+            # `/tokenize` takes another body (`content`), which the router never sends.
+            routes["/tokenize"] = {"POST": self._api(vllm.prepare_tokenize, openai.error_body)}
+        return routes
 
     def _api(self, prepare: Prepare, error_body: ErrorBody) -> Handler:
         return partial(self._inference, prepare=partial(prepare, self), error_body=error_body)
@@ -116,7 +172,7 @@ class SimEngine:
             return
         methods = self._routes.get(scope["path"])
         if methods is None:
-            await Exchange(send).reply(404, b'{"detail":"Not Found"}')
+            await Exchange(send).reply(404, *_NOT_FOUND[self.kind])
             return
         handler = methods.get(scope["method"])
         if handler is None:
@@ -136,7 +192,31 @@ class SimEngine:
     # -- plain endpoints --------------------------------------------------------------
 
     async def _health(self, receive: Receive, send: Send) -> None:
-        await Exchange(send).reply(200 if self.state.healthy else 503, b"", TEXT_TYPE)
+        status = 200 if self.state.healthy else 503
+        if self.kind == "llamacpp":
+            await Exchange(send).reply(status, _LLAMACPP_OK if status == 200 else _LLAMACPP_LOADING)
+            return
+        await Exchange(send).reply(status, b"", TEXT_TYPE)
+
+    async def _ollama_root(self, receive: Receive, send: Send) -> None:
+        await Exchange(send).reply(200, b"Ollama is running", TEXT_TYPE)
+
+    async def _ollama_version(self, receive: Receive, send: Send) -> None:
+        await Exchange(send).reply(200, dumps({"version": OLLAMA_VERSION}))
+
+    async def _ollama_tags(self, receive: Receive, send: Send) -> None:
+        """`/api/tags` (pulled) and `/api/ps` (loaded): the one model, always loaded.
+        Unhealthy, the list is empty, as when the model was removed: Ollama itself
+        stays up, and the agent's health check is that its model is listed."""
+        name = ollama_name(self.model)
+        entry = {
+            "name": name,
+            "model": name,
+            "size": 0,
+            "digest": hashlib.sha256(name.encode()).hexdigest(),
+            "details": {"format": "gguf", "family": "sim"},
+        }
+        await Exchange(send).reply(200, dumps({"models": [entry] if self.state.healthy else []}))
 
     async def _models(self, receive: Receive, send: Send) -> None:
         await Exchange(send).reply(200, self._models_body)
@@ -213,7 +293,7 @@ class SimEngine:
             if not isinstance(payload, dict):
                 raise RequestError(400, "the request body must be a JSON object")
             model = payload.get("model")
-            if model is not None and model != self.model:
+            if model is not None and model not in self.model_names:
                 raise RequestError(404, f"The model `{model}` does not exist.", "NotFoundError")
             run = prepare(payload, started)
         except RequestError as exc:
@@ -338,6 +418,7 @@ class SimEngine:
 def create_sim_app(
     model: str,
     *,
+    kind: str = "vllm",
     token_latency: float = 0.0,
     ttft: float = 0.0,
     max_context: int = 4096,
@@ -350,6 +431,7 @@ def create_sim_app(
 ) -> SimEngine:
     return SimEngine(
         model,
+        kind=kind,
         token_latency=token_latency,
         ttft=ttft,
         max_context=max_context,

@@ -1,8 +1,12 @@
-"""The engine's counters and histograms, rendered as `/metrics` under vLLM's names.
+"""The engine's counters and histograms, rendered as `/metrics` under an engine's names.
 
-The names, help texts, labels and bucket bounds are those of vLLM v1, so the agent's
-vLLM adapter reads the sim as it reads vLLM and P90s read from it look like a real
-engine's.
+`vllm` (the default): the names, help texts, labels and bucket bounds of vLLM v1, so
+the agent's vLLM adapter reads the sim as it reads vLLM and P90s read from it look like
+a real engine's. `sglang`: SGLang's names (`--enable-metrics`), labelled by
+`model_name` as SGLang labels them. `llamacpp`: `llama-server --metrics`' names, no
+labels, no histograms (its decode time and tokens are counters), and no KV-cache ratio
+(current releases dropped it). Ollama has no metrics page. The agent's adapters for
+those engines read each from its names alone (agent/engines/).
 """
 
 from __future__ import annotations
@@ -10,6 +14,8 @@ from __future__ import annotations
 import bisect
 
 METRICS_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+# The engines the sim can pass for (`python -m sim --kind`); vLLM's API is the default.
+KINDS = ("vllm", "sglang", "llamacpp", "ollama")
 
 TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5,
                 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0, 2560.0)  # fmt: skip
@@ -51,6 +57,7 @@ class EngineMetrics:
     __slots__ = (
         "generation_tokens",
         "itl",
+        "kind",
         "labels",
         "prefix_cache_hits",
         "prefix_cache_queries",
@@ -58,8 +65,11 @@ class EngineMetrics:
         "ttft",
     )
 
-    def __init__(self, model: str) -> None:
-        self.labels = f'engine="0",model_name="{escape_label(model)}"'
+    def __init__(self, model: str, kind: str = "vllm") -> None:
+        self.kind = kind
+        self.labels = f'model_name="{escape_label(model)}"'
+        if kind == "vllm":
+            self.labels = f'engine="0",{self.labels}'
         self.ttft = Histogram(TTFT_BUCKETS)
         self.itl = Histogram(ITL_BUCKETS)
         self.prompt_tokens = 0
@@ -69,6 +79,13 @@ class EngineMetrics:
         self.prefix_cache_hits = 0
 
     def render(self, running: int, waiting: int, kv_cache_usage: float) -> str:
+        if self.kind == "sglang":
+            return self._render_sglang(running, waiting, kv_cache_usage)
+        if self.kind == "llamacpp":
+            return self._render_llamacpp(running, waiting)
+        return self._render_vllm(running, waiting, kv_cache_usage)
+
+    def _render_vllm(self, running: int, waiting: int, kv_cache_usage: float) -> str:
         labels = self.labels
         out = [
             "# HELP vllm:num_requests_running Number of requests in model execution batches.",
@@ -109,3 +126,73 @@ class EngineMetrics:
         self.itl.render("vllm:inter_token_latency_seconds", labels, out)
         out.append("")
         return "\n".join(out)
+
+    def _render_sglang(self, running: int, waiting: int, kv_cache_usage: float) -> str:
+        labels = self.labels
+        out = [
+            "# HELP sglang:num_running_reqs The number of running requests.",
+            "# TYPE sglang:num_running_reqs gauge",
+            f"sglang:num_running_reqs{{{labels}}} {float(running)}",
+            "# HELP sglang:num_queue_reqs The number of requests in the waiting queue.",
+            "# TYPE sglang:num_queue_reqs gauge",
+            f"sglang:num_queue_reqs{{{labels}}} {float(waiting)}",
+            "# HELP sglang:token_usage The token usage.",
+            "# TYPE sglang:token_usage gauge",
+            f"sglang:token_usage{{{labels}}} {float(kv_cache_usage)!r}",
+            "# HELP sglang:prompt_tokens_total Number of prefill tokens processed.",
+            "# TYPE sglang:prompt_tokens_total counter",
+            f"sglang:prompt_tokens_total{{{labels}}} {float(self.prompt_tokens)}",
+            "# HELP sglang:generation_tokens_total Number of generation tokens processed.",
+            "# TYPE sglang:generation_tokens_total counter",
+            f"sglang:generation_tokens_total{{{labels}}} {float(self.generation_tokens)}",
+            "# HELP sglang:time_to_first_token_seconds Histogram of time to first token in "
+            "seconds.",
+            "# TYPE sglang:time_to_first_token_seconds histogram",
+        ]
+        self.ttft.render("sglang:time_to_first_token_seconds", labels, out)
+        out += [
+            "# HELP sglang:inter_token_latency_seconds Histogram of inter-token latency in "
+            "seconds.",
+            "# TYPE sglang:inter_token_latency_seconds histogram",
+        ]
+        self.itl.render("sglang:inter_token_latency_seconds", labels, out)
+        out.append("")
+        return "\n".join(out)
+
+    def _render_llamacpp(self, running: int, waiting: int) -> str:
+        # llama-server adds a request's decode time and tokens as it ends; the sim adds
+        # them token by token, which the agent's per-window average reads the same way.
+        decode_seconds = self.itl.total
+        prompt_seconds = self.ttft.total
+        throughput = _rate(self.generation_tokens, decode_seconds)
+        return "\n".join(
+            [
+                "# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.",
+                "# TYPE llamacpp:prompt_tokens_total counter",
+                f"llamacpp:prompt_tokens_total {self.prompt_tokens}",
+                "# HELP llamacpp:prompt_seconds_total Prompt process time",
+                "# TYPE llamacpp:prompt_seconds_total counter",
+                f"llamacpp:prompt_seconds_total {prompt_seconds:f}",
+                "# HELP llamacpp:tokens_predicted_total Number of generation tokens processed.",
+                "# TYPE llamacpp:tokens_predicted_total counter",
+                f"llamacpp:tokens_predicted_total {self.generation_tokens}",
+                "# HELP llamacpp:tokens_predicted_seconds_total Predict process time",
+                "# TYPE llamacpp:tokens_predicted_seconds_total counter",
+                f"llamacpp:tokens_predicted_seconds_total {decode_seconds:f}",
+                "# HELP llamacpp:predicted_tokens_seconds Average generation throughput in "
+                "tokens/s.",
+                "# TYPE llamacpp:predicted_tokens_seconds gauge",
+                f"llamacpp:predicted_tokens_seconds {throughput:f}",
+                "# HELP llamacpp:requests_processing Number of requests processing.",
+                "# TYPE llamacpp:requests_processing gauge",
+                f"llamacpp:requests_processing {running}",
+                "# HELP llamacpp:requests_deferred Number of requests deferred.",
+                "# TYPE llamacpp:requests_deferred gauge",
+                f"llamacpp:requests_deferred {waiting}",
+                "",
+            ]
+        )
+
+
+def _rate(amount: float, seconds: float) -> float:
+    return amount / seconds if seconds > 0 else 0.0

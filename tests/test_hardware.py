@@ -296,3 +296,67 @@ def test_gpu_devices_restrict_the_gpus_reported(monkeypatch: pytest.MonkeyPatch)
     assert HardwareSampler(None).sample()["gpu_temperature_c"] == 85.0
     nothing = HardwareSampler(frozenset()).sample()
     assert nothing["gpu_temperature_c"] is None and nothing["gpu_util_percent"] is None
+
+
+def test_gpu_records_keep_their_nvml_index_when_devices_leave_some_out(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Upstream: GPUs 0 and 2 of a host are series `gpu_index` 0 and 2, not 0 and 1."""
+    _fake_nvml(
+        monkeypatch,
+        [
+            _Gpu("H200", temperature=40, utilization=10, used=GIB, total=80 * GIB),
+            _Gpu("H200", temperature=50, utilization=20, used=GIB, total=80 * GIB),
+            _Gpu("H200", temperature=60, utilization=30, used=GIB, total=80 * GIB),
+        ],
+    )
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda index: f"GPU-{index}")
+    gpus = HardwareSampler(frozenset({"GPU-0", "GPU-2"})).sample()["gpus"]
+    assert [(g["index"], g["temperature_c"]) for g in gpus] == [(0, 40.0), (2, 60.0)]
+
+
+@pytest.mark.parametrize("failing", ["nvmlDeviceGetHandleByIndex", "nvmlDeviceGetUUID"])
+def test_a_gpu_nvml_cannot_reach_is_left_out_alone(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture, failing: str
+) -> None:
+    """One GPU fallen off the bus must not hide the others (a hot one among them)."""
+    _fake_nvml(
+        monkeypatch,
+        [
+            _Gpu("H100", temperature=88, utilization=90, used=GIB, total=80 * GIB),
+            _Gpu("H100", temperature=40, utilization=10, used=GIB, total=80 * GIB),
+            _Gpu("H100", temperature=45, utilization=15, used=GIB, total=80 * GIB),
+        ],
+    )
+    monkeypatch.setattr(pynvml, "nvmlDeviceGetUUID", lambda index: f"GPU-{index}")
+    works = getattr(pynvml, failing)
+
+    def lost(index: int) -> object:
+        if index == 1:
+            raise pynvml.NVMLError(pynvml.NVML_ERROR_GPU_IS_LOST)
+        return works(index)
+
+    monkeypatch.setattr(pynvml, failing, lost)
+    with caplog.at_level("WARNING", logger="agent"):
+        values = HardwareSampler(frozenset({"GPU-0", "GPU-1", "GPU-2"})).sample()
+    assert values["gpu_temperature_c"] == 88.0
+    assert [g["index"] for g in values["gpus"]] == [0, 2]
+    assert [r.getMessage() for r in caplog.records] == [
+        'hardware_gpu_unavailable index=1 error="GPU is lost"'
+    ]
+
+
+def test_nvml_unavailable_is_said_once(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    def fail() -> None:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_LIBRARY_NOT_FOUND)
+
+    monkeypatch.setattr(pynvml, "nvmlInit", fail)
+    with caplog.at_level("WARNING", logger="agent"):
+        sampler = HardwareSampler()
+        sampler.sample()
+        sampler.sample()
+    assert [r.getMessage() for r in caplog.records] == [
+        'hardware_nvml_unavailable error="NVML Shared Library Not Found"'
+    ]

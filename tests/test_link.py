@@ -138,11 +138,14 @@ async def test_bad_hellos_are_refused_with_a_reason(
 
 
 def test_agents_with_a_wrong_secret_or_no_capacity_never_join(fleet: Fleet) -> None:
+    """The router refuses a wrong secret; `--capacity 0`, which it would refuse too
+    (the hello test above), stops the agent at start instead (INTERFACE.md)."""
     router = fleet.router()
     wrong = fleet.agent(router, "m1", env={"HIVENET_ROUTER_JWT_SECRET": "x" * 40}, wait=False)
     empty = fleet.agent(router, "m1", "--capacity", "0", wait=False)
     wrong.wait_log("router_refused .*bad token signature")
-    empty.wait_log("router_refused .*capacity must be positive")
+    assert empty.popen is not None and empty.popen.wait(30) == 2
+    assert "hivenet-agent: --capacity must be positive, not 0" in empty.log()
     assert router.agents() == []
 
 

@@ -8,6 +8,7 @@ autojump clock, so the time a response head takes is exactly what the test says.
 from __future__ import annotations
 
 import contextlib
+import re
 from typing import Any
 
 import pytest
@@ -414,6 +415,10 @@ async def test_per_agent_gauges(autojump_clock: Any) -> None:
     text = generate_latest(registry).decode()
     assert f'{p}srtt_milliseconds{{engine="sim",model="m1",peer_id="{a}"}} 250.0' in text
     assert "# TYPE hivenet_router_agent_kv_cache_utilization gauge" in text
+    # The agent's latencies cover its engine's last 30 s (agent/engines/base.py
+    # LATENCY_WINDOW), not one sample period.
+    for name in ("avg_ttft_seconds", "p90_ttft_seconds", "avg_itl_seconds", "p90_itl_seconds"):
+        assert re.search(rf"# HELP {p}{name} .* over the engine's last 30 s\n", text), name
 
 
 def test_gauges_scraped_outside_trio_skip_what_needs_the_clock() -> None:

@@ -271,6 +271,10 @@ def test_agent_refuses_grpc_flags_saying_what_to_use(
         (["--heartbeat-interval", "1s", "--routing-signal-interval", "2s"], "keep one"),
         (["--heartbeat-interval", "0"], "must be positive"),
         (["--http-timeout", "0s"], "--http-timeout must be positive"),
+        (["--capacity", "0"], "--capacity must be positive, not 0"),
+        (["--capacity", "-3"], "--capacity must be positive, not -3"),
+        (["--engine-sample-interval", "0ms"], "--engine-sample-interval must be positive"),
+        (["--hardware-sample-interval", "0"], "--hardware-sample-interval must be positive"),
         (["--gpu-devices-file", "/nonexistent/gpus"], "--gpu-devices-file"),
     ],
 )
