@@ -240,6 +240,36 @@ async def test_provider_streams_reach_the_sdks_as_they_arrive(fleet: Fleet, tmp_
             await trio.to_thread.run_sync(broken_chat)
         assert "backend_error" in str(broken.value.body) or "stream" in str(broken.value)
         assert "provider_stream_broken provider=openai" in router.log()
+
+        # The provider's own error event after its first: the router's error event in
+        # the client's protocol (code and source), which each SDK raises, and a log line.
+        fake.knobs.break_stream = False
+        fake.knobs.error_event = 1
+        with pytest.raises(openai.APIError) as failed:
+            await trio.to_thread.run_sync(broken_chat)
+        assert failed.value.code == "backend_error"
+        assert failed.value.body["source"] == "backend"  # type: ignore[index]
+        assert failed.value.message.startswith("openai provider stream failed: server_error")
+
+        def claude_failed() -> None:
+            client = anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0)
+            with client.messages.stream(
+                model="m1", max_tokens=50, messages=[{"role": "user", "content": "x"}]
+            ) as stream:
+                stream.get_final_message()
+
+        with pytest.raises(anthropic.APIStatusError) as claude_error:
+            await trio.to_thread.run_sync(claude_failed)
+        body = claude_error.value.body
+        assert isinstance(body, dict) and body["type"] == "error"
+        assert body["error"]["code"] == "backend_error"
+        assert body["error"]["source"] == "backend"
+        assert router.log().count("provider_stream_broken provider=openai") == 3
+        # In place of the first event: a whole error answer the SDK raises by its status.
+        fake.knobs.error_event = 0
+        with pytest.raises(openai.InternalServerError) as before:
+            await trio.to_thread.run_sync(broken_chat)
+        assert before.value.status_code == 502 and before.value.code == "backend_error"
         nursery.cancel_scope.cancel()
 
 

@@ -1105,6 +1105,63 @@ async def test_stream_errors_before_and_after_the_first_event(openai_fake: FakeO
     assert "stream" in after.value.message
 
 
+# Each client endpoint's smallest streamed body, as its SDK sends it.
+_STREAMED = {
+    "/v1/chat/completions": {"model": "m", "messages": HELLO, "stream": True},
+    "/v1/messages": {"model": "m", "messages": HELLO, "max_tokens": 16, "stream": True},
+    "/v1/responses": {"model": "m", "input": "hello", "stream": True},
+}
+
+
+@pytest.mark.parametrize(
+    ("engine", "path", "code"),
+    [
+        ("openai", "/v1/chat/completions", ErrorCode.BACKEND_ERROR),
+        ("openai", "/v1/messages", ErrorCode.BACKEND_ERROR),
+        ("openai", "/v1/responses", ErrorCode.BACKEND_ERROR),
+        # Anthropic's overloaded_error: busy, as its 529 status would say.
+        ("anthropic", "/v1/chat/completions", ErrorCode.BACKEND_UNAVAILABLE),
+        ("anthropic", "/v1/messages", ErrorCode.BACKEND_UNAVAILABLE),
+    ],
+)
+async def test_the_providers_own_error_event_fails_the_stream(
+    openai_fake: FakeOpenAI,
+    anthropic_fake: FakeAnthropic,
+    engine: str,
+    path: str,
+    code: ErrorCode,
+) -> None:
+    """Not relayed as it came (it has neither `code` nor `source`, and the client's
+    stream would pass for a success): the stream fails with a RouterError, which the
+    HTTP layer tells as its own error event."""
+    fake = openai_fake if engine == "openai" else anthropic_fake
+    provider = GPT if engine == "openai" else CLAUDE
+    client = client_for(openai_fake, anthropic_fake)
+    req = route_request(_STREAMED[path])
+    req.path = path
+    try:
+        fake.knobs.error_event = 1
+        served = await client(provider, req)
+        assert served.stream is not None
+        body = served.body
+        with pytest.raises(RouterError) as after:
+            while (chunk := await served.stream.next()) is not None:
+                body += chunk
+        await served.stream.aclose()
+        err = after.value
+        assert (err.code, err.source) == (code, "backend")
+        assert err.message.startswith(f"{engine} provider stream failed: ")
+        assert ("Overloaded" if engine == "anthropic" else "had an error") in err.message
+        assert b"error" not in body, body
+        # In place of the first event: the call fails as a whole, with the same code.
+        fake.knobs.error_event = 0
+        with pytest.raises(RouterError) as before:
+            await client(provider, req)
+        assert (before.value.code, before.value.source) == (code, "backend")
+    finally:
+        await client.aclose()
+
+
 @pytest.mark.parametrize(
     "events",
     [
