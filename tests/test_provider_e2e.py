@@ -95,8 +95,13 @@ async def test_openai_provider_serves_after_the_local_chain(fleet: Fleet, tmp_pa
         assert r.status_code == 503
         assert len(fake.requests) == seen
 
-        # Provider down or refusing: a backend_error from the backend, counted as exhausted.
-        for knob in ({"fail_status": 500}, {"fail_status": 429}, {"close_connection": True}):
+        # Provider down or refusing: a backend error, counted as exhausted; a busy
+        # provider (429) is backend_unavailable, as INTERFACE.md has a backend's 429.
+        for knob, status, code in (
+            ({"fail_status": 500}, 502, "backend_error"),
+            ({"fail_status": 429}, 503, "backend_unavailable"),
+            ({"close_connection": True}, 502, "backend_error"),
+        ):
             fake.knobs.fail_status = knob.get("fail_status")
             fake.knobs.close_connection = bool(knob.get("close_connection"))
             r = await trio.to_thread.run_sync(
@@ -106,9 +111,9 @@ async def test_openai_provider_serves_after_the_local_chain(fleet: Fleet, tmp_pa
                     timeout=30,
                 )
             )
-            assert r.status_code == 502, (knob, r.text)
+            assert r.status_code == status, (knob, r.text)
             error = r.json()["error"]
-            assert error["code"] == "backend_error"
+            assert error["code"] == code
             assert error["source"] == "backend"
         # The embeddings request and the three failed provider calls.
         assert router.metric("hivenet_router_policy_exhausted_total", model="m1") == 4

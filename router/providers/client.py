@@ -23,7 +23,7 @@ from typing import Any
 import httpx
 import trio
 
-from protocol.errors import ErrorCode, RouterError
+from protocol.errors import ErrorCode, RouterError, classify_backend_status
 from protocol.logs import quote
 from protocol.paths import CHAT, COMPLETIONS, RESPONSES
 from router.dispatch import ProviderServed
@@ -387,17 +387,12 @@ def _status_error(name: str, status: int, body: bytes) -> RouterError:
     detail = _provider_message(body)
     if detail:
         message += f": {detail}"
-    # A provider's 400/422 judges the client's request (context length, a bad value):
-    # the client must fix it, and a 502 would invite a pointless retry.
-    if status in (400, 422):
-        text = detail.lower()
-        code = (
-            ErrorCode.CONTEXT_LENGTH_EXCEEDED
-            if "context" in text and ("length" in text or "window" in text)
-            else ErrorCode.INVALID_PARAMETER
-        )
-        return RouterError(code, message, source="backend")
-    return _backend(message)
+    # The provider is the request's backend: its statuses mean what an engine's do
+    # (INTERFACE.md), so a 400/422 is the client's to fix and a 429 or 503 is busy
+    # (503 backend_unavailable, which SDKs retry after a while). Anthropic's 529
+    # (overloaded) is its 503.
+    code = classify_backend_status(503 if status == 529 else status, body)
+    return RouterError(code or ErrorCode.BACKEND_ERROR, message, source="backend")
 
 
 def _provider_message(body: bytes) -> str:
