@@ -323,7 +323,7 @@ def _response_object(
                 "id": f"msg_{response_id}",
                 "status": "completed",
                 "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": []}],
+                "content": [_output_text(text)],
             }
         )
     done = status != "in_progress"
@@ -359,23 +359,42 @@ async def _response_stream(
         return sse_event(kind, {"type": kind, "sequence_number": sequence - 1, **fields})
 
     created = _response_object(engine, job, response_id, "in_progress", None)
+    # The message item and its text part are announced before their first delta, and
+    # closed after the last, as OpenAI streams them: the openai SDK's stream helper
+    # (`client.responses.stream`) refuses a delta for an item it was not told of.
+    part = {"item_id": item_id, "output_index": 0, "content_index": 0}
+
+    def item(status: str, text: str | None) -> dict[str, Any]:
+        content = [] if text is None else [_output_text(text)]
+        return {
+            "type": "message",
+            "id": item_id,
+            "status": status,
+            "role": "assistant",
+            "content": content,
+        }
 
     async def emit(index: int, piece: str) -> None:
-        delta = event(
-            "response.output_text.delta",
-            {"item_id": item_id, "output_index": 0, "content_index": 0, "delta": piece},
-        )
-        await exchange.chunk(delta)
+        await exchange.chunk(event("response.output_text.delta", {**part, "delta": piece}))
 
     await exchange.start(200, SSE_HEADERS)
-    await exchange.chunk(event("response.created", {"response": created}))
+    await exchange.chunk(
+        event("response.created", {"response": created})
+        + event(
+            "response.output_item.added", {"output_index": 0, "item": item("in_progress", None)}
+        )
+        + event("response.content_part.added", {**part, "part": _output_text("")})
+    )
     await engine.generate(job, emit)
     text = "".join(job.pieces)
     done = _response_object(engine, job, response_id, "completed", text)
     await exchange.finish(
-        event(
-            "response.output_text.done",
-            {"item_id": item_id, "output_index": 0, "content_index": 0, "text": text},
-        )
+        event("response.output_text.done", {**part, "text": text})
+        + event("response.content_part.done", {**part, "part": _output_text(text)})
+        + event("response.output_item.done", {"output_index": 0, "item": item("completed", text)})
         + event("response.completed", {"response": done})
     )
+
+
+def _output_text(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": []}

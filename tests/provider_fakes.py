@@ -6,8 +6,9 @@ fields), records every request it got, and answers in the provider's documented 
 format, whole or streamed (`"stream": true`, as the provider streams: OpenAI's chunks
 and `[DONE]`, Anthropic's named events). Knobs make it fail the ways a provider fails:
 an error status, a dropped connection, a slow answer, a body that is not JSON, a stream
-that breaks off; and `gate` holds a stream after its first event until the test
-releases it, so a test can see that event reach the client before the answer ends.
+that breaks off or ends with the provider's own error event; and `gate` holds a stream
+after its first event until the test releases it, so a test can see that event reach
+the client before the answer ends.
 
     fake = FakeOpenAI("sk-test")
     await nursery.start(fake.serve)
@@ -54,6 +55,9 @@ class Knobs:
     gate: trio.Event | None = None
     # A stream's connection closes after its first event (after the gate).
     break_stream: bool = False
+    # A stream sends the provider's own error event in place of its events from this
+    # index on (0: in place of all), then ends, as a provider overloaded mid-answer does.
+    error_event: int | None = None
 
 
 @dataclass
@@ -88,6 +92,10 @@ class FakeProvider:
 
     def events(self, request: Recorded, answer: dict[str, Any]) -> list[bytes]:
         """The stream of `answer`, event by event, as the provider sends it."""
+        raise NotImplementedError
+
+    def error_event(self, request: Recorded) -> bytes:
+        """The error event the provider sends when it fails in the middle of a stream."""
         raise NotImplementedError
 
     async def _connection(self, stream: trio.SocketStream) -> None:
@@ -125,7 +133,10 @@ class FakeProvider:
     ) -> None:
         headers = [("content-type", "text/event-stream")]
         await stream.send_all(conn.send(h11.Response(status_code=200, headers=headers)))
-        for index, event in enumerate(self.events(request, answer)):
+        events = self.events(request, answer)
+        if self.knobs.error_event is not None:
+            events = [*events[: self.knobs.error_event], self.error_event(request)]
+        for index, event in enumerate(events):
             await stream.send_all(conn.send(h11.Data(data=event)))
             gate = self.knobs.gate if index == 0 else None
             if gate is not None and await self._abandoned_before(gate, stream):
@@ -233,6 +244,13 @@ class FakeOpenAI(FakeProvider):
     def error_body(self, kind: str, message: str) -> dict[str, Any]:
         return {"error": {"message": message, "type": kind, "param": None, "code": None}}
 
+    def error_event(self, request: Recorded) -> bytes:
+        message = "The server had an error while processing your request."
+        if request.path == "/v1/responses":
+            event = {"type": "error", "code": "server_error", "message": message, "param": None}
+            return _named("error", event)
+        return _data(self.error_body("server_error", message))
+
     def events(self, request: Recorded, answer: dict[str, Any]) -> list[bytes]:
         if request.path == "/v1/responses":
             return _response_events(answer)
@@ -288,6 +306,9 @@ class FakeAnthropic(FakeProvider):
 
     def error_body(self, kind: str, message: str) -> dict[str, Any]:
         return {"type": "error", "error": {"type": kind, "message": message}}
+
+    def error_event(self, request: Recorded) -> bytes:
+        return _named("error", self.error_body("overloaded_error", "Overloaded"))
 
     def events(self, request: Recorded, answer: dict[str, Any]) -> list[bytes]:
         usage = answer.get("usage", {})

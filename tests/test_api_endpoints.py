@@ -122,6 +122,11 @@ def test_responses_plain_and_streamed_with_usage_charged(ep: EndpointFleet) -> N
     assert final is not None and final.usage is not None and final.usage.output_tokens == 4
     charged += final.usage.input_tokens + final.usage.output_tokens
     wait_until(lambda: ep.tokens() == charged, 5, "streamed response usage charged")
+    # The SDK's stream helper, which needs each item announced before its deltas.
+    with client.responses.stream(model="m1", input="one two") as helped:
+        deltas = [e.delta for e in helped if e.type == "response.output_text.delta"]
+        response = helped.get_final_response()
+    assert "".join(deltas) == response.output_text == "Echo: one two"
 
 
 def test_new_endpoints_check_their_fields(ep: EndpointFleet) -> None:

@@ -11,6 +11,7 @@ import math
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import anthropic
 import httpx
@@ -180,6 +181,29 @@ def test_anthropic_messages_max_tokens_stop_reason(sdk: SdkFleet) -> None:
     )
     assert message.content[0].text == "Echo: a"
     assert message.stop_reason == "max_tokens"
+
+
+def test_the_anthropic_sdk_reads_the_request_id(sdk: SdkFleet) -> None:
+    """Anthropic's header is `request-id`, the only one its SDK reads: without it a
+    caller has no ID to find the router's log lines with."""
+    client = sdk.anthropic()
+    hello: Any = [{"role": "user", "content": "hello"}]
+    given = str(uuid.uuid4())
+    raw = client.messages.with_raw_response.create(
+        model=CHAT, max_tokens=8, messages=hello, extra_headers={"x-request-id": given}
+    )
+    assert raw.request_id == raw.headers["x-request-id"] == given
+    assert raw.parse()._request_id == given
+    with client.messages.stream(model=CHAT, max_tokens=8, messages=hello) as stream:
+        stream.get_final_message()
+        uuid.UUID(stream.request_id or "")
+        assert stream.request_id == stream.response.headers["x-request-id"]
+    counted = client.messages.with_raw_response.count_tokens(model=CHAT, messages=hello)
+    assert counted.request_id == counted.headers["x-request-id"]
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        client.messages.create(model="absent", max_tokens=8, messages=hello)
+    assert missing.value.request_id == missing.value.response.headers["x-request-id"]
+    assert missing.value.request_id is not None
 
 
 def _close(a: list[float], b: list[float]) -> bool:

@@ -95,8 +95,13 @@ async def test_openai_provider_serves_after_the_local_chain(fleet: Fleet, tmp_pa
         assert r.status_code == 503
         assert len(fake.requests) == seen
 
-        # Provider down or refusing: a backend_error from the backend, counted as exhausted.
-        for knob in ({"fail_status": 500}, {"fail_status": 429}, {"close_connection": True}):
+        # Provider down or refusing: a backend error, counted as exhausted; a busy
+        # provider (429) is backend_unavailable, as INTERFACE.md has a backend's 429.
+        for knob, status, code in (
+            ({"fail_status": 500}, 502, "backend_error"),
+            ({"fail_status": 429}, 503, "backend_unavailable"),
+            ({"close_connection": True}, 502, "backend_error"),
+        ):
             fake.knobs.fail_status = knob.get("fail_status")
             fake.knobs.close_connection = bool(knob.get("close_connection"))
             r = await trio.to_thread.run_sync(
@@ -106,9 +111,9 @@ async def test_openai_provider_serves_after_the_local_chain(fleet: Fleet, tmp_pa
                     timeout=30,
                 )
             )
-            assert r.status_code == 502, (knob, r.text)
+            assert r.status_code == status, (knob, r.text)
             error = r.json()["error"]
-            assert error["code"] == "backend_error"
+            assert error["code"] == code
             assert error["source"] == "backend"
         # The embeddings request and the three failed provider calls.
         assert router.metric("hivenet_router_policy_exhausted_total", model="m1") == 4
@@ -240,6 +245,36 @@ async def test_provider_streams_reach_the_sdks_as_they_arrive(fleet: Fleet, tmp_
             await trio.to_thread.run_sync(broken_chat)
         assert "backend_error" in str(broken.value.body) or "stream" in str(broken.value)
         assert "provider_stream_broken provider=openai" in router.log()
+
+        # The provider's own error event after its first: the router's error event in
+        # the client's protocol (code and source), which each SDK raises, and a log line.
+        fake.knobs.break_stream = False
+        fake.knobs.error_event = 1
+        with pytest.raises(openai.APIError) as failed:
+            await trio.to_thread.run_sync(broken_chat)
+        assert failed.value.code == "backend_error"
+        assert failed.value.body["source"] == "backend"  # type: ignore[index]
+        assert failed.value.message.startswith("openai provider stream failed: server_error")
+
+        def claude_failed() -> None:
+            client = anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0)
+            with client.messages.stream(
+                model="m1", max_tokens=50, messages=[{"role": "user", "content": "x"}]
+            ) as stream:
+                stream.get_final_message()
+
+        with pytest.raises(anthropic.APIStatusError) as claude_error:
+            await trio.to_thread.run_sync(claude_failed)
+        body = claude_error.value.body
+        assert isinstance(body, dict) and body["type"] == "error"
+        assert body["error"]["code"] == "backend_error"
+        assert body["error"]["source"] == "backend"
+        assert router.log().count("provider_stream_broken provider=openai") == 3
+        # In place of the first event: a whole error answer the SDK raises by its status.
+        fake.knobs.error_event = 0
+        with pytest.raises(openai.InternalServerError) as before:
+            await trio.to_thread.run_sync(broken_chat)
+        assert before.value.status_code == 502 and before.value.code == "backend_error"
         nursery.cancel_scope.cancel()
 
 

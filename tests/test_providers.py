@@ -755,22 +755,36 @@ async def test_provider_down() -> None:
     assert err.message.startswith("openai provider unreachable")
 
 
-@pytest.mark.parametrize("status", [429, 500, 503, 401])
-async def test_provider_error_statuses(openai_fake: FakeOpenAI, status: int) -> None:
+@pytest.mark.parametrize(
+    ("status", "code", "http_status"),
+    [
+        # Busy: INTERFACE.md's 429/503 rule for a backend's answers.
+        (429, ErrorCode.BACKEND_UNAVAILABLE, 503),
+        (503, ErrorCode.BACKEND_UNAVAILABLE, 503),
+        (500, ErrorCode.BACKEND_ERROR, 502),
+        # The router's key refused: not the client's fault, nor a busy provider.
+        (401, ErrorCode.BACKEND_ERROR, 502),
+    ],
+)
+async def test_provider_error_statuses(
+    openai_fake: FakeOpenAI, status: int, code: ErrorCode, http_status: int
+) -> None:
     openai_fake.knobs.fail_status = status
     with pytest.raises(RouterError) as exc:
         await call(client_for(openai_fake), GPT, {"model": "m", "messages": HELLO})
     err = exc.value
-    assert (err.code, err.source, err.http_status) == (ErrorCode.BACKEND_ERROR, "backend", 502)
+    assert (err.code, err.source, err.http_status) == (code, "backend", http_status)
     assert err.message == f"openai provider answered HTTP {status}: fake failure {status}"
 
 
-async def test_anthropic_error_body_is_quoted(anthropic_fake: FakeAnthropic) -> None:
-    anthropic_fake.knobs.fail_status = 429
+@pytest.mark.parametrize("status", [429, 529])
+async def test_anthropic_error_body_is_quoted(anthropic_fake: FakeAnthropic, status: int) -> None:
+    # 529 is Anthropic's "overloaded": busy, as a 503.
+    anthropic_fake.knobs.fail_status = status
     with pytest.raises(RouterError) as exc:
         await call(client_for(anthropic_fake=anthropic_fake), CLAUDE, {"messages": HELLO})
-    assert exc.value.code is ErrorCode.BACKEND_ERROR
-    assert exc.value.message == "anthropic provider answered HTTP 429: fake failure 429"
+    assert exc.value.code is ErrorCode.BACKEND_UNAVAILABLE
+    assert exc.value.message == f"anthropic provider answered HTTP {status}: fake failure {status}"
 
 
 async def test_provider_400_is_the_clients_error(openai_fake: FakeOpenAI) -> None:
@@ -1094,7 +1108,7 @@ async def test_stream_errors_before_and_after_the_first_event(openai_fake: FakeO
     openai_fake.knobs.fail_status = 503
     with pytest.raises(RouterError) as before:
         await call_streaming(client_for(openai_fake), GPT, payload)
-    assert before.value.code is ErrorCode.BACKEND_ERROR
+    assert before.value.code is ErrorCode.BACKEND_UNAVAILABLE
     assert "HTTP 503" in before.value.message
     openai_fake.knobs.fail_status = None
     # After: the stream's next read fails, to be told as an error event.
@@ -1103,6 +1117,63 @@ async def test_stream_errors_before_and_after_the_first_event(openai_fake: FakeO
         await call_streaming(client_for(openai_fake), GPT, payload)
     assert after.value.code is ErrorCode.BACKEND_ERROR
     assert "stream" in after.value.message
+
+
+# Each client endpoint's smallest streamed body, as its SDK sends it.
+_STREAMED = {
+    "/v1/chat/completions": {"model": "m", "messages": HELLO, "stream": True},
+    "/v1/messages": {"model": "m", "messages": HELLO, "max_tokens": 16, "stream": True},
+    "/v1/responses": {"model": "m", "input": "hello", "stream": True},
+}
+
+
+@pytest.mark.parametrize(
+    ("engine", "path", "code"),
+    [
+        ("openai", "/v1/chat/completions", ErrorCode.BACKEND_ERROR),
+        ("openai", "/v1/messages", ErrorCode.BACKEND_ERROR),
+        ("openai", "/v1/responses", ErrorCode.BACKEND_ERROR),
+        # Anthropic's overloaded_error: busy, as its 529 status would say.
+        ("anthropic", "/v1/chat/completions", ErrorCode.BACKEND_UNAVAILABLE),
+        ("anthropic", "/v1/messages", ErrorCode.BACKEND_UNAVAILABLE),
+    ],
+)
+async def test_the_providers_own_error_event_fails_the_stream(
+    openai_fake: FakeOpenAI,
+    anthropic_fake: FakeAnthropic,
+    engine: str,
+    path: str,
+    code: ErrorCode,
+) -> None:
+    """Not relayed as it came (it has neither `code` nor `source`, and the client's
+    stream would pass for a success): the stream fails with a RouterError, which the
+    HTTP layer tells as its own error event."""
+    fake = openai_fake if engine == "openai" else anthropic_fake
+    provider = GPT if engine == "openai" else CLAUDE
+    client = client_for(openai_fake, anthropic_fake)
+    req = route_request(_STREAMED[path])
+    req.path = path
+    try:
+        fake.knobs.error_event = 1
+        served = await client(provider, req)
+        assert served.stream is not None
+        body = served.body
+        with pytest.raises(RouterError) as after:
+            while (chunk := await served.stream.next()) is not None:
+                body += chunk
+        await served.stream.aclose()
+        err = after.value
+        assert (err.code, err.source) == (code, "backend")
+        assert err.message.startswith(f"{engine} provider stream failed: ")
+        assert ("Overloaded" if engine == "anthropic" else "had an error") in err.message
+        assert b"error" not in body, body
+        # In place of the first event: the call fails as a whole, with the same code.
+        fake.knobs.error_event = 0
+        with pytest.raises(RouterError) as before:
+            await client(provider, req)
+        assert (before.value.code, before.value.source) == (code, "backend")
+    finally:
+        await client.aclose()
 
 
 @pytest.mark.parametrize(

@@ -101,6 +101,8 @@ class RouterApp:
         method: str = scope["method"]
         tenant = "-"
         protocol = protocol_of(path)
+        if protocol == "anthropic":
+            send = _with_anthropic_request_id(send, rid)
         span = NULL_SPAN
         if self.tracer.enabled and path in ENDPOINTS:
             span = scope[SPAN] = self.tracer.root(
@@ -341,6 +343,19 @@ def _with_traceparent(send: Send, span: Span) -> Send:
         await send(message)
 
     return traced_send
+
+
+def _with_anthropic_request_id(send: Send, rid: str) -> Send:
+    """The request ID also as `request-id`, Anthropic's name for it: the anthropic SDK
+    reads only that one (`request_id` of a message, a raw response or an APIError)."""
+    value = rid.encode("latin-1")
+
+    async def identified_send(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            message = {**message, "headers": [*message.get("headers", ()), (b"request-id", value)]}
+        await send(message)
+
+    return identified_send
 
 
 def _audited(path: str, method: str, status: int) -> bool:

@@ -6,7 +6,7 @@ SDKs parse them: `message_start` the role chunk, a text delta a content chunk, a
 `tool_use` block's start a tool call (id, name, empty arguments) and each of its
 `input_json_delta`s an arguments fragment of that call, `message_delta` the finish
 reason, `message_stop` the usage chunk (when `stream_options.include_usage` asked for
-it) and `[DONE]`. An `error` event becomes an OpenAI error event and ends the stream.
+it) and `[DONE]`. An `error` event raises ProviderErrorEvent (router/providers/events.py).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from router.providers.anthropic import FINISH_REASONS, openai_usage
-from router.providers.events import UsageSeen, parse_data, sse
+from router.providers.events import UsageSeen, check_error_event, parse_data, sse
 
 
 class AnthropicToOpenAI:
@@ -35,6 +35,7 @@ class AnthropicToOpenAI:
 
     def event(self, name: str | None, data: str) -> bytes:
         value = parse_data(data)
+        check_error_event(value)
         kind = value.get("type")
         if kind == "message_start":
             message = value.get("message")
@@ -85,14 +86,6 @@ class AnthropicToOpenAI:
                 usage = openai_usage(self._raw_usage)
                 out = sse({**self._base, "choices": [], "usage": usage})
             return out + sse("[DONE]")
-        if kind == "error":
-            self._finished = True
-            error = value.get("error")
-            error = error if isinstance(error, dict) else {}
-            message = error.get("message") if isinstance(error.get("message"), str) else "error"
-            kind_name = error.get("type") if isinstance(error.get("type"), str) else "api_error"
-            body = {"error": {"message": message, "type": kind_name, "code": "backend_error"}}
-            return sse(body) + sse("[DONE]")
         return b""  # ping, and event types added later
 
     def end(self) -> bytes:

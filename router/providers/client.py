@@ -23,14 +23,14 @@ from typing import Any
 import httpx
 import trio
 
-from protocol.errors import ErrorCode, RouterError
+from protocol.errors import ErrorCode, RouterError, classify_backend_status
 from protocol.logs import quote
 from protocol.paths import CHAT, COMPLETIONS, RESPONSES
 from router.dispatch import ProviderServed
 from router.policy.schema import ProviderFallback
 from router.providers import anthropic, messages, openai
 from router.providers.anthropic_stream import AnthropicToOpenAI
-from router.providers.events import EventParser, PassThrough, Translator
+from router.providers.events import EventParser, PassThrough, ProviderErrorEvent, Translator
 from router.session import RouteRequest
 
 log = logging.getLogger("provider")
@@ -40,6 +40,8 @@ DEFAULT_ANTHROPIC_BASE_URL = "https://api.anthropic.com"
 SERVED_BY_HEADER = "x-hivenet-served-by"
 # Enough of a provider's error text to say what went wrong, not a whole HTML page.
 _DETAIL_LIMIT = 300
+# The error types of a provider's error event that say it is busy, not broken.
+_BUSY = frozenset({"overloaded_error", "rate_limit_error"})
 
 MESSAGES = "/v1/messages"
 
@@ -140,6 +142,8 @@ class ProviderStream:
         self._parser = EventParser()
         self._translator = translator
         self._ended = False
+        # How the stream failed, raised once the events before the failure are out.
+        self._failure: RouterError | None = None
         # The first translated event, read before the call returns (ProviderClient).
         self.first = b""
 
@@ -163,14 +167,32 @@ class ProviderStream:
             except httpx.HTTPError as exc:
                 self._ended = True
                 raise _backend(f"{self.name} provider stream broke off: {_describe(exc)}") from None
-            try:
-                out = b"".join(self._translator.event(n, d) for n, d in self._parser.feed(chunk))
-            except ValueError as exc:
-                self._ended = True
-                raise _backend(f"{self.name} provider stream is malformed: {exc}") from None
+            out = self._translate(chunk)
             if out:
                 return out
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise failure
         return None
+
+    def _translate(self, chunk: bytes) -> bytes:
+        """The client's bytes for the events `chunk` completes; a failure among them
+        ends the stream after the events before it."""
+        out = b""
+        try:
+            for name, data in self._parser.feed(chunk):
+                out += self._translator.event(name, data)
+        except ValueError as exc:
+            self._ended = True
+            self._failure = _backend(f"{self.name} provider stream is malformed: {exc}")
+        except ProviderErrorEvent as exc:
+            self._ended = True
+            # Overloaded or rate-limited: busy, as a 429 or 529 status would say.
+            code = ErrorCode.BACKEND_UNAVAILABLE if exc.kind in _BUSY else ErrorCode.BACKEND_ERROR
+            detail = f"{exc.kind}: {exc.message[:_DETAIL_LIMIT]}"
+            message = f"{self.name} provider stream failed: {detail}"
+            self._failure = RouterError(code, message, source="backend")
+        return out
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):
@@ -365,17 +387,12 @@ def _status_error(name: str, status: int, body: bytes) -> RouterError:
     detail = _provider_message(body)
     if detail:
         message += f": {detail}"
-    # A provider's 400/422 judges the client's request (context length, a bad value):
-    # the client must fix it, and a 502 would invite a pointless retry.
-    if status in (400, 422):
-        text = detail.lower()
-        code = (
-            ErrorCode.CONTEXT_LENGTH_EXCEEDED
-            if "context" in text and ("length" in text or "window" in text)
-            else ErrorCode.INVALID_PARAMETER
-        )
-        return RouterError(code, message, source="backend")
-    return _backend(message)
+    # The provider is the request's backend: its statuses mean what an engine's do
+    # (INTERFACE.md), so a 400/422 is the client's to fix and a 429 or 503 is busy
+    # (503 backend_unavailable, which SDKs retry after a while). Anthropic's 529
+    # (overloaded) is its 503.
+    code = classify_backend_status(503 if status == 529 else status, body)
+    return RouterError(code or ErrorCode.BACKEND_ERROR, message, source="backend")
 
 
 def _provider_message(body: bytes) -> str:

@@ -9,6 +9,11 @@ ends, or raises ValueError when it broke off before its last event.
 `PassThrough` serves a client that speaks the provider's own format (OpenAI to OpenAI,
 Anthropic to Anthropic): each event is sent on as it came, only read for its usage, and
 an OpenAI usage-only chunk the router asked for (the client did not) is left out.
+
+The provider's own error event (Anthropic's `overloaded_error` mid-stream, OpenAI's
+`{"error": …}` chunk) is not relayed: every translator raises `ProviderErrorEvent` for
+it, so the router ends the client's stream with its own error event (`code`, `source`)
+and counts the answer as failed, as it does when the provider's connection breaks.
 """
 
 from __future__ import annotations
@@ -77,6 +82,34 @@ def parse_data(data: str) -> dict[str, Any]:
     return value
 
 
+class ProviderErrorEvent(Exception):
+    """The provider ended its stream with an error event of `kind` (its error type)."""
+
+    def __init__(self, kind: str, message: str) -> None:
+        super().__init__(f"{kind}: {message}")
+        self.kind = kind
+        self.message = message
+
+
+def check_error_event(value: dict[str, Any]) -> None:
+    """Raise ProviderErrorEvent when `value` is a provider's error event: OpenAI's
+    `{"error": {"type", "message"}}` chunk, Anthropic's `{"type": "error", "error":
+    {"type", "message"}}`, or the Responses API's `{"type": "error", "code", "message"}`."""
+    inner = value.get("error")
+    if isinstance(inner, dict):
+        fields = inner
+    elif value.get("type") == "error":
+        fields = value
+    else:
+        return
+    kind = fields.get("type") if fields is inner else fields.get("code")
+    message = fields.get("message")
+    raise ProviderErrorEvent(
+        kind if isinstance(kind, str) and kind else "error",
+        message if isinstance(message, str) and message else "no message",
+    )
+
+
 class Translator(Protocol):
     # The answer's token usage, once the stream has told it (prompt/completion tokens).
     usage: dict[str, int] | None
@@ -124,11 +157,10 @@ class PassThrough:
             self._finished = True
             return sse(data, name)
         value = parse_data(data)
+        check_error_event(value)
         kind = value.get("type")
         if isinstance(kind, str) and kind in _LAST:
             self._finished = True
-        if "error" in value and kind in (None, "error"):
-            self._finished = True  # the provider's own error event ends its stream
         usage = value.get("usage")
         inner = value.get("message") or value.get("response")
         if usage is None and isinstance(inner, dict):

@@ -15,7 +15,7 @@ import json
 from typing import Any
 
 from protocol.errors import ErrorCode, RouterError
-from router.providers.events import UsageSeen, parse_data, sse
+from router.providers.events import UsageSeen, check_error_event, parse_data, sse
 
 _TRANSLATED = frozenset(
     {
@@ -274,12 +274,7 @@ class OpenAIToAnthropic:
         if data == "[DONE]":
             return self._finish()
         chunk = parse_data(data)
-        if isinstance(chunk.get("error"), dict):
-            error = chunk["error"]
-            message = error.get("message") if isinstance(error.get("message"), str) else "error"
-            self._finished = True
-            body = {"type": "error", "error": {"type": "api_error", "message": message}}
-            return sse(body, "error")
+        check_error_event(chunk)
         out = b"" if self._started else self._start(chunk)
         if chunk.get("usage") is not None:
             self._raw_usage = chunk["usage"]
