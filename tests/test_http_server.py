@@ -25,7 +25,7 @@ import trio.testing
 
 from router.cli import build_parser, settings_from
 from router.http.app import protocol_of
-from router.http.asgi import ANSWER_SCOPE, BODY_READY, ON_DISCONNECT
+from router.http.asgi import ANSWER_SCOPE, BODY_READY, HOLD_HEAD, ON_DISCONNECT
 from router.http.server import (
     IDLE,
     MAX_HEAD_BYTES,
@@ -767,6 +767,51 @@ async def test_parts_from_the_part_writer_arrive_whole_and_in_order_past_a_full_
 
     await arrives_whole(stream, parts)
     assert kept  # the kernel's room ran out under the writer too
+
+
+@pytest.mark.parametrize("hold", [False, True], ids=["head-at-once", "head-held"])
+async def test_a_streamed_head_waits_for_the_first_part_only_when_held(hold: bool) -> None:
+    """HOLD_HEAD: the head and the first part leave in one write; without it the head
+    goes at once (an event stream that waits for its first event, as the registration
+    stream does, must still answer)."""
+
+    async def stream(scope: dict, receive: Receive, send: Send) -> None:
+        await receive()
+        start = {"type": "http.response.start", "status": 200, "headers": []}
+        await send({**start, HOLD_HEAD: True} if hold else start)
+        await send({"type": "http.response.body", "body": b"first", "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+    request = b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n"
+    writes, received = await writes_of(stream, request)
+    head = received.split(b"\r\n\r\n", 1)[0] + b"\r\n\r\n"
+    first = b"5\r\nfirst\r\n"
+    assert writes == ([head + first] if hold else [head, first]) + [b"0\r\n\r\n"], writes
+    assert received == head + first + b"0\r\n\r\n"
+
+
+async def test_a_held_head_goes_with_the_part_writer_s_first_part() -> None:
+    """The part writer is offered while the head is held, and its first part carries
+    the head (the link's reader writes a stream's first event with it)."""
+    parts = [b"one", b"two"]
+
+    async def stream(scope: dict, receive: Receive, send: Send) -> None:
+        await receive()
+        connection = scope["extensions"][ANSWER_SCOPE]
+        await send({"type": "http.response.start", "status": 200, "headers": [], HOLD_HEAD: True})
+        write_part = connection.part_writer()
+        assert write_part is not None
+        assert connection.head is not None
+        for part in parts:
+            assert write_part(part) is True
+            assert connection.head is None
+        await send({"type": "http.response.body", "body": b""})
+
+    async with serving(stream) as (_, port):
+        received = await exchange(port, b"GET / HTTP/1.1\r\nHost: t\r\nConnection: close\r\n\r\n")
+    assert received.startswith(b"HTTP/1.1 200 "), received
+    body = received.split(b"\r\n\r\n", 1)[1]
+    assert body == b"3\r\none\r\n3\r\ntwo\r\n0\r\n\r\n"
 
 
 @pytest.mark.parametrize("kind", ["content-length", "http/1.0", "head", "memory stream"])

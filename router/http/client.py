@@ -531,7 +531,9 @@ class ClientApi:
                 await send_body(send, body)
                 return
             state.started = True
-            await start_response(send, response.status, headers)
+            # Its first part is queued with the head, or the link's reader writes it
+            # with the head as it comes.
+            await start_response(send, response.status, headers, hold=True)
             admitted, gates = state.admitted, self.admission
             grow: Callable[[bytes], Awaitable[None]] | None = None
             if admitted is not None and gates is not None and admitted.grows:

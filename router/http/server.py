@@ -54,7 +54,7 @@ import trio
 from protocol.errors import ErrorCode, RouterError, anthropic_error_body, openai_error_body
 from protocol.logs import quote
 from protocol.sockets import readable_now, receive_when_ready, send_at_once, stdlib_socket
-from router.http.asgi import ANSWER_SCOPE, BODY_READY, ON_DISCONNECT
+from router.http.asgi import ANSWER_SCOPE, BODY_READY, HOLD_HEAD, ON_DISCONNECT
 from router.http.request_reader import (
     END,
     MAX_HEAD_BYTES,
@@ -481,11 +481,9 @@ class _Connection:
         self.scope.cancel()
 
     def part_writer(self) -> Callable[[bytes], bool] | None:
-        """`write_part` while the answer is a chunked stream whose head is out; None
-        otherwise (the app writes through send())."""
-        if self.answer is not RESPONDING or self.framing is not _CHUNKED:
-            return None
-        if self.head is not None or self.raw is None:
+        """`write_part` while the answer is a chunked stream whose head is sent (or
+        held for its first part); None otherwise (the app writes through send())."""
+        if self.answer is not RESPONDING or self.framing is not _CHUNKED or self.raw is None:
             return None
         return self.write_part
 
@@ -502,6 +500,9 @@ class _Connection:
         if self.unsent:
             self.unsent += data
             return False
+        if self.head is not None:
+            data = self.head + data
+            self.head = None
         try:
             sent = send_at_once(self.raw, data)  # type: ignore[arg-type]  # as part_writer found it
         except OSError:
@@ -752,7 +753,7 @@ class _Connection:
             except ValueError as exc:
                 await self._unsendable(exc)
             self.answer = RESPONDING
-            if length is None:
+            if length is None and not message.get(HOLD_HEAD):
                 await self._write(head)
             else:
                 self.head = head  # held until the body, so both leave in one write
