@@ -501,9 +501,19 @@ class AgentResponse:
         raise StreamBroken(f"{failure.code}: {failure.message}")
 
     def _ended(self, frame: dict) -> None:
-        self.usage = usage = valid_usage(frame.get("usage"))
+        raw = frame.get("usage")
+        self.usage = usage = valid_usage(raw)
         peer = self.session.peer
-        if usage is not None and peer is not None:
+        if usage is None and raw is not None:
+            # Charged to nobody: a count out of shape or range is the agent's fault.
+            log.warning(
+                "req=%s agent_bad_usage peer=%s id=%d usage=%s",
+                self.pending.rid,
+                self.session.remote_peer,
+                self.req_id,
+                quote(repr(raw)[:200]),
+            )
+        elif usage is not None and peer is not None:
             peer.stats.record_tokens(usage[PROMPT], usage[COMPLETION])
 
     def close(self) -> None:

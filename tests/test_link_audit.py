@@ -1,0 +1,104 @@
+"""Hostile values inside well-formed frames, against a real router process.
+
+tests/test_link_hostile.py covers answers out of order and heads no HTTP server may
+send; this module covers numbers and strings that pass the message checks and do
+harm further on: token counts larger than any engine's, and refusal reasons an
+attacker writes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sqlite3
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from protocol import messages as m
+from protocol.p2p import FramedStream
+from protocol.usage import MAX_TOKENS, valid_usage
+from tests.fleet import Agent, Fleet, Router, wait_until
+from tests.link_peers import scripted_agent
+from tests.test_link_hostile import ONLY_HOSTILE, chat
+
+# msgpack's largest integer: a router process must survive it anywhere an agent sends one.
+UINT64_MAX = 2**64 - 1
+
+
+@pytest.fixture(scope="module")
+def fleet_router_agent(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[tuple[Fleet, Router, Agent]]:
+    fleet = Fleet(Path(tmp_path_factory.mktemp("link-audit")))
+    try:
+        # The history is written often, so a value it cannot hold shows at once.
+        router = fleet.router("--universal-flush-interval", "0.1s")
+        yield fleet, router, fleet.agent(router, "m1")
+    finally:
+        fleet.close()
+
+
+@pytest.fixture
+def router(fleet_router_agent: tuple[Fleet, Router, Agent]) -> Router:
+    return fleet_router_agent[1]
+
+
+@pytest.fixture
+def healthy(fleet_router_agent: tuple[Fleet, Router, Agent]) -> Agent:
+    return fleet_router_agent[2]
+
+
+def stored_successes(router: Router, peer_id: str) -> int | None:
+    """The agent's successes as the router's history file holds them."""
+    assert router.alive(), router.log()[-3000:]
+    path = router.admin("/admin/storage")["path"]
+    with contextlib.closing(sqlite3.connect(f"file:{path}?mode=ro", uri=True)) as db:
+        row = db.execute(
+            "SELECT successes FROM agent_history WHERE peer_id = ?", (peer_id,)
+        ).fetchone()
+    return None if row is None else row[0]
+
+
+def answer_with_usage(usage: dict) -> object:
+    def answer(msg: dict, fs: FramedStream) -> None:
+        body = b'{"choices": [{"message": {"role": "assistant", "content": "x"}}]}'
+        fs.send_nowait(m.response_head(msg["id"], 200, {"content-type": "application/json"}))
+        fs.send_nowait(m.response_chunk(msg["id"], body))
+        fs.send_nowait({**m.response_end(msg["id"]), "usage": usage})
+
+    return answer
+
+
+@pytest.mark.parametrize(
+    "usage",
+    [
+        {"prompt_tokens": UINT64_MAX, "completion_tokens": 0},
+        {"prompt_tokens": 1, "completion_tokens": 2**63},
+    ],
+    ids=["prompt", "completion"],
+)
+async def test_a_token_count_no_engine_could_make_is_dropped_not_stored(
+    router: Router, healthy: Agent, usage: dict
+) -> None:
+    async with scripted_agent(router, answer_with_usage(usage), ONLY_HOSTILE) as agent:
+        assert (await chat(router, "m2")).status_code == 200
+        router.wait_log(f"agent_bad_usage peer={agent.peer_id}")
+        # The history is written after the answer: a count it cannot hold would end
+        # the router here.
+        wait_until(lambda: stored_successes(router, agent.peer_id) == 1, what="history row")
+        universal = router.agent(agent.peer_id)["universal"]
+        assert universal["input_tokens_total"] == 0
+        assert universal["output_tokens_total"] == 0
+    assert router.alive()
+    assert router.admin("/admin/storage")["last_error"] is None
+    assert (await chat(router, "m1")).status_code == 200
+
+
+def test_link_usage_is_bounded_at_max_tokens() -> None:
+    assert valid_usage({"prompt_tokens": MAX_TOKENS, "completion_tokens": MAX_TOKENS}) == {
+        "prompt_tokens": MAX_TOKENS,
+        "completion_tokens": MAX_TOKENS,
+    }
+    assert valid_usage({"prompt_tokens": MAX_TOKENS + 1, "completion_tokens": 0}) is None
+    assert valid_usage({"prompt_tokens": 0, "completion_tokens": MAX_TOKENS + 1}) is None
