@@ -59,6 +59,8 @@ from router.unjoined import Unjoined, UnjoinedLimits, source_of
 log = logging.getLogger("link")
 
 HELLO_TIMEOUT = 10.0
+# A refusal's reason, logged and sent back, is cut to this many characters.
+MAX_REFUSAL = 300
 MAX_ERROR_BODY = 1024 * 1024
 # The router's own liveness frame goes out after this many agent heartbeat periods of
 # silence on a session.
@@ -627,9 +629,12 @@ class AgentLink:
             if challenge is not None and len(challenge) > MAX_CHALLENGE:
                 raise ValueError(f"challenge longer than {MAX_CHALLENGE} characters")
         except (TokenError, ValueError) as exc:
-            reason = str(exc)
+            # Both are partly the peer's own text (a token's header, a model's name).
+            reason = str(exc)[:MAX_REFUSAL]
             log.warning("agent_refused peer=%s reason=%s", session.remote_peer, quote(reason))
-            self.metrics.sessions_refused.labels(reason.split(":")[0][:40]).inc()
+            # A fixed label: a peer needs no secret to choose its refusal's text.
+            label = exc.kind if isinstance(exc, TokenError) else "metadata"
+            self.metrics.sessions_refused.labels(label).inc()
             session.refuse()
             session.fs.send_nowait(m.refusal(reason))
             session.refused = reason

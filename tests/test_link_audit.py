@@ -17,10 +17,14 @@ import pytest
 
 from protocol import messages as m
 from protocol.p2p import FramedStream
+from protocol.tokens import issue_token
 from protocol.usage import MAX_TOKENS, valid_usage
+from router.link import MAX_REFUSAL
 from tests.fleet import Agent, Fleet, Router, wait_until
 from tests.link_peers import scripted_agent
+from tests.test_link import METADATA, hello_reply
 from tests.test_link_hostile import ONLY_HOSTILE, chat
+from tests.test_token_attacks import KEY, claims_for, forged
 
 # msgpack's largest integer: a router process must survive it anywhere an agent sends one.
 UINT64_MAX = 2**64 - 1
@@ -93,6 +97,42 @@ async def test_a_token_count_no_engine_could_make_is_dropped_not_stored(
     assert router.alive()
     assert router.admin("/admin/storage")["last_error"] is None
     assert (await chat(router, "m1")).status_code == 200
+
+
+REFUSED = "hivenet_router_agent_sessions_refused_total"
+
+
+def refusal_labels(router: Router) -> dict[str, float]:
+    """The refusal count by its `reason` label."""
+    counts = {}
+    for line in router.metrics().splitlines():
+        if line.startswith(REFUSED + "{"):
+            head, _, value = line.rpartition(" ")
+            counts[head.split('reason="', 1)[1].rsplit('"', 1)[0]] = float(value)
+    return counts
+
+
+async def test_refusals_are_counted_under_fixed_reasons_whatever_the_peer_wrote(
+    router: Router,
+) -> None:
+    before = refusal_labels(router)
+    # Peers with no secret write the header; a peer with it, the metadata.
+    algs = [f"{i}-{'A' * 60}" for i in range(4)] + ["B" * 30_000]
+    replies = [
+        await hello_reply(router, lambda pid, alg=alg: forged({"alg": alg}, claims_for(pid), KEY))
+        for alg in algs
+    ]
+    for metadata in ({**METADATA, "capability": "c" * 5000}, {**METADATA, "capacity": -7}):
+        replies.append(await hello_reply(router, lambda pid: issue_token(KEY, pid, 60), metadata))
+    for reply in replies:
+        assert reply["type"] == m.REFUSAL
+        assert len(reply["reason"]) <= MAX_REFUSAL
+    assert "refused; only HS256" in replies[0]["reason"]
+    after = refusal_labels(router)
+    assert set(after) - set(before) <= {"token algorithm", "metadata"}
+    assert after["token algorithm"] - before.get("token algorithm", 0) == len(algs)
+    assert after["metadata"] - before.get("metadata", 0) == 2
+    assert all(len(line) < 1000 for line in router.log().splitlines() if "agent_refused" in line)
 
 
 def test_link_usage_is_bounded_at_max_tokens() -> None:
