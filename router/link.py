@@ -62,6 +62,10 @@ HELLO_TIMEOUT = 10.0
 # A refusal's reason, logged and sent back, is cut to this many characters.
 MAX_REFUSAL = 300
 MAX_ERROR_BODY = 1024 * 1024
+# An agent's error message is its own few words ("engine timed out: …"); the engine's
+# own answer comes as a body. Cut to this many characters, as a body is for its message,
+# before it reaches a log line or a client.
+MAX_ERROR_MESSAGE = 2000
 # The router's own liveness frame goes out after this many agent heartbeat periods of
 # silence on a session.
 LIVENESS_PERIODS = 6
@@ -372,7 +376,8 @@ class AgentSession:
             full = code is ErrorCode.AGENT_FULL
             if full or "elsewhere" in msg:
                 self._elsewhere(msg.get("elsewhere"), full)
-            pending.fail(ForwardFailure(code, msg["message"], status=msg.get("status")))
+            message = msg["message"][:MAX_ERROR_MESSAGE]
+            pending.fail(ForwardFailure(code, message, status=msg.get("status")))
         else:
             pending.state = state
             if state is _BODY and pending.sink is not None and pending._task is not None:
@@ -910,7 +915,7 @@ class AgentLink:
         ended = state is not _BODY or (bool(frames) and frames[0][0] is not _BODY)
         session.finish(req_id, cancel=not ended)
         code = classify_backend_status(status, bytes(body)) or ErrorCode.BACKEND_ERROR
-        text = bytes(body[:2000]).decode("utf-8", "replace")
+        text = bytes(body[:MAX_ERROR_MESSAGE]).decode("utf-8", "replace")
         return ForwardFailure(
             code,
             f"backend answered {status}: {text}",

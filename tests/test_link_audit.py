@@ -99,6 +99,29 @@ async def test_a_token_count_no_engine_could_make_is_dropped_not_stored(
     assert (await chat(router, "m1")).status_code == 200
 
 
+def answer_with_error(code: str, message: str) -> object:
+    def answer(msg: dict, fs: FramedStream) -> None:
+        fs.send_nowait(m.error(msg["id"], code, message, status=500))
+
+    return answer
+
+
+@pytest.mark.parametrize("code", ["backend_error", "invalid_parameter"])
+async def test_an_agent_s_error_message_is_cut_before_a_log_line_or_a_client(
+    router: Router, code: str
+) -> None:
+    marker = f"huge-{code}-"
+    message = marker + "x" * (1 << 20)
+    async with scripted_agent(router, answer_with_error(code, message), ONLY_HOSTILE):
+        reply = await chat(router, "m2")
+    assert reply.status_code in (400, 502)
+    assert len(reply.content) < 10_000
+    lines = [line for line in router.log().splitlines() if marker in line]
+    assert lines, "the failure is logged"
+    assert all(len(line) < 10_000 for line in lines)
+    assert router.alive()
+
+
 REFUSED = "hivenet_router_agent_sessions_refused_total"
 
 
