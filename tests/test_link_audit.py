@@ -14,15 +14,17 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import trio
 
 from protocol import messages as m
+from protocol.frames import encode_frame
 from protocol.p2p import FramedStream
 from protocol.tokens import issue_token
 from protocol.usage import MAX_TOKENS, valid_usage
 from router.link import MAX_REFUSAL
 from tests.fleet import Agent, Fleet, Router, wait_until
 from tests.link_peers import scripted_agent
-from tests.test_link import METADATA, hello_reply
+from tests.test_link import METADATA, first_reply, hello_reply, raw_session
 from tests.test_link_hostile import ONLY_HOSTILE, chat
 from tests.test_token_attacks import KEY, claims_for, forged
 
@@ -120,6 +122,49 @@ async def test_an_agent_s_error_message_is_cut_before_a_log_line_or_a_client(
     assert lines, "the failure is logged"
     assert all(len(line) < 10_000 for line in lines)
     assert router.alive()
+
+
+async def read_until_reset(stream: object, within: float) -> None:
+    """Read until the router ends the session; `within` only bounds a failing test."""
+    with trio.fail_after(within), pytest.raises(Exception):  # noqa: B017 - reset or EOF
+        while True:
+            await stream.read(65536)  # type: ignore[attr-defined]
+
+
+async def test_a_session_that_never_finishes_its_hello_is_closed(router: Router) -> None:
+    async with raw_session(router) as (stream, peer_id):
+        # Half of a length: the decoder waits for the rest, and only the timeout ends it.
+        await stream.write(b"\x00\x00")
+        await read_until_reset(stream, 60)
+    router.wait_log(f'session_closed_before_join peer={peer_id} reason="no hello within 10s"')
+
+
+OUT_OF_ORDER = {
+    "heartbeat before the hello": (False, m.heartbeat(1.0, True, {}, {})),
+    "answer before the hello": (False, m.response_end(1)),
+    "a second hello": (True, None),
+    "a router's message from the agent": (True, m.cancel(1)),
+    "a welcome from the agent": (True, m.welcome(5.0, "x", 30.0)),
+}
+
+
+@pytest.mark.parametrize("name", list(OUT_OF_ORDER))
+async def test_session_messages_out_of_order_end_that_session_only(
+    router: Router, healthy: Agent, name: str
+) -> None:
+    joined, frame = OUT_OF_ORDER[name]
+    async with raw_session(router) as (stream, peer_id):
+        hello = m.hello(issue_token(KEY, peer_id, 60), METADATA)
+        if joined:
+            await stream.write(encode_frame(hello))
+            assert (await first_reply(stream))["type"] == m.WELCOME
+        await stream.write(encode_frame(frame or hello))
+        await read_until_reset(stream, 20)
+    router.wait_log(f"peer={peer_id} reason=\"ProtocolError: can't handle ")
+    if joined:
+        router.wait_agent(peer_id, healthy=False)
+    assert (await chat(router, "m1")).status_code == 200
+    assert router.agent(healthy.peer_id)["status"]["healthy"]
 
 
 REFUSED = "hivenet_router_agent_sessions_refused_total"
