@@ -59,8 +59,6 @@ from router.unjoined import Unjoined, UnjoinedLimits, source_of
 log = logging.getLogger("link")
 
 HELLO_TIMEOUT = 10.0
-# A refusal's reason, logged and sent back, is cut to this many characters.
-MAX_REFUSAL = 300
 MAX_ERROR_BODY = 1024 * 1024
 # An agent's error message is its own few words ("engine timed out: …"); the engine's
 # own answer comes as a body. Cut to this many characters, as a body is for its message,
@@ -635,7 +633,7 @@ class AgentLink:
                 raise ValueError(f"challenge longer than {MAX_CHALLENGE} characters")
         except (TokenError, ValueError) as exc:
             # Both are partly the peer's own text (a token's header, a model's name).
-            reason = str(exc)[:MAX_REFUSAL]
+            reason = str(exc)[: m.MAX_REFUSAL]
             log.warning("agent_refused peer=%s reason=%s", session.remote_peer, quote(reason))
             # A fixed label: a peer needs no secret to choose its refusal's text.
             label = exc.kind if isinstance(exc, TokenError) else "metadata"

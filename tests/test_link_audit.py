@@ -9,19 +9,25 @@ attacker writes.
 from __future__ import annotations
 
 import contextlib
+import os
 import sqlite3
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import multiaddr
 import pytest
 import trio
+from libp2p import new_host
+from libp2p.crypto.ed25519 import create_new_key_pair
 
 from protocol import messages as m
 from protocol.frames import encode_frame
 from protocol.p2p import FramedStream
 from protocol.tokens import issue_token
 from protocol.usage import MAX_TOKENS, valid_usage
-from router.link import MAX_REFUSAL
 from tests.fleet import Agent, Fleet, Router, wait_until
 from tests.link_peers import scripted_agent
 from tests.test_link import METADATA, first_reply, hello_reply, raw_session
@@ -167,6 +173,52 @@ async def test_session_messages_out_of_order_end_that_session_only(
     assert router.agent(healthy.peer_id)["status"]["healthy"]
 
 
+@dataclass
+class RefusingRouter:
+    multiaddr: str
+
+
+@asynccontextmanager
+async def refusing_router(reason: str) -> AsyncIterator[RefusingRouter]:
+    """A libp2p host that answers every hello with a refusal for `reason`."""
+    key_pair = create_new_key_pair(os.urandom(32))
+    listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
+    host = new_host(key_pair=key_pair, listen_addrs=listen)
+
+    async def handler(stream: Any) -> None:
+        fs = FramedStream(stream)
+
+        def on_message(msg: dict) -> None:
+            if msg["type"] == m.HELLO:
+                fs.send_nowait(m.refusal(reason))
+
+        # A handler that raises wedges py-libp2p's connection.
+        with contextlib.suppress(Exception):
+            await fs.run(on_message)
+
+    host.set_stream_handler(m.PROTOCOL_ID, handler)
+    async with host.run(listen_addrs=listen):
+        yield RefusingRouter(str(host.get_addrs()[0]))
+        await host.close()
+
+
+async def test_an_agent_logs_a_router_s_refusal_cut_short(
+    fleet_router_agent: tuple[Fleet, Router, Agent],
+) -> None:
+    fleet = fleet_router_agent[0]
+    # Within the frame limit: only the cut keeps it out of the agent's log.
+    reason = "refused-by-" + "r" * 60_000
+    async with refusing_router(reason) as router:
+        agent = fleet.agent(router, "m1", wait=False)  # type: ignore[arg-type]
+        try:
+            found = await trio.to_thread.run_sync(agent.wait_log, r"router_refused .*")
+            line = found.group(0)
+        finally:
+            agent.stop()
+    assert "refused-by-" in line
+    assert len(line) < 1000
+
+
 REFUSED = "hivenet_router_agent_sessions_refused_total"
 
 
@@ -194,7 +246,7 @@ async def test_refusals_are_counted_under_fixed_reasons_whatever_the_peer_wrote(
         replies.append(await hello_reply(router, lambda pid: issue_token(KEY, pid, 60), metadata))
     for reply in replies:
         assert reply["type"] == m.REFUSAL
-        assert len(reply["reason"]) <= MAX_REFUSAL
+        assert len(reply["reason"]) <= m.MAX_REFUSAL
     assert "refused; only HS256" in replies[0]["reason"]
     after = refusal_labels(router)
     assert set(after) - set(before) <= {"token algorithm", "metadata"}
