@@ -345,7 +345,9 @@ class AgentSession:
 
     def _on_drain(self, msg: dict) -> None:
         peer = self.peer
-        if peer is not None:
+        # Draining lasts until the session ends: a drain repeated changes nothing, and
+        # logs nothing (an agent could send thousands a second).
+        if peer is not None and not peer.draining:
             peer.draining = True
             log.info("agent_draining peer=%s", peer.peer_id)
             self.link.table.changed(peer.metadata.model)

@@ -219,6 +219,51 @@ async def test_an_agent_logs_a_router_s_refusal_cut_short(
     assert len(line) < 1000
 
 
+def gpu_samples(router: Router, peer_id: str) -> list[str]:
+    return [
+        line
+        for line in router.metrics().splitlines()
+        if line.startswith("hivenet_router_agent_gpu_power_watts{") and peer_id in line
+    ]
+
+
+def beat_with_gpus(indexes: list[int]) -> dict:
+    gpus = [{"index": i, "power_watts": 100.0 + n} for n, i in enumerate(indexes)]
+    return m.heartbeat(1.0, True, {}, {"gpus": gpus, "age": 0.0, "interval": 2.0})
+
+
+async def test_a_heartbeat_naming_a_gpu_twice_puts_no_gpu_series_out(
+    router: Router, healthy: Agent
+) -> None:
+    answer = answer_with_error("backend_error", "unused")
+    async with (
+        scripted_agent(router, answer, ONLY_HOSTILE, heartbeat=beat_with_gpus([0, 1])) as good,
+        scripted_agent(router, answer, ONLY_HOSTILE, heartbeat=beat_with_gpus([0, 0])) as bad,
+    ):
+        await trio.to_thread.run_sync(
+            lambda: wait_until(lambda: len(gpu_samples(router, good.peer_id)) == 2)
+        )
+        assert gpu_samples(router, bad.peer_id) == []
+        assert router.agent(bad.peer_id)["hardware"]["gpu"] == []
+        assert router.agent(bad.peer_id)["hardware"]["gpu_power_watts"] is None
+
+
+async def test_a_repeated_drain_is_logged_once(router: Router, healthy: Agent) -> None:
+    async with scripted_agent(router, answer_with_error("backend_error", "x"), ONLY_HOSTILE) as a:
+        for _ in range(5):
+            a.fs.send_nowait(m.drain())
+        # Frames are handled in order: once this one's value shows, the drains are in.
+        marker = {"kv_cache_utilization": 0.123, "age": 0.0, "interval": 60.0}
+        a.fs.send_nowait(m.heartbeat(1.0, True, marker, {}))
+        await trio.to_thread.run_sync(
+            lambda: wait_until(
+                lambda: router.agent(a.peer_id)["engine"]["kv_cache_utilization"] == 0.123,
+                what="the heartbeat behind the drains",
+            )
+        )
+    assert router.log().count(f"agent_draining peer={a.peer_id}") == 1
+
+
 REFUSED = "hivenet_router_agent_sessions_refused_total"
 
 
