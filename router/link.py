@@ -32,7 +32,7 @@ from protocol.conversation import (
     request_error,
     session_error,
 )
-from protocol.errors import ErrorCode, classify_backend_status
+from protocol.errors import AGENT_CODES, ErrorCode, classify_backend_status
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from protocol.frames import MAX_FRAME_BYTES
 from protocol.logs import quote
@@ -373,6 +373,15 @@ class AgentSession:
             return
         if state is _FAILED:
             code = _code(msg["code"])
+            if code is None:
+                log.warning(
+                    "req=%s agent_bad_code peer=%s id=%d code=%s",
+                    pending.rid,
+                    self.remote_peer,
+                    req_id,
+                    quote(msg["code"][:80]),
+                )
+                code = ErrorCode.BACKEND_ERROR
             full = code is ErrorCode.AGENT_FULL
             if full or "elsewhere" in msg:
                 self._elsewhere(msg.get("elsewhere"), full)
@@ -925,11 +934,9 @@ class AgentLink:
         )
 
 
-def _code(value: str) -> ErrorCode:
-    try:
-        return ErrorCode(value)
-    except ValueError:
-        return ErrorCode.BACKEND_ERROR
+def _code(value: str) -> ErrorCode | None:
+    """The code of an agent's error frame, when an agent may send it."""
+    return ErrorCode(value) if value in AGENT_CODES else None
 
 
 _INF = math.inf

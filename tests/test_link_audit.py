@@ -264,6 +264,31 @@ async def test_a_repeated_drain_is_logged_once(router: Router, healthy: Agent) -
     assert router.log().count(f"agent_draining peer={a.peer_id}") == 1
 
 
+@pytest.mark.parametrize(
+    "code",
+    [
+        "unauthorized",
+        "token_limit_exceeded",
+        "rate_limit_exceeded",
+        "model_forbidden",
+        "request_invalid",
+        "queue_full",
+        "no such code",
+    ],
+)
+async def test_an_agent_cannot_answer_with_a_router_s_own_refusal(
+    router: Router, code: str
+) -> None:
+    async with scripted_agent(router, answer_with_error(code, "not mine"), ONLY_HOSTILE) as a:
+        reply = await chat(router, "m2")
+        failed = router.agent(a.peer_id)["universal"]["failed_requests_total"]
+    assert reply.status_code == 502
+    assert reply.json()["error"]["code"] == "backend_error"
+    # Charged to the agent, as any failure of its own.
+    assert failed >= 1
+    router.wait_log(f"agent_bad_code peer={a.peer_id}")
+
+
 REFUSED = "hivenet_router_agent_sessions_refused_total"
 
 
