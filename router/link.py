@@ -60,6 +60,10 @@ log = logging.getLogger("link")
 
 HELLO_TIMEOUT = 10.0
 MAX_ERROR_BODY = 1024 * 1024
+# An agent sends a whole (not streamed) answer in one frame, having read at most that
+# much of it from its engine (agent/forward.py): a larger one is no agent's, and
+# without a bound it would grow in the router's memory until the request's deadline.
+MAX_WHOLE_ANSWER = MAX_FRAME_BYTES
 # An agent's error message is its own few words ("engine timed out: …"); the engine's
 # own answer comes as a body. Cut to this many characters, as a body is for its message,
 # before it reaches a log line or a client.
@@ -486,11 +490,17 @@ class AgentResponse:
             self.close()
 
     async def read_all(self) -> bytes:
-        """The whole body. Not through `parts`: an async generator costs trio's hooks
-        a weak reference set entry per answer."""
+        """The whole body; StreamBroken past MAX_WHOLE_ANSWER. Not through `parts`: an
+        async generator costs trio's hooks a weak reference set entry per answer."""
         try:
             body = []
+            size = 0
             while (data := await self._next_part()) is not None:
+                size += len(data)
+                if size > MAX_WHOLE_ANSWER:
+                    raise StreamBroken(
+                        f"{ErrorCode.BACKEND_ERROR}: a whole answer over {MAX_WHOLE_ANSWER} bytes"
+                    )
                 body.append(data)
             return b"".join(body)
         finally:

@@ -28,6 +28,7 @@ from protocol.frames import encode_frame
 from protocol.p2p import FramedStream
 from protocol.tokens import issue_token
 from protocol.usage import MAX_TOKENS, valid_usage
+from router.link import MAX_WHOLE_ANSWER
 from tests.fleet import Agent, Fleet, Router, wait_until
 from tests.link_peers import scripted_agent
 from tests.test_link import METADATA, first_reply, hello_reply, raw_session
@@ -287,6 +288,28 @@ async def test_an_agent_cannot_answer_with_a_router_s_own_refusal(
     # Charged to the agent, as any failure of its own.
     assert failed >= 1
     router.wait_log(f"agent_bad_code peer={a.peer_id}")
+
+
+async def test_a_whole_answer_larger_than_any_agent_sends_is_cut_off(router: Router) -> None:
+    part = b"x" * (4 << 20)
+
+    def answer(msg: dict, fs: FramedStream) -> None:
+        fs.send_nowait(m.response_head(msg["id"], 200, {"content-type": "application/json"}))
+        # Past one frame's worth in all: an agent sends a whole answer as one chunk.
+        for _ in range(MAX_WHOLE_ANSWER // len(part) + 2):
+            fs.send_nowait(m.response_chunk(msg["id"], part))
+        fs.send_nowait(m.response_end(msg["id"]))
+
+    async with scripted_agent(router, answer, ONLY_HOSTILE) as agent:
+        reply = await chat(router, "m2")
+        with trio.fail_after(10):
+            await agent.cancelled.wait()
+        assert router.agent(agent.peer_id)["status"]["active_requests"] == 0
+    assert reply.status_code == 502
+    assert reply.json()["error"]["code"] == "backend_error"
+    assert len(reply.content) < 10_000
+    router.wait_log(f"stream_broken reason=.*a whole answer over {MAX_WHOLE_ANSWER} bytes")
+    assert router.alive()
 
 
 REFUSED = "hivenet_router_agent_sessions_refused_total"
