@@ -1,9 +1,11 @@
-"""Hostile values inside well-formed frames, against a real router process.
+"""Hostile values inside well-formed frames, against real daemons.
 
 tests/test_link_hostile.py covers answers out of order and heads no HTTP server may
-send; this module covers numbers and strings that pass the message checks and do
-harm further on: token counts larger than any engine's, and refusal reasons an
-attacker writes.
+send; this module covers what passes the message checks and did harm further on:
+token counts larger than any engine's, refusal reasons and error messages of any
+length, a router's own error codes from an agent, GPU lists that name a GPU twice,
+whole answers larger than an agent sends, repeated drains; and, against a real
+router, the hello timeout and session messages out of order.
 """
 
 from __future__ import annotations
