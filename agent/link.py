@@ -289,8 +289,10 @@ class RouterSession:
         log.info("router_joined router=%s", quote(str(msg.get("router_peer_id", ""))))
 
     def _on_refusal(self, msg: dict) -> None:
-        self.refusal = msg["reason"]
-        self.fs.close(f"refused: {msg['reason']}")
+        # The router may not be the one this agent means to join (an address without
+        # its peer ID): its words are logged, and only so many of them.
+        self.refusal = msg["reason"][: m.MAX_REFUSAL]
+        self.fs.close(f"refused: {self.refusal}")
 
     def _on_heartbeat(self, msg: dict) -> None:
         """The router's liveness frame: its arrival is all it says."""

@@ -102,6 +102,21 @@ REQUEST_LEVEL: frozenset[ErrorCode] = frozenset(
     }
 )
 
+# The codes an agent's `error` frame may carry: its own refusals and failures, and an
+# engine's judgement of the request. Any other is a router's own answer (401, 403, a
+# tenant's 429…), which an agent must not give clients in the router's name; the router
+# takes it as backend_error.
+AGENT_CODES: frozenset[ErrorCode] = frozenset(
+    {
+        ErrorCode.BACKEND_UNAVAILABLE,
+        ErrorCode.BACKEND_ERROR,
+        ErrorCode.AGENT_FULL,
+        ErrorCode.ENDPOINT_NOT_SUPPORTED,
+        ErrorCode.CONTEXT_LENGTH_EXCEEDED,
+        ErrorCode.INVALID_PARAMETER,
+    }
+)
+
 # Another agent may succeed: these consume one forward try.
 RETRYABLE: frozenset[ErrorCode] = frozenset(
     {

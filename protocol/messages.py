@@ -27,6 +27,11 @@ CANCEL = "cancel"
 DRAIN = "drain"
 
 
+# A refusal's reason, as sent and as either side logs it, is cut to this many
+# characters: it may quote the peer's own text (a token's header, a model's name).
+MAX_REFUSAL = 300
+
+
 class ProtocolError(Exception):
     """A message that breaks the link protocol."""
 

@@ -16,8 +16,25 @@ ALGORITHM = "HS256"
 MIN_SECRET_BYTES = 32
 
 
+# Why a token was refused, in a few fixed words: the label of the router's refusal
+# count. The message says more, some of it the token's own text, which would make each
+# refusal a series of its own, for peers that have proved nothing.
+BAD_SIGNATURE = "bad token signature"
+EXPIRED = "token expired"
+NOT_YET_VALID = "token not yet valid"
+WRONG_ALGORITHM = "token algorithm"
+MALFORMED = "malformed token"
+INVALID = "invalid token"
+SUBJECT = "token subject"
+NO_SECRET = "no JWT secret"
+
+
 class TokenError(Exception):
-    """The token cannot admit this peer; the message says why."""
+    """The token cannot admit this peer; the message says why, `kind` in a fixed word."""
+
+    def __init__(self, message: str, kind: str) -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def check_secret(secret: bytes) -> None:
@@ -39,9 +56,11 @@ def verify_token(secret: bytes, token: str, peer_id: str) -> dict:
     try:
         header = jwt.get_unverified_header(token)
     except jwt.PyJWTError as exc:
-        raise TokenError(f"malformed token: {exc}") from None
+        raise TokenError(f"malformed token: {exc}", MALFORMED) from None
     if header.get("alg") != ALGORITHM:
-        raise TokenError(f"token algorithm {header.get('alg')!r} refused; only HS256")
+        # The header is the peer's own text, of any length: its first characters say enough.
+        alg = repr(header.get("alg"))[:40]
+        raise TokenError(f"token algorithm {alg} refused; only HS256", WRONG_ALGORITHM)
     try:
         claims = jwt.decode(
             token,
@@ -51,15 +70,19 @@ def verify_token(secret: bytes, token: str, peer_id: str) -> dict:
             leeway=5,
         )
     except jwt.ExpiredSignatureError:
-        raise TokenError("token expired") from None
+        raise TokenError("token expired", EXPIRED) from None
     except jwt.ImmatureSignatureError:
-        raise TokenError("token not yet valid") from None
+        raise TokenError("token not yet valid", NOT_YET_VALID) from None
     except jwt.InvalidSignatureError:
-        raise TokenError("bad token signature (check the shared JWT secret)") from None
+        raise TokenError(
+            "bad token signature (check the shared JWT secret)", BAD_SIGNATURE
+        ) from None
     except jwt.PyJWTError as exc:
-        raise TokenError(f"invalid token: {exc}") from None
+        raise TokenError(f"invalid token: {exc}", INVALID) from None
     if claims["sub"] != peer_id:
-        raise TokenError(f"token subject {claims['sub']} is not the connecting peer {peer_id}")
+        raise TokenError(
+            f"token subject {claims['sub']} is not the connecting peer {peer_id}", SUBJECT
+        )
     return claims
 
 
@@ -74,9 +97,9 @@ def verify_with(secrets: Sequence[bytes], token: str, peer_id: str) -> bytes:
         try:
             verify_token(secret, token, peer_id)
         except TokenError as exc:
-            if not str(exc).startswith("bad token signature"):
+            if exc.kind != BAD_SIGNATURE:
                 raise
             first = first or exc
             continue
         return secret
-    raise first or TokenError("no JWT secret configured")
+    raise first or TokenError("no JWT secret configured", NO_SECRET)

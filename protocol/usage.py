@@ -16,6 +16,11 @@ import json
 
 PROMPT = "prompt_tokens"
 COMPLETION = "completion_tokens"
+# The most tokens one request may report over the link, either way. The longest context
+# windows hold some ten million; a count past this is no engine's, and the router adds
+# counts into 64-bit integers (its history file, Redis) that a few such reports would
+# overflow.
+MAX_TOKENS = 2**32
 _ANTHROPIC_INPUT = ("input_tokens", "cache_creation_input_tokens", "cache_read_input_tokens")
 
 
@@ -61,10 +66,10 @@ def usage_of_body(body: bytes) -> dict[str, int] | None:
 
 
 def valid_usage(value: object) -> dict[str, int] | None:
-    """A `usage` field from the link, trusted only in its exact shape."""
+    """A `usage` field from the link, trusted only in its exact shape and range."""
     if not isinstance(value, dict):
         return None
     prompt, completion = _count(value.get(PROMPT)), _count(value.get(COMPLETION))
-    if prompt is None or completion is None:
+    if prompt is None or completion is None or max(prompt, completion) > MAX_TOKENS:
         return None
     return {PROMPT: prompt, COMPLETION: completion}

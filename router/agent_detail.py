@@ -2,7 +2,8 @@
 bytes, the engine's preemption count. Shown by the routing table and /metrics, read by
 no gate, and trusted only in their exact shape: a heartbeat is the agent's word, so a
 value that is not a finite non-negative number is unknown (None), and a GPU list longer
-than MAX_GPUS, or not a list of maps, is no GPU list at all.
+than MAX_GPUS, not a list of maps, or naming one GPU index twice (two /metrics samples
+of one series, its sums counted twice) is no GPU list at all.
 """
 
 from __future__ import annotations
@@ -70,12 +71,16 @@ def gpus_of(hardware: dict) -> tuple[Gpu, ...]:
     if not isinstance(raw, list) or len(raw) > MAX_GPUS:
         return ()
     out = []
+    seen: set[int] = set()
     for position, item in enumerate(raw):
         if not isinstance(item, dict):
             return ()
         index = item.get("index")
         if not isinstance(index, int) or isinstance(index, bool) or not 0 <= index < MAX_GPUS:
             index = position
+        if index in seen:
+            return ()
+        seen.add(index)
         out.append(Gpu(index, _amounts(item, GPU_FIELDS)))
     return tuple(out)
 

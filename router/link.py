@@ -32,7 +32,7 @@ from protocol.conversation import (
     request_error,
     session_error,
 )
-from protocol.errors import ErrorCode, classify_backend_status
+from protocol.errors import AGENT_CODES, ErrorCode, classify_backend_status
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from protocol.frames import MAX_FRAME_BYTES
 from protocol.logs import quote
@@ -60,6 +60,14 @@ log = logging.getLogger("link")
 
 HELLO_TIMEOUT = 10.0
 MAX_ERROR_BODY = 1024 * 1024
+# An agent sends a whole (not streamed) answer in one frame, having read at most that
+# much of it from its engine (agent/forward.py): a larger one is no agent's, and
+# without a bound it would grow in the router's memory until the request's deadline.
+MAX_WHOLE_ANSWER = MAX_FRAME_BYTES
+# An agent's error message is its own few words ("engine timed out: …"); the engine's
+# own answer comes as a body. Cut to this many characters, as a body is for its message,
+# before it reaches a log line or a client.
+MAX_ERROR_MESSAGE = 2000
 # The router's own liveness frame goes out after this many agent heartbeat periods of
 # silence on a session.
 LIVENESS_PERIODS = 6
@@ -341,7 +349,9 @@ class AgentSession:
 
     def _on_drain(self, msg: dict) -> None:
         peer = self.peer
-        if peer is not None:
+        # Draining lasts until the session ends: a drain repeated changes nothing, and
+        # logs nothing (an agent could send thousands a second).
+        if peer is not None and not peer.draining:
             peer.draining = True
             log.info("agent_draining peer=%s", peer.peer_id)
             self.link.table.changed(peer.metadata.model)
@@ -367,10 +377,20 @@ class AgentSession:
             return
         if state is _FAILED:
             code = _code(msg["code"])
+            if code is None:
+                log.warning(
+                    "req=%s agent_bad_code peer=%s id=%d code=%s",
+                    pending.rid,
+                    self.remote_peer,
+                    req_id,
+                    quote(msg["code"][:80]),
+                )
+                code = ErrorCode.BACKEND_ERROR
             full = code is ErrorCode.AGENT_FULL
             if full or "elsewhere" in msg:
                 self._elsewhere(msg.get("elsewhere"), full)
-            pending.fail(ForwardFailure(code, msg["message"], status=msg.get("status")))
+            message = msg["message"][:MAX_ERROR_MESSAGE]
+            pending.fail(ForwardFailure(code, message, status=msg.get("status")))
         else:
             pending.state = state
             if state is _BODY and pending.sink is not None and pending._task is not None:
@@ -470,11 +490,17 @@ class AgentResponse:
             self.close()
 
     async def read_all(self) -> bytes:
-        """The whole body. Not through `parts`: an async generator costs trio's hooks
-        a weak reference set entry per answer."""
+        """The whole body; StreamBroken past MAX_WHOLE_ANSWER. Not through `parts`: an
+        async generator costs trio's hooks a weak reference set entry per answer."""
         try:
             body = []
+            size = 0
             while (data := await self._next_part()) is not None:
+                size += len(data)
+                if size > MAX_WHOLE_ANSWER:
+                    raise StreamBroken(
+                        f"{ErrorCode.BACKEND_ERROR}: a whole answer over {MAX_WHOLE_ANSWER} bytes"
+                    )
                 body.append(data)
             return b"".join(body)
         finally:
@@ -501,9 +527,19 @@ class AgentResponse:
         raise StreamBroken(f"{failure.code}: {failure.message}")
 
     def _ended(self, frame: dict) -> None:
-        self.usage = usage = valid_usage(frame.get("usage"))
+        raw = frame.get("usage")
+        self.usage = usage = valid_usage(raw)
         peer = self.session.peer
-        if usage is not None and peer is not None:
+        if usage is None and raw is not None:
+            # Charged to nobody: a count out of shape or range is the agent's fault.
+            log.warning(
+                "req=%s agent_bad_usage peer=%s id=%d usage=%s",
+                self.pending.rid,
+                self.session.remote_peer,
+                self.req_id,
+                quote(repr(raw)[:200]),
+            )
+        elif usage is not None and peer is not None:
             peer.stats.record_tokens(usage[PROMPT], usage[COMPLETION])
 
     def close(self) -> None:
@@ -617,9 +653,12 @@ class AgentLink:
             if challenge is not None and len(challenge) > MAX_CHALLENGE:
                 raise ValueError(f"challenge longer than {MAX_CHALLENGE} characters")
         except (TokenError, ValueError) as exc:
-            reason = str(exc)
+            # Both are partly the peer's own text (a token's header, a model's name).
+            reason = str(exc)[: m.MAX_REFUSAL]
             log.warning("agent_refused peer=%s reason=%s", session.remote_peer, quote(reason))
-            self.metrics.sessions_refused.labels(reason.split(":")[0][:40]).inc()
+            # A fixed label: a peer needs no secret to choose its refusal's text.
+            label = exc.kind if isinstance(exc, TokenError) else "metadata"
+            self.metrics.sessions_refused.labels(label).inc()
             session.refuse()
             session.fs.send_nowait(m.refusal(reason))
             session.refused = reason
@@ -895,7 +934,7 @@ class AgentLink:
         ended = state is not _BODY or (bool(frames) and frames[0][0] is not _BODY)
         session.finish(req_id, cancel=not ended)
         code = classify_backend_status(status, bytes(body)) or ErrorCode.BACKEND_ERROR
-        text = bytes(body[:2000]).decode("utf-8", "replace")
+        text = bytes(body[:MAX_ERROR_MESSAGE]).decode("utf-8", "replace")
         return ForwardFailure(
             code,
             f"backend answered {status}: {text}",
@@ -905,11 +944,9 @@ class AgentLink:
         )
 
 
-def _code(value: str) -> ErrorCode:
-    try:
-        return ErrorCode(value)
-    except ValueError:
-        return ErrorCode.BACKEND_ERROR
+def _code(value: str) -> ErrorCode | None:
+    """The code of an agent's error frame, when an agent may send it."""
+    return ErrorCode(value) if value in AGENT_CODES else None
 
 
 _INF = math.inf

@@ -64,6 +64,8 @@ def test_well_formed_values_are_kept() -> None:
         [GPU] * (MAX_GPUS + 1),
         [GPU, "not a map"],
         [GPU, None],
+        [GPU, GPU],  # index 0 twice
+        [{**GPU, "index": 1}, {**GPU, "index": "x"}],  # the second's place is 1 too
     ],
 )
 def test_a_malformed_gpu_list_is_no_gpu_list(gpus: object) -> None:
