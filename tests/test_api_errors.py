@@ -518,8 +518,21 @@ def test_unknown_routes_and_models_in_the_models_api(ef: ErrFleet) -> None:
     assert_error(r, 404, "model_not_found", "openai")
     r = httpx.post(ef.router.url + "/v1/models", headers=h, timeout=10)
     assert_error(r, 405, "method_not_allowed", "openai")
+    assert r.headers["allow"] == "GET, HEAD"
     r = httpx.get(ef.router.url + "/nowhere", timeout=10)
     assert_error(r, 404, "not_found", "openai")
+
+
+@pytest.mark.parametrize("path", ["/health", "/v1/models"])
+def test_head_answers_as_get_without_the_body(ef: ErrFleet, path: str) -> None:
+    """A load balancer's health check or a monitor may ask with HEAD."""
+    h = {"authorization": f"Bearer {KEY}"}
+    got = httpx.get(ef.router.url + path, headers=h, timeout=10)
+    head = httpx.head(ef.router.url + path, headers=h, timeout=10)
+    assert got.status_code == head.status_code == 200
+    assert head.content == b""
+    assert head.headers["content-length"] == got.headers["content-length"]
+    assert head.headers["content-type"] == got.headers["content-type"]
 
 
 # --- capacity and the deadline ----------------------------------------------------------------

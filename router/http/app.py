@@ -116,7 +116,7 @@ class RouterApp:
                 status, tenant = await self._client(scope, receive, send, rid)
             elif path.startswith("/admin/"):
                 status = await self._admin(scope, receive, send, rid)
-            elif path == "/health" and method == "GET":
+            elif path == "/health" and method in _READ_METHODS:
                 # A draining router tells load balancers to send new clients elsewhere.
                 status, state = (503, "draining") if self.draining else (200, "ok")
                 extra_health = self.tenants.health() if self.tenants else {}
@@ -214,8 +214,8 @@ class RouterApp:
                 self.inflight -= 1
                 if not self.inflight:
                     self.idle.set()
-        if (path == "/v1/models" or path.startswith("/v1/models/")) and method != "GET":
-            return await _not_allowed(send, rid, protocol, "GET"), tenant
+        if (path == "/v1/models" or path.startswith("/v1/models/")) and method not in _READ_METHODS:
+            return await _not_allowed(send, rid, protocol, "GET, HEAD"), tenant
         record = self.tenants.tenant(tenant) if self.tenants else None
         if path == "/v1/models":
             if self.fleet is not None and _fleet_scope(scope):
@@ -392,6 +392,11 @@ def protocol_of(path: str) -> str:
     if path == "/v1/messages" or path.startswith("/v1/messages/"):
         return "anthropic"
     return "openai"
+
+
+# What a GET answers, HEAD answers too, without the body (the server leaves it out):
+# load balancers' health checks and monitors may ask either way.
+_READ_METHODS = ("GET", "HEAD")
 
 
 async def _not_found(send: Send, rid: str, protocol: str, code: str = "not_found") -> int:
