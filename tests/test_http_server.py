@@ -25,7 +25,7 @@ import trio.testing
 
 from router.cli import build_parser, settings_from
 from router.http.app import protocol_of
-from router.http.asgi import ANSWER_SCOPE, BODY_READY, HOLD_HEAD, ON_DISCONNECT
+from router.http.asgi import ANSWER_SCOPE, BODY_READY, HOLD_HEAD, ON_DISCONNECT, is_request_id
 from router.http.server import (
     IDLE,
     MAX_HEAD_BYTES,
@@ -516,6 +516,37 @@ async def test_content_length_with_chunked_is_refused_and_the_connection_closes(
     assert "Content-Length" in message and "Transfer-Encoding" in message, message
     assert "http_refused status=400 code=request_invalid" in caplog.text, caplog.text
     assert "path=/v1/chat/completions" in caplog.text
+
+
+RID = "0b4c5f1e-8d2a-4c3b-9e7f-123456789abc"
+
+
+@pytest.mark.parametrize("given", [None, RID, "not-a-uuid"])
+async def test_a_refusal_carries_a_request_id_and_logs_it(
+    caplog: pytest.LogCaptureFixture, given: str | None
+) -> None:
+    """INTERFACE.md: the request ID is returned on the response and written as `req=`.
+    A refusal of a head that could not be read gets a new one; one of a body keeps the
+    client's when it is a valid UUID, as the app's answers do."""
+    caplog.set_level(logging.INFO, "http")
+    async with serving(echo) as (_, port):
+        bad_head = await exchange(port, b"GET / HTTP/1.1\r\nHost: t\r\nBad Name: x\r\n\r\n")
+        rid = b"X-Request-ID: %s\r\n" % given.encode() if given else b""
+        bad_body = await exchange(
+            port,
+            b"POST /v1/chat/completions HTTP/1.1\r\nHost: t\r\n%s"
+            b"Transfer-Encoding: chunked\r\n\r\nzz\r\n" % rid,
+        )
+    ids = []
+    for answer in (bad_head, bad_body):
+        head = answer.split(b"\r\n\r\n", 1)[0].decode().lower()
+        assert head.startswith("http/1.1 400"), head
+        ids.append(head.split("x-request-id: ", 1)[1].split("\r\n", 1)[0])
+    for rid_seen in ids:
+        assert is_request_id(rid_seen), ids
+        assert f"req={rid_seen} http_refused status=400" in caplog.text, caplog.text
+    assert (ids[1] == RID.lower()) is (given == RID)
+    assert ids[0] != ids[1]
 
 
 @pytest.mark.parametrize(

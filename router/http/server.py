@@ -44,6 +44,7 @@ import math
 import re
 import select
 import time
+import uuid
 from collections.abc import Awaitable, Callable, Iterable
 from enum import Enum
 from typing import Any, NoReturn
@@ -54,7 +55,7 @@ import trio
 from protocol.errors import ErrorCode, RouterError, anthropic_error_body, openai_error_body
 from protocol.logs import quote
 from protocol.sockets import readable_now, receive_when_ready, send_at_once, stdlib_socket
-from router.http.asgi import ANSWER_SCOPE, BODY_READY, HOLD_HEAD, ON_DISCONNECT
+from router.http.asgi import ANSWER_SCOPE, BODY_READY, HOLD_HEAD, ON_DISCONNECT, is_request_id
 from router.http.request_reader import (
     END,
     MAX_HEAD_BYTES,
@@ -684,7 +685,11 @@ class _Connection:
             if self.answer is READING and self.state is not CLOSED:
                 assert type(event) is Refusal
                 await self._refuse(
-                    event.status, ErrorCode.REQUEST_INVALID, event.message, self._path()
+                    event.status,
+                    ErrorCode.REQUEST_INVALID,
+                    event.message,
+                    self._path(),
+                    request=self.request,
                 )
                 return _BODY_REFUSED
             if self.answer is not REFUSED:
@@ -835,7 +840,9 @@ class _Connection:
         """Nothing of the app's answer went out and none can: a 502 goes instead, and
         the app learns it from the exception."""
         message = f"the answer's head cannot be sent: {exc}"
-        await self._refuse(502, ErrorCode.BACKEND_ERROR, message, self._path(), "backend")
+        await self._refuse(
+            502, ErrorCode.BACKEND_ERROR, message, self._path(), "backend", self.request
+        )
         raise UnsendableHead(str(exc)) from exc
 
     async def _write(self, data: bytes) -> None:
@@ -921,12 +928,27 @@ class _Connection:
                     return
 
     async def _refuse(
-        self, status: int, code: ErrorCode, message: str, path: str, source: str = "router"
+        self,
+        status: int,
+        code: ErrorCode,
+        message: str,
+        path: str,
+        source: str = "router",
+        request: Head | None = None,
     ) -> None:
-        """Answer for the app in the caller's error format, and close after it."""
+        """Answer for the app in the caller's error format, and close after it.
+        `request`: the head being served, whose X-Request-ID the answer keeps when
+        valid (as the app's answers do); otherwise, or with no head, a new one."""
         self.answer = REFUSED
+        given = None
+        if request is not None:
+            given = next((v for k, v in request.headers if k == b"x-request-id"), None)
+        rid = given.decode("latin-1") if given is not None else ""
+        if not is_request_id(rid):
+            rid = str(uuid.uuid4())
         log.info(
-            "http_refused status=%d code=%s client=%s path=%s reason=%s",
+            "req=%s http_refused status=%d code=%s client=%s path=%s reason=%s",
+            rid,
             status,
             code,
             self.peer,
@@ -941,8 +963,14 @@ class _Connection:
         body = json.dumps(payload, separators=(",", ":")).encode()
         head = (
             b"HTTP/1.1 %d %s\r\ndate: %s\r\ncontent-type: application/json\r\n"
-            b"content-length: %d\r\nconnection: close\r\n\r\n"
-            % (status, http.HTTPStatus(status).phrase.encode(), self.server.date(), len(body))
+            b"content-length: %d\r\nx-request-id: %s\r\nconnection: close\r\n\r\n"
+            % (
+                status,
+                http.HTTPStatus(status).phrase.encode(),
+                self.server.date(),
+                len(body),
+                rid.encode("latin-1"),
+            )
         )
         await self._write(head + body)
 
