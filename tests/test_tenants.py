@@ -16,7 +16,7 @@ from protocol.usage import usage_of_body, valid_usage
 from router.cli import main
 from router.tenants.audit import AuditLog, AuditRecord
 from router.tenants.config import AuthError, Tenant, hash_key, load_auth, new_key
-from router.tenants.counters import LocalCounters, until_midnight
+from router.tenants.counters import LocalCounters, until_midnight, utc_day
 
 H1, H2 = hash_key("k1"), hash_key("k2")
 
@@ -162,13 +162,14 @@ def test_local_concurrency_and_daily_tokens() -> None:
     assert counters.admit(tenant, "a").code is None
     busy = counters.admit(tenant, "b")
     assert busy.code is ErrorCode.TOO_MANY_CONCURRENT
-    counters.release("t", "a", 60)
+    today = utc_day(clock.now)
+    counters.release("t", "a", 60, today)
     assert counters.admit(tenant, "c").code is None
-    counters.release("t", "c", 30)
+    counters.release("t", "c", 30, today)
     # 90 used: a request that may take 20 does not fit, and the refusal says 10 are left.
     short = counters.admit(tenant, "d", need=20)
     assert (short.code, short.tokens_left) == (ErrorCode.QUOTA_EXCEEDED, 10)
-    counters.release("t", "x", 10)
+    counters.release("t", "x", 10, today)
     over = counters.admit(tenant, "d")
     assert (over.code, over.tokens_left) == (ErrorCode.QUOTA_EXCEEDED, 0)
     assert over.retry_after == pytest.approx(until_midnight(clock.now))
