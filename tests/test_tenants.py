@@ -73,10 +73,30 @@ tenants:
     assert "tenants.a.keys[2]: listed twice" in text
     assert "tenants.a.rpm: unknown tenant key" in text
     assert "tenants.a.burst: needs requests_per_minute" in text
-    assert "tenants.a.max_concurrent: must be at least 1, got 0" in text
+    assert "tenants.a.max_concurrent: must be between 1 and 1000000000000, got 0" in text
     assert "tenants.a.priority: must be an integer, got string 'high'" in text
     assert "tenants.bad name!: tenant names are" in text
     assert "tenants.c.models: must be a non-empty list" in text
+
+
+def test_limits_stop_where_redis_scripts_stay_exact() -> None:
+    errors = errors_of(
+        f"""
+tenants:
+  a:
+    keys: ["{H1}"]
+    requests_per_minute: 1
+    burst: 1000000000000000000
+    tokens_per_day: 1000000000001
+    input_tokens_per_minute: 100000000000000000000
+"""
+    )
+    assert errors == [
+        "tenants.a.burst: must be between 1 and 1000000000000, got 1000000000000000000",
+        "tenants.a.tokens_per_day: must be between 1 and 1000000000000, got 1000000000001",
+        "tenants.a.input_tokens_per_minute: must be between 0 and 1000000000000,"
+        " got 100000000000000000000",
+    ], errors
 
 
 def test_shared_keys_duplicate_yaml_keys_and_bad_documents_are_refused() -> None:
