@@ -324,3 +324,25 @@ def test_the_usage_rewrite_keeps_every_value_as_it_came() -> None:
     assert b'"seed":123456789012345678901' in tap.body
     tap = UsageTap({**request({"model": "m"}, stream=True), "body": b'{"t": NaN}'})
     assert tap.body == b'{"t":NaN,"stream_options":{"include_usage":true}}'
+
+
+def test_workers_sharing_an_audit_log_rotate_it_once(tmp_path: Path) -> None:
+    """`serve --workers N` share `--audit-log`: lines written in turn by four writers
+    are all kept, newest first, within the files the rotation keeps."""
+    path = tmp_path / "audit.jsonl"
+    workers = [AuditLog(str(path), max_bytes=1024, backups=3) for _ in range(4)]
+    for i in range(100):
+        record = AuditRecord(str(i), "team", "/v1/chat/completions", "m", "s", "peer", 200, 1, 2, 0)
+        workers[i % 4].write(record)
+    for audit in workers:
+        audit.close()
+    kept = sorted(
+        int(json.loads(line)["request_id"])
+        for p in tmp_path.iterdir()
+        for line in p.read_text().splitlines()
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "audit.jsonl",
+        *(f"audit.jsonl.{n}" for n in (1, 2, 3)),
+    ]
+    assert kept == list(range(kept[0], 100)) and len(kept) > 3 * 1024 // 400
