@@ -346,3 +346,30 @@ def test_workers_sharing_an_audit_log_rotate_it_once(tmp_path: Path) -> None:
         *(f"audit.jsonl.{n}" for n in (1, 2, 3)),
     ]
     assert kept == list(range(kept[0], 100)) and len(kept) > 3 * 1024 // 400
+
+
+def test_an_audit_log_that_cannot_be_written_says_so_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its directory gone (as a full disk, every write fails): one error line instead of
+    a traceback per request, and the log resumes by itself once the path is writable."""
+    folder = tmp_path / "audit"
+    folder.mkdir()
+    path = folder / "audit.jsonl"
+    audit = AuditLog(str(path), max_bytes=1024 * 1024, backups=1)
+    record = AuditRecord("rid", "team", "/v1/chat/completions", "m", "s", "peer", 200, 1, 2, 0)
+    audit.write(record)
+    path.unlink()
+    folder.rmdir()
+    with caplog.at_level("INFO", logger="tenant"):
+        for _ in range(3):
+            audit.write(record)
+        folder.mkdir()
+        audit.write(record)
+        audit.write(record)
+    audit.close()
+    said = [r.getMessage().split(" ")[0] for r in caplog.records]
+    assert said == ["audit_log_write_failed", "audit_log_writable"]
+    assert "FileNotFoundError" in caplog.records[0].getMessage()
+    assert capsys.readouterr().err == ""
+    assert len(path.read_text().splitlines()) == 2

@@ -13,8 +13,13 @@ import json
 import logging
 import logging.handlers
 import os
+import sys
 import time
 from dataclasses import dataclass
+
+from protocol.logs import quote
+
+log = logging.getLogger("tenant")
 
 
 @dataclass(frozen=True)
@@ -62,11 +67,41 @@ class _SharedRotatingHandler(logging.handlers.RotatingFileHandler):
     of the current file; a writer that waited for it finds the file moved and reopens
     instead of rotating again."""
 
+    # Whether the last line failed (full disk, directory gone): said once, not per line.
+    failing = False
+    _failed = False
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self._failed = False
+        super().emit(record)
+        if self.failing and not self._failed:
+            self.failing = False
+            log.info("audit_log_writable path=%s", quote(self.baseFilename))
+
+    def handleError(self, record: logging.LogRecord) -> None:
+        # logging's own handling prints a traceback with the whole line for every
+        # request; the router says it once, and again when the file takes lines.
+        self._failed = True
+        if not self.failing:
+            self.failing = True
+            exc = sys.exc_info()[1]
+            log.error(
+                "audit_log_write_failed path=%s reason=%s lines=dropped_until_writable",
+                quote(self.baseFilename),
+                quote(f"{type(exc).__name__}: {exc}"),
+            )
+
     def shouldRollover(self, record: logging.LogRecord) -> int:
         if self.stream is not None and self._moved():
-            self.stream.close()
-            self.stream = self._open()
+            self._reopen()
         return super().shouldRollover(record)
+
+    def _reopen(self) -> None:
+        assert self.stream is not None
+        self.stream.close()
+        # None until it opens: a path that cannot be opened is tried again next line.
+        self.stream = None  # type: ignore[assignment]
+        self.stream = self._open()
 
     def doRollover(self) -> None:
         if self.stream is None:
@@ -77,8 +112,7 @@ class _SharedRotatingHandler(logging.handlers.RotatingFileHandler):
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)
             if self._moved():
-                self.stream.close()
-                self.stream = self._open()
+                self._reopen()
             else:
                 super().doRollover()
         finally:
