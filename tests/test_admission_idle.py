@@ -38,8 +38,8 @@ async def test_the_sweep_forgets_only_what_a_new_record_would_hold(autojump_cloc
     busy = Tenant(name="busy", max_concurrent=2)
     for tenant in (daily, rated, busy):
         assert counters.admit(tenant, "t1", 0, 50).code is None
-    counters.release("daily", "t1", 0)
-    counters.release("rated", "t1", 0)
+    counters.release("daily", "t1", 0, "")
+    counters.release("rated", "t1", 0, "")
     gauge = "hivenet_router_admission_inflight_requests"
 
     async with trio.open_nursery() as nursery:

@@ -16,7 +16,7 @@ from protocol.usage import usage_of_body, valid_usage
 from router.cli import main
 from router.tenants.audit import AuditLog, AuditRecord
 from router.tenants.config import AuthError, Tenant, hash_key, load_auth, new_key
-from router.tenants.counters import LocalCounters, until_midnight
+from router.tenants.counters import LocalCounters, until_midnight, utc_day
 
 H1, H2 = hash_key("k1"), hash_key("k2")
 
@@ -73,10 +73,30 @@ tenants:
     assert "tenants.a.keys[2]: listed twice" in text
     assert "tenants.a.rpm: unknown tenant key" in text
     assert "tenants.a.burst: needs requests_per_minute" in text
-    assert "tenants.a.max_concurrent: must be at least 1, got 0" in text
+    assert "tenants.a.max_concurrent: must be between 1 and 1000000000000, got 0" in text
     assert "tenants.a.priority: must be an integer, got string 'high'" in text
     assert "tenants.bad name!: tenant names are" in text
     assert "tenants.c.models: must be a non-empty list" in text
+
+
+def test_limits_stop_where_redis_scripts_stay_exact() -> None:
+    errors = errors_of(
+        f"""
+tenants:
+  a:
+    keys: ["{H1}"]
+    requests_per_minute: 1
+    burst: 1000000000000000000
+    tokens_per_day: 1000000000001
+    input_tokens_per_minute: 100000000000000000000
+"""
+    )
+    assert errors == [
+        "tenants.a.burst: must be between 1 and 1000000000000, got 1000000000000000000",
+        "tenants.a.tokens_per_day: must be between 1 and 1000000000000, got 1000000000001",
+        "tenants.a.input_tokens_per_minute: must be between 0 and 1000000000000,"
+        " got 100000000000000000000",
+    ], errors
 
 
 def test_shared_keys_duplicate_yaml_keys_and_bad_documents_are_refused() -> None:
@@ -162,13 +182,14 @@ def test_local_concurrency_and_daily_tokens() -> None:
     assert counters.admit(tenant, "a").code is None
     busy = counters.admit(tenant, "b")
     assert busy.code is ErrorCode.TOO_MANY_CONCURRENT
-    counters.release("t", "a", 60)
+    today = utc_day(clock.now)
+    counters.release("t", "a", 60, today)
     assert counters.admit(tenant, "c").code is None
-    counters.release("t", "c", 30)
+    counters.release("t", "c", 30, today)
     # 90 used: a request that may take 20 does not fit, and the refusal says 10 are left.
     short = counters.admit(tenant, "d", need=20)
     assert (short.code, short.tokens_left) == (ErrorCode.QUOTA_EXCEEDED, 10)
-    counters.release("t", "x", 10)
+    counters.release("t", "x", 10, today)
     over = counters.admit(tenant, "d")
     assert (over.code, over.tokens_left) == (ErrorCode.QUOTA_EXCEEDED, 0)
     assert over.retry_after == pytest.approx(until_midnight(clock.now))
@@ -303,3 +324,53 @@ def test_the_usage_rewrite_keeps_every_value_as_it_came() -> None:
     assert b'"seed":123456789012345678901' in tap.body
     tap = UsageTap({**request({"model": "m"}, stream=True), "body": b'{"t": NaN}'})
     assert tap.body == b'{"t":NaN,"stream_options":{"include_usage":true}}'
+
+
+def test_workers_sharing_an_audit_log_rotate_it_once(tmp_path: Path) -> None:
+    """`serve --workers N` share `--audit-log`: lines written in turn by four writers
+    are all kept, newest first, within the files the rotation keeps."""
+    path = tmp_path / "audit.jsonl"
+    workers = [AuditLog(str(path), max_bytes=1024, backups=3) for _ in range(4)]
+    for i in range(100):
+        record = AuditRecord(str(i), "team", "/v1/chat/completions", "m", "s", "peer", 200, 1, 2, 0)
+        workers[i % 4].write(record)
+    for audit in workers:
+        audit.close()
+    kept = sorted(
+        int(json.loads(line)["request_id"])
+        for p in tmp_path.iterdir()
+        for line in p.read_text().splitlines()
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "audit.jsonl",
+        *(f"audit.jsonl.{n}" for n in (1, 2, 3)),
+    ]
+    assert kept == list(range(kept[0], 100)) and len(kept) > 3 * 1024 // 400
+
+
+def test_an_audit_log_that_cannot_be_written_says_so_once(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Its directory gone (as a full disk, every write fails): one error line instead of
+    a traceback per request, and the log resumes by itself once the path is writable."""
+    folder = tmp_path / "audit"
+    folder.mkdir()
+    path = folder / "audit.jsonl"
+    audit = AuditLog(str(path), max_bytes=1024 * 1024, backups=1)
+    record = AuditRecord("rid", "team", "/v1/chat/completions", "m", "s", "peer", 200, 1, 2, 0)
+    audit.write(record)
+    path.unlink()
+    folder.rmdir()
+    with caplog.at_level("INFO", logger="tenant"):
+        for _ in range(3):
+            audit.write(record)
+        folder.mkdir()
+        audit.write(record)
+        audit.write(record)
+    audit.close()
+    said = [r.getMessage().split(" ")[0] for r in caplog.records]
+    assert said == ["audit_log_write_failed", "audit_log_writable"]
+    assert "FileNotFoundError" in caplog.records[0].getMessage()
+    # Not logging's traceback per line, which quotes the line itself.
+    assert '"request_id":"rid"' not in capsys.readouterr().err
+    assert len(path.read_text().splitlines()) == 2

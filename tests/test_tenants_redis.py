@@ -13,7 +13,7 @@ import redis
 
 from protocol.errors import ErrorCode
 from router.metrics import RouterMetrics
-from router.tenants.config import Tenant, hash_key
+from router.tenants.config import MAX_LIMIT, Tenant, hash_key
 from router.tenants.counters import utc_day
 from router.tenants.shared import TenantState
 from tests.fleet import Fleet, Router, wait_until
@@ -119,4 +119,29 @@ async def test_the_shared_counts_refuse_with_what_is_left(tmp_path: Path) -> Non
         assert state.client is not None
         state.client.close()
     finally:
+        redis_server.stop()
+
+
+async def test_the_largest_limits_keep_redis_in_use(tmp_path: Path) -> None:
+    """Every limit at MAX_LIMIT, the bucket refilling slowest: the scripts run (a script
+    error would switch every tenant to local counts) and report what is left exactly."""
+    redis_server = RedisServer(tmp_path, dict(os.environ)).start()
+    state = TenantState(redis_server.url, RouterMetrics(), lease=60.0)
+    try:
+        state._up()
+        tenant = Tenant(
+            "t",
+            requests_per_minute=1,
+            burst=MAX_LIMIT,
+            tokens_per_day=MAX_LIMIT,
+            max_concurrent=MAX_LIMIT,
+        )
+        verdict, shared = await state.admit(tenant, "a", need=MAX_LIMIT, charge=MAX_LIMIT - 1)
+        assert shared and state.up and verdict.code is None
+        assert (verdict.requests_left, verdict.tokens_left) == (MAX_LIMIT - 1, MAX_LIMIT)
+        await state.release("t", "a", 1, True, verdict.day)
+        full, _ = await state.admit(tenant, "b", need=1)
+        assert state.up and (full.code, full.tokens_left) == (ErrorCode.QUOTA_EXCEEDED, 0)
+    finally:
+        state.close()
         redis_server.stop()

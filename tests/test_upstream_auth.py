@@ -84,7 +84,7 @@ def test_remaining_counts_after_an_admitted_request() -> None:
     counters = LocalCounters(monotonic=lambda: 0.0, wall=lambda: 0.0)
     verdict = counters.admit(tenant, "t1")
     assert (verdict.requests_left, verdict.tokens_left) == (2, 50)
-    counters.release("acme", "t1", 20)
+    counters.release("acme", "t1", 20, verdict.day)
     assert counters.admit(tenant, "t2").tokens_left == 30
 
 
@@ -127,7 +127,8 @@ def test_the_example_placeholder_loads_with_a_warning() -> None:
         ),
         (
             doc(entry(extra="      quota: {input_tokens_per_minute: -5}\n")),
-            "api.keys[0].quota.input_tokens_per_minute: must be at least 0, got -5",
+            "api.keys[0].quota.input_tokens_per_minute: must be between 0 and 1000000000000,"
+            " got -5",
         ),
         (
             doc(entry(extra="      max_occupancy_share: 1.5\n")),
@@ -139,9 +140,22 @@ def test_the_example_placeholder_loads_with_a_warning() -> None:
         ),
         (
             doc(entry(extra="      quota: {requests_per_minute: -1}\n")),
-            "api.keys[0].quota.requests_per_minute: must be at least 0, got -1",
+            "api.keys[0].quota.requests_per_minute: must be between 0 and 1000000000000, got -1",
         ),
         (doc(entry(extra="      quota: {rpm: 5}\n")), "api.keys[0].quota.rpm: unknown quota field"),
+        (
+            doc(entry(extra="      quota: {requests_per_minute: 1, burst: 1000000000001}\n")),
+            "api.keys[0].quota.burst: must be between 1 and 1000000000000, got 1000000000001",
+        ),
+        (
+            doc(
+                entry(
+                    extra="      quota:\n        per_model: {m: "
+                    "{requests_per_minute_per_replica: 1, tokens_per_day: 10000000000000}}\n"
+                )
+            ),
+            "per_model.m.tokens_per_day: must be between 0 and 1000000000000",
+        ),
         (
             doc(
                 entry(

@@ -65,6 +65,11 @@ _ALIASES = {
     "allowed_models": "models",
 }
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# The most any count or limit may be. Redis's scripts compute in doubles and pass
+# numbers on as `%.17g` text, so a bucket of 10**18 gave EXPIRE "1e+20", a script error,
+# and the router took Redis for down (every tenant counted alone); 10**12 keeps every
+# sum and expiry exact, and is a trillion tokens or requests, more than any fleet serves.
+MAX_LIMIT = 10**12
 
 
 def hash_key(key: str) -> str:
@@ -162,7 +167,8 @@ def check_key_limits(validator: Validator, path: str, raw: dict[Any, Any]) -> Ke
         )
         share = 0.0
     ints = {
-        name: validator.integer(f"{path}{name}", raw.get(name), 0) for name in KEY_LIMIT_FIELDS[2:]
+        name: validator.integer(f"{path}{name}", raw.get(name), 0, MAX_LIMIT)
+        for name in KEY_LIMIT_FIELDS[2:]
     }
     limits = KeyLimits(mode=mode or "", max_occupancy_share=float(share), **ints)
     return NO_LIMITS if limits == NO_LIMITS else limits  # `any` reads identity first
@@ -352,7 +358,7 @@ class _Validator(Validator):
         keys = self.key_hashes(f"{path}.keys", raw.get("keys"))
         models = self.models(f"{path}.models", raw.get("models"))
         ints = {
-            field: self.integer(f"{path}.{field}", raw.get(field), low)
+            field: self.integer(f"{path}.{field}", raw.get(field), low, MAX_LIMIT)
             for field, low in (
                 ("requests_per_minute", 1),
                 ("burst", 1),

@@ -28,6 +28,9 @@ class Verdict:
     # refused it: 0 requests, or the tokens the day still has; None: not known here.
     requests_left: int | None = None
     tokens_left: int | None = None
+    # The UTC day an admission's tokens were charged to: its correction at release
+    # goes to that day, not to the day the answer happens to end on.
+    day: str = ""
 
 
 ADMITTED = Verdict(None)
@@ -92,6 +95,7 @@ class LocalCounters:
         `release` with the exact usage."""
         counts = self._of(tenant.name)
         wall = self.wall()
+        day = ""
         if tenant.tokens_per_day:
             day = utc_day(wall)
             if counts.day != day:
@@ -126,17 +130,20 @@ class LocalCounters:
             counts.tokens += charge
         if requests_left is None and tokens_left is None:
             return ADMITTED
-        return Verdict(None, 0.0, requests_left, tokens_left)
+        return Verdict(None, 0.0, requests_left, tokens_left, day)
 
-    def release(self, tenant: str, ticket_id: str, tokens: int) -> None:
-        """`tokens`: the usage still to charge (negative: the admission charged more)."""
+    def release(self, tenant: str, ticket_id: str, tokens: int, day: str) -> None:
+        """`tokens`: the usage still to charge to `day` (negative: the admission
+        charged more). A day already over is not counted any more: its correction is
+        dropped, lest a refund of yesterday's estimate raise today's budget."""
         counts = self._of(tenant)
         counts.inflight.discard(ticket_id)
-        if tokens:
-            day = utc_day(self.wall())
+        if tokens and day == utc_day(self.wall()):
             if counts.day != day:
                 counts.day, counts.tokens = day, 0
-            counts.tokens += tokens
+            # Never below zero: a refund of a charge these counts never saw (taken in
+            # Redis before it went away) must not lend the tenant tokens.
+            counts.tokens = max(0, counts.tokens + tokens)
 
     def sweep(self) -> int:
         """Forget what a new record would hold alike: a full request bucket, a count of

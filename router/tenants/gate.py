@@ -238,6 +238,7 @@ class Ticket:
         "charged",
         "closed",
         "code",
+        "day",
         "gate",
         "id",
         "key_id",
@@ -278,6 +279,7 @@ class Ticket:
         self.closed = False
         # Tokens of the day taken at admission (the input estimate), trued up at close.
         self.charged = 0
+        self.day = ""  # the UTC day `charged` went to (Verdict.day)
         self.served = False
         self.key_id: str | None = None
         self.source_ip: str | None = None
@@ -341,6 +343,7 @@ class Ticket:
             else:
                 self.slot_taken = bool(tenant.max_concurrent)
                 self.charged = charge if tenant.tokens_per_day else 0
+                self.day = verdict.day
         if refusal is not None:
             self.code = str(refusal.code)
             self.gate.metrics.tenant_rejections.labels(tenant.name, self.code).inc()
@@ -386,7 +389,7 @@ class Ticket:
         if tenant is None or not (self.slot_taken or (tokens and tenant.tokens_per_day)):
             return
         with trio.CancelScope(shield=True):
-            await self.gate.state.release(tenant.name, self.id, tokens, self.shared)
+            await self.gate.state.release(tenant.name, self.id, tokens, self.shared, self.day)
 
 
 def _refusal_message(t: Tenant, verdict: Verdict, need: int) -> str:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Callable
 
 import redis
 import trio
@@ -85,13 +86,15 @@ end
 return {'', '0', left_requests, left_tokens}
 """
 
-# KEYS: in-flight sorted set, tokens-of-the-day counter. ARGV: ticket id, tokens still
-# to charge (negative when the admission's estimate was more than the usage).
+# KEYS: in-flight sorted set, the counter of the day the admission charged. ARGV: ticket
+# id, tokens still to charge (negative when the admission's estimate was more than the
+# usage). The counter never goes below zero: a Redis that restarted (or a key that
+# expired) since the admission has lost the charge that a refund would give back.
 _RELEASE = """
 redis.call('ZREM', KEYS[1], ARGV[1])
 local n = tonumber(ARGV[2])
 if n ~= 0 then
-  redis.call('INCRBY', KEYS[2], n)
+  if redis.call('INCRBY', KEYS[2], n) < 0 then redis.call('SET', KEYS[2], '0') end
   redis.call('EXPIRE', KEYS[2], 172800)
 end
 return 1
@@ -107,11 +110,19 @@ def _keys(tenant: str, day: str) -> list[str]:
 class TenantState:
     """Where admissions and charges go: Redis when configured and up, else local."""
 
-    def __init__(self, url: str | None, metrics: RouterMetrics, lease: float) -> None:
+    def __init__(
+        self,
+        url: str | None,
+        metrics: RouterMetrics,
+        lease: float,
+        wall: Callable[[], float] = time.time,
+    ) -> None:
         self.url = url
         self.metrics = metrics
         self.lease = lease
-        self.local = LocalCounters()
+        # What names the day of a token count, here and in the local fallback.
+        self.wall = wall
+        self.local = LocalCounters(wall=wall)
         self.up = False
         self._said_down = False
         self.client: redis.Redis | None = None
@@ -181,22 +192,27 @@ class TenantState:
                 return verdict, True
         return self.local.admit(tenant, ticket_id, need, charge), False
 
-    async def release(self, tenant: str, ticket_id: str, tokens: int, shared: bool) -> None:
+    async def release(
+        self, tenant: str, ticket_id: str, tokens: int, shared: bool, day: str
+    ) -> None:
+        """Give back `ticket_id`'s slot and charge `tokens` more to `day` (the day its
+        admission charged, `Verdict.day`)."""
         if shared and self.up:
             try:
-                await trio.to_thread.run_sync(self._release_shared, tenant, ticket_id, tokens)
+                await trio.to_thread.run_sync(self._release_shared, tenant, ticket_id, tokens, day)
             except redis.RedisError as exc:
                 self._down(exc)
             else:
                 return
         # Admitted in Redis but released while it is away: its in-flight entry expires
         # after the lease; the tokens are counted here so they are not lost entirely.
-        self.local.release(tenant, ticket_id, tokens)
+        self.local.release(tenant, ticket_id, tokens, day)
 
     def _admit_shared(self, tenant: Tenant, ticket_id: str, need: int, charge: int) -> Verdict:
-        now = time.time()
+        now = self.wall()
+        day = utc_day(now)
         code, retry, *left = self._admit(
-            keys=_keys(tenant.name, utc_day(now)),
+            keys=_keys(tenant.name, day),
             args=[
                 tenant.requests_per_minute / 60.0,
                 tenant.burst,
@@ -215,10 +231,11 @@ class TenantState:
             float(retry) if code else 0.0,
             None if requests < 0 else requests,
             None if tokens < 0 else tokens,
+            day if tenant.tokens_per_day else "",
         )
 
-    def _release_shared(self, tenant: str, ticket_id: str, tokens: int) -> None:
-        keys = _keys(tenant, utc_day(time.time()))
+    def _release_shared(self, tenant: str, ticket_id: str, tokens: int, day: str) -> None:
+        keys = _keys(tenant, day)
         self._release(keys=keys[1:], args=[ticket_id, tokens])
 
     def close(self) -> None:

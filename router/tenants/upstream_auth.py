@@ -19,6 +19,7 @@ from typing import Any
 from router.documents import Validator, kind, shown
 from router.tenants.config import (
     HASH_PREFIX,
+    MAX_LIMIT,
     ApiKey,
     AuthConfig,
     KeyLimits,
@@ -355,9 +356,9 @@ class _Upstream(Validator):
         self.unknown_keys(f"{path}.", raw, QUOTA_KEYS, "unknown quota field")
         # Upstream's 0 is "unlimited", as an absent field.
         for name in ("requests_per_minute", "tokens_per_day"):
-            out[name] = self.integer(f"{path}.{name}", raw.get(name), 0)
+            out[name] = self.integer(f"{path}.{name}", raw.get(name), 0, MAX_LIMIT)
         for name in ("burst", "max_concurrent", "max_input_bytes"):
-            out[name] = self.integer(f"{path}.{name}", raw.get(name), 1)
+            out[name] = self.integer(f"{path}.{name}", raw.get(name), 1, MAX_LIMIT)
         if out["burst"] and not out["requests_per_minute"]:
             self.error(f"{path}.burst", "needs requests_per_minute (the bucket's refill rate)")
         per_model = raw.get("per_model")
@@ -392,9 +393,14 @@ class _Upstream(Validator):
                 if name not in body:
                     self.error(f"{where}.{name}", "missing (required; 0 is unlimited)")
             rpm = self.integer(
-                f"{where}.requests_per_minute_per_replica", body.get(PER_MODEL_KEYS[0]), 0
+                f"{where}.requests_per_minute_per_replica",
+                body.get(PER_MODEL_KEYS[0]),
+                0,
+                MAX_LIMIT,
             )
-            tokens = self.integer(f"{where}.tokens_per_day", body.get("tokens_per_day"), 0)
+            tokens = self.integer(
+                f"{where}.tokens_per_day", body.get("tokens_per_day"), 0, MAX_LIMIT
+            )
             out.append((str(model), rpm, tokens))
             if any(name in body for name in PER_MODEL_LIMITS):
                 own = check_key_limits(self, f"{where}.", body)
