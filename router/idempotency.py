@@ -177,6 +177,7 @@ class IdempotencyTable:
                 return await refuse()
             if isinstance(claim, Join):
                 state = claim.entry.state.value
+                log.debug("req=%s idempotent_join of=%s tenant=%s", rid, state, quote(tenant))
                 status = await serve_join(claim.entry, send, rid, abandoned)
                 if status is not None:
                     log.info("req=%s idempotent_replay of=%s tenant=%s", rid, state, quote(tenant))
