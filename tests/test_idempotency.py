@@ -229,3 +229,22 @@ def test_a_retry_joins_the_first_without_taking_admission_room(
     assert _generations(agent) == 1
     assert router.metric("hivenet_router_admission_rejections_total", reason="b2") == 0
     wait_until(lambda: router.metric(inflight, model="m1") == 0, what="nothing held")
+
+
+async def test_a_stream_with_an_error_event_behind_its_content_is_not_kept() -> None:
+    """The link joins the frames that arrive together into one part: an engine's error
+    event can follow content events in it, and the stream failed all the same."""
+    table = IdempotencyTable(window=60)
+    content = b'data: {"choices":[{"index":0,"delta":{"content":"data: {\\"error\\""}}]}\n\n'
+    parts = {
+        "openai": content + b'data: {"error":{"message":"engine died"}}\n\n',
+        "anthropic": b'event: ping\ndata: {"type":"ping"}\n\nevent: error\ndata: {}\n\n',
+    }
+    for name, part in parts.items():
+        entry = table.claim(_scope(name), "t", "/v1/chat/completions", b"{}")
+        await _record(table, entry, part)
+        assert isinstance(entry, idempotency.Entry) and entry.state is EntryState.DROPPED
+    # Text that only reads like an error event is an answer like any other.
+    kept = table.claim(_scope("text"), "t", "/v1/chat/completions", b"{}")
+    await _record(table, kept, content)
+    assert isinstance(kept, idempotency.Entry) and kept.state is EntryState.DONE
