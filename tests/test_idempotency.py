@@ -248,3 +248,28 @@ async def test_a_stream_with_an_error_event_behind_its_content_is_not_kept() -> 
     kept = table.claim(_scope("text"), "t", "/v1/chat/completions", b"{}")
     await _record(table, kept, content)
     assert isinstance(kept, idempotency.Entry) and kept.state is EntryState.DONE
+
+
+def test_a_stream_its_client_left_gives_back_its_room_and_its_key(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """A client gone mid-stream: its admission room comes back and its key is forgotten
+    (the answer was not whole), so the retry generates anew."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("max_inflight: 4\nrouting_policy:\n  strategy: least-loaded\n")
+    router = fleet.router("--policy-file", str(policy))
+    agent = fleet.agent(router, "m1", "--sim-token-latency", "200ms")
+    key = {"Idempotency-Key": str(uuid.uuid4())}
+    body = {"model": "m1", "messages": MESSAGES, "stream": True}
+    inflight = "hivenet_router_admission_inflight_requests"
+    with httpx.stream(
+        "POST", router.url + "/v1/chat/completions", json=body, headers=key, timeout=30
+    ) as first:
+        next(first.iter_bytes())
+    router.wait_log("client_disconnected")
+    wait_until(lambda: router.metric(inflight, model="m1") == 0, what="the room given back")
+    agent.sim_state(token_latency=0.0)
+    retry = httpx.post(router.url + "/v1/chat/completions", json=body, headers=key, timeout=30)
+    assert retry.status_code == 200 and "idempotent-replayed" not in retry.headers
+    assert b"[DONE]" in retry.content and _generations(agent) == 2
+    wait_until(lambda: router.metric(inflight, model="m1") == 0, what="nothing held")
