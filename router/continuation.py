@@ -42,6 +42,9 @@ class Sent:
     tokens: int = 0  # content events: one token each for vLLM, SGLang and the sim
     problem: str | None = None  # why it cannot be continued; None: it can
     finished: bool = False  # the answer's end already reached the client
+    # ... and so did the stream's last event (`[DONE]`, `message_stop`): the router
+    # then has nothing to add, or the client would read that event twice.
+    ended: bool = False
     # The answer's opening reached the client (OpenAI: a chunk; Anthropic: message_start):
     # the continuation's own opening is then dropped, else kept.
     started: bool = False
@@ -89,7 +92,7 @@ def read_sent(path: str, blob: bytes) -> Sent:
     sent = Sent()
     for name, data in events:
         if data == "[DONE]":
-            sent.finished = True
+            sent.finished = sent.ended = True
             continue
         try:
             event = json.loads(data)
@@ -161,8 +164,10 @@ def _read_anthropic(sent: Sent, name: str | None, event: dict[str, Any]) -> None
                 sent.tokens += 1
     elif kind == "content_block_stop":
         sent.open_block = None
-    elif kind in ("message_delta", "message_stop"):
+    elif kind == "message_delta":
         sent.finished = True
+    elif kind == "message_stop":
+        sent.finished = sent.ended = True
     elif kind == "error":
         sent.problem = "the stream already carries an error"
 
@@ -209,7 +214,10 @@ def merged_usage(usage: dict[str, int] | None, sent: Sent) -> dict[str, int] | N
 
 def closing(path: str, sent: Sent, finish: str) -> bytes:
     """The end of a stream whose answer was whole when it broke, or whose token limit is
-    spent: a finish chunk (OpenAI) or the closing events (Anthropic)."""
+    spent: a finish chunk (OpenAI) or the closing events (Anthropic); nothing when the
+    stream's last event already reached the client."""
+    if sent.ended:
+        return b""
     if path == CHAT_PATH:
         chunk: dict[str, Any] = {"id": sent.id, "object": "chat.completion.chunk"}
         chunk |= {"created": sent.created, "model": sent.model}

@@ -215,8 +215,7 @@ class StreamRelay:
             # Nothing is missing but the end: the router writes it.
             end = closing(req.path, sent, "stop" if sent.finished else "length")
             self._keep(end)
-            await send_body(send, end, more=True)
-            await send_body(send, b"")
+            await send_body(send, end)
             counter.labels(req.model, req.tenant, "completed").inc()
             self._log("stream_completed", gone_id, "-", sent, str(broken))
             return None

@@ -128,10 +128,11 @@ class Dispatcher:
     async def continuation(self, req: RouteRequest) -> Served | None:
         """Route a broken stream's continuation (router/continuation_relay.py) through
         the local chain only: a provider cannot go on from another engine's text. The
-        request was counted as routed once; its continuation is counted on its own."""
+        request was counted as routed once; its continuation is counted on its own, and
+        not shed: `shed_if` admitted the request when it came."""
         policy = self.store.for_model(req.model)
         async with self.limit.slot():
-            outcome = await self.session.route(policy, req)
+            outcome = await self.session.route(policy, req, admit=False)
         return outcome if isinstance(outcome, Served) else None
 
     def _shed(self, req: RouteRequest, shed: LoadShed) -> NoReturn:

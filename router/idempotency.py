@@ -177,6 +177,7 @@ class IdempotencyTable:
                 return await refuse()
             if isinstance(claim, Join):
                 state = claim.entry.state.value
+                log.debug("req=%s idempotent_join of=%s tenant=%s", rid, state, quote(tenant))
                 status = await serve_join(claim.entry, send, rid, abandoned)
                 if status is not None:
                     log.info("req=%s idempotent_replay of=%s tenant=%s", rid, state, quote(tenant))
@@ -210,7 +211,7 @@ class IdempotencyTable:
         past it (a stream's parts that the link's reader writes, router/link.py)."""
         if entry.state is not EntryState.RUNNING:
             return
-        if body.startswith((b'data: {"error"', b"event: error")):
+        if _carries_error(body):
             entry.failed = True
         entry.size += len(body)
         if entry.size > MAX_ANSWER_BYTES:
@@ -264,6 +265,19 @@ class IdempotencyTable:
             if oldest is None:
                 return
             self.drop(oldest)
+
+
+# An error event opens a part or follows another event in it: the link joins the
+# frames that arrive together, and an engine's error event (vLLM's `data: {"error": …}`)
+# comes after its content events. Neither pattern can occur inside an event's JSON,
+# where a quote is escaped and a line break too.
+_ERROR_EVENTS = (b'data: {"error"', b"event: error")
+_ERROR_EVENTS_AFTER = tuple(b"\n" + pattern for pattern in _ERROR_EVENTS)
+
+
+def _carries_error(body: bytes) -> bool:
+    """Whether a stream's part holds an error event (the stream failed)."""
+    return body.startswith(_ERROR_EVENTS) or any(p in body for p in _ERROR_EVENTS_AFTER)
 
 
 async def serve_join(entry: Entry, send: Send, rid: str, abandoned: bytes) -> int | None:

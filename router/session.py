@@ -242,9 +242,14 @@ class RoutingSession:
         # The router's strategies and what they remember (round-robin, prefix-aware).
         self.ranking = ranking or Ranking()
 
-    async def route(self, policy: Policy, req: RouteRequest) -> Served | Exhausted | LoadShed:
+    async def route(
+        self, policy: Policy, req: RouteRequest, admit: bool = True
+    ) -> Served | Exhausted | LoadShed:
         """Serve `req` through the policy's local steps, or report why none could.
 
+        `admit` False: no `shed_if` is checked, for a request admitted already (a
+        broken stream's continuation: shedding it would throw away what it sent, at
+        the moment its agent's loss raised the load the rules read).
         Raises BackendRejected for request-level errors; trio.Cancelled on deadline.
         """
         reasons: list[str] = []
@@ -252,7 +257,7 @@ class RoutingSession:
         recovered: set[str] = set()
         last_failure: ForwardFailure | None = None
         capacity_drained = False
-        if policy.shed_if is not None:
+        if admit and policy.shed_if is not None:
             pool = self.table.for_model(req.model)
             hit = shed(policy.shed_if, req.tenant, req.priority, req.model, pool, self.queue)
             if hit is not None:
@@ -262,7 +267,7 @@ class RoutingSession:
                 return LoadShed("shed_if", hit, retry, reason, chain, 0, front_door=True)
         rank_request = RankRequest(req.model, req.payload)
         for index, step in enumerate(steps):
-            hit = self._shed(step, req)
+            hit = self._shed(step, req) if admit else None
             if hit is not None:
                 # Admission comes before the gates: a refused request neither queues nor
                 # tries the later steps, which read the same router-wide load.

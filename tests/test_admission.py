@@ -460,3 +460,24 @@ def test_an_evicted_waiter_waits_for_no_one() -> None:
         assert high.event.is_set() and not queue.woken_ahead(MODEL, low)
 
     trio.run(main)
+
+
+async def test_a_broken_streams_continuation_is_not_shed(autojump_clock: Any) -> None:
+    """`shed_if` admits requests; a continuation was admitted when it came, and its
+    agent's loss is what raised the load the rules read."""
+    busy = "shed_if:\n  model_capacity_utilization: {gte: 0.5}\n"
+    a, b = make_peer("A", capacity=2, active=1), make_peer("B", capacity=2, active=1)
+    h = Harness(busy + policy(f"{ANY}\n{busy}"), [a, b])
+    with pytest.raises(RouterError) as caught:
+        await h.dispatcher().dispatch(request())
+    assert caught.value.code == ErrorCode.TOO_MANY_CONCURRENT  # the front door's
+    again = request()
+    again.exclude = frozenset({"A"})
+    served = await h.dispatcher().continuation(again)
+    assert served is not None and served.peer is b
+    served.response.close()
+    step_only = Harness(policy(f"{ANY}\n{busy}"), [make_peer("A", capacity=2, active=1)])
+    assert isinstance(await step_only.route(), LoadShed)
+    continued = await step_only.dispatcher().continuation(request())
+    assert continued is not None
+    continued.response.close()

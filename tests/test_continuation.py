@@ -366,3 +366,20 @@ async def test_the_relay_ends_with_the_break_when_it_cannot_continue(
     with pytest.raises(StreamBroken):
         await _relay(StreamRelay(continuer, _req(), long, print))  # type: ignore[arg-type]
     assert continuer.asked == []
+
+
+async def test_a_break_after_the_streams_last_event_adds_nothing() -> None:
+    """The agent gone after `[DONE]` (or `message_stop`) reached the client, before its
+    end frame: the client has the whole stream, and reads its last event once."""
+    end = _data({"id": "chatcmpl-1", "choices": [_c({}, "stop")]}) + b"data: [DONE]\n\n"
+    first = _Answer("A", [_chat_stream(["Echo:", " a"]) + end], True, None)
+    continuer = _Continuer([])
+    out = await _relay(StreamRelay(continuer, _req(), first, print))  # type: ignore[arg-type]
+    assert continuer.asked == [] and out.count(b"[DONE]") == 1 and out.endswith(end)
+    start = {"type": "message_start", "message": {"usage": {"input_tokens": 3}}}
+    stop = _event("message_stop", {"type": "message_stop"})
+    whole = read_sent(MESSAGES, _event("message_start", start) + stop)
+    assert whole.ended and closing(MESSAGES, whole, "stop") == b""
+    # Its finish reached the client but not `[DONE]`: only `[DONE]` is added.
+    finished = read_sent(CHAT, _chat_stream(["Echo:"]) + end[: -len(b"data: [DONE]\n\n")])
+    assert closing(CHAT, finished, "stop") == b"data: [DONE]\n\n"

@@ -3,7 +3,9 @@ answer, generated once; the table's window and bounds with a mock clock."""
 
 from __future__ import annotations
 
+import threading
 import uuid
+from pathlib import Path
 
 import anthropic
 import httpx
@@ -14,7 +16,7 @@ import trio.testing
 
 from router import idempotency
 from router.idempotency import Conflict, EntryState, IdempotencyTable, Join
-from tests.fleet import Agent, Fleet
+from tests.fleet import Agent, Fleet, wait_until
 
 MESSAGES = [{"role": "user", "content": "a b c d e f g h"}]
 
@@ -186,3 +188,88 @@ async def test_answers_are_kept_for_the_window_and_within_the_bounds(
     assert isinstance(table.claim(_scope("n0"), "t", "/p", b"{}"), idempotency.Entry)
     off = IdempotencyTable(window=0)
     assert off.claim(_scope("k1"), "t", "/p", b"{}") is None
+
+
+def test_a_retry_joins_the_first_without_taking_admission_room(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """A retry generates nothing: it must not take the pool's room (B2) that the first
+    request holds, or a full pool would refuse the very retry it should answer."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("max_inflight: 1\nrouting_policy:\n  strategy: least-loaded\n")
+    env = {"HIVENET_ROUTER_ADMIT_PARK_TIMEOUT": "0s", "GOLOG_LOG_LEVEL": "http=debug"}
+    router = fleet.router("--policy-file", str(policy), env=env)
+    agent = fleet.agent(router, "m1")
+    agent.sim_state(hold=True)
+    key = {"Idempotency-Key": str(uuid.uuid4())}
+    answers: list[httpx.Response] = []
+
+    def post() -> None:
+        answers.append(
+            httpx.post(
+                router.url + "/v1/chat/completions",
+                json={"model": "m1", "messages": MESSAGES},
+                headers=key,
+                timeout=30,
+            )
+        )
+
+    first = threading.Thread(target=post)
+    first.start()
+    inflight = "hivenet_router_admission_inflight_requests"
+    wait_until(lambda: router.metric(inflight, model="m1") == 1, what="the first in flight")
+    retry = threading.Thread(target=post)
+    retry.start()
+    router.wait_log("idempotent_join of=running")
+    agent.sim_state(hold=False)
+    first.join(30)
+    retry.join(30)
+    assert [a.status_code for a in answers] == [200, 200], answers[-1].text
+    assert answers[0].json()["id"] == answers[1].json()["id"]
+    assert _generations(agent) == 1
+    assert router.metric("hivenet_router_admission_rejections_total", reason="b2") == 0
+    wait_until(lambda: router.metric(inflight, model="m1") == 0, what="nothing held")
+
+
+async def test_a_stream_with_an_error_event_behind_its_content_is_not_kept() -> None:
+    """The link joins the frames that arrive together into one part: an engine's error
+    event can follow content events in it, and the stream failed all the same."""
+    table = IdempotencyTable(window=60)
+    content = b'data: {"choices":[{"index":0,"delta":{"content":"data: {\\"error\\""}}]}\n\n'
+    parts = {
+        "openai": content + b'data: {"error":{"message":"engine died"}}\n\n',
+        "anthropic": b'event: ping\ndata: {"type":"ping"}\n\nevent: error\ndata: {}\n\n',
+    }
+    for name, part in parts.items():
+        entry = table.claim(_scope(name), "t", "/v1/chat/completions", b"{}")
+        await _record(table, entry, part)
+        assert isinstance(entry, idempotency.Entry) and entry.state is EntryState.DROPPED
+    # Text that only reads like an error event is an answer like any other.
+    kept = table.claim(_scope("text"), "t", "/v1/chat/completions", b"{}")
+    await _record(table, kept, content)
+    assert isinstance(kept, idempotency.Entry) and kept.state is EntryState.DONE
+
+
+def test_a_stream_its_client_left_gives_back_its_room_and_its_key(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    """A client gone mid-stream: its admission room comes back and its key is forgotten
+    (the answer was not whole), so the retry generates anew."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("max_inflight: 4\nrouting_policy:\n  strategy: least-loaded\n")
+    router = fleet.router("--policy-file", str(policy))
+    agent = fleet.agent(router, "m1", "--sim-token-latency", "200ms")
+    key = {"Idempotency-Key": str(uuid.uuid4())}
+    body = {"model": "m1", "messages": MESSAGES, "stream": True}
+    inflight = "hivenet_router_admission_inflight_requests"
+    with httpx.stream(
+        "POST", router.url + "/v1/chat/completions", json=body, headers=key, timeout=30
+    ) as first:
+        next(first.iter_bytes())
+    router.wait_log("client_disconnected")
+    wait_until(lambda: router.metric(inflight, model="m1") == 0, what="the room given back")
+    agent.sim_state(token_latency=0.0)
+    retry = httpx.post(router.url + "/v1/chat/completions", json=body, headers=key, timeout=30)
+    assert retry.status_code == 200 and "idempotent-replayed" not in retry.headers
+    assert b"[DONE]" in retry.content and _generations(agent) == 2
+    wait_until(lambda: router.metric(inflight, model="m1") == 0, what="nothing held")

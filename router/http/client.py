@@ -242,19 +242,12 @@ class ClientApi:
                     admission.fail(refused.code)
             if refused is not None:
                 return await fail(refused)
-        admitted: Admitted | None = None
+        reserve: _Reserve | None = None
         if gated and estimate is not None and gates is not None:
-            outcome = await gates.reserve(model, limits, key, estimate)
-            if isinstance(outcome, AdmissionRefused):
-                return await fail(self._refused(rid, tenant, model, outcome, ticket))
-            admitted = outcome
-        try:
-            return await self._forward(
-                scope, receive, send, rid, tenant, priority, payload, body, received, admitted
-            )
-        finally:
-            if admitted is not None and gates is not None:
-                await gates.finish(admitted)
+            reserve = partial(gates.reserve, model, limits, key, estimate)
+        return await self._forward(
+            scope, receive, send, rid, tenant, priority, payload, body, received, reserve
+        )
 
     def _refused(
         self,
@@ -287,7 +280,7 @@ class ClientApi:
         payload: dict,
         body: bytes,
         received: float,
-        admitted: Admitted | None,
+        reserve: _Reserve | None,
     ) -> int:
         path = scope["path"]
         capability, protocol = ENDPOINTS[path]
@@ -326,10 +319,7 @@ class ClientApi:
             # Tracing off, the client's trace context still reaches the engine.
             traceparent=valid_traceparent(traceparent),
         )
-        req.report_usage = (ticket is not None and ticket.wants_usage) or admitted is not None
-        if admitted is not None and self.admission is not None:
-            gates, held = self.admission, admitted
-            req.on_provider = lambda: gates.left_local(held)
+        req.report_usage = ticket is not None and ticket.wants_usage
         if path == count_tokens.COUNT_TOKENS_PATH:
             try:
                 count_tokens.to_tokenize(req, payload, self.table.for_model(model))
@@ -342,7 +332,7 @@ class ClientApi:
         extensions = scope.get("extensions", {})
         leaving = (extensions.get(ON_DISCONNECT), receive, extensions.get(ANSWER_SCOPE))
         if self.idempotency.window <= 0 or request_key(scope) is None:
-            return await self._serve(req, protocol, leaving, send, extra, ticket, admitted)
+            return await self._admitted(reserve, req, protocol, leaving, send, extra, ticket)
         conflict = RouterError(
             ErrorCode.IDEMPOTENCY_CONFLICT,
             "this idempotency key was used with another request body; use a new key",
@@ -358,10 +348,43 @@ class ClientApi:
             rid,
             partial(send_error, send, protocol, conflict, extra, ticket),
             sse_error(protocol, failed),
-            lambda recorded, record_part: self._serve(
-                req, protocol, leaving, recorded, extra, ticket, admitted, record_part
+            lambda recorded, record_part: self._admitted(
+                reserve, req, protocol, leaving, recorded, extra, ticket, record_part
             ),
         )
+
+    async def _admitted(
+        self,
+        reserve: _Reserve | None,
+        req: RouteRequest,
+        protocol: str,
+        leaving: tuple[OnDisconnect | None, Receive, AnswerScope | None],
+        send: Send,
+        extra: list[tuple[str, str]],
+        ticket: Ticket | None,
+        record_part: Callable[[bytes], None] | None = None,
+    ) -> int:
+        """`_serve` within the pool's room (B2) and the key's limits (B4), held until
+        the request ends. Taken past the idempotency table: a retry that joins or
+        replays an answer generates nothing, so it must hold no room, or a full pool
+        would refuse the very retry whose answer is running."""
+        gates = self.admission
+        if reserve is None or gates is None:
+            return await self._serve(req, protocol, leaving, send, extra, ticket, None, record_part)
+        outcome = await reserve()
+        if isinstance(outcome, AdmissionRefused):
+            refused = self._refused(req.request_id, req.tenant, req.model, outcome, ticket)
+            headers = [*extra, *refused.retry_headers()]
+            return await send_error(send, protocol, refused, headers, ticket)
+        admitted = outcome
+        req.report_usage = True
+        req.on_provider = partial(gates.left_local, admitted)
+        try:
+            return await self._serve(
+                req, protocol, leaving, send, extra, ticket, admitted, record_part
+            )
+        finally:
+            await gates.finish(admitted)
 
     async def _serve(
         self,
@@ -627,6 +650,10 @@ class ClientApi:
                 "regions": sorted({p.metadata.region for p in peers if p.metadata.region}),
             },
         }
+
+
+# Takes a request's room in its pool and its key's limits (Admission.reserve).
+_Reserve = Callable[[], Awaitable[Admitted | AdmissionRefused]]
 
 
 @dataclass
