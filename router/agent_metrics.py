@@ -9,8 +9,10 @@ in a policy file reads the same on a dashboard:
   percentages);
 - seconds for TTFT and ITL, degrees Celsius for `gpu_temperature_c`, counts for requests
   and failures;
-- milliseconds for SRTT, exported as `hivenet_router_agent_srtt_milliseconds` (the
-  policy's `srtt` field and unit, with the unit in the name as Prometheus asks).
+- seconds for SRTT and RTTVAR, `hivenet_router_agent_srtt_seconds` (the one field
+  whose policy unit, milliseconds, is not the unit here: Prometheus asks for base units,
+  and `promtool check metrics` fails a `_milliseconds` name; `srtt: {gt: 500}` is
+  `> 0.5` on a dashboard).
 
 A value the gates would treat as missing (never reported, no history yet, or older than
 three sample periods) has no sample at all, never a zero. `..._engine_age_seconds` and
@@ -97,7 +99,7 @@ _LIFETIME = (
 _UNIVERSAL = (
     ("capacity_utilization", "capacity_utilization", "Active requests over declared capacity"),
     ("success_rate", "success_rate", "Successful forwards over completed forwards (lifetime)"),
-    ("srtt_milliseconds", "srtt", "RFC 6298 smoothed request time to the response head, ms"),
+    ("srtt_seconds", "srtt", "RFC 6298 smoothed request time to the response head, seconds"),
     ("consecutive_failures", "consecutive_failures", "Failed forwards since the last success"),
 )
 _HELP = {
@@ -156,7 +158,7 @@ class AgentCollector(Collector):
                 ("info", info),
                 gauge("last_seen_timestamp_seconds", "Wall time of the latest heartbeat"),
                 *(counter(name, text) for name, _, text in _LIFETIME),
-                gauge("rttvar_milliseconds", "RFC 6298 RTTVAR of the request time, ms"),
+                gauge("rttvar_seconds", "RFC 6298 RTTVAR of the request time, seconds"),
                 *(
                     (name, GaugeMetricFamily(PREFIX + name, text, labels=GPU_LABELS))
                     for name, _, text in _PER_GPU
@@ -198,8 +200,8 @@ class AgentCollector(Collector):
         put("capacity_utilization", peer.load_ratio)
         stats = peer.stats
         put("success_rate", stats.success_rate)
-        put("srtt_milliseconds", stats.srtt_ms)
-        put("rttvar_milliseconds", stats.rttvar_ms)
+        put("srtt_seconds", _seconds(stats.srtt_ms))
+        put("rttvar_seconds", _seconds(stats.rttvar_ms))
         for name, attr, _ in _LIFETIME:
             put(name, getattr(stats, attr))
         meta = (
@@ -235,3 +237,7 @@ class AgentCollector(Collector):
             put("engine_age_seconds", now - peer.engine_at)
         if peer.hardware_at:
             put("hardware_age_seconds", now - peer.hardware_at)
+
+
+def _seconds(ms: float | None) -> float | None:
+    return None if ms is None else ms / 1000

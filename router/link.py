@@ -740,8 +740,22 @@ class AgentLink:
         was = peer.routable
         peer.healthy = True
         backend_healthy = bool(msg["backend_healthy"])
-        if peer.backend_healthy and not backend_healthy:
-            peer.stats.backend_failures += 1
+        if peer.backend_healthy != backend_healthy:
+            # Gate 2 drops or takes back the agent on its engine's word alone: say so on
+            # the router, where the routing decisions are read.
+            if backend_healthy:
+                log.info(
+                    "agent_backend_healthy peer=%s model=%s",
+                    peer.peer_id,
+                    quote(peer.metadata.model),
+                )
+            else:
+                peer.stats.backend_failures += 1
+                log.warning(
+                    "agent_backend_unhealthy peer=%s model=%s",
+                    peer.peer_id,
+                    quote(peer.metadata.model),
+                )
         peer.backend_healthy = backend_healthy
         engine = msg.get("engine")
         if engine:

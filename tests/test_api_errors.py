@@ -281,6 +281,7 @@ def test_chat_to_an_embedding_only_model_stops_at_the_capability_gate(
 
 @pytest.mark.parametrize(("path", "protocol"), BOTH)
 def test_unhealthy_backend_exhausts_the_chain(ef: ErrFleet, path: str, protocol: str) -> None:
+    logged = len(ef.router.log())
     ef.down.sim_state(healthy=False)
     wait_until(
         lambda: ef.router.agent(ef.down.peer_id)["status"]["backend_healthy"] is False,
@@ -301,6 +302,13 @@ def test_unhealthy_backend_exhausts_the_chain(ef: ErrFleet, path: str, protocol:
         20,
         "backend healthy again",
     )
+    # The router's own journal says when the agent left gate 2 and when it came back,
+    # written as the heartbeat that said so was read, before the table showed it.
+    changes = re.findall(
+        rf"level=(\w+) subsystem=link agent_backend_(\w+) peer={ef.down.peer_id} model=down\n",
+        ef.router.log()[logged:],
+    )
+    assert changes == [("warn", "unhealthy"), ("info", "healthy")]
     assert post(ef.router, path, request_body(path, model="down")).status_code == 200
 
 

@@ -27,7 +27,7 @@ from protocol.logs import (
     quote,
     setup_logging,
 )
-from tests.fleet import Fleet, wait_until
+from tests.fleet import ADMIN_KEY, Fleet, Router, wait_until
 
 
 @pytest.fixture
@@ -347,5 +347,138 @@ def test_router_and_agent_write_json_lines(tmp_path: Path) -> None:
         labelled = [json.loads(line).get("peer_id") for line in agent_lines]
         after_key = labelled[labelled.index(agent.peer_id) :]
         assert len(after_key) > 1 and set(after_key) == {agent.peer_id}, agent_lines
+    finally:
+        fleet.close()
+
+
+# --- the documented exhaustion lines, end to end, in both formats ------------------------
+
+# INTERFACE.md's chain: the primary wants vLLM (the sim agents are not), `relaxed` spends
+# its two tries on the two failing agents, `last-resort` keeps out their hot KV caches.
+_INTERFACE_CHAIN = """\
+routing_policy:
+  match:
+    engine: vllm
+  strategy: least-loaded
+fallback_chain:
+  - name: relaxed
+    match: {}
+    strategy: least-loaded
+    max_tries: 2
+  - name: last-resort
+    match: {}
+    exclude_if:
+      kv_cache_utilization:
+        gt: 0.85
+    strategy: least-loaded
+"""
+# The seeds' gate-5 example: more tries than agents, so both fail and none is left.
+_PREV_FAILURES = "routing_policy:\n  match: {}\n  strategy: least-loaded\n  max_tries: 5\n"
+_MODEL = "Qwen-3.6-35B"  # the seeds' example's model and tenant
+_TENANT = "chaintrust"
+
+
+def test_exhaustion_lines_have_the_documented_fields_in_text_and_json(tmp_path: Path) -> None:
+    """INTERFACE.md's `policy_exhausted` example and the seeds' gate-5 one, produced by a
+    real chain and read field by field and in order, from a text router and a JSON one
+    that the same two agents serve; the `forward_error` lines come first, as the seeds'
+    "Previous failures" tells operators to look for them."""
+    fleet = Fleet(tmp_path)
+    try:
+        chain = tmp_path / "chain.yaml"
+        chain.write_text(_INTERFACE_CHAIN)
+        common = ("--policy-file", str(chain), "--heartbeat-interval", "1s")
+        env = {"HIVENET_ROUTER_API_KEYS": f"client-key:{_TENANT}"}
+        text = fleet.router(*common, env=env)
+        jsonl = fleet.router(*common, "--log-format", "json", env=env)
+        agents = [
+            fleet.agent([text, jsonl], _MODEL, "--heartbeat-interval", "1s", wait=False)
+            for _ in range(2)
+        ]
+        fleet.join(*agents)
+        for agent in agents:
+            agent.sim_state(kv_cache_utilization=0.95, fail_status=503, fail_count=1000)
+        for router in (text, jsonl):
+            wait_until(
+                lambda r=router: all(
+                    r.agent(a.peer_id)["engine"]["kv_cache_utilization"] == 0.95 for a in agents
+                ),
+                20,
+                "both caches at 0.95 on both routers",
+            )
+
+        def exhaust(router: Router) -> str:
+            rid = str(uuid.uuid4())
+            r = httpx.post(
+                router.url + "/v1/chat/completions",
+                json={"model": _MODEL, "messages": [{"role": "user", "content": "x"}]},
+                headers={"Authorization": "Bearer client-key", "X-Request-ID": rid},
+                timeout=30,
+            )
+            assert r.status_code == 503, r.text
+            return rid
+
+        reasons = {
+            "chain": (
+                "[routing_policy→relaxed→last-resort]",
+                "3/3",
+                'routing_policy: gate[4] match [engine(got="sim",want="vllm")=2]'
+                " | relaxed: max_tries exhausted"
+                " | last-resort: gate[7] exclude_if [kv_cache_utilization=2]",
+            ),
+            "prev": (
+                "[routing_policy]",
+                "1/1",
+                "routing_policy: gate[5] prev_failures [prev_failed=2]",
+            ),
+        }
+        rids = {("chain", router): exhaust(router) for router in (text, jsonl)}
+        for router in (text, jsonl):
+            r = httpx.put(
+                router.url + "/admin/policy",
+                content=_PREV_FAILURES,
+                headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+                timeout=10,
+            )
+            assert r.status_code == 200, r.text
+            rids["prev", router] = exhaust(router)
+
+        for case, (chain_field, tried, reason) in reasons.items():
+            rid = rids[case, text]
+            escaped = reason.replace('"', '\\"')
+            line = text.wait_log(rf"[^\n]*req={rid} [^\n]*policy_exhausted[^\n]*").group(0)
+            assert line.split(" ", 2)[1:2] == ["level=warn"]
+            assert line.split(" ", 3)[3] == (
+                f'req={rid} model="{_MODEL}" capability="llm" tenant={_TENANT}'
+                f' policy_exhausted chain={chain_field} tried={tried} reason="{escaped}"'
+            )
+            before = text.log().index(line)
+            assert text.log().count(f"req={rid} forward_error ") == 2
+            assert text.log().index(f"req={rid} forward_error ") < before
+
+            rid = rids[case, jsonl]
+            jsonl.wait_log(rf'"req": "{rid}", "model"')
+            records = [json.loads(x) for x in jsonl.log().splitlines() if rid in x]
+            [record] = [r for r in records if r.get("msg") == "policy_exhausted"]
+            assert list(record) == [
+                "ts", "level", "subsystem", "msg",
+                "req", "model", "capability", "tenant", "chain", "tried", "reason",
+            ]  # fmt: skip
+            assert {k: v for k, v in record.items() if k != "ts"} == {
+                "level": "warn",
+                "subsystem": "policy",
+                "msg": "policy_exhausted",
+                "req": rid,
+                "model": _MODEL,
+                "capability": "llm",
+                "tenant": _TENANT,
+                "chain": chain_field,
+                "tried": tried,
+                "reason": reason,
+            }
+            errors = [r for r in records if r.get("msg") == "forward_error"]
+            assert len(errors) == 2 and records.index(errors[-1]) < records.index(record)
+            assert {e["code"] for e in errors} == {"backend_unavailable"}
+            assert {e["peer"] for e in errors} == {a.peer_id for a in agents}
     finally:
         fleet.close()

@@ -81,6 +81,16 @@ async def test_openai_provider_serves_after_the_local_chain(fleet: Fleet, tmp_pa
             'reason="routing_policy: gate[4] match [engine(got=\\"sim\\",want=\\"vllm\\")=1]' in log
         )
         assert 'nowhere: gate[4] match [region(got=\\"\\",want=\\"Nowhere\\")=1]' in log
+        # The outcome is logged on success too (upstream: provider, model, request ID
+        # and outcome), after the exhaustion warning, at info.
+        rid = raw.headers["x-request-id"]
+        exhausted = log.index(f"req={rid} model=")
+        served = log.index(
+            f"level=info subsystem=provider req={rid} provider=openai model=gpt-4o-mini"
+            " provider_served stream=false tenant=default\n"
+        )
+        assert exhausted < served
+        assert " provider_served stream=true tenant=default\n" in log
         assert router.metric("hivenet_router_policy_provider_fallback_total", model="m1") == 2
         assert router.metric("hivenet_router_policy_exhausted_total", model="m1") == 0
         assert agent.sim_state()["requests_total"] == 0

@@ -231,7 +231,7 @@ def test_kv_cache_gate_follows_the_engine_while_ollama_keeps_passing(
     ]
     assert len(kv_lines) == 1 and sim.peer_id in kv_lines[0] and kv_lines[0].endswith(" 0.95")
     assert router.metric("hivenet_router_agent_success_rate", peer_id=oll.peer_id) == 1.0
-    assert router.metric("hivenet_router_agent_srtt_milliseconds", peer_id=oll.peer_id) > 0
+    assert router.metric("hivenet_router_agent_srtt_seconds", peer_id=oll.peer_id) > 0
     assert router.metric("hivenet_router_agent_backend_healthy", engine="ollama") == 1.0
 
     # It falls again: the sim comes back within two sample periods.

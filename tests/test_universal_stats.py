@@ -387,7 +387,7 @@ async def test_per_agent_gauges(autojump_clock: Any) -> None:
     assert got[(p + "capacity", a)] == 4.0
     assert got[(p + "capacity_utilization", a)] == 0.25
     assert got[(p + "success_rate", a)] == 0.5
-    assert got[(p + "srtt_milliseconds", a)] == 250.0
+    assert got[(p + "srtt_seconds", a)] == 0.25
     assert got[(p + "consecutive_failures", a)] == 1.0
     assert got[(p + "healthy", a)] == 1.0
     assert got[(p + "backend_healthy", a)] == 1.0
@@ -399,7 +399,7 @@ async def test_per_agent_gauges(autojump_clock: Any) -> None:
     # Missing is no sample, never zero.
     for name in ("p90_ttft_seconds", "gpu_temperature_c", "gpu_util_percent"):
         assert (p + name, a) not in got
-    for name in ("kv_cache_utilization", "engine_age_seconds", "success_rate", "srtt_milliseconds"):
+    for name in ("kv_cache_utilization", "engine_age_seconds", "success_rate", "srtt_seconds"):
         assert (p + name, o) not in got
     assert (p + "consecutive_failures", o) not in got
     assert got[(p + "backend_healthy", o)] == 0.0
@@ -413,7 +413,7 @@ async def test_per_agent_gauges(autojump_clock: Any) -> None:
     assert got[(p + "engine_age_seconds", a)] == pytest.approx(2.1)
 
     text = generate_latest(registry).decode()
-    assert f'{p}srtt_milliseconds{{engine="sim",model="m1",peer_id="{a}"}} 250.0' in text
+    assert f'{p}srtt_seconds{{engine="sim",model="m1",peer_id="{a}"}} 0.25' in text
     assert "# TYPE hivenet_router_agent_kv_cache_utilization gauge" in text
     # The agent's latencies cover its engine's last 30 s (agent/engines/base.py
     # LATENCY_WINDOW), not one sample period.

@@ -278,7 +278,7 @@ FLEET = Dashboard(
                             "capacity",
                             "capacity_utilization",
                             "success_rate",
-                            "srtt_milliseconds",
+                            "srtt_seconds",
                             "consecutive_failures",
                         )
                     ),
@@ -299,8 +299,8 @@ FLEET = Dashboard(
                 ),
                 series(
                     "SRTT",
-                    t(agent_gauge("srtt_milliseconds"), AGENT_LEGEND),
-                    unit="ms",
+                    t(agent_gauge("srtt_seconds"), AGENT_LEGEND),
+                    unit="s",
                     description="Smoothed time to the response head (RFC 6298)",
                 ),
             ),
@@ -340,7 +340,7 @@ FLEET = Dashboard(
                 series(
                     "Disconnections and RTTVAR",
                     t(agent_gauge("disconnections_total"), AGENT_LEGEND + " disconnections"),
-                    t(agent_gauge("rttvar_milliseconds"), AGENT_LEGEND + " rttvar ms"),
+                    t(agent_gauge("rttvar_seconds"), AGENT_LEGEND + " rttvar s"),
                 ),
                 series(
                     "Lifetime agent and backend failures",
