@@ -10,7 +10,8 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -363,3 +364,14 @@ class Fleet:
     def close(self) -> None:
         for p in reversed(self.procs):
             p.stop()
+
+
+@contextmanager
+def router_and_agent(directory: Path, *router_flags: str) -> Iterator[tuple[Fleet, Router, Agent]]:
+    """A fleet of one router (with `router_flags`) and one agent of m1, closed after."""
+    fleet = Fleet(directory)
+    try:
+        router = fleet.router(*router_flags)
+        yield fleet, router, fleet.agent(router, "m1")
+    finally:
+        fleet.close()

@@ -31,7 +31,7 @@ from protocol.p2p import FramedStream
 from protocol.tokens import issue_token
 from protocol.usage import MAX_TOKENS, valid_usage
 from router.link import MAX_WHOLE_ANSWER
-from tests.fleet import Agent, Fleet, Router, wait_until
+from tests.fleet import Agent, Fleet, Router, router_and_agent, wait_until
 from tests.link_peers import scripted_agent
 from tests.test_link import METADATA, first_reply, hello_reply, raw_session
 from tests.test_link_hostile import ONLY_HOSTILE, chat
@@ -45,13 +45,10 @@ UINT64_MAX = 2**64 - 1
 def fleet_router_agent(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Fleet, Router, Agent]]:
-    fleet = Fleet(Path(tmp_path_factory.mktemp("link-audit")))
-    try:
-        # The history is written often, so a value it cannot hold shows at once.
-        router = fleet.router("--universal-flush-interval", "0.1s")
-        yield fleet, router, fleet.agent(router, "m1")
-    finally:
-        fleet.close()
+    # The history is written often, so a value it cannot hold shows at once.
+    flags = ("--universal-flush-interval", "0.1s")
+    with router_and_agent(Path(tmp_path_factory.mktemp("link-audit")), *flags) as fleet:
+        yield fleet
 
 
 @pytest.fixture

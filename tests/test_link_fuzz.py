@@ -48,7 +48,7 @@ from router.link import AgentLink, AgentResponse, AgentSession, LinkSettings, St
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.session import ForwardFailure, RouteRequest, Slot
-from tests.fleet import SECRET, Agent, Fleet, Router
+from tests.fleet import SECRET, Agent, Fleet, Router, router_and_agent
 from tests.link_peers import fake_router
 from tests.test_link import METADATA, raw_session
 
@@ -386,12 +386,8 @@ def test_an_agent_session_answers_every_request_once_whatever_the_router_sends(
 
 @pytest.fixture(scope="module")
 def daemons(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, Router, Agent]]:
-    fleet = Fleet(Path(tmp_path_factory.mktemp("link-fuzz")))
-    try:
-        router = fleet.router()
-        yield fleet, router, fleet.agent(router, "m1")
-    finally:
-        fleet.close()
+    with router_and_agent(Path(tmp_path_factory.mktemp("link-fuzz"))) as fleet:
+        yield fleet
 
 
 def chat(router: Router) -> httpx.Response:

@@ -20,7 +20,7 @@ import trio
 from protocol import messages as m
 from protocol.p2p import FramedStream
 from router.link import MAX_ERROR_BODY
-from tests.fleet import Agent, Fleet, Router
+from tests.fleet import Agent, Fleet, Router, router_and_agent
 from tests.link_peers import Answer, fake_router, key_below, scripted_agent
 from tests.test_link import METADATA
 
@@ -31,12 +31,8 @@ ONLY_HOSTILE = {**METADATA, "model": "m2"}
 def fleet_router_agent(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> Iterator[tuple[Fleet, Router, Agent]]:
-    fleet = Fleet(Path(tmp_path_factory.mktemp("link-hostile")))
-    try:
-        router = fleet.router()
-        yield fleet, router, fleet.agent(router, "m1")
-    finally:
-        fleet.close()
+    with router_and_agent(Path(tmp_path_factory.mktemp("link-hostile"))) as fleet:
+        yield fleet
 
 
 @pytest.fixture
