@@ -26,7 +26,7 @@ from dataclasses import astuple, dataclass, fields
 import trio
 
 from protocol.logs import quote
-from router.peers import PeerTable, UniversalStats
+from router.peers import Peer, PeerTable, UniversalStats
 from router.settings import RouterSettings
 
 log = logging.getLogger("history")
@@ -118,7 +118,11 @@ class LifetimeStore:
         self.last_error: str | None = None
         # What the file holds per agent, as `_persisted` reads it.
         self._written: dict[str, tuple] = {}
+        # Agents not in the table: those of the file not yet rejoined, and those the
+        # link removed (silent past --remove-after), which may come back.
         self._saved: dict[str, Lifetime] = {}
+        # Removed agents' last stats, not written yet: the table no longer lists them.
+        self._retired: dict[str, tuple] = {}
         self._lock = trio.Lock()
         self._db: sqlite3.Connection | None = None
 
@@ -129,6 +133,14 @@ class LifetimeStore:
         """The stats an agent had before the router restarted (once per agent)."""
         saved = self._saved.pop(peer_id, None)
         return saved.stats() if saved is not None else None
+
+    def retire(self, peer: Peer) -> None:
+        """`peer` left the table: keep its stats for the agent's return, as a restarted
+        router does, and for the next write. Without this a returning agent would
+        start blank here and its row be overwritten with the blank."""
+        row = _persisted(peer.stats)
+        self._saved[peer.peer_id] = Lifetime(*row)
+        self._retired[peer.peer_id] = row
 
     def load(self) -> None:
         """Open the file and read it, at startup before the event loop runs (so a file
@@ -170,8 +182,10 @@ class LifetimeStore:
                 return
             # Taken under the lock: a reset between this snapshot and its write would
             # otherwise be undone by it.
-            changed = {}
             written = self._written
+            retired, self._retired = self._retired, {}
+            changed = {pid: row for pid, row in retired.items() if written.get(pid) != row}
+            # A returned agent's live stats win over what it left with.
             for peer in self.table.all():
                 now = _persisted(peer.stats)
                 if written.get(peer.peer_id) != now:
@@ -181,6 +195,8 @@ class LifetimeStore:
             try:
                 self.rows = await trio.to_thread.run_sync(self._write, changed, time.time())
             except sqlite3.Error as exc:
+                # Retried next pass; what retired since then is newer.
+                self._retired = {**retired, **self._retired}
                 self.last_error = str(exc)
                 log.warning(
                     "history_write_failed path=%s reason=%s", quote(self.path), quote(str(exc))
@@ -202,6 +218,7 @@ class LifetimeStore:
             for peer in self.table.all():
                 peer.stats.reset()
             self._saved.clear()
+            self._retired.clear()
             self._written.clear()
             if self._db is not None:
                 await trio.to_thread.run_sync(self._delete)

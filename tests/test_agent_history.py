@@ -8,12 +8,19 @@ from pathlib import Path
 
 import httpx
 import pytest
+import trio
 
+from protocol import messages as m
+from protocol.tokens import issue_token
 from router.cli import build_parser, settings_from
 from router.lifetime import FILE_NAME, LifetimeStore, history_path
-from router.peers import PeerTable
+from router.link import AgentLink, AgentSession, LinkSettings
+from router.metrics import RouterMetrics
+from router.peers import Peer, PeerTable
 from router.settings import RouterSettings
-from tests.fleet import Fleet
+from tests.fleet import SECRET, Fleet
+from tests.test_link import METADATA
+from tests.test_link_fuzz import PEER, RecordingStream
 from tests.test_session import make_peer
 
 
@@ -86,3 +93,36 @@ def test_a_restarted_router_knows_a_returning_agent(fleet: Fleet, tmp_path: Path
     # Before any request of this run, the agent's round-trip time is already known.
     assert joined["universal"]["srtt"] is not None
     assert joined["universal"]["success_rate"] == 1.0
+
+
+async def test_an_agent_removed_and_back_keeps_its_history(tmp_path: Path) -> None:
+    """Silent past --remove-after, the agent leaves the table; when it comes back to the
+    same router its history is its own, not a blank that then overwrites its row."""
+    path = tmp_path / FILE_NAME
+    table = PeerTable()
+    store = LifetimeStore(str(path), table)
+    store.load()
+    settings = LinkSettings(SECRET.encode(), 5.0, 15.0, 30.0, "r")
+    link = AgentLink(table, RouterMetrics(), settings, lifetime=store)
+
+    def join() -> Peer:
+        session = AgentSession(link, RecordingStream(), PEER)  # type: ignore[arg-type]
+        session.on_message(m.hello(issue_token(SECRET.encode(), PEER, 60), METADATA))
+        assert session.peer is not None
+        return session.peer
+
+    first = join()
+    first.stats.record_success(probe=False)
+    first.stats.record_rtt(40.0)
+    link._sweep_table(trio.current_time() + 31.0)
+    assert table.get(PEER) is None
+    await store.write()  # the removed agent's last counts reach the file
+
+    back = join()
+    assert (back.stats.successes, back.stats.srtt_ms) == (1, 40.0)
+    back.stats.record_success(probe=False)
+    await store.write()
+    store.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT successes FROM agent_history").fetchall() == [(2,)]
+    db.close()
