@@ -90,6 +90,10 @@ _UPSERT = (
 )
 
 
+class HistoryUnwritable(Exception):
+    pass
+
+
 def history_path(settings: RouterSettings) -> str:
     """`--history-path`, else the file in `--disk-db-path`, else beside the router's
     identity key: the two are the router's state."""
@@ -213,17 +217,26 @@ class LifetimeStore:
         return self._db.execute("SELECT count(*) FROM agent_history").fetchone()[0]
 
     async def reset(self) -> None:
-        """Forget every agent's lifetime stats, in memory and on disk."""
+        """Forget every agent's lifetime stats, on disk and in memory.
+
+        HistoryUnwritable when the file could not be cleared: memory is then left as it
+        was, since a restart would bring the file's counts back under a cleared view."""
         async with self._lock:
+            if self._db is not None:
+                try:
+                    await trio.to_thread.run_sync(self._delete)
+                except sqlite3.Error as exc:
+                    self.last_error = str(exc)
+                    raise HistoryUnwritable(
+                        f"{self.path} could not be cleared ({exc}); nothing was reset"
+                    ) from exc
+                self.rows = 0
+                self.last_write = time.time()
             for peer in self.table.all():
                 peer.stats.reset()
             self._saved.clear()
             self._retired.clear()
             self._written.clear()
-            if self._db is not None:
-                await trio.to_thread.run_sync(self._delete)
-                self.rows = 0
-                self.last_write = time.time()
 
     def _delete(self) -> None:
         assert self._db is not None

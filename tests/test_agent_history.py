@@ -13,7 +13,7 @@ import trio
 from protocol import messages as m
 from protocol.tokens import issue_token
 from router.cli import build_parser, settings_from
-from router.lifetime import FILE_NAME, LifetimeStore, history_path
+from router.lifetime import FILE_NAME, HistoryUnwritable, LifetimeStore, history_path
 from router.link import AgentLink, AgentSession, LinkSettings
 from router.metrics import RouterMetrics
 from router.peers import Peer, PeerTable
@@ -125,4 +125,35 @@ async def test_an_agent_removed_and_back_keeps_its_history(tmp_path: Path) -> No
     store.close()
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT successes FROM agent_history").fetchall() == [(2,)]
+    db.close()
+
+
+async def test_a_reset_the_file_refuses_resets_nothing(tmp_path: Path) -> None:
+    """A reset cleared in memory but not on disk would come back at the next restart;
+    it is refused whole, with the file's reason."""
+    path = tmp_path / FILE_NAME
+    await _saved(path, "A")
+    table = PeerTable()
+    store = LifetimeStore(str(path), table)
+    store.load()
+    peer = make_peer("A")
+    stats = store.restore("A")
+    assert stats is not None
+    peer.stats = stats
+    table.add(peer)
+    holder = sqlite3.connect(path)  # another process's write lock, say a backup's
+    holder.execute("BEGIN EXCLUSIVE")
+    assert store._db is not None
+    store._db.execute("PRAGMA busy_timeout = 0")  # not the 5 s wait for the lock
+    with pytest.raises(HistoryUnwritable, match="locked"):
+        await store.reset()
+    holder.rollback()
+    holder.close()
+    assert peer.stats.successes == 1
+    assert store.storage()["last_error"] == "database is locked"
+    await store.reset()
+    assert peer.stats.successes == 0
+    store.close()
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT count(*) FROM agent_history").fetchone() == (0,)
     db.close()
