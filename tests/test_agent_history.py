@@ -44,6 +44,24 @@ def test_the_history_file_is_where_the_flags_say(
     assert _settings().universal_flush_interval == 5.0
 
 
+def test_each_worker_keeps_its_own_history_file(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    """Each worker has its own session with every agent and its own counts for it."""
+    monkeypatch.setenv("HIVENET_ROUTER_ADMIN_API_KEYS", "k")
+    monkeypatch.setenv("HIVENET_ROUTER_JWT_SECRET", "s" * 32)
+    key = str(tmp_path / "id.key")
+
+    def worker(i: int, *flags: str) -> str:
+        both = ("--identity-path", key, "--worker-index", str(i), "--worker-count", "2")
+        return history_path(_settings(*both, *flags))
+
+    assert worker(0) == str(tmp_path / FILE_NAME)
+    assert worker(1) == str(tmp_path / FILE_NAME) + ".worker1"
+    named = str(tmp_path / "h.sqlite3")
+    assert worker(1, "--history-path", named) == named + ".worker1"
+
+
 async def _saved(path: Path, peer_id: str) -> None:
     table = PeerTable()
     peer = make_peer(peer_id)
