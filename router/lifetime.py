@@ -201,13 +201,19 @@ class LifetimeStore:
             except sqlite3.Error as exc:
                 # Retried next pass; what retired since then is newer.
                 self._retired = {**retired, **self._retired}
+                if self.last_error != str(exc):
+                    # Once per outage and reason, not every pass of a full disk.
+                    log.warning(
+                        "history_write_failed path=%s reason=%s",
+                        quote(self.path),
+                        quote(str(exc)),
+                    )
                 self.last_error = str(exc)
-                log.warning(
-                    "history_write_failed path=%s reason=%s", quote(self.path), quote(str(exc))
-                )
                 return
             self._written.update(changed)
             self.last_write = time.time()
+            if self.last_error is not None:
+                log.info("history_write_recovered path=%s", quote(self.path))
             self.last_error = None
 
     def _write(self, changed: dict[str, tuple], at: float) -> int:

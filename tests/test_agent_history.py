@@ -175,3 +175,35 @@ async def test_a_reset_the_file_refuses_resets_nothing(tmp_path: Path) -> None:
     with sqlite3.connect(path) as db:
         assert db.execute("SELECT count(*) FROM agent_history").fetchone() == (0,)
     db.close()
+
+
+async def test_a_write_that_keeps_failing_is_said_once_and_its_counts_kept(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A locked (or full, or read-only) file: one warning for the outage, not one every
+    5 s, and the counts are written once it takes them."""
+    caplog.set_level("INFO", logger="history")
+    path = tmp_path / FILE_NAME
+    table = PeerTable()
+    store = LifetimeStore(str(path), table)
+    store.load()
+    assert store._db is not None
+    store._db.execute("PRAGMA busy_timeout = 0")  # not the 5 s wait for the lock
+    peer = make_peer("A")
+    table.add(peer)
+    holder = sqlite3.connect(path)
+    holder.execute("BEGIN EXCLUSIVE")
+    for _ in range(3):
+        peer.stats.record_success(probe=False)
+        await store.write()
+    assert store.storage()["last_error"] == "database is locked"
+    holder.rollback()
+    holder.close()
+    await store.write()
+    store.close()
+    said = [r.getMessage().split()[0] for r in caplog.records]
+    assert said.count("history_write_failed") == 1
+    assert said[-1] == "history_write_recovered"
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT successes FROM agent_history").fetchall() == [(3,)]
+    db.close()
