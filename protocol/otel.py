@@ -15,6 +15,8 @@ down costs one warning per outage and the spans of that batch, never a request.
 from __future__ import annotations
 
 import logging
+import math
+import re
 import urllib.parse
 from collections.abc import Mapping
 from typing import Any
@@ -36,21 +38,47 @@ log = logging.getLogger("otel")
 _PROPAGATOR = TraceContextTextMapPropagator()
 
 
+def _ignored(name: str, value: str, reason: str) -> None:
+    # As the OpenTelemetry specification asks of an SDK: a value it cannot use is
+    # named and left out, and tracing goes on with the default.
+    log.warning(
+        "tracing_setting_ignored name=%s value=%s reason=%s", name, quote(value), quote(reason)
+    )
+
+
 def _number(env: Mapping[str, str], name: str, default: float) -> float:
-    try:
-        value = float(env.get(name, ""))
-    except ValueError:
+    text = env.get(name, "").strip()
+    if not text:
         return default
-    return value if value > 0 else default
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        # An infinite delay would never export, an infinite queue never drop.
+        _ignored(name, text, f"not a positive number: {default:g} used")
+        return default
+    return value
 
 
-def _headers(text: str) -> dict[str, str]:
+# RFC 9110 5.1 and 5.5: what httpx can send as a field name and value; anything else
+# would fail each export, and a character beyond ASCII would raise out of the task.
+_FIELD_NAME = re.compile(r"[!#$%&'*+.^_`|~0-9A-Za-z-]+")
+_FIELD_VALUE = re.compile(r"[\x20-\x7e\t]*")
+
+
+def _headers(name: str, text: str) -> dict[str, str]:
     """`OTEL_EXPORTER_OTLP_HEADERS`: `k=v,k2=v2`, percent-encoded values."""
     out = {}
     for item in text.split(","):
         key, sep, value = item.partition("=")
-        if sep and key.strip():
-            out[key.strip().lower()] = urllib.parse.unquote(value.strip())
+        key, value = key.strip(), urllib.parse.unquote(value.strip())
+        if not sep or not key:
+            continue
+        if _FIELD_NAME.fullmatch(key) is None or _FIELD_VALUE.fullmatch(value) is None:
+            _ignored(name, key, "not an HTTP field name and value: that header left out")
+            continue
+        out[key.lower()] = value
     return out
 
 
@@ -63,8 +91,8 @@ def traces_endpoint(env: Mapping[str, str]) -> str:
 
 def _usable_endpoint(url: str) -> bool:
     """An http(s) URL not on OTLP's gRPC port."""
-    parsed = urllib.parse.urlsplit(url)
     try:
+        parsed = urllib.parse.urlsplit(url)
         port = parsed.port
     except ValueError:
         return False
@@ -145,8 +173,11 @@ class OtelTracer:
         self.endpoint = traces_endpoint(env)
         self.headers = {
             "content-type": "application/x-protobuf",
-            **_headers(env.get("OTEL_EXPORTER_OTLP_HEADERS", "")),
-            **_headers(env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS", "")),
+            **_headers("OTEL_EXPORTER_OTLP_HEADERS", env.get("OTEL_EXPORTER_OTLP_HEADERS", "")),
+            **_headers(
+                "OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+                env.get("OTEL_EXPORTER_OTLP_TRACES_HEADERS", ""),
+            ),
         }
         self.interval = _number(env, "OTEL_BSP_SCHEDULE_DELAY", 5000) / 1000
         self.batch = int(_number(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
@@ -196,7 +227,8 @@ class OtelTracer:
             try:
                 r = await client.post(self.endpoint, content=body, headers=self.headers)
                 problem = None if r.status_code < 300 else f"collector answered {r.status_code}"
-            except httpx.HTTPError as exc:
+            except (httpx.HTTPError, httpx.InvalidURL) as exc:
+                # InvalidURL: an endpoint httpx cannot parse, named at startup.
                 problem = repr(exc)
             if problem is not None:
                 if not self._failing:

@@ -331,15 +331,21 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
 
 
 def _as_worker(s: RouterSettings) -> None:
-    """Worker i of a `--workers` host: ports moved up by i, its own identity; worker 0
-    names the others in its welcome (router/fleet/workers.py)."""
+    """Worker i of a `--workers` host: ports moved up by i, its own identity and
+    per-agent history; worker 0 names the others in its welcome
+    (router/fleet/workers.py)."""
     from router.fleet.workers import worker_identity_path, worker_peers
+    from router.lifetime import history_path
 
     i = s.worker_index
     if not 0 <= i < s.worker_count:
         raise ValueError(f"--worker-index {i} is outside 0..{s.worker_count - 1}")
     if i == 0:
         s.workers = worker_peers(s.identity_path, s.p2p_port, s.worker_count)
+    # Every agent has a session with each worker, and each worker counts its own: in
+    # one shared file their rows overwrote each other's, and one worker's
+    # --reset-disk-db deleted the file under the others.
+    s.history_path = worker_identity_path(history_path(s), i)
     s.identity_path = worker_identity_path(s.identity_path, i)
     s.p2p_port += i
     s.p2p_ws_port += i if s.p2p_ws_port else 0

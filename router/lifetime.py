@@ -26,7 +26,7 @@ from dataclasses import astuple, dataclass, fields
 import trio
 
 from protocol.logs import quote
-from router.peers import PeerTable, UniversalStats
+from router.peers import Peer, PeerTable, UniversalStats
 from router.settings import RouterSettings
 
 log = logging.getLogger("history")
@@ -90,6 +90,10 @@ _UPSERT = (
 )
 
 
+class HistoryUnwritable(Exception):
+    pass
+
+
 def history_path(settings: RouterSettings) -> str:
     """`--history-path`, else the file in `--disk-db-path`, else beside the router's
     identity key: the two are the router's state."""
@@ -118,7 +122,11 @@ class LifetimeStore:
         self.last_error: str | None = None
         # What the file holds per agent, as `_persisted` reads it.
         self._written: dict[str, tuple] = {}
+        # Agents not in the table: those of the file not yet rejoined, and those the
+        # link removed (silent past --remove-after), which may come back.
         self._saved: dict[str, Lifetime] = {}
+        # Removed agents' last stats, not written yet: the table no longer lists them.
+        self._retired: dict[str, tuple] = {}
         self._lock = trio.Lock()
         self._db: sqlite3.Connection | None = None
 
@@ -129,6 +137,14 @@ class LifetimeStore:
         """The stats an agent had before the router restarted (once per agent)."""
         saved = self._saved.pop(peer_id, None)
         return saved.stats() if saved is not None else None
+
+    def retire(self, peer: Peer) -> None:
+        """`peer` left the table: keep its stats for the agent's return, as a restarted
+        router does, and for the next write. Without this a returning agent would
+        start blank here and its row be overwritten with the blank."""
+        row = _persisted(peer.stats)
+        self._saved[peer.peer_id] = Lifetime(*row)
+        self._retired[peer.peer_id] = row
 
     def load(self) -> None:
         """Open the file and read it, at startup before the event loop runs (so a file
@@ -170,8 +186,10 @@ class LifetimeStore:
                 return
             # Taken under the lock: a reset between this snapshot and its write would
             # otherwise be undone by it.
-            changed = {}
             written = self._written
+            retired, self._retired = self._retired, {}
+            changed = {pid: row for pid, row in retired.items() if written.get(pid) != row}
+            # A returned agent's live stats win over what it left with.
             for peer in self.table.all():
                 now = _persisted(peer.stats)
                 if written.get(peer.peer_id) != now:
@@ -181,13 +199,21 @@ class LifetimeStore:
             try:
                 self.rows = await trio.to_thread.run_sync(self._write, changed, time.time())
             except sqlite3.Error as exc:
+                # Retried next pass; what retired since then is newer.
+                self._retired = {**retired, **self._retired}
+                if self.last_error != str(exc):
+                    # Once per outage and reason, not every pass of a full disk.
+                    log.warning(
+                        "history_write_failed path=%s reason=%s",
+                        quote(self.path),
+                        quote(str(exc)),
+                    )
                 self.last_error = str(exc)
-                log.warning(
-                    "history_write_failed path=%s reason=%s", quote(self.path), quote(str(exc))
-                )
                 return
             self._written.update(changed)
             self.last_write = time.time()
+            if self.last_error is not None:
+                log.info("history_write_recovered path=%s", quote(self.path))
             self.last_error = None
 
     def _write(self, changed: dict[str, tuple], at: float) -> int:
@@ -197,16 +223,26 @@ class LifetimeStore:
         return self._db.execute("SELECT count(*) FROM agent_history").fetchone()[0]
 
     async def reset(self) -> None:
-        """Forget every agent's lifetime stats, in memory and on disk."""
+        """Forget every agent's lifetime stats, on disk and in memory.
+
+        HistoryUnwritable when the file could not be cleared: memory is then left as it
+        was, since a restart would bring the file's counts back under a cleared view."""
         async with self._lock:
+            if self._db is not None:
+                try:
+                    await trio.to_thread.run_sync(self._delete)
+                except sqlite3.Error as exc:
+                    self.last_error = str(exc)
+                    raise HistoryUnwritable(
+                        f"{self.path} could not be cleared ({exc}); nothing was reset"
+                    ) from exc
+                self.rows = 0
+                self.last_write = time.time()
             for peer in self.table.all():
                 peer.stats.reset()
             self._saved.clear()
+            self._retired.clear()
             self._written.clear()
-            if self._db is not None:
-                await trio.to_thread.run_sync(self._delete)
-                self.rows = 0
-                self.last_write = time.time()
 
     def _delete(self) -> None:
         assert self._db is not None

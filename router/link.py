@@ -820,6 +820,8 @@ class AgentLink:
                 continue
             if silent > remove_after:
                 self.table.remove(peer)
+                if self.lifetime is not None:
+                    self.lifetime.retire(peer)
                 session = self.sessions.pop(peer, None)
                 if session is not None:
                     session.fs.close(f"no heartbeat for {silent:.0f}s")

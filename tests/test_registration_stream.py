@@ -10,11 +10,12 @@ from collections.abc import Iterator
 import httpx
 import trio
 import trio.lowlevel
+import trio.testing
 
 from router.http.asgi import Receive, Scope, Send
 from router.http.registration_stream import registration_stream
 from router.http.server import HttpServer
-from router.registrations import Registration, RegistrationFeed
+from router.registrations import KEEPALIVE_SECONDS, Registration, RegistrationFeed
 from tests.fleet import ADMIN_KEY, Fleet
 
 AUTH = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -137,3 +138,33 @@ async def test_the_number_of_followers_is_bounded() -> None:
 
     assert await registration_stream(feed, receive, send, []) == 503
     assert sent[0]["status"] == 503
+
+
+async def test_an_event_written_as_the_keepalive_falls_due_is_sent_whole(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A follower slow to take a write (5 s, under WRITE_TIMEOUT) as the keepalive's 25 s
+    run out still gets the event, and no keepalive inside it."""
+    feed = RegistrationFeed()
+    bodies: list[bytes] = []
+    gone = trio.Event()
+
+    async def send(message: dict) -> None:
+        body = message.get("body", b"")
+        if body.startswith(b"data: "):
+            await trio.sleep(5)  # a client that reads slowly
+        bodies.append(body)
+
+    async def receive() -> dict:
+        await gone.wait()
+        return {"type": "http.disconnect"}
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(registration_stream, feed, receive, send, [])
+        await trio.sleep(KEEPALIVE_SECONDS - 1)
+        feed.publish(_event(1))
+        await trio.sleep(KEEPALIVE_SECONDS + 10)
+        gone.set()
+    events = [b for b in bodies if b.startswith(b"data: ")]
+    assert events == [_event(1).sse()]
+    assert bodies[-1] == b": keepalive\n\n"

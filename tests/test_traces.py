@@ -434,3 +434,51 @@ def test_an_endpoint_this_exporter_cannot_use_is_said_at_startup(
         r.getMessage() for r in caplog.records if "tracing_endpoint_unusable" in r.getMessage()
     ]
     assert bool(warned) is not usable, warned
+
+
+async def test_otel_values_that_cannot_be_used_are_named_and_left_out(
+    collector: tuple[Collector, int], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Each is a warning naming the variable and its default, at startup; none stops the
+    daemon then or its export task later (a header beyond ASCII raised out of it)."""
+    from protocol.otel import OtelTracer
+
+    got, port = collector
+    caplog.set_level("WARNING", logger="otel")
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+        "OTEL_EXPORTER_OTLP_HEADERS": "x-tenant=a%20b,x-bad=%C3%A9,x-nl=a%0Ab",
+        "OTEL_BSP_MAX_QUEUE_SIZE": "inf",
+        "OTEL_BSP_SCHEDULE_DELAY": "soon",
+        "OTEL_EXPORTER_OTLP_TIMEOUT": "-1",
+    }
+    tracer = OtelTracer("hivenet-router", env)
+    assert (tracer.finished.limit, tracer.interval, tracer.timeout) == (2048, 5.0, 10.0)
+    assert tracer.headers["x-tenant"] == "a b"
+    assert "x-bad" not in tracer.headers and "x-nl" not in tracer.headers
+    ignored = " ".join(r.getMessage() for r in caplog.records)
+    for name in (
+        "OTEL_BSP_MAX_QUEUE_SIZE",
+        "OTEL_BSP_SCHEDULE_DELAY",
+        "OTEL_EXPORTER_OTLP_TIMEOUT",
+        "OTEL_EXPORTER_OTLP_HEADERS",
+    ):
+        assert f"tracing_setting_ignored name={name}" in ignored
+    with tracer.root("exported"):
+        pass
+    await tracer.flush()
+    assert [s.name for s in got.spans] == ["exported"]
+
+
+async def test_an_endpoint_that_is_no_url_is_said_and_costs_no_crash(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from protocol.otel import OtelTracer
+
+    caplog.set_level("WARNING", logger="otel")
+    tracer = OtelTracer("hivenet-router", {"OTEL_EXPORTER_OTLP_ENDPOINT": "http://[::1"})
+    with tracer.root("lost"):
+        pass
+    await tracer.flush()
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "tracing_endpoint_unusable" in said and "trace_export_failed" in said

@@ -34,7 +34,7 @@ from router.http.auth import AdminKeys, presented_keys
 from router.http.client import API_KEY, ENDPOINTS, TICKET, ClientApi, send_error
 from router.http.quota_headers import with_quota_headers
 from router.http.registration_stream import registration_stream
-from router.lifetime import LifetimeStore
+from router.lifetime import HistoryUnwritable, LifetimeStore
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
 from router.policy.store import PolicyStore
@@ -264,7 +264,12 @@ class RouterApp:
         elif path == "/admin/storage" and method == "GET" and self.lifetime:
             await send_json(send, 200, self.lifetime.storage(), extra)
         elif path == "/admin/metrics/reset" and method == "POST" and self.lifetime:
-            await self.lifetime.reset()
+            try:
+                await self.lifetime.reset()
+            except HistoryUnwritable as exc:
+                err = RouterError(ErrorCode.INTERNAL_ERROR, str(exc))
+                await send_json(send, 500, error_payload("openai", err), extra)
+                return 500
             message = "per-agent lifetime counters cleared (disk, in-memory, and Prometheus series)"
             await send_json(send, 200, {"status": "metrics reset", "message": message}, extra)
         elif method == "GET" and path == "/admin/health":

@@ -55,15 +55,16 @@ async def registration_stream(
 
 async def _relay(events: trio.MemoryReceiveChannel, send: Send) -> None:
     while True:
+        event = None
         with trio.move_on_after(KEEPALIVE_SECONDS):
             try:
                 event = await events.receive()
             except trio.EndOfChannel:
                 break
-            if not await _write(send, event.sse(), more=True):
-                return
-            continue
-        if not await _write(send, _KEEPALIVE, more=True):
+        # The keepalive's deadline bounds the wait only: a write it cut short would lose
+        # the event and leave half a frame on the wire.
+        data = _KEEPALIVE if event is None else event.sse()
+        if not await _write(send, data, more=True):
             return
     await _write(send, _DROPPED, more=False)
 
