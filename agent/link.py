@@ -19,7 +19,7 @@ from agent.capacity import SharedCapacity
 from agent.dial_errors import describe
 from agent.engine_http import EnginePool, ReadLimits
 from agent.forward import forward, request_id
-from agent.router_identity import RouterAddress, learn_peer_id, parse_router
+from agent.router_identity import RouterAddress, dial_addrs, learn_peer_id, parse_router
 from protocol import messages as m
 from protocol.conversation import (
     REQUEST_TRANSITIONS,
@@ -465,8 +465,8 @@ class RouterConnection:
             peer_id = self.router.peer_id
             try:
                 with trio.fail_after(CONNECT_TIMEOUT):
-                    addrs = [self.router.addr]
-                    peer_id = peer_id or await learn_peer_id(self.host, self.router.addr)
+                    addrs = await dial_addrs(self.router.addr)
+                    peer_id = peer_id or await learn_peer_id(self.host, addrs)
                     # py-libp2p refuses to redial a peer for 60 s after a failed dial.
                     self.host.get_network().unblock_peer(peer_id)
                     await self.host.connect(PeerInfo(peer_id, addrs))

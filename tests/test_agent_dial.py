@@ -13,6 +13,7 @@ from libp2p.crypto.ed25519 import create_new_key_pair
 
 from agent.link import BACKOFF_CAP, BACKOFF_START, STABLE_SESSION, RouterConnection
 from protocol.p2p import peer_id_of
+from tests.fleet import Fleet
 
 ROUTER_ID = str(peer_id_of(create_new_key_pair(os.urandom(32))))
 ADDRESS = f"/ip4/127.0.0.1/tcp/9/p2p/{ROUTER_ID}"
@@ -192,3 +193,21 @@ async def test_a_half_open_connection_is_left_for_a_new_one() -> None:
             connection.session.fs.close("test over")
             await agent_host.close()
         nursery.cancel_scope.cancel()
+
+
+async def test_a_tcp_router_s_name_is_resolved_by_the_system_at_each_dial() -> None:
+    from agent.router_identity import dial_addrs, parse_router
+
+    # localhost is in /etc/hosts, which py-libp2p's own DNS client never reads.
+    addr = parse_router(f"/dns4/localhost/tcp/9000/p2p/{ROUTER_ID}").addr
+    assert [str(a) for a in await dial_addrs(addr)] == ["/ip4/127.0.0.1/tcp/9000"]
+    # WebSocket keeps the name, for its Host header, the proxy's CONNECT and TLS.
+    ws = parse_router(f"/dns4/localhost/tcp/9000/ws/p2p/{ROUTER_ID}").addr
+    assert await dial_addrs(ws) == [ws]
+
+
+def test_an_agent_joins_a_router_named_by_dns(fleet: Fleet) -> None:
+    router = fleet.router()
+    named = f"/dns4/localhost/tcp/{router.p2p_port}/p2p/{router.peer_id}"
+    agent = fleet.agent([], "m1", "--router", named, wait=False)
+    router.wait_agent(agent.peer_id)
