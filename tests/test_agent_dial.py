@@ -1,13 +1,17 @@
-"""The agent's reconnect loop (`agent/link.py` `RouterConnection.run`) against routers
-that fail in unlucky ways: its backoff, and the connection it dials anew after each
-session."""
+"""The agent's dialing (`agent/link.py` `RouterConnection.run`,
+`agent/router_identity.py`) and its identity file, against routers, networks and disks
+that fail in unlucky ways."""
 
 from __future__ import annotations
 
+import errno
+import io
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
+import pytest
 import trio
 from libp2p.crypto.ed25519 import create_new_key_pair
 
@@ -211,3 +215,26 @@ def test_an_agent_joins_a_router_named_by_dns(fleet: Fleet) -> None:
     named = f"/dns4/localhost/tcp/{router.p2p_port}/p2p/{router.peer_id}"
     agent = fleet.agent([], "m1", "--router", named, wait=False)
     router.wait_agent(agent.peer_id)
+
+
+def test_an_identity_file_cut_short_while_written_is_made_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from protocol import p2p
+
+    key = tmp_path / "agent_identity.key"
+
+    class FullDisk(io.BytesIO):
+        def write(self, data: Any) -> int:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(p2p.os, "fdopen", lambda fd, mode: FullDisk())
+        with pytest.raises(OSError, match="No space left"):
+            p2p.load_or_create_identity(key)
+    # Nothing half-written is left where the next start looks.
+    assert not key.exists()
+    made = peer_id_of(p2p.load_or_create_identity(key))
+    assert key.stat().st_size == 32 and key.stat().st_mode & 0o777 == 0o600
+    assert peer_id_of(p2p.load_or_create_identity(key)) == made
+    assert [f.name for f in tmp_path.iterdir()] == [key.name]
