@@ -486,7 +486,11 @@ class RouterConnection:
             except Refused as exc:
                 log.error("router_refused router=%s reason=%s", self.address, quote(str(exc)))
                 backoff = max(backoff, BACKOFF_CAP)
-            except (trio.TooSlowError, Exception) as exc:
+            except trio.TooSlowError:
+                # Its own message is empty: say what did not happen in time.
+                why = f"no stream to the router within {CONNECT_TIMEOUT:g} s"
+                log.warning("router_dial_failed router=%s error=%s", self.address, quote(why))
+            except Exception as exc:
                 log.warning(
                     "router_dial_failed router=%s error=%s",
                     self.address,

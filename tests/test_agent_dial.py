@@ -43,6 +43,8 @@ class ScriptedHost:
 
     dials: int
     connection: RouterConnection | None = None
+    # The first dial never completes (a router that accepts TCP and says nothing).
+    first_hangs: bool = False
     dialled_at: list[float] = field(default_factory=list)
     closed: list[str] = field(default_factory=list)
 
@@ -59,14 +61,16 @@ class ScriptedHost:
         self.dialled_at.append(trio.current_time())
         if len(self.dialled_at) == self.dials and self.connection is not None:
             self.connection.stopping = True
+        if self.first_hangs and len(self.dialled_at) == 1:
+            await trio.sleep_forever()
 
     async def new_stream(self, peer_id: Any, protocols: list[str]) -> object:
         return object()
 
 
-async def run_sessions(lengths: list[float]) -> ScriptedHost:
+async def run_sessions(lengths: list[float], first_hangs: bool = False) -> ScriptedHost:
     """Sessions of these lengths, one per dial; the host that saw the dials."""
-    host = ScriptedHost(len(lengths))
+    host = ScriptedHost(len(lengths), first_hangs=first_hangs)
     sessions = iter(lengths)
     connection = RouterConnection(host, ADDRESS, lambda stream: JoinedSession(next(sessions)))
     host.connection = connection
@@ -92,7 +96,7 @@ async def test_sessions_that_end_at_once_back_off_to_the_cap(autojump_clock: Any
 
 
 async def test_a_session_that_lasted_redials_at_once(autojump_clock: Any) -> None:
-    lengths = [0.3] * 6 + [STABLE_SESSION, 0.3]
+    lengths = [0.3] * 6 + [STABLE_SESSION + 1, 0.3]
     host = await run_sessions(lengths)
     waits = pauses(host, lengths)
     assert waits[5] >= BACKOFF_CAP / 2  # backed off by the short ones
@@ -105,6 +109,17 @@ async def test_each_session_s_connection_is_closed_before_the_redial(
     host = await run_sessions([0.3, 0.3, 0.3])
     # The last dial's session ran as the loop stopped: the agent leaving closes it.
     assert host.closed == [ROUTER_ID, ROUTER_ID]
+
+
+async def test_a_dial_that_never_completes_is_logged_as_such(
+    autojump_clock: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    host = await run_sessions([0.0, 0.3], first_hangs=True)
+    assert len(host.dialled_at) == 2
+    failed = [r.getMessage() for r in caplog.records if "router_dial_failed" in r.getMessage()]
+    assert failed == [
+        f'router_dial_failed router={ADDRESS} error="no stream to the router within 10 s"'
+    ]
 
 
 @dataclass
