@@ -253,3 +253,26 @@ def test_an_identity_file_cut_short_while_written_is_made_again(
     assert key.stat().st_size == 32 and key.stat().st_mode & 0o777 == 0o600
     assert peer_id_of(p2p.load_or_create_identity(key)) == made
     assert [f.name for f in tmp_path.iterdir()] == [key.name]
+
+
+def test_proxy_variables_name_the_proxy_as_curl_reads_them(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from agent.http_proxy import HttpProxy, parse_proxy_url, proxy_from_environment
+
+    for name in ("HTTP_PROXY", "http_proxy", "HTTPS_PROXY", "https_proxy", "NO_PROXY", "no_proxy"):
+        monkeypatch.delenv(name, raising=False)
+    assert proxy_from_environment("ws", "10.0.0.1", 9001) is None
+    # No scheme: an HTTP proxy's address, as curl, wget and pip take it.
+    monkeypatch.setenv("HTTP_PROXY", "proxy.corp:3128")
+    assert proxy_from_environment("ws", "10.0.0.1", 9001) == HttpProxy("proxy.corp", 3128)
+    assert proxy_from_environment("wss", "10.0.0.1", 443) is None
+    monkeypatch.setenv("HTTPS_PROXY", "http://u:p@proxy.corp:8080")
+    assert proxy_from_environment("wss", "router.example", 443) == parse_proxy_url(
+        "http://u:p@proxy.corp:8080"
+    )
+    monkeypatch.setenv("NO_PROXY", "localhost,.example")
+    assert proxy_from_environment("wss", "router.example", 443) is None
+    monkeypatch.setenv("HTTP_PROXY", "socks5://proxy.corp:1080")
+    with pytest.raises(ValueError, match="is not an HTTP proxy URL"):
+        proxy_from_environment("ws", "10.0.0.1", 9001)
