@@ -112,6 +112,17 @@ async def open_tunnel(proxy: HttpProxy, host: str, port: int) -> trio.SocketStre
     return stream
 
 
+def proxy_from_environment(scheme: str, host: str, port: int) -> HttpProxy | None:
+    """HTTPS_PROXY for `wss`, HTTP_PROXY for `ws` (or their lower-case names), unless
+    NO_PROXY names the host. A value without a scheme is an HTTP proxy's address, as
+    curl, wget and pip take it (`HTTP_PROXY=proxy.corp:3128` is common); ValueError
+    says what is wrong with any other."""
+    url = get_proxy_from_environment(f"{scheme}://{format_host_for_url(host)}:{port}/")
+    if url is None:
+        return None
+    return parse_proxy_url(url if "://" in url else f"http://{url}")
+
+
 async def _create_connection(
     original: Any,
     explicit: HttpProxy | None,
@@ -123,12 +134,9 @@ async def _create_connection(
     host = extract_host_from_multiaddr(proto_info.rest_multiaddr) or "localhost"
     port = int(proto_info.rest_multiaddr.value_for_protocol("tcp") or "80")
     scheme = "wss" if proto_info.is_wss else "ws"
-    proxy = explicit
+    proxy = explicit or proxy_from_environment(scheme, host, port)
     if proxy is None:
-        from_env = get_proxy_from_environment(f"{scheme}://{format_host_for_url(host)}:{port}/")
-        if from_env is None:
-            return await original(proto_info, proxy_url)
-        proxy = parse_proxy_url(from_env)
+        return await original(proto_info, proxy_url)
     if self._background_nursery is None:
         raise ProxyError("the WebSocket transport has no background nursery yet")
     with trio.fail_after(self._config.handshake_timeout):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -11,13 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 import trio
+from libp2p.peer.id import ID
 from libp2p.peer.peerinfo import PeerInfo
 
 from agent.capacity import SharedCapacity
 from agent.dial_errors import describe
 from agent.engine_http import EnginePool, ReadLimits
 from agent.forward import forward, request_id
-from agent.router_identity import RouterAddress, learn_peer_id, parse_router
+from agent.router_identity import RouterAddress, dial_addrs, learn_peer_id, parse_router
 from protocol import messages as m
 from protocol.conversation import (
     REQUEST_TRANSITIONS,
@@ -43,6 +45,12 @@ WELCOME_TIMEOUT = 10.0
 SILENT_PERIODS = 3
 BACKOFF_START = 0.2
 BACKOFF_CAP = 5.0
+# A joined session that ended sooner than this is no reason to redial at once: two
+# agents started on one identity file replace each other's session at the router, and
+# redialing after each at BACKOFF_START made them trade it several times a second.
+STABLE_SESSION = 2 * BACKOFF_CAP
+# What is left of the connection after a session gets this long to close.
+HANG_UP_TIMEOUT = 1.0
 TOKEN_TTL = 3600.0
 UNBOUNDED = 1 << 31
 
@@ -453,25 +461,36 @@ class RouterConnection:
     async def run(self) -> None:
         backoff = BACKOFF_START
         while not self.stopping:
-            joined = False
+            stable = False
+            peer_id = self.router.peer_id
             try:
                 with trio.fail_after(CONNECT_TIMEOUT):
-                    peer_id = self.router.peer_id or await learn_peer_id(
-                        self.host, self.router.addr
-                    )
+                    addrs = await dial_addrs(self.router.addr)
+                    peer_id = peer_id or await learn_peer_id(self.host, addrs)
                     # py-libp2p refuses to redial a peer for 60 s after a failed dial.
                     self.host.get_network().unblock_peer(peer_id)
-                    await self.host.connect(PeerInfo(peer_id, [self.router.addr]))
+                    await self.host.connect(PeerInfo(peer_id, addrs))
                     stream = await self.host.new_stream(peer_id, [m.PROTOCOL_ID])
                 session = self.session = self.make_session(stream)
                 self.sessions_started += 1
+                began = trio.current_time()
                 reason = await session.run()
-                joined = session.welcomed.is_set()
-                log.warning("router_session_ended router=%s reason=%s", self.address, quote(reason))
+                lasted = trio.current_time() - began
+                stable = session.welcomed.is_set() and lasted >= STABLE_SESSION
+                log.warning(
+                    "router_session_ended router=%s reason=%s lasted_s=%.1f",
+                    self.address,
+                    quote(reason),
+                    lasted,
+                )
             except Refused as exc:
                 log.error("router_refused router=%s reason=%s", self.address, quote(str(exc)))
                 backoff = max(backoff, BACKOFF_CAP)
-            except (trio.TooSlowError, Exception) as exc:
+            except trio.TooSlowError:
+                # Its own message is empty: say what did not happen in time.
+                why = f"no stream to the router within {CONNECT_TIMEOUT:g} s"
+                log.warning("router_dial_failed router=%s error=%s", self.address, quote(why))
+            except Exception as exc:
                 log.warning(
                     "router_dial_failed router=%s error=%s",
                     self.address,
@@ -481,10 +500,22 @@ class RouterConnection:
                 self.session = None
             if self.stopping:
                 return
-            if joined:
+            if peer_id is not None:
+                await self._hang_up(peer_id)
+            if stable:
                 backoff = BACKOFF_START
             await trio.sleep(backoff * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, BACKOFF_CAP)
+
+    async def _hang_up(self, peer_id: ID) -> None:
+        """Close the connection the last try used, so that the next one dials anew.
+
+        libp2p hands a dial the connection it already has to that peer. A half-open one
+        (a NAT that forgot it, a router host gone without a reset, a router frozen since)
+        carried the next stream nowhere, and every redial after it: the agent never
+        rejoined, over WebSocket even once the router was back."""
+        with trio.move_on_after(HANG_UP_TIMEOUT), contextlib.suppress(Exception):
+            await self.host.get_network().close_peer(peer_id)
 
 
 def _positive(value: object) -> float | None:

@@ -61,10 +61,33 @@ def load_or_create_identity(path: str | os.PathLike[str]) -> KeyPair:
     else:
         p.parent.mkdir(parents=True, exist_ok=True)
         seed = os.urandom(SEED_BYTES)
-        fd = os.open(p, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(seed)
+        # Written whole under another name, then linked into place: a key file created
+        # and then cut short (a full disk, a crash, a power cut before the data reached
+        # the disk) held fewer than 32 bytes, and every later start stopped on it.
+        partial = p.with_name(f".{p.name}.{os.getpid()}.partial")
+        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            with os.fdopen(fd, "wb") as f:
+                f.write(seed)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.link(partial, p)
+            except FileExistsError:  # another process made it first: theirs is the key
+                return load_or_create_identity(p)
+        finally:
+            partial.unlink()
+        _fsync_directory(p.parent)
     return create_new_key_pair(seed)
+
+
+def _fsync_directory(path: Path) -> None:
+    """Make a new name in `path` survive a power cut (the file's data already has)."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def peer_id_of(key_pair: KeyPair) -> ID:

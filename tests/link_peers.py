@@ -118,10 +118,11 @@ class FakeRouter:
 async def fake_router(
     on_join: Callable[[FramedStream], None] | None = None,
     accepts: tuple[str, ...] = (),
+    liveness: float = 30.0,
 ) -> AsyncIterator[FakeRouter]:
     """Answers every hello with a welcome (that `accepts` these message types beyond
-    the base set), records every frame an agent sends, and calls `on_join` with the
-    session."""
+    the base set, and announces a `liveness` interval), records every frame an agent
+    sends, and calls `on_join` with the session."""
     key_pair = create_new_key_pair(os.urandom(32))
     listen = [multiaddr.Multiaddr("/ip4/127.0.0.1/tcp/0")]
     host = new_host(key_pair=key_pair, listen_addrs=listen)
@@ -135,7 +136,7 @@ async def fake_router(
             router.record(msg)
             if msg["type"] == m.HELLO:
                 peer_id = str(peer_id_of(key_pair))
-                fs.send_nowait(m.welcome(5.0, peer_id, 30.0, accepts=accepts))
+                fs.send_nowait(m.welcome(5.0, peer_id, liveness, accepts=accepts))
                 router.joined.set()
                 if on_join is not None:
                     on_join(fs)

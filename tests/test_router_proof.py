@@ -87,7 +87,17 @@ async def test_the_router_proves_the_secret_and_refuses_a_hostile_challenge(
     assert "router_ready" in router.log()
 
 
-@pytest.mark.parametrize("address", ["/ip4/127.0.0.1", "not-an-address", "/ip4/1.2.3.4/udp/9"])
+@pytest.mark.parametrize(
+    "address",
+    [
+        "/ip4/127.0.0.1",
+        "not-an-address",
+        "/ip4/1.2.3.4/udp/9",
+        # With the router's peer ID too: the agent has no QUIC, and dials no /dnsaddr.
+        "/ip4/1.2.3.4/udp/9/quic-v1/p2p/12D3KooWGQaEXi5zdK6sv4u1rjM8EQrfH3GnjJb8GrmyrXrU2yZ8",
+        "/dnsaddr/router.example/p2p/12D3KooWGQaEXi5zdK6sv4u1rjM8EQrfH3GnjJb8GrmyrXrU2yZ8",
+    ],
+)
 def test_a_router_address_without_a_tcp_port_is_a_startup_error(address: str) -> None:
     from agent.router_identity import parse_router
 
