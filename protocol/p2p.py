@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import socket
+import stat
 from collections import deque
 from collections.abc import Callable
 from functools import partial
@@ -30,6 +31,7 @@ from libp2p.peer.id import ID
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 
 from protocol import yamux_fast
+from protocol.files import read_regular
 from protocol.frames import MAX_FRAME_BYTES, FrameDecoder, encode_frame
 from protocol.sockets import receive_when_ready, send_at_once, stdlib_socket
 
@@ -55,9 +57,16 @@ def load_or_create_identity(path: str | os.PathLike[str]) -> KeyPair:
     """Ed25519 key from a 32-byte seed file, created 0600 on first use."""
     p = Path(path)
     if p.exists():
-        seed = p.read_bytes()
+        # A FIFO or a device at the path must not hang or fill a starting daemon.
+        seed = read_regular(p, 64 * SEED_BYTES)
         if len(seed) != SEED_BYTES:
             raise ValueError(f"identity file {p} holds {len(seed)} bytes, expected {SEED_BYTES}")
+        mode = stat.S_IMODE(p.stat().st_mode)
+        if mode & 0o077:
+            # Whoever reads it can be this peer; still its key, so the daemon starts.
+            logging.getLogger("identity").warning(
+                "identity_file_readable path=%r mode=%04o want=0600", str(p), mode
+            )
     else:
         p.parent.mkdir(parents=True, exist_ok=True)
         seed = os.urandom(SEED_BYTES)

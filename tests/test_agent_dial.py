@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import errno
 import io
+import logging
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -253,6 +254,30 @@ def test_an_identity_file_cut_short_while_written_is_made_again(
     assert key.stat().st_size == 32 and key.stat().st_mode & 0o777 == 0o600
     assert peer_id_of(p2p.load_or_create_identity(key)) == made
     assert [f.name for f in tmp_path.iterdir()] == [key.name]
+
+
+def test_an_identity_file_others_may_read_is_used_and_said(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    from protocol import p2p
+
+    key = tmp_path / "agent_identity.key"
+    made = peer_id_of(p2p.load_or_create_identity(key))
+    assert "identity_file_readable" not in caplog.text
+    key.chmod(0o644)
+    with caplog.at_level(logging.WARNING, "identity"):
+        assert peer_id_of(p2p.load_or_create_identity(key)) == made
+    assert "identity_file_readable" in caplog.text and "mode=0644 want=0600" in caplog.text
+
+
+def test_an_identity_path_that_is_no_regular_file_is_refused_at_once(tmp_path: Path) -> None:
+    """A FIFO would block the starting daemon until a writer came."""
+    from protocol import p2p
+
+    fifo = tmp_path / "agent_identity.key"
+    os.mkfifo(fifo)
+    with pytest.raises(OSError, match="not a regular file"):
+        p2p.load_or_create_identity(fifo)
 
 
 def test_proxy_variables_name_the_proxy_as_curl_reads_them(
