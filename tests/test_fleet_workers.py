@@ -8,12 +8,15 @@ import signal
 from pathlib import Path
 
 import httpx
+import pytest
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from agent.app import MAX_WORKERS, AgentDaemon
 from agent.link import RouterConnection
 from agent.settings import AgentSettings
 from protocol.p2p import peer_id_of
+from router.cli import build_parser
+from router.fleet.workers import worker_argv
 from tests.fleet import Fleet, Proc, Router, wait_until
 
 PEER_A = str(peer_id_of(create_new_key_pair()))
@@ -122,3 +125,17 @@ def test_a_hostile_workers_list_adds_only_well_formed_new_routers(tmp_path: Path
     daemon._dial_workers(first, flood[:40])
     daemon._dial_workers(first, flood[40:])
     assert len(daemon.connections) == 1 + MAX_WORKERS
+
+
+def test_a_worker_is_one_router_even_with_hivenet_router_workers_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The workers inherit the supervisor's environment: read as a count of workers
+    # there, the variable would make every worker a supervisor of its own.
+    monkeypatch.setenv("HIVENET_ROUTER_WORKERS", "3")
+    supervisor = build_parser().parse_args(["serve", "--http-port", ":0"])
+    assert supervisor.workers == 3
+    for index in range(3):
+        argv = worker_argv(["--http-port", ":0", "--workers=3"], index, 3)
+        args = build_parser().parse_args(["serve", *argv])
+        assert (args.workers, args.worker_index, args.worker_count) == (1, index, 3)

@@ -50,7 +50,9 @@ def worker_peers(identity_path: str, p2p_port: int, count: int) -> list[dict]:
 def worker_argv(argv: list[str], index: int, count: int) -> list[str]:
     """The `serve` arguments of worker `index`: the supervisor's without `--workers`,
     plus `--worker-index`/`--worker-count` (not for operators), from which the worker
-    takes its own ports and identity (router/cli.py)."""
+    takes its own ports and identity (router/cli.py). `--workers 1` is said outright:
+    a worker inherits the supervisor's environment, and a HIVENET_ROUTER_WORKERS there
+    would make each worker a supervisor of its own, without end."""
     out: list[str] = []
     args = iter(argv)
     for arg in args:
@@ -60,7 +62,7 @@ def worker_argv(argv: list[str], index: int, count: int) -> list[str]:
                 next(args, None)
             continue
         out.append(arg)
-    return [*out, "--worker-index", str(index), "--worker-count", str(count)]
+    return [*out, "--workers", "1", "--worker-index", str(index), "--worker-count", str(count)]
 
 
 @dataclass
