@@ -471,6 +471,12 @@ class RouterConnection:
                     self.host.get_network().unblock_peer(peer_id)
                     await self.host.connect(PeerInfo(peer_id, addrs))
                     stream = await self.host.new_stream(peer_id, [m.PROTOCOL_ID])
+                if self.stopping:
+                    # The agent began to drain during the dial: a session now would be
+                    # one that no drain frame reaches, and its router would send it
+                    # requests that the leaving agent then cuts off.
+                    await stream.close()
+                    return
                 session = self.session = self.make_session(stream)
                 self.sessions_started += 1
                 began = trio.current_time()

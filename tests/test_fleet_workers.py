@@ -8,12 +8,17 @@ import signal
 from pathlib import Path
 
 import httpx
+import pytest
+import trio
+import trio.testing
 from libp2p.crypto.ed25519 import create_new_key_pair
 
 from agent.app import MAX_WORKERS, AgentDaemon
 from agent.link import RouterConnection
 from agent.settings import AgentSettings
 from protocol.p2p import peer_id_of
+from router.cli import build_parser
+from router.fleet.workers import Supervisor, worker_argv
 from tests.fleet import Fleet, Proc, Router, wait_until
 
 PEER_A = str(peer_id_of(create_new_key_pair()))
@@ -122,3 +127,74 @@ def test_a_hostile_workers_list_adds_only_well_formed_new_routers(tmp_path: Path
     daemon._dial_workers(first, flood[:40])
     daemon._dial_workers(first, flood[40:])
     assert len(daemon.connections) == 1 + MAX_WORKERS
+
+
+def test_a_worker_is_one_router_even_with_hivenet_router_workers_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The workers inherit the supervisor's environment: read as a count of workers
+    # there, the variable would make every worker a supervisor of its own.
+    monkeypatch.setenv("HIVENET_ROUTER_WORKERS", "3")
+    supervisor = build_parser().parse_args(["serve", "--http-port", ":0"])
+    assert supervisor.workers == 3
+    for index in range(3):
+        argv = worker_argv(["--http-port", ":0", "--workers=3"], index, 3)
+        args = build_parser().parse_args(["serve", *argv])
+        assert (args.workers, args.worker_index, args.worker_count) == (1, index, 3)
+
+
+def test_a_worker_refusing_its_configuration_stops_the_host_with_status_2(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    # The flags pass the supervisor's check; the policy is read by each worker. Started
+    # again, the worker would read the same file: the host stops as one router would.
+    policy = tmp_path / "policy.yaml"
+    policy.write_text("routing_policy:\n  strategy: no-such-strategy\n")
+    router = fleet.router("--workers", "2", "--policy-file", str(policy), start=False)
+    Proc.start(router)
+    assert router.popen is not None and router.popen.wait(30) == 2
+    log = router.log()
+    assert "worker_config_error index=" in log
+    assert "workers_stopped count=2 code=2" in log
+    assert "worker_exited" not in log
+
+
+class _SlowToStart:
+    """A worker process that runs until it gets SIGTERM, or is killed an hour later
+    (in virtual time: systemd's TimeoutStopSec, say)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.signals: list[int] = []
+        self._stopped = trio.Event()
+
+    def send_signal(self, signum: int) -> None:
+        self.signals.append(signum)
+        if signum == signal.SIGTERM:
+            self._stopped.set()
+
+    async def wait(self) -> int:
+        with trio.move_on_after(3600):
+            await self._stopped.wait()
+            return 0
+        return -signal.SIGKILL
+
+
+def test_a_stop_while_a_worker_is_being_started_reaches_that_worker(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    supervisor = Supervisor(["--http-port", ":0"], 2)
+    started: list[_SlowToStart] = []
+
+    async def open_process(argv: list[str]) -> _SlowToStart:
+        if not started:
+            # SIGTERM arrives while the first worker's process is being made (in a
+            # thread, in trio): no worker has a process to pass it to yet.
+            supervisor._on_signal(signal.SIGTERM)
+        started.append(_SlowToStart(1000 + len(started)))
+        return started[-1]
+
+    monkeypatch.setattr(trio.lowlevel, "open_process", open_process)
+
+    assert trio.run(supervisor.run, clock=trio.testing.MockClock(autojump_threshold=0)) == 0
+    assert [p.signals for p in started] == [[signal.SIGTERM], [signal.SIGTERM]]

@@ -410,3 +410,37 @@ def test_a_whole_answer_is_one_frame_to_a_router_that_takes_it(
         assert [f["type"] for f in sent] == [m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END]
         assert sent[2]["usage"] == usage
         assert b'"completion_tokens": 3' in sent[1]["data"]
+
+
+class _DrainDuringDial:
+    """A libp2p host whose dial completes after the agent began to drain."""
+
+    def __init__(self) -> None:
+        self.connection: RouterConnection | None = None
+        self.closed: list[object] = []
+
+    def get_network(self) -> _DrainDuringDial:
+        return self
+
+    def unblock_peer(self, peer_id: object) -> None:
+        pass
+
+    async def connect(self, info: object) -> None:
+        assert self.connection is not None
+        self.connection.stopping = True  # SIGTERM: agent/app.py `_drain`
+
+    async def new_stream(self, peer_id: object, protocols: list[str]) -> _DrainDuringDial:
+        return self
+
+    async def close(self) -> None:
+        self.closed.append(self)
+
+
+def test_a_dial_that_completes_after_the_drain_began_starts_no_session() -> None:
+    host = _DrainDuringDial()
+    made: list[object] = []
+    connection = RouterConnection(host, "/ip4/127.0.0.1/tcp/9/p2p/" + PEER_ID, made.append)
+    host.connection = connection
+    trio.run(connection.run, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert made == [] and host.closed == [host]
+    assert connection.sessions_started == 0

@@ -34,7 +34,7 @@ import pytest
 
 from protocol.durations import parse_duration
 from protocol.p2p import load_or_create_identity, peer_id_of
-from tests.fleet import ADMIN_KEY, SECRET, VENV_BIN, free_port, wait_until
+from tests.fleet import ADMIN_KEY, SECRET, VENV_BIN, free_port, free_ports, wait_until
 
 ROOT = Path(__file__).resolve().parent.parent
 UNITS = ROOT / "systemd"
@@ -174,12 +174,13 @@ class NotifySocket:
         self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_PASSCRED, 1)
         self.messages: list[tuple[int, dict[str, str]]] = []
 
-    def wait_for(self, key: str, value: str, pid: int, timeout: float) -> dict[str, str]:
-        """The first message from `pid` with key=value; earlier ones are kept."""
+    def wait_for(self, key: str, value: str, pid: int | None, timeout: float) -> dict[str, str]:
+        """The first message from `pid` (None: any process) with key=value; earlier ones
+        are kept."""
         deadline = time.monotonic() + timeout
         while True:
             for sender, fields in self.messages:
-                if sender == pid and fields.get(key) == value:
+                if pid in (sender, None) and fields.get(key) == value:
                     self.messages.remove((sender, fields))
                     return fields
             left = deadline - time.monotonic()
@@ -569,6 +570,59 @@ def test_exec_start_lines_run_become_ready_reload_and_stop(tmp_path: Path) -> No
         engine.wait(10)
         router_notify.close()
         agent_notify.close()
+        shutil.rmtree(sockets, ignore_errors=True)
+
+
+def notify_sender(unit: Unit, service: Service) -> int | None:
+    """Whose notifications systemd takes (NotifyAccess=): the main process's, or with
+    `all` any process of the service's (None)."""
+    access = unit.value("NotifyAccess")
+    assert access in ("main", "all"), access
+    return service.popen.pid if access == "main" else None
+
+
+def test_the_router_unit_with_workers_becomes_ready_and_stops(tmp_path: Path) -> None:
+    """`serve --workers 2` from the unit: the supervisor is the main process and never
+    notifies; the workers, its children, say READY=1 and STOPPING=1, and systemd must
+    take them (without READY=1 it stops the unit after TimeoutStartSec)."""
+    etc = tmp_path / "etc"
+    etc.mkdir()
+    secret = etc / "jwt-secret"
+    secret.write_text(SECRET + "\n")
+    policy = etc / "policy.yaml"
+    shutil.copy(CONFIGS / "policies" / "default.yaml", policy)
+    http = free_port()
+    write_env_file(
+        CONFIGS / "router.env.example",
+        etc / "router.env",
+        {
+            "HIVENET_ROUTER_HTTP_PORT": f"127.0.0.1:{http}",
+            "HIVENET_ROUTER_METRICS_PORT": f"127.0.0.1:{free_ports(2)}",
+            "HIVENET_ROUTER_P2P_PORT": str(free_ports(2)),
+            "HIVENET_ROUTER_P2P_LISTEN_ADDR": "127.0.0.1",
+            "HIVENET_ROUTER_POLICY_FILE": str(policy),
+            "HIVENET_JWT_SECRET_FILE": str(secret),
+            "HIVENET_ROUTER_ADMIN_API_KEYS": ADMIN_KEY,
+            "HIVENET_ROUTER_ARGS": "--workers 2",
+        },
+    )
+    sockets = Path(tempfile.mkdtemp(prefix="hn-notify-"))
+    notify = NotifySocket(sockets / "router")
+    unit = Unit.read(ROUTER_UNIT)
+    router = start_service(unit, "", etc / "router.env", tmp_path, notify)
+    try:
+        with running(router):
+            ready = notify.wait_for("READY", "1", notify_sender(unit, router), 30)
+            assert "serving" in ready.get("STATUS", "")
+            assert httpx.get(f"http://127.0.0.1:{http}/health", timeout=5).status_code == 200
+            router.popen.send_signal(signal.Signals[unit.value("KillSignal")])
+            notify.wait_for("STOPPING", "1", notify_sender(unit, router), 10)
+            assert router.popen.wait(parse_duration(unit.value("TimeoutStopSec"))) == 0
+            # The unit is active once one worker is: the other may not have been ready.
+            assert "router_stopped" in router.text()
+            assert "workers_stopped count=2" in router.text()
+    finally:
+        notify.close()
         shutil.rmtree(sockets, ignore_errors=True)
 
 

@@ -15,7 +15,11 @@ as it listens (its asyncio client does not run under trio), and a message publis
 while a router reconnects is lost; a poll of one small key per document every 0.2 s is
 one HMGET per 0.2 s (about 30 µs of Redis time each) and never misses the last change.
 At start-up a router adopts the fleet's documents, or publishes its own when the fleet
-has none yet. Without `--state-url` nothing here runs.
+has none yet; so it does later when the fleet's copy is gone (a Redis restarted empty).
+A change made here stays `unpublished` until Redis has it: the polls neither replace it
+with the fleet's older text (a PUT landing while a poll reads, or while Redis is down)
+nor forget it, and each poll tries the write again. Without `--state-url` nothing here
+runs.
 
 Per-model policies come and go, so their kinds are listed in the set
 `hivenet:config:kinds`, and a deleted one stays as an empty text (its tombstone), which
@@ -90,6 +94,8 @@ class ConfigSync:
         # Versions this router rejected: logged once, not re-validated every poll.
         self.rejected: dict[str, str] = {}
         self._outbox_send, self._outbox = trio.open_memory_channel[str](64)
+        # Kinds changed here whose text Redis may not hold yet; ours wins over the fleet's.
+        self.unpublished: set[str] = set()
         self.available = True
         self.named: NamedPolicies | None = None
         # Per-model policy versions refused for a model another document claims: said
@@ -106,6 +112,7 @@ class ConfigSync:
 
         def replaced(origin: str) -> None:
             if origin != FLEET_ORIGIN:
+                self.unpublished.add(store.kind)
                 # A full outbox drops nothing that matters: the text is read at send time.
                 try:
                     self._outbox_send.send_nowait(store.kind)
@@ -129,10 +136,6 @@ class ConfigSync:
                     await self._poll_named()
 
     async def _start(self) -> None:
-        published = await self._call(self._versions)
-        for kind, version in (published or {}).items():
-            if version is None:
-                await self._publish(kind)
         if self.named is not None:
             # What a router starts with counts as in step: the fleet's copy wins.
             self.named.synced = {n: self.named.version(n) for n in self.named.texts()}
@@ -144,32 +147,45 @@ class ConfigSync:
 
     async def _publish(self, kind: str) -> None:
         store = self.stores[kind]
-        await self._write(kind, store.version(), store.source())
+        # The text is read now: a change made during the write marks the kind again.
+        self.unpublished.discard(kind)
+        if not await self._write(kind, store.version(), store.source()):
+            self.unpublished.add(kind)
 
     async def _write(self, kind: str, version: str, text: str) -> bool:
         mapping = {"version": version, "text": text, "router": self.router_id}
 
-        def write() -> None:
+        def write() -> list[Any]:
             with self.client.pipeline(transaction=True) as pipe:
                 pipe.hset(KEY + kind, mapping=mapping)
                 pipe.sadd(KINDS, kind)
-                pipe.execute()
+                return pipe.execute()
 
-        done = await self._call(write) is not None or False
+        # `_call` says a failed call with None: the pipeline's answer is a list.
+        done = await self._call(write) is not None
         if done:
             log.info("config_published kind=%s version=%s", quote(kind), version)
         return done
 
     async def _poll(self) -> None:
+        for kind in sorted(self.unpublished):
+            await self._publish(kind)
         published = await self._call(self._versions)
         if published is None:
             return
         for kind, version in published.items():
             store = self.stores[kind]
-            if version is None or version == store.version() or self.rejected.get(kind) == version:
+            if kind in self.unpublished:
+                continue
+            if version is None:
+                # The fleet has no copy (first router, or Redis lost its data): ours.
+                await self._publish(kind)
+                continue
+            if version == store.version() or self.rejected.get(kind) == version:
                 continue
             fetched = await self._call(lambda k=kind: self.client.hmget(KEY + k, "text", "router"))
-            if fetched is None or fetched[0] is None:
+            if fetched is None or fetched[0] is None or kind in self.unpublished:
+                # Changed here while Redis was read: the fleet's text is the older one.
                 continue
             raw, source = fetched[0], (fetched[1] or b"?").decode("utf-8", "replace")
             if len(raw) > store.max_bytes:
@@ -228,7 +244,8 @@ class ConfigSync:
         if self.rejected.get(kind) == fleet:
             return
         fetched = await self._call(lambda: self.client.hmget(KEY + kind, "text", "router"))
-        if fetched is None or fetched[0] is None:
+        if fetched is None or fetched[0] is None or named.version(name) != mine:
+            # Changed here while Redis was read: published by the next poll.
             return
         raw, source = fetched[0], (fetched[1] or b"?").decode("utf-8", "replace")
         try:

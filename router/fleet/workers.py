@@ -12,7 +12,10 @@ as with any routers; with `--state-url` tenant counts and the configuration are
 shared (router/fleet/config_sync.py) and an agent's capacity holds across all of them
 (agent/capacity.py). The supervisor restarts a worker that dies (after RESTART_DELAY,
 so a worker that cannot start does not spin) and passes SIGTERM/SIGINT (each worker
-drains as a single router does) and SIGHUP on to every worker.
+drains as a single router does) and SIGHUP on to every worker. A worker whose first
+start ends with CONFIG_ERROR stops the host with that status, as a single router's
+configuration error does: a restart reads the same files, and the unit's
+RestartPreventExitStatus=2 can act only on the supervisor's status.
 """
 
 from __future__ import annotations
@@ -20,16 +23,19 @@ from __future__ import annotations
 import logging
 import signal
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import trio
 
+from protocol.logs import quote
 from protocol.p2p import load_or_create_identity, peer_id_of
 
 log = logging.getLogger("router")
 
 RESTART_DELAY = 1.0
+# `hivenet-router serve`'s exit status for a configuration error (router/cli.py).
+CONFIG_ERROR = 2
 # A welcome names at most this many workers; agents ignore the rest.
 MAX_WORKERS = 64
 
@@ -50,7 +56,9 @@ def worker_peers(identity_path: str, p2p_port: int, count: int) -> list[dict]:
 def worker_argv(argv: list[str], index: int, count: int) -> list[str]:
     """The `serve` arguments of worker `index`: the supervisor's without `--workers`,
     plus `--worker-index`/`--worker-count` (not for operators), from which the worker
-    takes its own ports and identity (router/cli.py)."""
+    takes its own ports and identity (router/cli.py). `--workers 1` is said outright:
+    a worker inherits the supervisor's environment, and a HIVENET_ROUTER_WORKERS there
+    would make each worker a supervisor of its own, without end."""
     out: list[str] = []
     args = iter(argv)
     for arg in args:
@@ -60,7 +68,7 @@ def worker_argv(argv: list[str], index: int, count: int) -> list[str]:
                 next(args, None)
             continue
         out.append(arg)
-    return [*out, "--worker-index", str(index), "--worker-count", str(count)]
+    return [*out, "--workers", "1", "--worker-index", str(index), "--worker-count", str(count)]
 
 
 @dataclass
@@ -69,13 +77,13 @@ class Worker:
     argv: list[str]
     process: Any = None
     starts: int = 0
-    exited: trio.Event = field(default_factory=trio.Event)
 
 
 class Supervisor:
     def __init__(self, argv: list[str], count: int) -> None:
         self.workers = [Worker(i, worker_argv(argv, i, count)) for i in range(count)]
         self.stopping = False
+        self.exit_code = 0
 
     def __repr__(self) -> str:
         alive = sum(1 for w in self.workers if w.process is not None)
@@ -88,8 +96,8 @@ class Supervisor:
                 for worker in self.workers:
                     keepers.start_soon(self._keep, worker)
             nursery.cancel_scope.cancel()
-        log.info("workers_stopped count=%d", len(self.workers))
-        return 0
+        log.info("workers_stopped count=%d code=%d", len(self.workers), self.exit_code)
+        return self.exit_code
 
     async def _keep(self, worker: Worker) -> None:
         while True:
@@ -104,11 +112,25 @@ class Supervisor:
                 worker.process.pid,
                 worker.starts,
             )
+            if self.stopping:
+                # The stop came while this worker was being started (open_process
+                # runs in a thread), so it was not passed on: the worker would run on.
+                worker.process.send_signal(signal.SIGTERM)
             with trio.CancelScope(shield=True):
                 code = await worker.process.wait()
             worker.process = None
             if self.stopping:
                 log.info("worker_stopped index=%d code=%d", worker.index, code)
+                return
+            if code == CONFIG_ERROR and worker.starts == 1:
+                log.error(
+                    "worker_config_error index=%d code=%d reason=%s",
+                    worker.index,
+                    code,
+                    quote("the worker refused its configuration; stopping every worker"),
+                )
+                self.exit_code = CONFIG_ERROR
+                self._on_signal(signal.SIGTERM)
                 return
             log.warning(
                 "worker_exited index=%d code=%d restart_in_s=%g", worker.index, code, RESTART_DELAY
@@ -122,11 +144,11 @@ class Supervisor:
         a second one reaches the workers too (each then stops at once, as a router does)."""
         with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:
             async for signum in signals:
-                if signum != signal.SIGHUP:
-                    self.stopping = True
-                self._forward(signum)
+                self._on_signal(signum)
 
-    def _forward(self, signum: int) -> None:
+    def _on_signal(self, signum: int) -> None:
+        if signum != signal.SIGHUP:
+            self.stopping = True
         for worker in self.workers:
             if worker.process is not None:
                 worker.process.send_signal(signum)
