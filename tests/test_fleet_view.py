@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import httpx
@@ -77,6 +78,21 @@ def test_every_router_shows_every_agent_with_its_routers_and_merged_statistics(
     assert client.get(KEY + r2.peer_id) is None
     assert only_r2.peer_id not in fleet_agents(r1)
     assert fleet_agents(r1)[both.peer_id]["routers"] == [r1.peer_id]
+    # Entries of another shape (a corrupt value, a foreign writer) are left out.
+    odd = {"peer_id": "odd", "model": "m9", "capacity": "lots", "engine": 5, "region": []}
+    for name, value in {
+        "no-router": {"agents": []},
+        "agents-not-a-list": {"router": "x", "agents": "none"},
+        "odd-agent": {"router": "y", "agents": [odd, {"peer_id": "no-model"}, "text"]},
+        "not-json": "{",
+    }.items():
+        client.set(KEY + name, value if isinstance(value, str) else json.dumps(value), ex=60)
+    agents = fleet_agents(r1)
+    assert set(agents) == {only_r1.peer_id, both.peer_id, "odd"}
+    assert agents["odd"]["capacity"] is None and agents["odd"]["engine"] is None
+    models = httpx.get(r1.url + "/v1/models?scope=fleet", timeout=5)
+    assert models.status_code == 200
+    assert {c["id"] for c in models.json()["data"]} == {"m1", "m3", "m9"}
     client.close()
 
 

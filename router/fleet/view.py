@@ -119,7 +119,14 @@ class FleetView:
                 entry = json.loads(value) if value is not None else None
             except ValueError:
                 continue
-            if isinstance(entry, dict) and entry.get("router") != self.router_id:
+            # Another router's entry is read as data from elsewhere: one of another
+            # shape (a corrupt value, a foreign writer) is left out, not a 500.
+            if (
+                isinstance(entry, dict)
+                and isinstance(entry.get("router"), str)
+                and entry["router"] != self.router_id
+                and isinstance(entry.get("agents", []), list)
+            ):
                 others.append(entry)
         return [own, *others]
 
@@ -128,7 +135,11 @@ class FleetView:
         merged: dict[str, dict] = {}
         for entry in entries:
             for agent in entry.get("agents", ()):
-                if isinstance(agent, dict) and isinstance(agent.get("peer_id"), str):
+                if (
+                    isinstance(agent, dict)
+                    and isinstance(agent.get("peer_id"), str)
+                    and isinstance(agent.get("model"), str)
+                ):
                     _merge(merged, entry["router"], agent)
         routers = [
             {"router_peer_id": e["router"], "agents": len(e.get("agents", ()))} for e in entries
@@ -171,8 +182,8 @@ def _merge(merged: dict[str, dict], router: str, agent: dict) -> None:
     into = merged.get(agent["peer_id"])
     if into is None:
         into = merged[agent["peer_id"]] = {
-            **{k: agent.get(k) for k in ("peer_id", "model", "capability", "engine", "region")},
-            "capacity": agent.get("capacity"),
+            **{k: _text(agent.get(k)) for k in _TEXT_FIELDS},
+            "capacity": _count(agent.get("capacity")),
             "healthy": False,
             "routers": [],
             "active": 0.0,
@@ -194,6 +205,17 @@ def _merge(merged: dict[str, dict], router: str, agent: dict) -> None:
         weight = max(1.0, _number(agent.get("successes")) + _number(agent.get("failures")))
         into["rtt_weight"] += weight
         into["rtt_sum"] += weight * srtt
+
+
+_TEXT_FIELDS = ("peer_id", "model", "capability", "engine", "region")
+
+
+def _text(value: object) -> str | None:
+    return value if isinstance(value, str) else None
+
+
+def _count(value: object) -> int | None:
+    return value if type(value) is int else None
 
 
 def _public(a: dict) -> dict:
