@@ -65,8 +65,15 @@ class ScriptedHost:
         if self.first_hangs and len(self.dialled_at) == 1:
             await trio.sleep_forever()
 
-    async def new_stream(self, peer_id: Any, protocols: list[str]) -> object:
-        return object()
+    async def new_stream(self, peer_id: Any, protocols: list[str]) -> ScriptedStream:
+        return ScriptedStream()
+
+
+class ScriptedStream:
+    """What the loop does with a stream itself: close one it will not use."""
+
+    async def close(self) -> None:
+        pass
 
 
 async def run_sessions(lengths: list[float], first_hangs: bool = False) -> ScriptedHost:
