@@ -37,7 +37,8 @@ class PolicyStore(DocumentStore[Policy]):
     ) -> None:
         super().__init__(metrics.reloads, log, path)
         self.current: Policy = default_policy()
-        self.listeners: list[Callable[[Policy], None]] = []
+        # Told of each policy installed: the global one (name None) or a named one.
+        self.listeners: list[Callable[[Policy, str | None], None]] = []
         self.model_dir = model_dir
         self.models = ModelPolicies()
         # The keys' side of the serverless cross-check (router/admission/crosscheck.py):
@@ -89,6 +90,8 @@ class PolicyStore(DocumentStore[Policy]):
         if errors:
             return self.reject(errors, origin)
         self.models.put(name, policy, origin)
+        for listener in self.listeners:
+            listener(policy, name)
         self.reloads.labels("success").inc()
         log.info(
             "policy_reloaded origin=%s name=%s models=%s chain=[%s]",
@@ -181,7 +184,7 @@ class PolicyStore(DocumentStore[Policy]):
     def install(self, value: Policy) -> str:
         self.current = value
         for listener in self.listeners:
-            listener(value)
+            listener(value, None)
         chain = "→".join(value.chain_names())
         return f"chain=[{chain}]"
 
