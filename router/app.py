@@ -148,7 +148,9 @@ class RouterDaemon:
             provider_available=self.providers.available,
             limit=ForwardLimit(settings.max_concurrent, settings.queue_size),
         )
-        self._warn_about_policy(self.store.current)
+        self._warn_about_policy(self.store.current, None)
+        for name, named in self.store.models.named.items():
+            self._warn_about_policy(named.policy, name)
         self.store.listeners.append(self._warn_about_policy)
         self.client = ClientApi(
             self.dispatcher,
@@ -255,14 +257,17 @@ class RouterDaemon:
         provider = self.store.for_model(model).fallback_provider
         return 1 if provider is not None and self.providers.available(provider.engine) else 0
 
-    def _warn_about_policy(self, policy: Policy) -> None:
-        """A provider without its key is skipped, not fatal: say so at load."""
+    def _warn_about_policy(self, policy: Policy, name: str | None) -> None:
+        """A provider without its key is skipped, not fatal: say so at load, for the
+        global policy and for each named (per-model) one, which `name=` tells apart."""
+        named = "" if name is None else f"name={quote(name)} "
         for warning in policy_warnings(policy):
-            log.warning("policy_warning %s", quote(warning))
+            log.warning("policy_warning %s%s", named, quote(warning))
         provider = policy.fallback_provider
         if provider is not None and not self.providers.available(provider.engine):
             log.warning(
-                "provider_fallback_disabled engine=%s reason=%s",
+                "provider_fallback_disabled %sengine=%s reason=%s",
+                named,
                 provider.engine,
                 quote(f"HIVENET_ROUTER_{provider.engine.upper()}_API_KEY is not set"),
             )

@@ -13,7 +13,7 @@ from protocol.paths import GENERATIVE
 from router.forward_limit import ForwardLimit
 from router.metrics import UNREGISTERED_MODEL, RouterMetrics
 from router.peers import PeerTable
-from router.policy.schema import ProviderFallback
+from router.policy.schema import Policy, ProviderFallback
 from router.policy.store import PolicyStore
 from router.session import (
     Exhausted,
@@ -84,8 +84,8 @@ class Dispatcher:
             return model
         return UNREGISTERED_MODEL
 
-    def provider_for(self, req: RouteRequest) -> ProviderFallback | None:
-        provider = self.store.for_model(req.model).fallback_provider
+    def provider_for(self, policy: Policy, req: RouteRequest) -> ProviderFallback | None:
+        provider = policy.fallback_provider
         if (
             provider is None
             or self.provider_call is None
@@ -123,7 +123,7 @@ class Dispatcher:
             return outcome
         if isinstance(outcome, LoadShed):
             self._shed(req, outcome)
-        return await self._after_chain(req, outcome)
+        return await self._after_chain(policy, req, outcome)
 
     async def continuation(self, req: RouteRequest) -> Served | None:
         """Route a broken stream's continuation (router/continuation_relay.py) through
@@ -154,9 +154,13 @@ class Dispatcher:
             retry_after=shed.retry_after,
         )
 
-    async def _after_chain(self, req: RouteRequest, ex: Exhausted) -> ProviderServed:
+    async def _after_chain(
+        self, policy: Policy, req: RouteRequest, ex: Exhausted
+    ) -> ProviderServed:
         log.warning("%s", exhaustion_line(req, ex))
-        provider = self.provider_for(req)
+        # The policy the request started with: a reload while it was routing changes the
+        # next request's provider, not this one's.
+        provider = self.provider_for(policy, req)
         model = self.model_label(req.model)
         if provider is not None and self.provider_call is not None:
             if req.on_provider is not None:

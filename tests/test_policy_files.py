@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from router.policy.describe import describe, policy_warnings
+from router.policy.rank_prefix import PrefixParams
 from router.policy.schema import PolicyError, default_policy, load_policy_file
 
 POLICIES = Path(__file__).resolve().parent.parent / "configs" / "policies"
@@ -58,3 +59,8 @@ def test_the_default_file_is_the_built_in_default() -> None:
     loaded = load_policy_file(POLICIES / "default.yaml")
     assert loaded.steps == default_policy().steps
     assert loaded.fallback_provider is None
+
+
+def test_the_prefix_aware_example_shows_the_defaults_it_says_it_shows() -> None:
+    loaded = load_policy_file(POLICIES / "strategy-prefix-aware.yaml")
+    assert loaded.routing_policy.strategy_params == PrefixParams()

@@ -569,13 +569,52 @@ def test_prefix_aware_parameters_have_documented_defaults() -> None:
     )
 
 
-@pytest.mark.parametrize("name", ["balance_rel_threshold", "cache_threshold"])
+@pytest.mark.parametrize(("name", "low"), [("balance_rel_threshold", 1), ("cache_threshold", 0)])
 @pytest.mark.parametrize("value", ["-0.5", ".inf", ".nan", "yes", "'0.5'"])
-def test_prefix_aware_thresholds_must_be_finite_and_not_negative(name: str, value: str) -> None:
+def test_prefix_aware_thresholds_must_be_finite_and_in_range(
+    name: str, low: int, value: str
+) -> None:
     with pytest.raises(PolicyError) as caught:
         load_policy(prefix_step(f"    {name}: {value}\n"))
-    assert f"routing_policy.strategy_params.{name}: must be a finite number of at least 0" in str(
-        caught.value
+    expected = f"routing_policy.strategy_params.{name}: must be a finite number of at least {low}"
+    assert expected in str(caught.value)
+
+
+@pytest.mark.parametrize(
+    ("written", "expected"),
+    [
+        # Percentages written as such: a threshold no prompt, or no agent, ever reaches.
+        (
+            "cache_threshold: 70",
+            "cache_threshold: must be at most 1 (a fraction of the prompt), got 70",
+        ),
+        (
+            "cache_threshold: 1.01",
+            "cache_threshold: must be at most 1 (a fraction of the prompt), got 1.01",
+        ),
+        (
+            "balance_threshold: 37.5",
+            "balance_threshold: must be at most 1 (a capacity fraction), got 37.5",
+        ),
+        # Under 1 no new conversation has room but on the least-loaded agent.
+        (
+            "balance_rel_threshold: 0.5",
+            "balance_rel_threshold: must be a finite number of at"
+            " least 1 (a ratio of loads), got 0.5",
+        ),
+    ],
+)
+def test_prefix_aware_thresholds_out_of_range_are_named(written: str, expected: str) -> None:
+    assert "routing_policy.strategy_params." + expected in errors_of(
+        prefix_step(f"    {written}\n")
+    )
+
+
+def test_prefix_aware_thresholds_at_their_bounds_load() -> None:
+    written = "    balance_threshold: 0\n    balance_rel_threshold: 1\n    cache_threshold: 1\n"
+    params = load_policy(prefix_step(written)).routing_policy.strategy_params
+    assert params == PrefixParams(
+        balance_threshold=0.0, balance_rel_threshold=1.0, cache_threshold=1.0
     )
 
 

@@ -11,7 +11,7 @@ import pytest
 import trio
 
 from router.tenants.config import hash_key
-from tests.fleet import Fleet, Router, wait_until
+from tests.fleet import ADMIN_KEY, Fleet, Router, wait_until
 from tests.provider_fakes import FakeAnthropic, FakeOpenAI
 
 POLICY = """
@@ -347,3 +347,23 @@ async def test_a_client_leaving_a_provider_stream_frees_everything(
                 status = await trio.to_thread.run_sync(second)
                 assert status in (200, 429)
         nursery.cancel_scope.cancel()
+
+
+def test_a_per_model_policy_without_its_providers_key_is_named_in_the_warning(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    policies = tmp_path / "policies"
+    policies.mkdir()
+    named = "models: [m1]\n" + POLICY.format(engine="anthropic", model="claude-3-5-haiku-latest")
+    (policies / "chat.yaml").write_text(named)
+    router = fleet.router("--policy-model-dir", str(policies))
+    router.wait_log("provider_fallback_disabled name=chat engine=anthropic")
+    # A named policy put at run time is warned about as well.
+    put = httpx.put(
+        router.url + "/admin/policy/models/late",
+        content=named.replace("[m1]", "[m2]").replace("anthropic", "openai"),
+        headers={"Authorization": f"Bearer {ADMIN_KEY}"},
+        timeout=10,
+    )
+    assert put.status_code == 200, put.text
+    router.wait_log("provider_fallback_disabled name=late engine=openai")

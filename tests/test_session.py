@@ -957,6 +957,30 @@ async def test_a_failed_or_timed_out_provider_counts_as_exhausted(autojump_clock
     assert h.counters() == counters(exhausted=2)
 
 
+async def test_a_reload_while_routing_leaves_the_requests_provider_as_it_started(
+    autojump_clock: Any,
+) -> None:
+    # Upstream: in-flight requests keep the policy snapshot they started with.
+    h = Harness(policy(ANY) + PROVIDER, [make_peer("A")])
+    newer = policy(ANY) + PROVIDER.replace("gpt-4o-mini", "gpt-newer")
+
+    async def reload_then_fail() -> ForwardFailure:
+        assert h.store.replace(newer, "test") == []
+        return fail()
+
+    h.script["A"] = [reload_then_fail, fail()]
+    seen: list[str] = []
+
+    async def provider_call(provider: ProviderFallback, req: RouteRequest) -> ProviderServed:
+        seen.append(provider.model)
+        return ProviderServed(200, "application/json", b"{}", provider.engine)
+
+    d = h.dispatcher(provider_call=provider_call, provider_available=lambda engine: True)
+    await d.dispatch(request())
+    await d.dispatch(request())
+    assert seen == ["gpt-4o-mini", "gpt-newer"]
+
+
 async def test_a_provider_without_its_key_is_skipped(autojump_clock: Any) -> None:
     h = Harness(policy("match: {engine: vllm}\n" + ANY) + PROVIDER, [make_peer("A")])
 

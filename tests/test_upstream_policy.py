@@ -116,6 +116,59 @@ def test_policy_dir_selects_per_model_and_reloads_file_by_file(tmp_path: Path) -
     assert set(store.models.named) == {"small"}
 
 
+def failed_reloads(store: PolicyStore) -> float:
+    return store.reloads.labels("failure")._value.get()
+
+
+def test_a_policy_file_that_cannot_be_read_keeps_its_running_policy(tmp_path: Path) -> None:
+    # Upstream: "invalid existing files keep their previous active policy". A file
+    # caught half-written (not UTF-8 yet) is one; it must not drop its models.
+    write(tmp_path, "big.yaml", "models: [big]\n" + STEP)
+    store = PolicyStore(RouterMetrics(), None, str(tmp_path))
+    big = store.for_model("big")
+    (tmp_path / "big.yaml").write_bytes(b"models: [big]\n\xff\xfe")
+    errors = store.reload_file()
+    assert any("big.yaml: cannot read policy file" in e for e in errors), errors
+    assert store.for_model("big") is big
+    assert failed_reloads(store) == 1
+
+
+def test_a_model_moves_between_files_in_one_reload_whatever_their_order(
+    tmp_path: Path,
+) -> None:
+    write(tmp_path, "a.yaml", "models: [a]\n" + STEP)
+    write(tmp_path, "b.yaml", "models: [b, moving]\n" + STEP)
+    store = PolicyStore(RouterMetrics(), None, str(tmp_path))
+    # a.yaml is read first and claims a model b.yaml, read after it, gives up.
+    write(tmp_path, "a.yaml", "models: [a, moving]\n" + STEP)
+    write(tmp_path, "b.yaml", "models: [b]\n" + STEP)
+    assert store.reload_file() == []
+    assert store.models.owner == {"a": "a", "moving": "a", "b": "b"}
+    assert failed_reloads(store) == 0
+
+
+def test_a_directory_reload_says_what_it_did_even_when_nothing_changed(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    write(tmp_path, "_default.yaml", STEP)
+    write(tmp_path, "a.yaml", "models: [a]\n" + STEP)
+    write(tmp_path, "b.yaml", "models: [b]\n" + STEP)
+    store = PolicyStore(RouterMetrics(), None, str(tmp_path))
+    caplog.set_level("INFO", logger="policy")
+    assert store.reload_file() == []
+    (tmp_path / "b.yaml").unlink()
+    write(tmp_path, "c.yaml", "models: [c]\n" + STEP)
+    assert store.reload_file() == []
+    lines = [r.getMessage() for r in caplog.records]
+    lines = [line for line in lines if "policy_directory_reloaded" in line]
+    assert lines == [
+        f'policy_directory_reloaded directory={tmp_path} changed="" removed="" rejected=0'
+        " documents=2",
+        f"policy_directory_reloaded directory={tmp_path} changed=c removed=b rejected=0"
+        " documents=2",
+    ]
+
+
 @pytest.mark.parametrize(
     ("files", "expected"),
     [
@@ -126,6 +179,7 @@ def test_policy_dir_selects_per_model_and_reloads_file_by_file(tmp_path: Path) -
         ({"a.yaml": STEP}, "a: models: missing (required"),
         ({"_default.yaml": "routing_policy: {}\n"}, "_default.yaml: routing_policy.strategy"),
         ({"_x.yaml": "models: [m]\n" + STEP}, "not starting with `_`"),
+        ({"_default.yaml": STEP, "_default.yml": STEP}, "keep one of them"),
     ],
 )
 def test_a_bad_policy_dir_is_a_startup_error(

@@ -101,47 +101,66 @@ class ModelPolicies:
         }
 
 
-def read_directory(directory: str) -> tuple[str | None, dict[str, str], list[str]]:
-    """`_default.yaml`'s text (None when absent), each named file's text by name, and
-    the errors of files that cannot be read. Names are sorted: a deterministic order,
-    where upstream's depends on modification times."""
+@dataclass
+class Listing:
+    """What a policy directory holds: `_default.yaml`'s text (None when absent or
+    unreadable), each named file's text by name, the names of the named files that
+    are there but could not be read, and the errors."""
+
+    default: str | None
+    named: dict[str, str]
+    unreadable: set[str]
+    errors: list[str]
+
+
+def read_directory(directory: str) -> Listing:
+    """The directory's policy files. Names are sorted: a deterministic order, where
+    upstream's depends on modification times."""
     root = Path(directory)
-    errors: list[str] = []
     if not root.is_dir():
         raise PolicyError([f"{directory}: not a directory (--policy-model-dir)"])
-    default: str | None = None
-    named: dict[str, str] = {}
+    found = Listing(None, {}, set(), [])
     for path in sorted(root.iterdir()):
         if path.suffix not in SUFFIXES or not path.is_file():
+            continue
+        default = path.name in DEFAULT_NAMES
+        why = None if default else check_name(path.stem)
+        if why is not None:
+            found.errors.append(f"{path}: {why}")
             continue
         try:
             text = read_text(path)
         except (OSError, UnicodeDecodeError) as exc:
-            errors.append(f"{path}: cannot read policy file ({exc})")
+            found.errors.append(f"{path}: cannot read policy file ({exc})")
+            if not default:
+                found.unreadable.add(path.stem)
             continue
-        if path.name in DEFAULT_NAMES:
-            default = text
+        if default and found.default is not None:
+            # Upstream takes whichever it reads last: neither is safe to guess.
+            found.errors.append(
+                f"{path}: both {' and '.join(DEFAULT_NAMES)} are there; keep one of them"
+            )
+            found.default = None
+        elif default:
+            found.default = text
         else:
-            why = check_name(path.stem)
-            if why is not None:
-                errors.append(f"{path}: {why}")
-            else:
-                named[path.stem] = text
-    return default, named, errors
+            found.named[path.stem] = text
+    return found
 
 
 def load_directory(directory: str) -> tuple[Policy | None, ModelPolicies]:
     """Start-up: every file valid and no model claimed twice, or PolicyError naming each
     file's problems."""
-    default_text, texts, errors = read_directory(directory)
+    found = read_directory(directory)
+    errors = found.errors
     default: Policy | None = None
-    if default_text is not None:
+    if found.default is not None:
         try:
-            default = load_policy(default_text)
+            default = load_policy(found.default)
         except DocumentError as exc:
             errors += [f"{directory}/_default.yaml: {e}" for e in exc.errors]
     policies = ModelPolicies()
-    for name, text in texts.items():
+    for name, text in found.named.items():
         try:
             policies.put(name, parse_named(text), "file")
         except DocumentError as exc:

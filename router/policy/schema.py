@@ -464,24 +464,37 @@ class _Validator(Validator):
         return PrefixParams(
             block or defaults.block_chars,
             blocks or defaults.max_blocks,
-            self.fraction(body, path, "balance_threshold", defaults, "a capacity fraction"),
-            self.fraction(body, path, "balance_rel_threshold", defaults, "a ratio of loads"),
-            self.fraction(body, path, "cache_threshold", defaults, "a fraction of the prompt"),
+            self.threshold(body, path, "balance_threshold", "a capacity fraction", 0.0, 1.0),
+            self.threshold(body, path, "balance_rel_threshold", "a ratio of loads", 1.0),
+            self.threshold(body, path, "cache_threshold", "a fraction of the prompt", 0.0, 1.0),
         )
 
-    def fraction(
-        self, body: dict[Any, Any], path: str, name: str, defaults: PrefixParams, unit: str
+    def threshold(
+        self,
+        body: dict[Any, Any],
+        path: str,
+        name: str,
+        unit: str,
+        low: float,
+        high: float | None = None,
     ) -> float:
-        """A finite non-negative number under `name`, or its default."""
-        default: float = getattr(defaults, name)
+        """The number under `name`, within its range, or its default. A fraction past 1
+        is a percentage written as one (`cache_threshold: 70`): a share of the prompt no
+        match covers, a load gap no agent reaches. A ratio of loads under 1 is met by
+        every busier agent, and leaves a new conversation no room (fewest blocks times
+        the ratio) but the least-loaded agent."""
+        default: float = getattr(PrefixParams(), name)
         if name not in body:
             return default
         value = body[name]
-        if not is_number(value) or not math.isfinite(value) or value < 0:
+        if not is_number(value) or not math.isfinite(value) or value < low:
             self.error(
                 f"{path}.{name}",
-                f"must be a finite number of at least 0 ({unit}), got {shown(value)}",
+                f"must be a finite number of at least {low:g} ({unit}), got {shown(value)}",
             )
+            return default
+        if high is not None and value > high:
+            self.error(f"{path}.{name}", f"must be at most {high:g} ({unit}), got {shown(value)}")
             return default
         return float(value)
 

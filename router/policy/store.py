@@ -37,7 +37,8 @@ class PolicyStore(DocumentStore[Policy]):
     ) -> None:
         super().__init__(metrics.reloads, log, path)
         self.current: Policy = default_policy()
-        self.listeners: list[Callable[[Policy], None]] = []
+        # Told of each policy installed: the global one (name None) or a named one.
+        self.listeners: list[Callable[[Policy, str | None], None]] = []
         self.model_dir = model_dir
         self.models = ModelPolicies()
         # The keys' side of the serverless cross-check (router/admission/crosscheck.py):
@@ -89,6 +90,8 @@ class PolicyStore(DocumentStore[Policy]):
         if errors:
             return self.reject(errors, origin)
         self.models.put(name, policy, origin)
+        for listener in self.listeners:
+            listener(policy, name)
         self.reloads.labels("success").inc()
         log.info(
             "policy_reloaded origin=%s name=%s models=%s chain=[%s]",
@@ -116,24 +119,56 @@ class PolicyStore(DocumentStore[Policy]):
 
     def reload_directory(self, directory: str) -> list[str]:
         """SIGHUP with --policy-model-dir: each changed file on its own, so one bad edit
-        keeps that document's running version and spoils nothing else."""
+        keeps that document's running version and spoils nothing else; one line says
+        what the reload did, even when it found nothing to change."""
         try:
-            default, texts, errors = read_directory(directory)
+            found = read_directory(directory)
         except DocumentError as exc:
             return self.reject(exc.errors, "file")
-        if default is not None and default != self.current.source:
-            errors += [f"_default.yaml: {e}" for e in self.replace(default, "file")]
-        for name in [n for n, d in self.models.named.items() if d.origin == "file"]:
-            if name not in texts:
-                errors += [f"{name}: {e}" for e in self.delete_named(name, "file")]
-        for name, text in texts.items():
-            running = self.models.named.get(name)
-            if running is not None and running.policy.source == text:
-                continue
-            try:
-                errors += [f"{name}: {e}" for e in self.put_named(name, text, "file")]
-            except ModelConflict as exc:
-                errors += [f"{name}: {e}" for e in self.reject([str(exc)], "file")]
+        errors = [self.reject([e], "file")[0] for e in found.errors]
+        changed: list[str] = []
+        if found.default is not None and found.default != self.current.source:
+            failed = self.replace(found.default, "file")
+            errors += [f"_default.yaml: {e}" for e in failed]
+            changed += [] if failed else ["_default"]
+        removed = [
+            name
+            for name, doc in self.models.named.items()
+            if doc.origin == "file" and name not in found.named and name not in found.unreadable
+        ]
+        for name in removed:
+            errors += [f"{name}: {e}" for e in self.delete_named(name, "file")]
+        pending = {
+            name: text
+            for name, text in found.named.items()
+            if name not in self.models.named or self.models.named[name].policy.source != text
+        }
+        # A model moving from one file to another: the file giving it up may come after
+        # the one taking it, so a conflict is tried again once the others are in.
+        conflicts: dict[str, ModelConflict] = {}
+        while pending:
+            conflicts = {}
+            for name, text in pending.items():
+                try:
+                    failed = self.put_named(name, text, "file")
+                except ModelConflict as exc:
+                    conflicts[name] = exc
+                    continue
+                errors += [f"{name}: {e}" for e in failed]
+                changed += [] if failed else [name]
+            if len(conflicts) == len(pending):
+                break
+            pending = {name: pending[name] for name in conflicts}
+        for name, exc in conflicts.items():
+            errors += [f"{name}: {e}" for e in self.reject([str(exc)], "file")]
+        log.info(
+            "policy_directory_reloaded directory=%s changed=%s removed=%s rejected=%d documents=%d",
+            quote(directory),
+            quote(",".join(changed)),
+            quote(",".join(n for n in removed if n not in self.models.named)),
+            len(errors),
+            len(self.models.named),
+        )
         return errors
 
     def parse(self, text: str) -> Policy:
@@ -149,7 +184,7 @@ class PolicyStore(DocumentStore[Policy]):
     def install(self, value: Policy) -> str:
         self.current = value
         for listener in self.listeners:
-            listener(value)
+            listener(value, None)
         chain = "→".join(value.chain_names())
         return f"chain=[{chain}]"
 
