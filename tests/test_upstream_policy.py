@@ -91,7 +91,10 @@ def test_policy_dir_selects_per_model_and_reloads_file_by_file(tmp_path: Path) -
     write(tmp_path, "_default.yaml", STEP)
     write(tmp_path, "big.yaml", "models: [big]\n" + STEP)
     write(tmp_path, "notes.txt", "not a policy")
+    # A tool's temporary file while it writes big.yaml by rename: no policy of its own.
+    write(tmp_path, ".big.yaml.tmp.yaml", "models: [big]\n" + STEP)
     store = PolicyStore(RouterMetrics(), None, str(tmp_path))
+    assert set(store.models.named) == {"big"}
     assert store.for_model("big") is store.models.for_model("big")
     assert store.for_model("other") is store.current
     big = store.for_model("big")

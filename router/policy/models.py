@@ -121,7 +121,9 @@ def read_directory(directory: str) -> Listing:
         raise PolicyError([f"{directory}: not a directory (--policy-model-dir)"])
     found = Listing(None, {}, set(), [])
     for path in sorted(root.iterdir()):
-        if path.suffix not in SUFFIXES or not path.is_file():
+        # A hidden file is no operator's policy: the temporary file of an editor or of a
+        # tool that writes by rename (`.x.yaml.tmp`, Ansible's `.ansible_tmp….yaml`).
+        if path.name.startswith(".") or path.suffix not in SUFFIXES or not path.is_file():
             continue
         default = path.name in DEFAULT_NAMES
         why = None if default else check_name(path.stem)
