@@ -460,28 +460,35 @@ def test_env_examples_fill_every_execstart_variable(example: str, tmp_path: Path
         assert args.router[0].startswith("/ip4/") and "/p2p/" in args.router[0]
 
 
-def test_exec_start_lines_run_become_ready_reload_and_stop(tmp_path: Path) -> None:
-    """Router and a vLLM agent from their units' ExecStart lines, with sd_notify for real."""
+def router_etc(tmp_path: Path, http: int, metrics: int, p2p: int, args: str = "") -> Path:
+    """An /etc/hivenet of the router unit's files on these loopback ports: the secret,
+    the default policy and `router.env` from its example (`args`: HIVENET_ROUTER_ARGS)."""
     etc = tmp_path / "etc"
     etc.mkdir()
     secret = etc / "jwt-secret"
     secret.write_text(SECRET + "\n")
     policy = etc / "policy.yaml"
     shutil.copy(CONFIGS / "policies" / "default.yaml", policy)
+    values = {
+        "HIVENET_ROUTER_HTTP_PORT": f"127.0.0.1:{http}",
+        "HIVENET_ROUTER_METRICS_PORT": f"127.0.0.1:{metrics}",
+        "HIVENET_ROUTER_P2P_PORT": str(p2p),
+        "HIVENET_ROUTER_P2P_LISTEN_ADDR": "127.0.0.1",
+        "HIVENET_ROUTER_POLICY_FILE": str(policy),
+        "HIVENET_JWT_SECRET_FILE": str(secret),
+        "HIVENET_ROUTER_ADMIN_API_KEYS": ADMIN_KEY,
+    }
+    if args:
+        values["HIVENET_ROUTER_ARGS"] = args
+    write_env_file(CONFIGS / "router.env.example", etc / "router.env", values)
+    return etc
+
+
+def test_exec_start_lines_run_become_ready_reload_and_stop(tmp_path: Path) -> None:
+    """Router and a vLLM agent from their units' ExecStart lines, with sd_notify for real."""
     http, metrics, p2p = free_port(), free_port(), free_port()
-    write_env_file(
-        CONFIGS / "router.env.example",
-        etc / "router.env",
-        {
-            "HIVENET_ROUTER_HTTP_PORT": f"127.0.0.1:{http}",
-            "HIVENET_ROUTER_METRICS_PORT": f"127.0.0.1:{metrics}",
-            "HIVENET_ROUTER_P2P_PORT": str(p2p),
-            "HIVENET_ROUTER_P2P_LISTEN_ADDR": "127.0.0.1",
-            "HIVENET_ROUTER_POLICY_FILE": str(policy),
-            "HIVENET_JWT_SECRET_FILE": str(secret),
-            "HIVENET_ROUTER_ADMIN_API_KEYS": ADMIN_KEY,
-        },
-    )
+    etc = router_etc(tmp_path, http, metrics, p2p)
+    secret, policy = etc / "jwt-secret", etc / "policy.yaml"
     # A short directory: a unix socket path must fit in 108 bytes.
     sockets = Path(tempfile.mkdtemp(prefix="hn-notify-"))
     router_notify = NotifySocket(sockets / "router")
@@ -585,27 +592,8 @@ def test_the_router_unit_with_workers_becomes_ready_and_stops(tmp_path: Path) ->
     """`serve --workers 2` from the unit: the supervisor is the main process and never
     notifies; the workers, its children, say READY=1 and STOPPING=1, and systemd must
     take them (without READY=1 it stops the unit after TimeoutStartSec)."""
-    etc = tmp_path / "etc"
-    etc.mkdir()
-    secret = etc / "jwt-secret"
-    secret.write_text(SECRET + "\n")
-    policy = etc / "policy.yaml"
-    shutil.copy(CONFIGS / "policies" / "default.yaml", policy)
     http = free_port()
-    write_env_file(
-        CONFIGS / "router.env.example",
-        etc / "router.env",
-        {
-            "HIVENET_ROUTER_HTTP_PORT": f"127.0.0.1:{http}",
-            "HIVENET_ROUTER_METRICS_PORT": f"127.0.0.1:{free_ports(2)}",
-            "HIVENET_ROUTER_P2P_PORT": str(free_ports(2)),
-            "HIVENET_ROUTER_P2P_LISTEN_ADDR": "127.0.0.1",
-            "HIVENET_ROUTER_POLICY_FILE": str(policy),
-            "HIVENET_JWT_SECRET_FILE": str(secret),
-            "HIVENET_ROUTER_ADMIN_API_KEYS": ADMIN_KEY,
-            "HIVENET_ROUTER_ARGS": "--workers 2",
-        },
-    )
+    etc = router_etc(tmp_path, http, free_ports(2), free_ports(2), "--workers 2")
     sockets = Path(tempfile.mkdtemp(prefix="hn-notify-"))
     notify = NotifySocket(sockets / "router")
     unit = Unit.read(ROUTER_UNIT)
