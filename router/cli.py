@@ -174,7 +174,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
     serve.add_argument("--worker-count", type=int, default=1, help=argparse.SUPPRESS)
 
-    check = sub.add_parser("check-policy", help="validate a policy file and print its chain")
+    check = sub.add_parser(
+        "check-policy",
+        help="validate a policy file, or a --policy-model-dir directory, and print its chains",
+    )
     check.add_argument("file")
     check.add_argument("--max-tries-per-step", type=int, default=3)
 
@@ -391,6 +394,8 @@ def cmd_check_policy(args: argparse.Namespace) -> int:
     from router.policy.describe import describe, policy_warnings
     from router.policy.schema import PolicyError, load_policy_file
 
+    if os.path.isdir(args.file):
+        return _check_policy_dir(args)
     try:
         policy = load_policy_file(args.file)
     except PolicyError as exc:
@@ -401,6 +406,36 @@ def cmd_check_policy(args: argparse.Namespace) -> int:
     print(describe(policy, args.max_tries_per_step), end="")
     for warning in policy_warnings(policy):
         print(f"warning: {warning}")
+    return 0
+
+
+def _check_policy_dir(args: argparse.Namespace) -> int:
+    """`check-policy DIR`: each document that loads, under its name and the global one
+    first, as a file's check prints it; then every problem --policy-model-dir would stop
+    the router with."""
+    from router.policy.describe import describe, policy_warnings
+    from router.policy.models import check_directory
+
+    try:
+        checked = check_directory(args.file)
+    except OSError as exc:
+        print(f"{args.file}: {exc}", file=sys.stderr)
+        return 1
+    documents = [(name, doc.policy) for name, doc in sorted(checked.policies.named.items())]
+    sections: list[str] = []
+    if checked.default is not None:
+        documents.insert(0, ("_default", checked.default))
+    elif not checked.errors:
+        sections.append(
+            "== _default: none (the global policy is --policy-file's or the built-in one)\n"
+        )
+    for name, policy in documents:
+        kind = "the global policy" if name == "_default" else "a per-model policy"
+        warnings = "".join(f"warning: {w}\n" for w in policy_warnings(policy))
+        sections.append(f"== {name}: {kind}\n{describe(policy, args.max_tries_per_step)}{warnings}")
+    print("\n".join(sections), end="")
+    if checked.errors:
+        return _invalid(args.file, "policy directory", checked.errors)
     return 0
 
 

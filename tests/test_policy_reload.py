@@ -114,6 +114,77 @@ def test_check_policy_as_a_command(tmp_path: Path) -> None:
     assert "nope.yaml" in missing.stderr
 
 
+STEP = "routing_policy:\n  strategy: least-loaded\n"
+
+
+def test_check_policy_checks_a_directory_as_policy_model_dir_loads_it(
+    check_policy: object, tmp_path: Path
+) -> None:
+    (tmp_path / "_default.yaml").write_text(
+        STEP + "fallback_chain:\n  - name: wide\n    strategy: round-robin\n"
+    )
+    (tmp_path / "code.yml").write_text("models: [coder]\n" + STEP)
+    (tmp_path / "chat.yaml").write_text(
+        "models: [a, b]\n" + STEP + "  exclude_if:\n    kv_cache_utilization: {gt: 90}\n"
+    )
+    # Not policies: an editor's temporary file and another suffix.
+    (tmp_path / ".chat.yaml.swp.yaml").write_text("routing_policy: {}\n")
+    (tmp_path / "README.txt").write_text("notes\n")
+    code, out, err = check_policy(tmp_path)  # type: ignore[operator]
+    assert (code, err) == (0, "")
+    headers = [line for line in out.splitlines() if line.startswith("== ")]
+    assert headers == [
+        "== _default: the global policy",
+        "== chat: a per-model policy",
+        "== code: a per-model policy",
+    ]
+    sections = out.split("\n\n== ")
+    assert sections[0].splitlines()[1] == "chain: routing_policy → wide"
+    assert sections[1].splitlines()[1:3] == [
+        "chain: routing_policy",
+        "models: a, b (a per-model file)",
+    ]
+    assert "warning: routing_policy.exclude_if.kv_cache_utilization.gt" in sections[1]
+    assert sections[2].splitlines()[2] == "models: coder (a per-model file)"
+
+
+def test_check_policy_names_every_problem_of_a_directory(
+    check_policy: object, tmp_path: Path
+) -> None:
+    (tmp_path / "_default.yaml").write_text(STEP)
+    (tmp_path / "_default.yml").write_text(STEP)
+    (tmp_path / "a.yaml").write_text("models: [m]\n" + STEP)
+    (tmp_path / "b.yaml").write_text("models: [m]\n" + STEP)
+    (tmp_path / "c.yaml").write_text(STEP)
+    (tmp_path / "d.yaml").write_text("models: [d]\nrouting_policy: {}\n")
+    code, out, err = check_policy(tmp_path)  # type: ignore[operator]
+    assert code == 1
+    # The documents that load are still shown; the global one is refused.
+    assert [line for line in out.splitlines() if line.startswith("== ")] == [
+        "== a: a per-model policy"
+    ]
+    lines = err.splitlines()
+    assert lines[0] == f"{tmp_path}: invalid policy directory"
+    assert all(line.startswith("  - ") for line in lines[1:])
+    for expected in (
+        "_default.yml: both _default.yaml and _default.yml are there",
+        "/b: model 'm' already belongs to policy 'a'",
+        "/c: models: missing",
+        "/d: routing_policy.strategy",
+    ):
+        assert sum(expected in line for line in lines) == 1, (expected, err)
+
+
+def test_check_policy_says_a_directory_without_a_global_policy_uses_the_other_one(
+    check_policy: object, tmp_path: Path
+) -> None:
+    (tmp_path / "a.yaml").write_text("models: [m]\n" + STEP)
+    code, out, err = check_policy(tmp_path)  # type: ignore[operator]
+    assert (code, err) == (0, "")
+    assert out.startswith("== _default: none (the global policy is --policy-file's")
+    assert "\n\n== a: a per-model policy\nchain: routing_policy\n" in out
+
+
 # --- the running policy ------------------------------------------------------------------
 
 FIRST = """\

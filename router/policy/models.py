@@ -150,9 +150,28 @@ def read_directory(directory: str) -> Listing:
     return found
 
 
+@dataclass
+class Checked:
+    """A policy directory as start-up loads it: the global policy (None when there is
+    no valid `_default.yaml`), the named documents that loaded, and every problem."""
+
+    default: Policy | None
+    policies: ModelPolicies
+    errors: list[str]
+
+
 def load_directory(directory: str) -> tuple[Policy | None, ModelPolicies]:
     """Start-up: every file valid and no model claimed twice, or PolicyError naming each
     file's problems."""
+    checked = check_directory(directory)
+    if checked.errors:
+        raise PolicyError(checked.errors)
+    return checked.default, checked.policies
+
+
+def check_directory(directory: str) -> Checked:
+    """What `load_directory` would load and every reason it would refuse; shared with
+    `check-policy DIR`, so the check cannot pass a directory start-up refuses."""
     found = read_directory(directory)
     errors = found.errors
     default: Policy | None = None
@@ -169,9 +188,7 @@ def load_directory(directory: str) -> tuple[Policy | None, ModelPolicies]:
             errors += [f"{directory}/{name}: {e}" for e in exc.errors]
         except ModelConflict as exc:
             errors.append(f"{directory}/{name}: {exc}")
-    if errors:
-        raise PolicyError(errors)
-    return default, policies
+    return Checked(default, policies, errors)
 
 
 def _as_json(source: str) -> dict[str, object]:
