@@ -84,6 +84,13 @@ class Dispatcher:
             return model
         return UNREGISTERED_MODEL
 
+    def policy_of(self, req: RouteRequest) -> Policy:
+        """The policy `req` is routed under (RouteRequest.policy), from now on the running
+        one for a request that came without."""
+        if req.policy is None:
+            req.policy = self.store.for_model(req.model)
+        return req.policy
+
     def provider_for(self, policy: Policy, req: RouteRequest) -> ProviderFallback | None:
         provider = policy.fallback_provider
         if (
@@ -98,7 +105,7 @@ class Dispatcher:
 
     async def dispatch(self, req: RouteRequest) -> Served | ProviderServed:
         """Serve `req`, or raise RouterError (BackendRejected for request-level errors)."""
-        policy = self.store.for_model(req.model)
+        policy = self.policy_of(req)
         root = req.span
         with root.child("route", {"hivenet.model": req.model}) as span:
             # The spans of the routing (its forwards) go under this one.

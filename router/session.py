@@ -74,6 +74,10 @@ class RouteRequest:
     # Called when routing leaves the local pool for the external provider (admission
     # gives back the request's occupancy: the provider holds no local KV cache).
     on_provider: Callable[[], Awaitable[None]] | None = None
+    # The policy the request is admitted and routed under, its continuations included:
+    # taken once when it arrives, so a reload changes the next request's and never
+    # mixes two in one. None: the model's running policy when routing starts.
+    policy: Policy | None = None
 
 
 class Slot:

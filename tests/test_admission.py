@@ -7,7 +7,10 @@ eviction of the lowest priority from a full queue.
 
 from __future__ import annotations
 
+import json
 import logging
+import uuid
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -16,12 +19,13 @@ import trio.testing
 
 from protocol.errors import ErrorCode, RouterError
 from router.capacity import WaitQueue
+from router.http.client import TICKET, ClientApi, ClientSettings
 from router.metrics import RouterMetrics
 from router.policy.admission import load_value, shed
 from router.policy.describe import describe, policy_warnings
 from router.policy.schema import PolicyError, Rule, Shed, load_policy
 from router.session import Exhausted, LoadShed, Served, _QueuePlace
-from tests.test_session import MODEL, Harness, hold, make_peer, policy, request
+from tests.test_session import MODEL, Harness, fail, hold, make_peer, policy, request
 
 # --- schema ------------------------------------------------------------------------------
 
@@ -481,3 +485,49 @@ async def test_a_broken_streams_continuation_is_not_shed(autojump_clock: Any) ->
     continued = await step_only.dispatcher().continuation(request())
     assert continued is not None
     continued.response.close()
+
+
+class _SlowTicket:
+    """A tenant's admission (router/tenants/gate.py `Ticket`) during which the policy
+    is reloaded: what a wait for the tenant's room, or a SIGHUP, can do."""
+
+    counts_tokens = False
+    wants_usage = False
+
+    def __init__(self, during: Callable[[], None]) -> None:
+        self.during = during
+        self.answers: list[ErrorCode] = []
+
+    async def admit(self, model: str, size: int, need: int, charge: int) -> None:
+        self.during()
+
+    def answered_with(self, code: ErrorCode) -> None:
+        self.answers.append(code)
+
+
+async def test_a_request_is_routed_under_the_policy_it_was_admitted_under(
+    autojump_clock: Any,
+) -> None:
+    h = Harness(policy(ANY), [make_peer("A")])
+    h.script["A"] = [fail()]
+    # The reloaded policy has no agent for the model: routed under it, A is never tried.
+    newer = policy("match: {engine: vllm}\n" + ANY)
+    reloads: list[list[str]] = []
+    ticket = _SlowTicket(lambda: reloads.append(h.store.replace(newer, "test")))
+    client = ClientApi(h.dispatcher(), h.table, h.metrics, ClientSettings(4096, 60.0))
+    scope = {"path": "/v1/chat/completions", "headers": [], TICKET: ticket}
+    body = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "hi"}]})
+    incoming = [{"type": "http.request", "body": body.encode(), "more_body": False}]
+
+    async def receive() -> dict:
+        if incoming:
+            return incoming.pop()
+        await trio.sleep_forever()
+        raise AssertionError
+
+    async def send(message: dict) -> None:
+        pass
+
+    status = await client.inference(scope, receive, send, str(uuid.uuid4()), "t")
+    assert (status, ticket.answers) == (503, [ErrorCode.BACKEND_UNAVAILABLE])
+    assert reloads == [[]] and h.tried() == ["A"]

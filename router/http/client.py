@@ -44,6 +44,7 @@ from router.idempotency import DEFAULT_WINDOW, IdempotencyTable, request_key
 from router.link import AgentResponse, StreamBroken
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
+from router.policy.schema import Policy
 from router.session import BackendRejected, RouteRequest
 from router.tenants.config import NO_LIMITS, ApiKey
 from router.tenants.gate import Ticket
@@ -218,12 +219,16 @@ class ClientApi:
         span: Span = scope.get(SPAN, NULL_SPAN)
         key: ApiKey | None = scope.get(API_KEY)
         gates = self.admission
+        # One snapshot for the gates below and the routing after them: the tenant's
+        # admission and the pool's room wait, and a reload meanwhile must not route
+        # under other rules than the caps that admitted the request.
+        policy = self.dispatcher.store.for_model(model)
         # Upstream's gates model KV-cache-bound generation: not embeddings, rerank or
         # token counting (the daily budget still charges embeddings and rerank). A
         # request no check reads skips the estimate (7 µs for a short chat).
         limits, own = NO_ADMISSION_LIMITS, NO_LIMITS
         if gates is not None and capability == "llm" and path in _GATED:
-            limits = self.dispatcher.store.for_model(model).admission
+            limits = policy.admission
             own = key.limits_for(model) if key is not None else NO_LIMITS
         gated = gates is not None and (limits.active or own.any)
         estimate = None
@@ -246,7 +251,7 @@ class ClientApi:
         if gated and estimate is not None and gates is not None:
             reserve = partial(gates.reserve, model, limits, key, estimate)
         return await self._forward(
-            scope, receive, send, rid, tenant, priority, payload, body, received, reserve
+            scope, receive, send, rid, tenant, priority, payload, body, received, reserve, policy
         )
 
     def _refused(
@@ -281,6 +286,7 @@ class ClientApi:
         body: bytes,
         received: float,
         reserve: _Reserve | None,
+        policy: Policy,
     ) -> int:
         path = scope["path"]
         capability, protocol = ENDPOINTS[path]
@@ -318,6 +324,7 @@ class ClientApi:
             span=span,
             # Tracing off, the client's trace context still reaches the engine.
             traceparent=valid_traceparent(traceparent),
+            policy=policy,
         )
         req.report_usage = ticket is not None and ticket.wants_usage
         if path == count_tokens.COUNT_TOKENS_PATH:
