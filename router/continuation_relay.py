@@ -73,10 +73,7 @@ class StreamContinuer:
         self.metrics = metrics
 
     def enabled(self, req: RouteRequest) -> bool:
-        return (
-            req.path in _CONTINUED_PATHS
-            and self.dispatcher.store.for_model(req.model).stream_continuation
-        )
+        return req.path in _CONTINUED_PATHS and self.dispatcher.policy_of(req).stream_continuation
 
     async def continue_after(
         self, req: RouteRequest, sent: Sent, exclude: frozenset[str]

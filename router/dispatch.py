@@ -136,8 +136,9 @@ class Dispatcher:
         """Route a broken stream's continuation (router/continuation_relay.py) through
         the local chain only: a provider cannot go on from another engine's text. The
         request was counted as routed once; its continuation is counted on its own, and
-        not shed: `shed_if` admitted the request when it came."""
-        policy = self.store.for_model(req.model)
+        not shed: `shed_if` admitted the request when it came. The chain is the one the
+        request started with: a reload since changes the next request's."""
+        policy = self.policy_of(req)
         async with self.limit.slot():
             outcome = await self.session.route(policy, req, admit=False)
         return outcome if isinstance(outcome, Served) else None

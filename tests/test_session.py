@@ -7,6 +7,7 @@ and a test never depends on how fast the machine is.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import uuid
 from dataclasses import dataclass, field
@@ -19,6 +20,7 @@ import trio.testing
 from protocol.errors import ErrorCode, RouterError
 from router import session as session_module
 from router.capacity import WaitQueue
+from router.continuation_relay import StreamContinuer
 from router.dispatch import Dispatcher, ProviderServed
 from router.http import admin
 from router.metrics import UNREGISTERED_MODEL, RouterMetrics
@@ -979,6 +981,27 @@ async def test_a_reload_while_routing_leaves_the_requests_provider_as_it_started
     await d.dispatch(request())
     await d.dispatch(request())
     assert seen == ["gpt-4o-mini", "gpt-newer"]
+
+
+async def test_a_broken_streams_continuation_follows_the_policy_its_request_started_with(
+    autojump_clock: Any,
+) -> None:
+    h = Harness(policy(ANY), [make_peer("A"), make_peer("B")])
+    d = h.dispatcher()
+    continuer = StreamContinuer(d, h.table, h.metrics)
+    req = request()
+    served = await d.dispatch(req)
+    assert isinstance(served, Served)
+    served.response.close()
+    # Reloaded while the stream ran: no agent for the model, and no continuation.
+    newer = policy("match: {engine: vllm}\n" + ANY) + "stream_continuation: false\n"
+    assert h.store.replace(newer, "test") == []
+    assert continuer.enabled(req) and not continuer.enabled(request())
+    again = dataclasses.replace(req, exclude=frozenset({served.peer.peer_id}))
+    continued = await d.continuation(again)
+    assert continued is not None and continued.peer.peer_id != served.peer.peer_id
+    continued.response.close()
+    assert await d.continuation(request()) is None
 
 
 async def test_a_provider_without_its_key_is_skipped(autojump_clock: Any) -> None:
