@@ -141,9 +141,12 @@ async def send_error(
     headers: list[tuple[str, str]],
     ticket: Ticket | None,
 ) -> int:
-    """Answer with `err`; its code goes on the request's ticket for the audit line."""
+    """Answer with `err`, and its Retry-After when it has one; its code goes on the
+    request's ticket for the audit line."""
     if ticket is not None:
         ticket.answered_with(err.code)
+    if err.retry_after is not None:
+        headers = [*headers, *err.retry_headers()]
     await send_json(send, err.http_status, error_payload(protocol, err), headers)
     return err.http_status
 
@@ -182,8 +185,7 @@ class ClientApi:
         extra = [("x-request-id", rid)]
 
         async def fail(err: RouterError) -> int:
-            headers = [*extra, *err.retry_headers()]
-            return await send_error(send, protocol, err, headers, scope.get(TICKET))
+            return await send_error(send, protocol, err, extra, scope.get(TICKET))
 
         ready = scope.get("extensions", {}).get(BODY_READY)
         try:
@@ -331,8 +333,7 @@ class ClientApi:
             try:
                 count_tokens.to_tokenize(req, payload, self.table.for_model(model))
             except RouterError as err:
-                retry = [*extra, *err.retry_headers()]
-                return await send_error(send, protocol, err, retry, ticket)
+                return await send_error(send, protocol, err, extra, ticket)
         # router/http/server.py tells of the client leaving and lends the connection's
         # cancel scope; under another server a task waits in receive() for the client,
         # and the answer has a scope of its own.
@@ -381,8 +382,7 @@ class ClientApi:
         outcome = await reserve()
         if isinstance(outcome, AdmissionRefused):
             refused = self._refused(req.request_id, req.tenant, req.model, outcome, ticket)
-            headers = [*extra, *refused.retry_headers()]
-            return await send_error(send, protocol, refused, headers, ticket)
+            return await send_error(send, protocol, refused, extra, ticket)
         admitted = outcome
         req.report_usage = True
         req.on_provider = partial(gates.left_local, admitted)
@@ -502,8 +502,7 @@ class ClientApi:
             state.status = await send_error(send, protocol, err, extra, state.ticket)
             return
         except RouterError as err:
-            headers = [*extra, *err.retry_headers()]
-            state.status = await send_error(send, protocol, err, headers, state.ticket)
+            state.status = await send_error(send, protocol, err, extra, state.ticket)
             return
         if isinstance(served, ProviderServed):
             # A whole answer's usage, read once for the tenant and the key's buckets; a
