@@ -70,10 +70,11 @@ def parse_yaml(text: str) -> tuple[object, list[str]]:
         try:
             return _parse(text, _LOADER)
         except yaml.YAMLError:
-            if _LOADER is yaml.SafeLoader:
+            if _LOADER is yaml.SafeLoader or len(text) > PURE_PARSER_BYTES:
                 raise
             # PyYAML's own parser again, for its messages (what the examples quote),
-            # and for whatever it reads that libyaml does not; only on a failure.
+            # and for whatever it reads that libyaml does not; only on a failure, and
+            # only for a document it reads in milliseconds.
             return _parse(text, yaml.SafeLoader)
     except yaml.YAMLError as exc:
         raise YamlInvalid([yaml_error(exc)]) from None
@@ -94,6 +95,10 @@ def parse_document(text: str, error: type[DocumentError]) -> tuple[object, list[
 # libyaml's parser where PyYAML was built with it: a 1 MiB document of 100,000 keys took
 # the pure-Python one 5 s of the router's only thread.
 _LOADER = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+# Past this size a document libyaml refused is not parsed again by the pure-Python parser
+# for its message: a 1 MiB one took it 5.6 s of that thread to fail again. A policy or
+# auth file is a few KiB.
+PURE_PARSER_BYTES = 64 * 1024
 
 
 def _parse(text: str, loader_class: Any) -> tuple[object, list[str]]:

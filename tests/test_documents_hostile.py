@@ -9,14 +9,16 @@ import time
 from pathlib import Path
 
 import pytest
+import yaml
 
 from protocol.secrets import MAX_SECRET_FILE_BYTES, load_previous_secret, load_secret
+from router import documents
 from router.documents import MAX_ERRORS, MAX_FILE_BYTES, read_text
 from router.metrics import RouterMetrics
 from router.policy.models import check_name
 from router.policy.schema import MAX_FALLBACK_STEPS, PolicyError, load_policy
 from router.policy.store import PolicyStore
-from router.settings import read_admin_keys
+from router.settings import MAX_KEYS_FILE_BYTES, read_admin_keys
 from router.tenants.config import AuthError, load_auth
 from router.tenants.registry import rfc3339
 
@@ -167,3 +169,30 @@ def test_secret_and_admin_key_files_are_read_the_same_guarded_way(tmp_path: Path
     good = tmp_path / "good"
     good.write_bytes(b"s" * 40 + b"\n")
     assert load_secret(str(good)) == b"s" * 40
+    keys = tmp_path / "admin-keys"
+    keys.write_bytes(b"k" * (MAX_KEYS_FILE_BYTES + 1))
+    with pytest.raises(ValueError, match="larger than"):
+        read_admin_keys(str(keys))
+
+
+def test_a_large_document_libyaml_refuses_is_not_parsed_again_by_the_pure_parser(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The pure-Python parser, only for a refused document's message, took 5.6 s of the
+    router's thread to fail a 1 MiB one again (an admin PUT may send that much)."""
+    parsers: list[object] = []
+    parse = documents._parse
+
+    def counted(text: str, loader: object) -> tuple[object, list[str]]:
+        parsers.append(loader)
+        return parse(text, loader)
+
+    monkeypatch.setattr(documents, "_parse", counted)
+    large = "".join(f"k{i}: {i}\n" for i in range(20_000)) + "broken: [\n"
+    assert len(large) > documents.PURE_PARSER_BYTES
+    with pytest.raises(documents.YamlInvalid):
+        documents.parse_yaml(large)
+    assert parsers == [documents._LOADER]
+    with pytest.raises(documents.YamlInvalid):
+        documents.parse_yaml("small: [\n")  # a small one still gets PyYAML's message
+    assert parsers[1:] == [documents._LOADER, yaml.SafeLoader]
