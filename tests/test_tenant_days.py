@@ -92,3 +92,28 @@ async def test_a_refund_of_a_charge_the_counts_lost_lends_nothing(
         gate.close()
         if server is not None:
             server.stop()
+
+
+async def test_a_tenant_without_a_day_budget_writes_no_day_count(tmp_path: Path) -> None:
+    """A concurrency limit and no `tokens_per_day`: its release gives the slot back and
+    charges no day (in Redis it made a key of no day, `…:tokens:`)."""
+    server = RedisServer(tmp_path, dict(os.environ)).start()
+    auth = tmp_path / "auth.yaml"
+    auth.write_text(f'tenants:\n  t:\n    keys: ["{hash_key("k")}"]\n    max_concurrent: 1\n')
+    gate = TenantGate(
+        GateSettings(auth_file=str(auth), state_url=server.url), ClientKeys(""), RouterMetrics()
+    )
+    gate.state._up()
+    try:
+        ticket = gate.open("r1", "t")
+        assert ticket is not None and await ticket.admit("m", 10, need=50, charge=50) is None
+        ticket.served_by("routing_policy", "agent")
+        ticket.usage = {"prompt_tokens": 70, "completion_tokens": 40}
+        await ticket.close()
+        assert gate.state.client is not None
+        assert [k for k in gate.state.client.scan_iter(match="*tokens*")] == []
+        again = gate.open("r2", "t")
+        assert again is not None and await again.admit("m", 10) is None  # the slot is back
+    finally:
+        gate.close()
+        server.stop()
