@@ -177,7 +177,8 @@ class IdempotencyTable:
                 return await refuse()
             if isinstance(claim, Join):
                 state = claim.entry.state.value
-                log.debug("req=%s idempotent_join of=%s tenant=%s", rid, state, quote(tenant))
+                if log.isEnabledFor(logging.DEBUG):
+                    log.debug("req=%s idempotent_join of=%s tenant=%s", rid, state, quote(tenant))
                 status = await serve_join(claim.entry, send, rid, abandoned)
                 if status is not None:
                     log.info("req=%s idempotent_replay of=%s tenant=%s", rid, state, quote(tenant))
@@ -211,7 +212,7 @@ class IdempotencyTable:
         past it (a stream's parts that the link's reader writes, router/link.py)."""
         if entry.state is not EntryState.RUNNING:
             return
-        if _carries_error(body):
+        if not entry.failed and _carries_error(body):
             entry.failed = True
         entry.size += len(body)
         if entry.size > MAX_ANSWER_BYTES:

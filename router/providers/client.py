@@ -178,10 +178,10 @@ class ProviderStream:
     def _translate(self, chunk: bytes) -> bytes:
         """The client's bytes for the events `chunk` completes; a failure among them
         ends the stream after the events before it."""
-        out = b""
+        out: list[bytes] = []
         try:
             for name, data in self._parser.feed(chunk):
-                out += self._translator.event(name, data)
+                out.append(self._translator.event(name, data))
         except ValueError as exc:
             self._ended = True
             self._failure = _backend(f"{self.name} provider stream is malformed: {exc}")
@@ -192,7 +192,7 @@ class ProviderStream:
             detail = f"{exc.kind}: {exc.message[:_DETAIL_LIMIT]}"
             message = f"{self.name} provider stream failed: {detail}"
             self._failure = RouterError(code, message, source="backend")
-        return out
+        return b"".join(out)
 
     async def aclose(self) -> None:
         with trio.CancelScope(shield=True):
