@@ -7,6 +7,7 @@ from collections.abc import Callable
 
 import trio
 
+from agent import engine_http
 from agent.answers import MalformedAnswer, SSEChecker, check_json_answer, is_event_stream
 from agent.engine_http import (
     EngineBrokeOff,
@@ -24,10 +25,6 @@ from protocol.tracing import NULL_SPAN, Span
 
 log = logging.getLogger("agent")
 
-# After an answer's last event, at most this much more is read from the engine (only
-# the end of its chunked body is expected) before its connection is dropped instead.
-DRAIN_BYTES = 64 * 1024
-DRAIN_SECONDS = 1.0
 # A whole answer leaves in one frame; its headers and the frame's fields fit in the rest.
 MAX_ANSWER_BYTES = MAX_FRAME_BYTES - 64 * 1024
 # A body up to this size goes in one `response` frame with its head (64 KiB at most)
@@ -189,8 +186,9 @@ async def _drain(response: EngineResponse, limits: ReadLimits) -> None:
     its connection goes back to the pool; the answer is already complete."""
     if response.read_whole:
         return  # the body's end came with the last event
-    limits.drain(DRAIN_SECONDS)
-    left = DRAIN_BYTES
+    # The pool's bounds on the same end, when it reads it later (`finish_later`).
+    limits.drain(engine_http.FINISH_SECONDS)
+    left = engine_http.FINISH_BYTES
     try:
         while piece := await response.receive():
             left -= len(piece)

@@ -669,8 +669,8 @@ async def test_a_stream_s_end_is_read_in_the_request_where_it_cannot_be_read_lat
     serve: Callable, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A connection the pool cannot read without waiting (TLS; here a test's stream)
-    has its stream's end read before the request is over, at most DRAIN_SECONDS."""
-    monkeypatch.setattr(forward_module, "DRAIN_SECONDS", 0.2)
+    has its stream's end read before the request is over, at most FINISH_SECONDS."""
+    monkeypatch.setattr(engine_http, "FINISH_SECONDS", 0.2)
     engine = await serve(_stream_answers(None))
 
     class Wrapped:  # not a plain TCP stream: no socket the pool could read
