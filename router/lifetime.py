@@ -21,7 +21,7 @@ import operator
 import os
 import sqlite3
 import time
-from dataclasses import astuple, dataclass, fields
+from dataclasses import dataclass, fields
 
 import trio
 
@@ -122,11 +122,10 @@ class LifetimeStore:
         self.last_error: str | None = None
         # What the file holds per agent, as `_persisted` reads it.
         self._written: dict[str, tuple] = {}
-        # Agents not in the table: those of the file not yet rejoined, and those the
-        # link removed (silent past --remove-after), which may come back.
-        self._saved: dict[str, Lifetime] = {}
-        # Removed agents' last stats, not written yet: the table no longer lists them.
-        self._retired: dict[str, tuple] = {}
+        # Agents not in the table, as rows: those of the file not yet rejoined, and those
+        # the link removed (silent past --remove-after), which may come back. Those that
+        # differ from `_written` are written on the next pass.
+        self._saved: dict[str, tuple] = {}
         self._lock = trio.Lock()
         self._db: sqlite3.Connection | None = None
 
@@ -136,15 +135,13 @@ class LifetimeStore:
     def restore(self, peer_id: str) -> UniversalStats | None:
         """The stats an agent had before the router restarted (once per agent)."""
         saved = self._saved.pop(peer_id, None)
-        return saved.stats() if saved is not None else None
+        return Lifetime(*saved).stats() if saved is not None else None
 
     def retire(self, peer: Peer) -> None:
         """`peer` left the table: keep its stats for the agent's return, as a restarted
         router does, and for the next write. Without this a returning agent would
         start blank here and its row be overwritten with the blank."""
-        row = _persisted(peer.stats)
-        self._saved[peer.peer_id] = Lifetime(*row)
-        self._retired[peer.peer_id] = row
+        self._saved[peer.peer_id] = _persisted(peer.stats)
 
     def load(self) -> None:
         """Open the file and read it, at startup before the event loop runs (so a file
@@ -169,8 +166,8 @@ class LifetimeStore:
             rows = db.execute(query).fetchall()
         except (sqlite3.Error, OSError) as exc:
             raise ValueError(f"--history-path {self.path}: {exc}") from exc
-        self._saved = {row[0]: Lifetime(*row[1:]) for row in rows}
-        self._written = {pid: astuple(life) for pid, life in self._saved.items()}
+        self._saved = {row[0]: tuple(row[1:]) for row in rows}
+        self._written = dict(self._saved)
         self.rows = len(rows)
         self._db = db
         log.info("history_loaded path=%s agents=%d", quote(self.path), len(rows))
@@ -187,8 +184,7 @@ class LifetimeStore:
             # Taken under the lock: a reset between this snapshot and its write would
             # otherwise be undone by it.
             written = self._written
-            retired, self._retired = self._retired, {}
-            changed = {pid: row for pid, row in retired.items() if written.get(pid) != row}
+            changed = {pid: row for pid, row in self._saved.items() if written.get(pid) != row}
             # A returned agent's live stats win over what it left with.
             for peer in self.table.all():
                 now = _persisted(peer.stats)
@@ -199,8 +195,7 @@ class LifetimeStore:
             try:
                 self.rows = await trio.to_thread.run_sync(self._write, changed, time.time())
             except sqlite3.Error as exc:
-                # Retried next pass; what retired since then is newer.
-                self._retired = {**retired, **self._retired}
+                # Retried next pass: `_written` still says what the file holds.
                 if self.last_error != str(exc):
                     # Once per outage and reason, not every pass of a full disk.
                     log.warning(
@@ -241,7 +236,6 @@ class LifetimeStore:
             for peer in self.table.all():
                 peer.stats.reset()
             self._saved.clear()
-            self._retired.clear()
             self._written.clear()
 
     def _delete(self) -> None:
