@@ -135,6 +135,9 @@ async def test_an_agent_removed_and_back_keeps_its_history(tmp_path: Path) -> No
     link._sweep_table(trio.current_time() + 31.0)
     assert table.get(PEER) is None
     await store.write()  # the removed agent's last counts reach the file
+    with sqlite3.connect(path) as db:
+        assert db.execute("SELECT successes FROM agent_history").fetchall() == [(1,)]
+    db.close()
 
     back = join()
     assert (back.stats.successes, back.stats.srtt_ms) == (1, 40.0)
