@@ -458,7 +458,7 @@ class _Validator(Validator):
             self.error(path, f"must be a mapping, got {kind(body)}")
             return None
         self.unknown_keys(f"{path}.", body, PREFIX_PARAM_KEYS, f"unknown {strategy} parameter")
-        defaults = PrefixParams()
+        defaults = _PREFIX_DEFAULTS
         block = self.integer(f"{path}.block_chars", body.get("block_chars"), *_BLOCK_CHARS)
         blocks = self.integer(f"{path}.max_blocks", body.get("max_blocks"), *_MAX_BLOCKS)
         return PrefixParams(
@@ -483,7 +483,7 @@ class _Validator(Validator):
         match covers, a load gap no agent reaches. A ratio of loads under 1 is met by
         every busier agent, and leaves a new conversation no room (fewest blocks times
         the ratio) but the least-loaded agent."""
-        default: float = getattr(PrefixParams(), name)
+        default: float = getattr(_PREFIX_DEFAULTS, name)
         if name not in body:
             return default
         value = body[name]
@@ -551,6 +551,7 @@ PREFIX_PARAM_KEYS: tuple[str, ...] = (
     "balance_rel_threshold",
     "cache_threshold",
 )
+_PREFIX_DEFAULTS = PrefixParams()
 # A block under 16 characters (4 tokens) costs a dict lookup per word; over 64 KiB a
 # long prompt would share no block with its own next turn.
 _BLOCK_CHARS = (16, 65_536)
