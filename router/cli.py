@@ -7,7 +7,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from protocol.collector import tune_collector
 from protocol.durations import parse_duration
@@ -31,6 +31,9 @@ REFUSED: tuple[Refused, ...] = (
         " of every libp2p session; set the JWT's lifetime with `hivenet-router token --ttl`",
     ),
 )
+
+if TYPE_CHECKING:
+    from router.policy.schema import Policy
 
 
 def _env(name: str, default: str) -> str:
@@ -391,7 +394,6 @@ def _invalid(path: str, noun: str, errors: list[str]) -> int:
 
 
 def cmd_check_policy(args: argparse.Namespace) -> int:
-    from router.policy.describe import describe, policy_warnings
     from router.policy.schema import PolicyError, load_policy_file
 
     if os.path.isdir(args.file):
@@ -403,17 +405,22 @@ def cmd_check_policy(args: argparse.Namespace) -> int:
     except OSError as exc:
         print(f"{args.file}: {exc}", file=sys.stderr)
         return 1
-    print(describe(policy, args.max_tries_per_step), end="")
-    for warning in policy_warnings(policy):
-        print(f"warning: {warning}")
+    print(_described(policy, args.max_tries_per_step), end="")
     return 0
+
+
+def _described(policy: Policy, max_tries: int | None) -> str:
+    """A policy as `check-policy` prints it: its chain, then its warnings."""
+    from router.policy.describe import describe, policy_warnings
+
+    warnings = "".join(f"warning: {w}\n" for w in policy_warnings(policy))
+    return describe(policy, max_tries) + warnings
 
 
 def _check_policy_dir(args: argparse.Namespace) -> int:
     """`check-policy DIR`: each document that loads, under its name and the global one
     first, as a file's check prints it; then every problem --policy-model-dir would stop
     the router with."""
-    from router.policy.describe import describe, policy_warnings
     from router.policy.models import check_directory
 
     try:
@@ -431,8 +438,7 @@ def _check_policy_dir(args: argparse.Namespace) -> int:
         )
     for name, policy in documents:
         kind = "the global policy" if name == "_default" else "a per-model policy"
-        warnings = "".join(f"warning: {w}\n" for w in policy_warnings(policy))
-        sections.append(f"== {name}: {kind}\n{describe(policy, args.max_tries_per_step)}{warnings}")
+        sections.append(f"== {name}: {kind}\n{_described(policy, args.max_tries_per_step)}")
     print("\n".join(sections), end="")
     if checked.errors:
         return _invalid(args.file, "policy directory", checked.errors)
