@@ -16,6 +16,9 @@ from protocol.secrets import load_previous_secret, load_secret
 from protocol.upstream_flags import Refused, add_refused, refused_environment
 from router.settings import RouterSettings, env_value, split_hostport
 
+if TYPE_CHECKING:
+    from router.policy.schema import Policy
+
 # The Go router's serve flags with no meaning on a libp2p-only router.
 REFUSED: tuple[Refused, ...] = (
     Refused(
@@ -31,9 +34,6 @@ REFUSED: tuple[Refused, ...] = (
         " of every libp2p session; set the JWT's lifetime with `hivenet-router token --ttl`",
     ),
 )
-
-if TYPE_CHECKING:
-    from router.policy.schema import Policy
 
 
 def _env(name: str, default: str) -> str:
