@@ -8,6 +8,7 @@ import errno
 import io
 import logging
 import os
+import socket
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -231,6 +232,30 @@ async def test_a_tcp_router_s_name_is_resolved_by_the_system_at_each_dial() -> N
     # WebSocket keeps the name, for its Host header, the proxy's CONNECT and TLS.
     ws = parse_router(f"/dns4/localhost/tcp/9000/ws/p2p/{ROUTER_ID}").addr
     assert await dial_addrs(ws) == [ws]
+
+
+@pytest.mark.parametrize(
+    "answer",
+    [socket.gaierror(socket.EAI_NONAME, "Name or service not known"), [], ["fe80::1%eth0"]],
+    ids=["unknown-name", "no-address", "link-local-only"],
+)
+async def test_a_name_with_nothing_to_dial_fails_that_dial_only(
+    monkeypatch: pytest.MonkeyPatch, answer: object
+) -> None:
+    """What the resolver answers for a hostile or broken name ends the dial with an
+    error the loop logs (`router_dial_failed`) and backs off from, never a crash."""
+    from agent.router_identity import dial_addrs, parse_router
+
+    async def resolve(host: str, port: int, family: int, kind: int) -> list[tuple]:
+        if isinstance(answer, Exception):
+            raise answer
+        assert isinstance(answer, list)
+        return [(socket.AF_INET6, kind, 6, "", (ip, port, 0, 2)) for ip in answer]
+
+    monkeypatch.setattr(trio.socket, "getaddrinfo", resolve)
+    addr = parse_router(f"/dns/router.invalid/tcp/9000/p2p/{ROUTER_ID}").addr
+    with pytest.raises(OSError):
+        await dial_addrs(addr)
 
 
 def test_an_agent_joins_a_router_named_by_dns(fleet: Fleet) -> None:
