@@ -23,7 +23,14 @@ from router.providers.anthropic import (
     messages_request,
 )
 from router.providers.anthropic_stream import AnthropicToOpenAI
-from router.providers.events import MAX_EVENT_BYTES, EventParser, PassThrough
+from router.providers.events import (
+    MAX_EVENT_BYTES,
+    MAX_KIND,
+    EventParser,
+    PassThrough,
+    ProviderErrorEvent,
+    check_error_event,
+)
 from router.providers.messages import OpenAIToAnthropic
 from router.providers.openai import request as openai_request
 from router.session import RouteRequest
@@ -1215,3 +1222,21 @@ def test_a_provider_event_too_large_or_too_deep_is_refused() -> None:
         EventParser().feed(line * 5)
     with pytest.raises(ValueError, match="nested too deeply"):
         PassThrough(False).event(None, "[" * 100_000 + "]" * 100_000)
+
+
+@pytest.mark.parametrize(
+    ("event", "kind", "message"),
+    [
+        ({"error": {"type": "t" * 10_000, "message": "m"}}, "t" * MAX_KIND, "m"),
+        ({"type": "error", "error": {"type": 5, "message": ["x"]}}, "error", "no message"),
+        ({"type": "error", "code": None}, "error", "no message"),
+        ({"error": {}}, "error", "no message"),
+    ],
+    ids=["long-type", "wrong-types", "responses-no-code", "empty"],
+)
+def test_a_providers_error_event_of_any_shape_is_named_within_bounds(
+    event: dict, kind: str, message: str
+) -> None:
+    with pytest.raises(ProviderErrorEvent) as raised:
+        check_error_event(event)
+    assert (raised.value.kind, raised.value.message) == (kind, message)

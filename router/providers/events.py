@@ -82,6 +82,10 @@ def parse_data(data: str) -> dict[str, Any]:
     return value
 
 
+# An error type is a word (`overloaded_error`, `server_error`): past this, not one.
+MAX_KIND = 80
+
+
 class ProviderErrorEvent(Exception):
     """The provider ended its stream with an error event of `kind` (its error type)."""
 
@@ -105,7 +109,8 @@ def check_error_event(value: dict[str, Any]) -> None:
     kind = fields.get("type") if fields is inner else fields.get("code")
     message = fields.get("message")
     raise ProviderErrorEvent(
-        kind if isinstance(kind, str) and kind else "error",
+        # The provider's word for it goes into a log line and a client's message.
+        kind[:MAX_KIND] if isinstance(kind, str) and kind else "error",
         message if isinstance(message, str) and message else "no message",
     )
 
