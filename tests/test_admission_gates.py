@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+import pytest
 import trio
 import trio.testing
 
@@ -17,8 +21,11 @@ from router.admission.estimate import (
     Estimator,
 )
 from router.admission.limits import AdmissionLimits, AdmitSettings
+from router.admission.shared import SharedAdmission
 from router.metrics import UNREGISTERED_MODEL, RouterMetrics
 from router.tenants.config import ApiKey, KeyLimits
+from router.tenants.shared import TenantState
+from tests.redis_server import RedisServer
 
 TEXT = "x" * 320  # 100 tokens at the default 3.2 characters per token
 
@@ -144,14 +151,24 @@ async def test_b2_parks_until_occupancy_leaves_then_refuses_with_retry_after() -
     assert sample("hivenet_router_admission_rejections_total", {"reason": "b2", "model": "m"}) == 1
 
 
-async def test_models_no_agent_registered_share_one_label_and_pool() -> None:
-    """Clients pick model names; only registered ones become series (and pools)."""
+@pytest.mark.parametrize("store", ["local", "redis"])
+async def test_models_no_agent_registered_share_one_label_and_pool(
+    tmp_path: Path, store: str
+) -> None:
+    """Clients pick model names; only registered ones become series, pools and, with
+    Redis, keys there."""
     metrics = RouterMetrics()
 
     def label(model: str) -> str:
         return model if model == "m" else UNREGISTERED_MODEL
 
-    admission = Admission(AdmitSettings(park_timeout=0), metrics, label=label)
+    server = RedisServer(tmp_path, dict(os.environ)).start() if store == "redis" else None
+    shared = None
+    if server is not None:
+        state = TenantState(server.url, RouterMetrics(), lease=60.0)
+        state._up()
+        shared = SharedAdmission(state, 60.0)
+    admission = Admission(AdmitSettings(park_timeout=0), metrics, shared=shared, label=label)
     limits = AdmissionLimits(max_inflight=1)
 
     async def reserve(model: str) -> object:
@@ -167,8 +184,15 @@ async def test_models_no_agent_registered_share_one_label_and_pool() -> None:
     rejections = "hivenet_router_admission_rejections_total"
     assert sample(rejections, {"reason": "b2", "model": UNREGISTERED_MODEL}) == 2
     assert sample(rejections, {"reason": "b2", "model": "x2"}) is None
+    if server is not None:
+        assert shared is not None and shared.state.client is not None
+        names = {k.decode() for k in shared.state.client.scan_iter(match="hivenet:admission:*")}
+        assert names and all("{m}" in n or UNREGISTERED_MODEL in n for n in names), names
     await admission.finish(x1)
     await admission.finish(m)
+    if server is not None:
+        shared.state.close()
+        server.stop()
 
 
 async def test_b2_max_inflight_and_an_undeclared_output_grows() -> None:

@@ -107,8 +107,9 @@ class Admission:
         self.settings = settings
         self.metrics = metrics
         self.replicas = replicas
-        # A model's name in the metrics and in `pools`: every model no agent registered
-        # shares one (`Dispatcher.model_label`), so clients' names make no series.
+        # A model's name in the metrics, in `pools`, in the keys' buckets and in Redis:
+        # every model no agent registered shares one (`Dispatcher.model_label`), so
+        # clients' names make no series, no counts and no keys of their own.
         self.label = label
         # The counts in Redis (--state-url); local while it is unreachable.
         self.shared = shared
@@ -198,7 +199,7 @@ class Admission:
         buckets = None
         if serverless:
             assert key is not None
-            buckets = self._buckets(key.id, model, own)
+            buckets = self._buckets(key.id, self.label(model), own)
             refused = self._key_limits(model, limits, key.id, own, buckets, footprint, estimate)
             if refused is not None:
                 return refused
@@ -327,7 +328,7 @@ class Admission:
         while True:
             verdict = await shared.call(
                 shared.reserve,
-                model,
+                pool.model,
                 entry,
                 estimate.footprint,
                 key_id,
@@ -376,7 +377,7 @@ class Admission:
             if admitted.pending >= GROW_STEP:
                 n, admitted.pending = admitted.pending, 0
                 totals = await self.shared.call(
-                    self.shared.change, admitted.model, admitted.entry, n
+                    self.shared.change, self.label(admitted.model), admitted.entry, n
                 )
                 if isinstance(totals, tuple) and admitted.pool is not None:
                     self._shared_gauges(admitted.pool, *totals)
@@ -407,7 +408,7 @@ class Admission:
             with trio.CancelScope(shield=True):
                 done = await self.shared.call(
                     self.shared.spend,
-                    admitted.model,
+                    self.label(admitted.model),
                     admitted.key_id,
                     admitted.output_limit,
                     tokens,
@@ -415,10 +416,11 @@ class Admission:
             if done is not None:
                 return
         now = trio.current_time()
-        buckets = self.buckets.get((admitted.key_id, admitted.model))
+        name = self.label(admitted.model)
+        buckets = self.buckets.get((admitted.key_id, name))
         if buckets is None:
             # Swept while the request ran (its buckets were full): it starts full again.
-            buckets = self.buckets[(admitted.key_id, admitted.model)] = KeyModelBuckets()
+            buckets = self.buckets[(admitted.key_id, name)] = KeyModelBuckets()
         bucket = buckets.output
         if bucket is None:
             bucket = buckets.output = TokenBucket(
@@ -436,7 +438,9 @@ class Admission:
         if entry is not None and self.shared is not None:
             # Redis away: the entry expires after its lease.
             with trio.CancelScope(shield=True):
-                totals = await self.shared.call(self.shared.change, admitted.model, entry, -1)
+                totals = await self.shared.call(
+                    self.shared.change, self.label(admitted.model), entry, -1
+                )
             if isinstance(totals, tuple) and admitted.pool is not None:
                 self._shared_gauges(admitted.pool, *totals)
 
