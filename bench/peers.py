@@ -13,6 +13,12 @@ the floor under hivenet's two Python processes, router and agent, in one's path.
 
 "Router CPU" is the CPU seconds of the router's process tree per 1,000 requests;
 hivenet's agent, a hop the others do not have, is shown beside its router.
+
+`--rounds N` runs the whole sweep N times, each cell's routers in an order turned by one
+each round (direct always first, the base of "added"), and prints each cell's median over
+the rounds; with vllm-router in the run, it then checks issue 26's targets round by round
+(the ratios that one run's host noise moves across a bound) and says in how many rounds
+each was met.
 """
 
 from __future__ import annotations
@@ -20,11 +26,13 @@ from __future__ import annotations
 import argparse
 import contextlib
 import platform
+import statistics
 import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import psutil
 import trio
@@ -200,29 +208,169 @@ async def measure(target: Target, stream: bool, clients: int, duration: float) -
 
 
 def run_cells(
-    targets: list[Target], streams: list[bool], levels: list[int], duration: float
+    targets: list[Target], streams: list[bool], levels: list[int], duration: float, turn: int
 ) -> list[Cell]:
+    """One sweep; `turn` rotates the order of the routers after `direct`."""
+    first, rest = targets[:1], targets[1:]
+    if rest:
+        turn %= len(rest)
+        rest = rest[turn:] + rest[:turn]
     cells = []
     for stream in streams:
         for clients in levels:
-            for target in targets:
-                if target.missing:
-                    cells.append(Cell(target.name, stream, clients, None, note=target.missing))
-                    continue
-                cpu0 = cpu_seconds(target.procs)
-                agent0 = cpu_seconds([target.agent]) if target.agent else 0.0
-                result = trio.run(measure, target, stream, clients, duration)
-                if result is None:
-                    cells.append(Cell(target.name, stream, clients, None, note="stalled"))
-                    continue
-                served = max(result.count * 1.25, 1)  # the warm-up ran a quarter as long
-                cell = Cell(target.name, stream, clients, result)
-                cell.cpu_per_1k = (cpu_seconds(target.procs) - cpu0) / served * 1000
-                if target.agent:
-                    agent_cpu = cpu_seconds([target.agent]) - agent0
-                    cell.agent_cpu_per_1k = agent_cpu / served * 1000
-                cells.append(cell)
+            for target in first + rest:
+                cells.append(run_cell(target, stream, clients, duration))
     return cells
+
+
+def run_cell(target: Target, stream: bool, clients: int, duration: float) -> Cell:
+    if target.missing:
+        return Cell(target.name, stream, clients, None, note=target.missing)
+    cpu0 = cpu_seconds(target.procs)
+    agent0 = cpu_seconds([target.agent]) if target.agent else 0.0
+    result = trio.run(measure, target, stream, clients, duration)
+    if result is None:
+        return Cell(target.name, stream, clients, None, note="stalled")
+    served = max(result.count * 1.25, 1)  # the warm-up ran a quarter as long
+    cell = Cell(target.name, stream, clients, result)
+    cell.cpu_per_1k = (cpu_seconds(target.procs) - cpu0) / served * 1000
+    if target.agent:
+        cell.agent_cpu_per_1k = (cpu_seconds([target.agent]) - agent0) / served * 1000
+    return cell
+
+
+@dataclass
+class Row:
+    """One cell's figures, the median over the rounds where it has several."""
+
+    target: str
+    stream: bool
+    clients: int
+    rps: float
+    p50_ms: float
+    p99_ms: float
+    cpu_per_1k: float | None
+    agent_cpu_per_1k: float | None
+    errors: int
+    note: str = ""
+
+
+def rows_of(rounds: list[list[Cell]]) -> list[Row]:
+    """The cells of all rounds, one row per (target, mode, clients) in the first round's
+    order; a cell that failed in any round gives its note instead of figures."""
+    by_key: dict[tuple[str, bool, int], list[Cell]] = {}
+    for cells in rounds:
+        for cell in cells:
+            by_key.setdefault((cell.target, cell.stream, cell.clients), []).append(cell)
+    order = sorted(by_key, key=lambda k: (k[1], k[2], k[0] != "direct"))
+    rows = []
+    for key in order:
+        cells = by_key[key]
+        failed = next((c for c in cells if c.result is None), None)
+        if failed is not None:
+            rows.append(Row(*key, 0, 0, 0, None, None, 0, note=failed.note))
+            continue
+        summaries = [c.result.summary() for c in cells if c.result is not None]
+        rows.append(
+            Row(
+                *key,
+                rps=_median([s["rps"] for s in summaries]),
+                p50_ms=_median([s["p50_ms"] for s in summaries]),
+                p99_ms=_median([s["p99_ms"] for s in summaries]),
+                cpu_per_1k=_median_or_none([c.cpu_per_1k for c in cells]),
+                agent_cpu_per_1k=_median_or_none([c.agent_cpu_per_1k for c in cells]),
+                errors=sum(s["errors"] for s in summaries),
+            )
+        )
+    return rows
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values)
+
+
+def _median_or_none(values: list[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return statistics.median(present) if present else None
+
+
+@dataclass
+class Check:
+    """One of issue 26's targets: its value in each round and the bound it must keep."""
+
+    name: str
+    values: list[float]
+    bound: float
+    at_most: bool
+
+    def met(self, value: float) -> bool:
+        return value <= self.bound if self.at_most else value >= self.bound
+
+    def line(self) -> str:
+        shown = ", ".join(f"{v:.2f}" for v in self.values)
+        kept = sum(self.met(v) for v in self.values)
+        sign = "≤" if self.at_most else "≥"
+        verdict = "met" if self.met(_median(self.values)) else "NOT met"
+        return (
+            f"- {self.name}: median {_median(self.values):.2f} ({shown}); target {sign} "
+            f"{self.bound:g}: {verdict}, in {kept} of {len(self.values)} rounds"
+        )
+
+
+def issue_checks(rounds: list[list[Cell]], busy: int = 64) -> list[Check]:
+    """Issue 26's targets against vllm-router, each a ratio taken within one round;
+    a target is left out of a round that lacks a cell it needs."""
+    checks: dict[str, Check] = {}
+
+    def add(name: str, value: float, bound: float, at_most: bool = True) -> None:
+        checks.setdefault(name, Check(name, [], bound, at_most)).values.append(value)
+
+    for cells in rounds:
+        got = {(c.target, c.stream, c.clients): c for c in cells if c.result is not None}
+        for stream in (False, True):
+            mode = "streaming" if stream else "non-streaming"
+            hive, peer = got.get(("hivenet", stream, busy)), got.get(("vllm-router", stream, busy))
+            direct = got.get(("direct", stream, busy))
+            if hive and hive.cpu_per_1k:
+                if peer and peer.cpu_per_1k:
+                    add(
+                        f"router CPU / vllm-router's, {mode}, {busy} clients",
+                        hive.cpu_per_1k / peer.cpu_per_1k,
+                        2.0,
+                    )
+                if hive.agent_cpu_per_1k is not None:
+                    add(
+                        f"agent CPU / router's, {mode}, {busy} clients",
+                        hive.agent_cpu_per_1k / hive.cpu_per_1k,
+                        1.0,
+                    )
+            if hive and direct:
+                add(
+                    f"routed/direct req/s, {mode}, {busy} clients",
+                    _rps(hive) / _rps(direct),
+                    0.6 if stream else 0.8,
+                    at_most=False,
+                )
+            lone = [got.get((t, stream, 1)) for t in ("direct", "hivenet", "vllm-router")]
+            if all(lone):
+                base, ours, theirs = (_p50(c) for c in lone)
+                if theirs > base:
+                    add(
+                        f"lone client's added p50 / vllm-router's, {mode}",
+                        (ours - base) / (theirs - base),
+                        2.0,
+                    )
+    return list(checks.values())
+
+
+def _rps(cell: Cell) -> float:
+    assert cell.result is not None
+    return cell.result.rps
+
+
+def _p50(cell: Cell | None) -> float:
+    assert cell is not None and cell.result is not None
+    return cell.result.pct(cell.result.latencies, 0.5) * 1000
 
 
 def main() -> None:
@@ -230,6 +378,7 @@ def main() -> None:
     parser.add_argument("--duration", type=float, default=4.0)
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--setup", action="store_true", help="only install the peers")
+    parser.add_argument("--rounds", type=int, default=1, help="sweeps; each cell's median")
     known = [*PEER_PACKAGES, *LOCAL_PEERS]
     parser.add_argument("--peers", default=",".join(known), help="which peers, comma-separated")
     args = parser.parse_args()
@@ -242,9 +391,12 @@ def main() -> None:
                 print(f"{name}: {setup(name) or 'ready'}", flush=True)
         return
     levels = [int(c) for c in args.concurrency.split(",")]
+    if args.rounds < 1:
+        parser.error("--rounds must be at least 1")
     procs = Procs()
-    began = time.monotonic()
+    began, times = time.monotonic(), psutil.cpu_times()
     targets: list[Target] = []
+    rounds: list[list[Cell]] = []
     try:
         engine = free_port()
         procs.sim(MODEL, engine)
@@ -257,22 +409,37 @@ def main() -> None:
         }
         for name in chosen:
             targets.append(starters[name](procs, engine))
-        cells = run_cells(targets, [False, True], levels, args.duration)
+        for turn in range(args.rounds):
+            rounds.append(run_cells(targets, [False, True], levels, args.duration, turn))
     finally:
         procs.close()
         leftovers = [p for t in targets for p in t.procs if p.is_running()]
         for p in leftovers:  # children a peer started for itself
             with contextlib.suppress(psutil.Error):
                 p.kill()
-    report(cells, args, time.monotonic() - began)
+    report(rounds, args, time.monotonic() - began, stolen_share(times))
 
 
-def report(cells: list[Cell], args: argparse.Namespace, took: float) -> None:
+def stolen_share(before: Any) -> float | None:
+    """The share of this machine's CPU time since `before` that its hypervisor gave to
+    others (steal); None where the kernel does not count it."""
+    after = psutil.cpu_times()
+    if not hasattr(after, "steal"):
+        return None
+    total = sum(after) - sum(before)
+    return (after.steal - before.steal) / total if total > 0 else None
+
+
+def report(
+    rounds: list[list[Cell]], args: argparse.Namespace, took: float, stolen: float | None
+) -> None:
     print(
         f"machine: {platform.machine()}, {psutil.cpu_count()} CPUs, "
-        f"Python {platform.python_version()}, load average {psutil.getloadavg()[0]:.2f}; "
-        f"{args.duration:g}s per cell, 16 tokens per answer, engine latency 0; "
+        f"Python {platform.python_version()}, load average {psutil.getloadavg()[0]:.2f}"
+        + (f", {stolen:.0%} of CPU time stolen by the hypervisor" if stolen is not None else "")
+        + f"; {args.duration:g}s per cell, 16 tokens per answer, engine latency 0; "
         f"run took {took:.0f}s"
+        + (f"; each figure the median of {len(rounds)} rounds" if len(rounds) > 1 else "")
     )
     print()
     print(
@@ -280,31 +447,35 @@ def report(cells: list[Cell], args: argparse.Namespace, took: float) -> None:
         "| router CPU s/1k req |"
     )
     print("|---|---:|---|---:|---:|---:|---:|---:|")
-    direct: dict[tuple[bool, int], dict] = {}
-    for cell in cells:
-        mode = "streaming" if cell.stream else "non-streaming"
-        if cell.result is None:
-            print(f"| {mode} | {cell.clients} | {cell.target} | - | - | - | - | {cell.note} |")
+    direct: dict[tuple[bool, int], Row] = {}
+    for row in rows_of(rounds):
+        mode = "streaming" if row.stream else "non-streaming"
+        if row.note:
+            print(f"| {mode} | {row.clients} | {row.target} | - | - | - | - | {row.note} |")
             continue
-        s = cell.result.summary()
-        key = (cell.stream, cell.clients)
-        if cell.target == "direct":
-            direct[key] = s
+        key = (row.stream, row.clients)
+        if row.target == "direct":
+            direct[key] = row
             print(
-                f"| {mode} | {cell.clients} | direct | {s['rps']:.0f} | 1.00 "
-                f"| {s['p50_ms']:.2f}/{s['p99_ms']:.2f} | - | - |"
+                f"| {mode} | {row.clients} | direct | {row.rps:.0f} | 1.00 "
+                f"| {row.p50_ms:.2f}/{row.p99_ms:.2f} | - | - |"
             )
             continue
         d = direct[key]
-        cpu = f"{cell.cpu_per_1k:.3f}"
-        if cell.agent_cpu_per_1k is not None:
-            cpu += f" (+ agent {cell.agent_cpu_per_1k:.3f})"
-        errors = f", {s['errors']} errors" if s["errors"] else ""
+        cpu = f"{row.cpu_per_1k:.3f}"
+        if row.agent_cpu_per_1k is not None:
+            cpu += f" (+ agent {row.agent_cpu_per_1k:.3f})"
+        errors = f", {row.errors} errors" if row.errors else ""
         print(
-            f"| {mode} | {cell.clients} | {cell.target} | {s['rps']:.0f}{errors} "
-            f"| {s['rps'] / d['rps']:.2f} | {s['p50_ms']:.2f}/{s['p99_ms']:.2f} "
-            f"| {s['p50_ms'] - d['p50_ms']:.2f}/{s['p99_ms'] - d['p99_ms']:.2f} | {cpu} |"
+            f"| {mode} | {row.clients} | {row.target} | {row.rps:.0f}{errors} "
+            f"| {row.rps / d.rps:.2f} | {row.p50_ms:.2f}/{row.p99_ms:.2f} "
+            f"| {row.p50_ms - d.p50_ms:.2f}/{row.p99_ms - d.p99_ms:.2f} | {cpu} |"
         )
+    if checks := issue_checks(rounds):
+        print()
+        print("Issue 26's targets, each a ratio within one round:")
+        for check in checks:
+            print(check.line())
 
 
 if __name__ == "__main__":
