@@ -67,6 +67,18 @@ def test_targets_are_judged_round_by_round() -> None:
     assert checks["routed/direct req/s, non-streaming, 64 clients"].bound == 0.8
 
 
+def test_trio_relays_lone_latency_is_shown_beside_ours() -> None:
+    cells = [*one_round(1.0, 0.3), cell("trio-relays", False, 1, 1.6, 500, 0.5)]
+    checks = {c.name: c for c in issue_checks([cells])}
+    floor = checks[
+        "lone client's added p50 / vllm-router's, non-streaming (trio-relays, the floor)"
+    ]
+    assert [round(v, 2) for v in floor.values] == [1.2]
+    assert (
+        "lone client's added p50 / vllm-router's, streaming (trio-relays, the floor)" not in checks
+    )
+
+
 def test_no_targets_without_vllm_router() -> None:
     cells = [c for c in one_round(1.0, 0.3) if c.target != "vllm-router"]
     names = {c.name for c in issue_checks([cells])}
