@@ -1214,3 +1214,43 @@ async def test_a_metrics_url_the_agent_cannot_fetch_is_a_failing_scrape_not_a_st
     failed = [r.getMessage() for r in caplog.records if "engine_metrics_failed" in r.getMessage()]
     assert len(failed) == 1 and "not an http:// or https:// URL" in failed[0], failed
     assert daemon.status.engine is None or not any(daemon.status.engine.values())
+
+
+def test_a_scrape_reads_only_the_lines_that_changed_and_forgets_past_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Lines the sampler has read are not parsed again: the same page gives the same
+    fields from the lines remembered; a malformed line is refused on every scrape; the
+    memory is bounded."""
+    from agent.engines import base
+
+    sampler = get_adapter("vllm").new_sampler(MODEL)
+    read: list[str] = []
+    real = base.read_sample
+
+    def counting(line: str) -> list:
+        read.append(line)
+        return real(line)
+
+    monkeypatch.setattr(base, "read_sample", counting)
+    # Beside it, one that reads every line of every page.
+    reference = get_adapter("vllm").new_sampler(MODEL)
+    reference._read = real  # type: ignore[method-assign]
+    first = sampler.update(VLLM_CURRENT_1, now=0.0)
+    parsed = len(read)
+    assert parsed > 10
+    assert first == reference.update(VLLM_CURRENT_1, now=0.0)
+    read.clear()
+    assert sampler.update(VLLM_CURRENT_1, now=0.5) == reference.update(VLLM_CURRENT_1, now=0.5)
+    assert read == []
+    # The second page's changed lines are read, and only those.
+    assert sampler.update(VLLM_CURRENT_2, now=1.0) == reference.update(VLLM_CURRENT_2, now=1.0)
+    assert 0 < len(read) < parsed
+    broken = f'vllm:num_requests_running{{model_name="{MODEL}"}} 3 x y\n'
+    for now in (1.5, 2.0):
+        with pytest.raises(ValueError, match="malformed"):
+            sampler.update(broken, now=now)
+    monkeypatch.setattr(base, "PARSED_LINES", 8)
+    for i in range(20):
+        sampler.update(f'vllm:num_requests_running{{model_name="{MODEL}"}} {i}\n', now=3.0 + i)
+        assert len(sampler._parsed) <= 8

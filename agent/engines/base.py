@@ -21,7 +21,7 @@ from typing import ClassVar, Generic, TypeVar
 import httpx
 
 from agent.engines.endpoints import lacks
-from agent.engines.sample_lines import read_page, read_sample
+from agent.engines.sample_lines import Sample, read_page, read_sample
 from protocol.fields import ENGINE_FIELDS
 from protocol.paths import API_PATHS
 
@@ -39,6 +39,9 @@ MODEL_LABEL = "model_name"
 # completion the value is missing again, so an agent excluded for its latency, which
 # then gets no requests to measure, is tried again after it rather than never.
 LATENCY_WINDOW = 30.0
+# Sample lines a sampler remembers read (MetricSampler._read): a page holds a few dozen
+# it wants, so this is only a bound against an engine whose values never repeat.
+PARSED_LINES = 1024
 
 
 @dataclass(frozen=True)
@@ -190,6 +193,7 @@ class MetricSampler:
         # prometheus_client, was most of an idle agent's CPU.
         alternatives = "|".join(re.escape(name) for name in sorted(self._wanted))
         self._lines = re.compile(rf"^[ \t]*(?:{alternatives})[ \t{{][^\n]*", re.MULTILINE)
+        self._parsed: dict[str, list[Sample]] = {}
         self._windows: dict[str, _Window[_HistogramSnapshot]] = {
             "ttft": _Window(),
             "itl": _Window(),
@@ -235,13 +239,25 @@ class MetricSampler:
         # still fails the scrape (a line of another metric no longer can).
         lines = self._lines.findall(text)
         try:
-            samples = [s for line in lines for s in read_sample(line)] if lines else read_page(text)
+            samples = [s for line in lines for s in self._read(line)] if lines else read_page(text)
             for name, labels, value in samples:
                 if name in self._wanted and math.isfinite(value):
                     series.setdefault(name, []).append((labels, value))
         except (ValueError, TypeError, IndexError) as exc:
             raise ValueError(f"malformed Prometheus text: {exc}") from exc
         return {name: self._select(samples) for name, samples in series.items()}
+
+    def _read(self, line: str) -> list[Sample]:
+        """`read_sample(line)`, remembered: between two scrapes most lines of a page are
+        the same text (every one, on an idle engine), read once instead of twice a
+        second. What is remembered is forgotten at once past PARSED_LINES lines."""
+        samples = self._parsed.get(line)
+        if samples is None:
+            samples = read_sample(line)
+            if len(self._parsed) >= PARSED_LINES:
+                self._parsed.clear()
+            self._parsed[line] = samples
+        return samples
 
     def _select(self, samples: Series) -> Series:
         """The served model's series when the engine labels them, else all of them.
