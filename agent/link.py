@@ -149,7 +149,9 @@ class RouterSession:
         serves: Callable[[str], bool] | None = None,
     ) -> None:
         # `--stream-write-timeout 0` turns the limit off, as it does for the Go agent.
-        self.fs = FramedStream(stream, write_timeout=write_timeout or math.inf)
+        self.fs = FramedStream(
+            stream, write_timeout=write_timeout or math.inf, write_at_batch_end=True
+        )
         # Why a welcome is not the router's (its secret proof), or None when it is.
         self.check_welcome = check_welcome
         self.tracer = tracer

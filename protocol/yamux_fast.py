@@ -60,6 +60,8 @@ _MAX_DATA = MAX_MESSAGE_SIZE - HEADER_SIZE
 _MUXER = "_hivenet_muxer"
 # The attribute on a yamux stream naming where its DATA goes instead of its buffer.
 _SINK = "_hivenet_sink"
+# The attribute on a TCP connection holding what its next write must send first.
+_OWED = "_hivenet_owed"
 
 _WRITABLE = (StreamState.INIT, StreamState.OPEN, StreamState.CLOSE_READ)
 _NOISE_PREFIX = 2
@@ -150,6 +152,17 @@ class DirectWriter:
         What the kernel has no room for is then written through the connection's own
         write, under its lock, before anything else can go on the connection: there is
         no await between sealing the message and taking that lock."""
+        if not self.write_now(data):
+            return False
+        if owed(self.tcp):
+            await self.tcp.write(b"")
+        return True
+
+    def write_now(self, data: bytes) -> bool:
+        """Seal `data` and hand it to the kernel without waiting; False when it must take
+        py-libp2p's way (nothing was done). What the kernel had no room for, or all of
+        it after a socket error, is owed on the connection (`owe`): its next write, which
+        meets the error as its own, sends it first. Never raises but as sealing does."""
         muxed, tcp = self.muxed, self.tcp
         size = len(data)
         if (
@@ -161,6 +174,7 @@ class DirectWriter:
             or self.net._state_lock.locked()
             or self.muxer._write_lock.locked()
             or tcp.write_lock.locked()
+            or owed(tcp)
         ):
             return False
         muxed.send_window -= size
@@ -169,10 +183,21 @@ class DirectWriter:
         try:
             sent = send_at_once(self.socket, message)
         except OSError:
-            sent = 0  # the connection's write meets the error and raises it as its own
+            sent = 0
         if sent < len(message):
-            await tcp.write(message[sent:])
+            owe(tcp, message[sent:])
         return True
+
+
+def owed(tcp: TrioTCPStream) -> bytes:
+    """What a connection's next write must send before its own bytes (`owe`)."""
+    return getattr(tcp, _OWED, b"")
+
+
+def owe(tcp: TrioTCPStream, data: bytes) -> None:
+    """Bytes of a sealed message that must go on the connection before any other:
+    protocol/p2p.py's `_write` sends them first, under the connection's write lock."""
+    setattr(tcp, _OWED, data)
 
 
 class PasslessLock:

@@ -410,18 +410,28 @@ def _count_sends(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
     return sends
 
 
+@pytest.mark.parametrize("at_batch_end", [False, True])
 async def test_direct_and_layered_writes_arrive_whole_and_in_order_when_the_kernel_is_full(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, at_batch_end: bool
 ) -> None:
     """Small socket buffers and a peer that stops reading for a while: direct writes
-    that the kernel takes whole or only in part, and batches too large for them, which
-    take py-libp2p's path, interleave; the peer decrypts and decodes every frame, in
-    order, once it reads again."""
+    that the kernel takes whole or only in part (by the writer, or at a batch's end,
+    the rest then owed on the connection), and batches too large for them, which take
+    py-libp2p's path, interleave; the peer decrypts and decodes every frame, in order,
+    once it reads again."""
     sends = _count_sends(monkeypatch)
+    owed: list[int] = []
+    owe = yamux_fast.owe
+
+    def counted(tcp: TrioTCPStream, data: bytes) -> None:
+        owed.append(len(data))
+        owe(tcp, data)
+
+    monkeypatch.setattr(yamux_fast, "owe", counted)
     async with libp2p_stream() as (ours, theirs), trio.open_nursery() as nursery:
         _socket_buffers(ours, theirs, 4096)
         resume = _pause_reads(theirs)
-        fs = p2p.FramedStream(ours)
+        fs = p2p.FramedStream(ours, write_at_batch_end=at_batch_end)
         nursery.start_soon(fs.run, lambda message: None)
         sent: list[dict] = []
         for burst in range(60):
@@ -437,11 +447,13 @@ async def test_direct_and_layered_writes_arrive_whole_and_in_order_when_the_kern
         assert any(done == offered for done, offered in sends)
         assert any(done < offered for done, offered in sends)
         assert len(sends) < 60  # the 70 KB ones, and batches joined behind a full kernel
+        assert any(owed)  # a rest owed on the connection, and paid before what followed
         nursery.cancel_scope.cancel()
 
 
+@pytest.mark.parametrize("at_batch_end", [False, True])
 async def test_a_peer_that_stops_reading_still_times_out_a_direct_write(
-    monkeypatch: pytest.MonkeyPatch,
+    monkeypatch: pytest.MonkeyPatch, at_batch_end: bool
 ) -> None:
     """What a direct write could not send at once is the connection's write to finish:
     a peer that reads no more ends the session at the write timeout, as before."""
@@ -456,7 +468,7 @@ async def test_a_peer_that_stops_reading_still_times_out_a_direct_write(
         # The peer's connection reads nothing more once its read under way returns.
         peer_tcp = p2p._layer_under(theirs, TrioTCPStream)
         peer_tcp.read = deaf
-        fs = p2p.FramedStream(ours, write_timeout=0.5)
+        fs = p2p.FramedStream(ours, write_timeout=0.5, write_at_batch_end=at_batch_end)
         reasons: list[str] = []
 
         async def run() -> None:
@@ -471,6 +483,98 @@ async def test_a_peer_that_stops_reading_still_times_out_a_direct_write(
                     await trio.sleep(0.01)
         assert reasons == ["write timed out after 0.5 s"]
         assert any(done < offered for done, offered in sends)
+
+
+def _count_wakes(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per wake of a session's writer."""
+    wakes: list[int] = []
+    wake = p2p._Outbox.wake
+
+    def counted(self: p2p._Outbox) -> None:
+        if self.waiter is not None:
+            wakes.append(1)
+        wake(self)
+
+    monkeypatch.setattr(p2p._Outbox, "wake", counted)
+    return wakes
+
+
+@pytest.mark.parametrize("at_batch_end", [False, True])
+async def test_frames_queued_while_the_writer_waits_leave_together_at_the_batch_end(
+    monkeypatch: pytest.MonkeyPatch, at_batch_end: bool
+) -> None:
+    """Frames that tasks of one scheduler batch queue on an idle session leave in one
+    write when the batch ends, without a wake of the session's writer; without it, the
+    writer is woken and writes them in the next batch."""
+    sends = _count_sends(monkeypatch)
+    wakes = _count_wakes(monkeypatch)
+    async with libp2p_stream() as (ours, theirs), trio.open_nursery() as nursery:
+        fs = p2p.FramedStream(ours, write_at_batch_end=at_batch_end)
+        nursery.start_soon(fs.run, lambda message: None)
+        go = trio.Event()
+        order: list[dict] = []
+
+        async def queue(message: dict) -> None:
+            await go.wait()
+            fs.send_nowait(message)
+            order.append(message)
+
+        # Two tasks woken together run in the same batch, in either order.
+        for n in range(2):
+            nursery.start_soon(queue, {"type": "data", "n": n})
+        await trio.testing.wait_all_tasks_blocked()
+        sends.clear()
+        wakes.clear()
+        go.set()
+        await trio.sleep(0.05)
+        await _frames_arrive(theirs, order)
+        assert len(sends) == 1 and sends[0][0] == sends[0][1]
+        assert wakes == ([] if at_batch_end else [1])
+        nursery.cancel_scope.cancel()
+
+
+async def test_one_batch_end_serves_every_session_of_a_run() -> None:
+    assert p2p._batch_end() is p2p._batch_end()
+
+
+async def test_frames_held_for_a_batch_end_go_with_a_closing_session() -> None:
+    """A session that closes, flushing, with frames held for the batch's end has its
+    writer send them; one that is closed outright drops them; neither fails."""
+    async with libp2p_stream() as (ours, theirs), trio.open_nursery() as nursery:
+        fs = p2p.FramedStream(ours, write_at_batch_end=True)
+        nursery.start_soon(fs.run, lambda message: None)
+        await trio.testing.wait_all_tasks_blocked()
+        last = {"type": "data", "n": 1}
+        fs.send_nowait(last)
+        nursery.start_soon(fs.flush_and_close, "done")
+        await _frames_arrive(theirs, [last])
+    async with libp2p_stream() as (ours, theirs), trio.open_nursery() as nursery:
+        fs = p2p.FramedStream(ours, write_at_batch_end=True)
+        nursery.start_soon(fs.run, lambda message: None)
+        await trio.testing.wait_all_tasks_blocked()
+        fs.send_nowait({"type": "data", "n": 2})
+        fs.close("gone")
+        with trio.fail_after(5):
+            await fs.closed.wait()
+        assert fs.close_reason == "gone"
+
+
+async def test_a_batch_end_write_that_fails_to_seal_ends_the_session(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def broken(self: yamux_fast.DirectWriter, data: bytes) -> bool:
+        raise RuntimeError("nonce depleted")
+
+    monkeypatch.setattr(yamux_fast.DirectWriter, "write_now", broken)
+    async with libp2p_stream() as (ours, _theirs):
+        fs = p2p.FramedStream(ours, write_at_batch_end=True)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fs.run, lambda message: None)
+            await trio.testing.wait_all_tasks_blocked()
+            fs.send_nowait({"type": "data"})
+            with trio.fail_after(5):
+                await fs.closed.wait()
+        assert fs.close_reason == "write failed: RuntimeError"
 
 
 async def test_frames_packed_into_noise_messages_any_way_arrive_in_order(
