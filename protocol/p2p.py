@@ -3,7 +3,9 @@
 py-libp2p 0.8.1 interleaves concurrent large writes and kills a stream whose reader
 stalls (see shared/notes/py-libp2p.md), so each side of a session has exactly one
 writer task, which drains a queue and joins frames into large writes, and exactly one
-reader task, which only decodes and dispatches.
+reader task, which only decodes and dispatches. (On the agent's side, frames queued
+while the writer waits are written in its stead when the scheduler's batch ends,
+`_BatchEnd`; what cannot go so is still the writer's.)
 """
 
 from __future__ import annotations
