@@ -29,7 +29,7 @@ from functools import partial
 import trio
 
 from protocol.logs import quote
-from router.http.asgi import Scope, Send, is_request_id
+from router.http.asgi import Scope, Send, kept_request_id
 
 log = logging.getLogger("http")
 
@@ -100,10 +100,8 @@ def request_key(scope: Scope) -> RequestKey | None:
             text = value.decode("latin-1").strip()
             return RequestKey(text, True) if text and len(text) <= MAX_KEY_LENGTH else None
         if key == b"x-request-id":
-            request_id = value.decode("latin-1").strip()
-    if request_id and is_request_id(request_id):
-        return RequestKey(request_id, False)
-    return None
+            request_id = kept_request_id(value.decode("latin-1"))
+    return None if request_id is None else RequestKey(request_id, False)
 
 
 def _credentials(scope: Scope) -> bytes:

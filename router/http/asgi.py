@@ -104,12 +104,17 @@ def request_id(scope: Scope, ids: RequestIds) -> str:
     """The client's X-Request-ID when it is a valid UUID, kept as sent (so the client's
     own string finds the router's log lines), otherwise a new one. Valid: what
     upstream's router accepts, the usual form, `{…}`, `urn:uuid:…` or 32 hex digits."""
-    given = header(scope, b"x-request-id")
+    return kept_request_id(header(scope, b"x-request-id")) or ids.new()
+
+
+def kept_request_id(given: str | None) -> str | None:
+    """A client's X-Request-ID value as the router keeps it (stripped), or None when it
+    is missing or not a UUID (the router then makes one)."""
     if given:
         given = given.strip()
         if is_request_id(given):
             return given
-    return ids.new()
+    return None
 
 
 def is_request_id(text: str) -> bool:

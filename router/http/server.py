@@ -55,7 +55,7 @@ import trio
 from protocol.errors import ErrorCode, RouterError, anthropic_error_body, openai_error_body
 from protocol.logs import quote
 from protocol.sockets import readable_now, receive_when_ready, send_at_once, stdlib_socket
-from router.http.asgi import ANSWER_SCOPE, BODY_READY, HOLD_HEAD, ON_DISCONNECT, is_request_id
+from router.http.asgi import ANSWER_SCOPE, BODY_READY, HOLD_HEAD, ON_DISCONNECT, kept_request_id
 from router.http.request_reader import (
     END,
     MAX_HEAD_BYTES,
@@ -943,9 +943,8 @@ class _Connection:
         given = None
         if request is not None:
             given = next((v for k, v in request.headers if k == b"x-request-id"), None)
-        rid = given.decode("latin-1") if given is not None else ""
-        if not is_request_id(rid):
-            rid = str(uuid.uuid4())
+        rid = kept_request_id(given.decode("latin-1") if given is not None else None)
+        rid = rid or str(uuid.uuid4())
         log.info(
             "req=%s http_refused status=%d code=%s client=%s path=%s reason=%s",
             rid,
