@@ -304,9 +304,9 @@ def systemd_analyze() -> str:
     path = shutil.which("systemd-analyze")
     if path is None:
         if os.environ.get("CI"):
-            pytest.fail("systemd-analyze is missing in CI: scripts/test installs it (systemd)")
+            pytest.fail("systemd-analyze is missing in CI: scripts/setup installs it (systemd)")
         pytest.skip(
-            "systemd-analyze is not installed (apt-get install systemd); scripts/test installs it"
+            "systemd-analyze is not installed (apt-get install systemd); scripts/setup installs it"
         )
     return path
 
