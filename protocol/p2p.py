@@ -75,19 +75,19 @@ def load_or_create_identity(path: str | os.PathLike[str]) -> KeyPair:
         # Written whole under another name, then linked into place: a key file created
         # and then cut short (a full disk, a crash, a power cut before the data reached
         # the disk) held fewer than 32 bytes, and every later start stopped on it.
-        partial = p.with_name(f".{p.name}.{os.getpid()}.partial")
-        fd = os.open(partial, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        draft = p.with_name(f".{p.name}.{os.getpid()}.partial")
+        fd = os.open(draft, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
         try:
             with os.fdopen(fd, "wb") as f:
                 f.write(seed)
                 f.flush()
                 os.fsync(f.fileno())
             try:
-                os.link(partial, p)
+                os.link(draft, p)
             except FileExistsError:  # another process made it first: theirs is the key
                 return load_or_create_identity(p)
         finally:
-            partial.unlink()
+            draft.unlink()
         _fsync_directory(p.parent)
     return create_new_key_pair(seed)
 
@@ -230,7 +230,7 @@ async def _write(self: TrioTCPStream, data: bytes) -> None:
     try:
         if owed := yamux_fast.owed(self):
             # A session's write at the end of a batch the kernel could not take whole
-            # (FramedStream._flush): its rest goes first.
+            # (FramedStream.flush_held): its rest goes first.
             yamux_fast.owe(self, b"")
             data = owed + data
         if not data:
