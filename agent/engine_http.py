@@ -275,7 +275,7 @@ class EnginePool:
     def _take(self) -> _Connection | None:
         now = trio.current_time()
         idle = self._idle
-        unfinished: list[_Connection] = []
+        unfinished: list[_Connection] | None = None
         taken = None
         while idle:
             conn = idle.pop()
@@ -287,11 +287,13 @@ class EnginePool:
                 taken = conn
                 break
             if usable is None and now - conn.idle_since < FINISH_SECONDS:
+                unfinished = unfinished or []
                 unfinished.append(conn)
             else:
                 conn.close()
-        # Back where they were, under every connection ready to use.
-        idle.extendleft(unfinished)
+        if unfinished:
+            # Back where they were, under every connection ready to use.
+            idle.extendleft(unfinished)
         return taken
 
     async def tidy(self, every: float = 1.0) -> None:

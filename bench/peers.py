@@ -274,19 +274,15 @@ def rows_of(rounds: list[list[Cell]]) -> list[Row]:
         rows.append(
             Row(
                 *key,
-                rps=_median([s["rps"] for s in summaries]),
-                p50_ms=_median([s["p50_ms"] for s in summaries]),
-                p99_ms=_median([s["p99_ms"] for s in summaries]),
+                rps=statistics.median([s["rps"] for s in summaries]),
+                p50_ms=statistics.median([s["p50_ms"] for s in summaries]),
+                p99_ms=statistics.median([s["p99_ms"] for s in summaries]),
                 cpu_per_1k=_median_or_none([c.cpu_per_1k for c in cells]),
                 agent_cpu_per_1k=_median_or_none([c.agent_cpu_per_1k for c in cells]),
                 errors=sum(s["errors"] for s in summaries),
             )
         )
     return rows
-
-
-def _median(values: list[float]) -> float:
-    return statistics.median(values)
 
 
 def _median_or_none(values: list[float | None]) -> float | None:
@@ -310,9 +306,9 @@ class Check:
         shown = ", ".join(f"{v:.2f}" for v in self.values)
         kept = sum(self.met(v) for v in self.values)
         sign = "≤" if self.at_most else "≥"
-        verdict = "met" if self.met(_median(self.values)) else "NOT met"
+        verdict = "met" if self.met(statistics.median(self.values)) else "NOT met"
         return (
-            f"- {self.name}: median {_median(self.values):.2f} ({shown}); target {sign} "
+            f"- {self.name}: median {statistics.median(self.values):.2f} ({shown}); target {sign} "
             f"{self.bound:g}: {verdict}, in {kept} of {len(self.values)} rounds"
         )
 
