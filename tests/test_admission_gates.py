@@ -163,36 +163,85 @@ async def test_models_no_agent_registered_share_one_label_and_pool(
         return model if model == "m" else UNREGISTERED_MODEL
 
     server = RedisServer(tmp_path, dict(os.environ)).start() if store == "redis" else None
-    shared = None
-    if server is not None:
-        state = TenantState(server.url, RouterMetrics(), lease=60.0)
-        state._up()
-        shared = SharedAdmission(state, 60.0)
-    admission = Admission(AdmitSettings(park_timeout=0), metrics, shared=shared, label=label)
-    limits = AdmissionLimits(max_inflight=1)
+    try:
+        shared = None
+        if server is not None:
+            state = TenantState(server.url, RouterMetrics(), lease=60.0)
+            state._up()
+            shared = SharedAdmission(state, 60.0)
+        admission = Admission(AdmitSettings(park_timeout=0), metrics, shared=shared, label=label)
+        limits = AdmissionLimits(max_inflight=1)
 
-    async def reserve(model: str) -> object:
-        return await admission.reserve(model, limits, None, admission.estimate(model, chat()))
+        async def reserve(model: str) -> object:
+            return await admission.reserve(model, limits, None, admission.estimate(model, chat()))
 
-    x1, m = await reserve("x1"), await reserve("m")
-    assert isinstance(x1, Admitted) and isinstance(m, Admitted)
-    # x1 holds the one place of the pool every unregistered model shares.
-    for model in ("x2", "x3"):
-        assert not isinstance(await reserve(model), Admitted)
-    assert sorted(admission.statistics()) == [UNREGISTERED_MODEL, "m"]
-    sample = metrics.registry.get_sample_value
-    rejections = "hivenet_router_admission_rejections_total"
-    assert sample(rejections, {"reason": "b2", "model": UNREGISTERED_MODEL}) == 2
-    assert sample(rejections, {"reason": "b2", "model": "x2"}) is None
-    if server is not None:
-        assert shared is not None and shared.state.client is not None
-        names = {k.decode() for k in shared.state.client.scan_iter(match="hivenet:admission:*")}
-        assert names and all("{m}" in n or UNREGISTERED_MODEL in n for n in names), names
-    await admission.finish(x1)
-    await admission.finish(m)
-    if server is not None:
-        shared.state.close()
-        server.stop()
+        x1, m = await reserve("x1"), await reserve("m")
+        assert isinstance(x1, Admitted) and isinstance(m, Admitted)
+        # x1 holds the one place of the pool every unregistered model shares.
+        for model in ("x2", "x3"):
+            assert not isinstance(await reserve(model), Admitted)
+        assert sorted(admission.statistics()) == [UNREGISTERED_MODEL, "m"]
+        sample = metrics.registry.get_sample_value
+        rejections = "hivenet_router_admission_rejections_total"
+        assert sample(rejections, {"reason": "b2", "model": UNREGISTERED_MODEL}) == 2
+        assert sample(rejections, {"reason": "b2", "model": "x2"}) is None
+        if server is not None:
+            assert shared is not None and shared.state.client is not None
+            names = {k.decode() for k in shared.state.client.scan_iter(match="hivenet:admission:*")}
+            assert names and all("{m}" in n or UNREGISTERED_MODEL in n for n in names), names
+        await admission.finish(x1)
+        await admission.finish(m)
+    finally:
+        if server is not None:
+            if shared is not None:
+                shared.state.close()
+            server.stop()
+
+
+@pytest.mark.parametrize("store", ["local", "redis"])
+async def test_a_request_is_released_under_the_label_it_was_admitted_under(
+    tmp_path: Path, store: str
+) -> None:
+    """A model's first agent registering while its request runs changes the model's
+    label: the request's place and its key's output still go back to the pool and the
+    bucket that admitted it (the shared ones with Redis)."""
+    registered: set[str] = set()
+
+    def label(model: str) -> str:
+        return model if model in registered else UNREGISTERED_MODEL
+
+    server = RedisServer(tmp_path, dict(os.environ)).start() if store == "redis" else None
+    try:
+        shared = None
+        if server is not None:
+            state = TenantState(server.url, RouterMetrics(), lease=60.0)
+            state._up()
+            shared = SharedAdmission(state, 60.0)
+        admission = Admission(
+            AdmitSettings(park_timeout=0), RouterMetrics(), shared=shared, label=label
+        )
+        limits = AdmissionLimits(mode="serverless", max_inflight=1)
+        key = ApiKey("key-a", "h", "t", limits=KeyLimits(output_tokens_per_minute=10))
+
+        async def reserve(model: str, text: str = TEXT) -> object:
+            return await admission.reserve(
+                model, limits, key, admission.estimate(model, chat(text))
+            )
+
+        held = await reserve("x1")
+        assert isinstance(held, Admitted)
+        registered.add("x1")
+        held.usage = {"prompt_tokens": 100, "completion_tokens": 500}
+        await admission.finish(held)
+        # The unregistered pool's one place is free again, its bucket drained.
+        again = await reserve("x2", "hi")
+        assert not isinstance(again, Admitted) and again.gate == B4_OTPM, again
+        assert isinstance(await reserve("x1", "hi"), Admitted)
+    finally:
+        if server is not None:
+            if shared is not None:
+                shared.state.close()
+            server.stop()
 
 
 async def test_b2_max_inflight_and_an_undeclared_output_grows() -> None:

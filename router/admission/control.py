@@ -54,6 +54,7 @@ class Admitted:
         "entry",
         "estimate",
         "key_id",
+        "label",
         "local",
         "model",
         "output_limit",
@@ -67,12 +68,16 @@ class Admitted:
     def __init__(
         self,
         model: str,
+        label: str,
         estimate: InputEstimate,
         reservation: Reservation | None,
         key_id: str | None,
         output_limit: int,
     ) -> None:
         self.model = model
+        # The pool and buckets it was admitted under, kept: a model's label changes when
+        # its first agent registers, and the release must find what the charge took.
+        self.label = label
         self.estimate = estimate
         self.reservation = reservation
         self.key_id = key_id
@@ -232,6 +237,7 @@ class Admission:
             buckets.input.level -= estimate.tokens
         return Admitted(
             model,
+            self.label(model) if pool is None else pool.model,
             estimate,
             reservation,
             key.id if key is not None else None,
@@ -358,6 +364,7 @@ class Admission:
             )
         admitted = Admitted(
             model,
+            pool.model,
             estimate,
             None,
             key.id if key is not None else None,
@@ -377,7 +384,7 @@ class Admission:
             if admitted.pending >= GROW_STEP:
                 n, admitted.pending = admitted.pending, 0
                 totals = await self.shared.call(
-                    self.shared.change, self.label(admitted.model), admitted.entry, n
+                    self.shared.change, admitted.label, admitted.entry, n
                 )
                 if isinstance(totals, tuple) and admitted.pool is not None:
                     self._shared_gauges(admitted.pool, *totals)
@@ -408,7 +415,7 @@ class Admission:
             with trio.CancelScope(shield=True):
                 done = await self.shared.call(
                     self.shared.spend,
-                    self.label(admitted.model),
+                    admitted.label,
                     admitted.key_id,
                     admitted.output_limit,
                     tokens,
@@ -416,7 +423,7 @@ class Admission:
             if done is not None:
                 return
         now = trio.current_time()
-        name = self.label(admitted.model)
+        name = admitted.label
         buckets = self.buckets.get((admitted.key_id, name))
         if buckets is None:
             # Swept while the request ran (its buckets were full): it starts full again.
@@ -439,7 +446,7 @@ class Admission:
             # Redis away: the entry expires after its lease.
             with trio.CancelScope(shield=True):
                 totals = await self.shared.call(
-                    self.shared.change, self.label(admitted.model), entry, -1
+                    self.shared.change, admitted.label, entry, -1
                 )
             if isinstance(totals, tuple) and admitted.pool is not None:
                 self._shared_gauges(admitted.pool, *totals)
