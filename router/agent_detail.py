@@ -39,7 +39,9 @@ _INF = math.inf
 _FLOAT_SAFE = 2**1000
 
 
-def _amount(value: object) -> float | None:
+def amount(value: object) -> float | None:
+    """A count or measure from elsewhere as a float: None unless a finite, non-negative
+    number (a bool, NaN, an infinity or an integer past a float's range is not)."""
     if isinstance(value, int | float) and not isinstance(value, bool):
         # msgpack carries integers up to 2**64, but nothing here may assume the codec.
         with contextlib.suppress(OverflowError):
@@ -55,14 +57,14 @@ def _amounts(values: dict, fields: tuple[str, ...]) -> dict[str, float | None]:
         v = values.get(name)
         # msgpack's floats and integers, some sixty values per heartbeat of an eight-GPU
         # host, tested here: a call per value was half of gpus_of. The rest (bools,
-        # subclasses, huge integers) goes through _amount.
+        # subclasses, huge integers) goes through amount.
         kind = type(v)
         if kind is float:
             out[name] = v if 0.0 <= v < _INF else None
         elif kind is int and 0 <= v < _FLOAT_SAFE:
             out[name] = float(v)
         else:
-            out[name] = _amount(v)
+            out[name] = amount(v)
     return out
 
 
@@ -90,7 +92,7 @@ def memory_of(hardware: dict) -> dict[str, float | None]:
 
 
 def preemptions_of(engine: dict) -> float | None:
-    return _amount(engine.get("preemptions_total"))
+    return amount(engine.get("preemptions_total"))
 
 
 def gpu_total(gpus: tuple[Gpu, ...], field: str) -> float | None:

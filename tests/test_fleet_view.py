@@ -102,3 +102,27 @@ def test_without_a_state_url_the_fleet_is_this_router(fleet: Fleet) -> None:
     agents = fleet_agents(router)
     assert list(agents) == [agent.peer_id]
     assert agents[agent.peer_id]["routers"] == [router.peer_id]
+
+
+def test_counts_of_another_shape_in_a_routers_entry_count_as_nothing() -> None:
+    """Another router's entry is data from elsewhere: JSON's infinities and NaN, numbers
+    past a float's range, negatives and booleans in its counts must not fail the view
+    (each was a 500) nor show up as counts."""
+    from router.fleet.view import _merge, _public
+
+    hostile = json.loads(
+        '[{"peer_id": "p", "model": "m", "active": Infinity, "successes": NaN,'
+        ' "failures": -5, "consecutive_failures": 1' + "0" * 400 + ', "srtt_ms": 1e308},'
+        ' {"peer_id": "p", "model": "m", "active": 1e308, "successes": true,'
+        ' "failures": 2, "srtt_ms": -Infinity}]'
+    )
+    merged: dict[str, dict] = {}
+    for n, agent in enumerate(hostile):
+        _merge(merged, f"r{n}", agent)
+    view = _public(merged["p"])
+    assert view["active_requests"] == 2**53
+    assert view["universal"]["requests"] == 2
+    assert view["universal"]["success_rate"] == 0.0
+    assert view["universal"]["consecutive_failures"] == 0
+    assert view["universal"]["srtt"] == 2**53
+    json.dumps(view, allow_nan=False)  # what the admin answer sends

@@ -445,9 +445,7 @@ class Admission:
         if entry is not None and self.shared is not None:
             # Redis away: the entry expires after its lease.
             with trio.CancelScope(shield=True):
-                totals = await self.shared.call(
-                    self.shared.change, admitted.label, entry, -1
-                )
+                totals = await self.shared.call(self.shared.change, admitted.label, entry, -1)
             if isinstance(totals, tuple) and admitted.pool is not None:
                 self._shared_gauges(admitted.pool, *totals)
 

@@ -23,6 +23,7 @@ import redis
 import trio
 
 from protocol.logs import quote
+from router.agent_detail import amount
 from router.peers import Peer, PeerTable
 
 log = logging.getLogger("fleet")
@@ -173,9 +174,16 @@ class FleetView:
         return cards
 
 
+# Another router's counts are data from elsewhere: each is held under this, so that
+# their sums stay finite (a JSON `1e308`, twice, is infinity, which int() refuses).
+_MAX_COUNT = float(2**53)
+
+
 def _number(value: object) -> float:
-    ok = isinstance(value, int | float) and not isinstance(value, bool)
-    return float(value) if ok else 0.0
+    """A count from another router's entry; 0 for anything but a finite, non-negative
+    number."""
+    number = amount(value)
+    return 0.0 if number is None else min(number, _MAX_COUNT)
 
 
 def _merge(merged: dict[str, dict], router: str, agent: dict) -> None:
@@ -200,8 +208,9 @@ def _merge(merged: dict[str, dict], router: str, agent: dict) -> None:
     into["consecutive_failures"] = max(
         into["consecutive_failures"], _number(agent.get("consecutive_failures"))
     )
-    srtt = agent.get("srtt_ms")
-    if isinstance(srtt, int | float) and not isinstance(srtt, bool):
+    srtt = amount(agent.get("srtt_ms"))
+    if srtt is not None:
+        srtt = min(srtt, _MAX_COUNT)
         weight = max(1.0, _number(agent.get("successes")) + _number(agent.get("failures")))
         into["rtt_weight"] += weight
         into["rtt_sum"] += weight * srtt
