@@ -14,7 +14,7 @@ from protocol.durations import parse_duration
 from protocol.logs import FORMATS, setup_logging
 from protocol.secrets import load_previous_secret, load_secret
 from protocol.upstream_flags import Refused, add_refused, refused_environment
-from router.settings import RouterSettings, env_value, split_hostport
+from router.settings import CONFIG_ERROR, RouterSettings, env_value, split_hostport
 
 if TYPE_CHECKING:
     from router.policy.schema import Policy
@@ -379,7 +379,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         daemon = RouterDaemon(settings)
     except Exception as exc:  # every startup problem ends here with its reason
         print(f"hivenet-router: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR
     tune_collector()
     trio.run(daemon.run)
     return 0
@@ -478,7 +478,7 @@ def cmd_hash_key(args: argparse.Namespace) -> int:
         key = sys.stdin.readline().strip()
         if not key:
             print("hivenet-router: no key on standard input", file=sys.stderr)
-            return 2
+            return CONFIG_ERROR
         print(hash_key(key))
         return 0
     key = new_key()
@@ -494,7 +494,7 @@ def cmd_keygen(args: argparse.Namespace) -> int:
         print(keygen_entry(args.tenant), end="")
     except ValueError as exc:
         print(f"hivenet-router: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR
     return 0
 
 
@@ -506,7 +506,7 @@ def cmd_identity(args: argparse.Namespace) -> int:
         announce = announce_addr(args.p2p_announce_addr)
     except ValueError as exc:
         print(f"hivenet-router: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR
     peer_id = peer_id_of(load_or_create_identity(args.identity_path))
     print(f"peer_id: {peer_id}")
     if announce:
@@ -538,7 +538,7 @@ def cmd_token(args: argparse.Namespace) -> int:
         secret = load_secret(args.jwt_secret_file)
     except (OSError, ValueError) as exc:
         print(f"hivenet-router: {exc}", file=sys.stderr)
-        return 2
+        return CONFIG_ERROR
     print(issue_token(secret, args.peer_id, args.ttl))
     return 0
 

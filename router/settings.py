@@ -12,6 +12,10 @@ from protocol.files import read_regular
 from router.admission.limits import DEFAULT_ADMIT_FRACTION, DEFAULT_PARK_TIMEOUT, parse_fraction
 from router.peers import DEFAULT_FAILURE_COOLDOWN
 
+# `hivenet-router serve`'s exit status for a configuration error (router/cli.py), which a
+# worker's supervisor passes on (router/fleet/workers.py).
+CONFIG_ERROR = 2
+
 DEFAULT_MAX_REQUEST_BYTES = 10 * 1024 * 1024
 # HIVENET_ROUTER_MAX_REQUEST_BYTES=0 is the Go router's "no limit". A daemon reading
 # bodies into memory still needs a bound: 1 GiB, above any prompt an engine accepts.

@@ -30,12 +30,11 @@ import trio
 
 from protocol.logs import quote
 from protocol.p2p import load_or_create_identity, peer_id_of
+from router.settings import CONFIG_ERROR
 
 log = logging.getLogger("router")
 
 RESTART_DELAY = 1.0
-# `hivenet-router serve`'s exit status for a configuration error (router/cli.py).
-CONFIG_ERROR = 2
 # A welcome names at most this many workers; agents ignore the rest.
 MAX_WORKERS = 64
 
