@@ -14,8 +14,11 @@ ALLOW_METHODS = "GET, POST, PUT, DELETE, OPTIONS"
 ALLOW_HEADERS = (
     "Authorization, Content-Type, X-API-Key, X-Request-ID, anthropic-version, anthropic-beta"
 )
+# `request-id` is the request ID under Anthropic's name (/v1/messages), the one its SDK
+# reads.
 EXPOSE_HEADERS = (
-    "X-Request-ID, Retry-After, X-RateLimit-Remaining-Requests, X-RateLimit-Remaining-Tokens"
+    "X-Request-ID, request-id, Retry-After, X-RateLimit-Remaining-Requests,"
+    " X-RateLimit-Remaining-Tokens"
 )
 # Browsers cap it anyway (Chromium: 2 hours); 10 minutes keeps a policy change visible.
 MAX_AGE = "600"

@@ -274,14 +274,15 @@ class ProviderClient:
             raise
         # The outcome either way, as upstream logs it: a request the provider served
         # leaves no other trace of where it went but the answer's header.
-        log.info(
-            "req=%s provider=%s model=%s provider_served stream=%s tenant=%s",
-            req.request_id,
-            name,
-            quote(provider.model),
-            "true" if req.stream else "false",
-            quote(req.tenant),
-        )
+        if log.isEnabledFor(logging.INFO):  # no quoting when off
+            log.info(
+                "req=%s provider=%s model=%s provider_served stream=%s tenant=%s",
+                req.request_id,
+                name,
+                quote(provider.model),
+                "true" if req.stream else "false",
+                quote(req.tenant),
+            )
         if req.stream:
             return ProviderServed(
                 status=200,
