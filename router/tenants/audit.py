@@ -70,6 +70,14 @@ class _SharedRotatingHandler(logging.handlers.RotatingFileHandler):
     # Whether the last line failed (full disk, directory gone): said once, not per line.
     failing = False
     _failed = False
+    # (device, inode) of the file the stream writes to, read once when it opens.
+    _identity: tuple[int, int] | None = None
+
+    def _open(self):  # type: ignore[no-untyped-def]  # logging's own signature
+        stream = super()._open()
+        own = os.fstat(stream.fileno())
+        self._identity = (own.st_dev, own.st_ino)
+        return stream
 
     def emit(self, record: logging.LogRecord) -> None:
         self._failed = False
@@ -120,13 +128,11 @@ class _SharedRotatingHandler(logging.handlers.RotatingFileHandler):
 
     def _moved(self) -> bool:
         """Whether `path` no longer names the file this handler writes to."""
-        assert self.stream is not None
         try:
             at_path = os.stat(self.baseFilename)
         except FileNotFoundError:
             return True
-        own = os.fstat(self.stream.fileno())
-        return (at_path.st_dev, at_path.st_ino) != (own.st_dev, own.st_ino)
+        return (at_path.st_dev, at_path.st_ino) != self._identity
 
 
 class AuditLog:
