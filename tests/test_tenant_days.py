@@ -40,7 +40,7 @@ async def test_a_charge_is_trued_up_on_the_day_it_was_taken(tmp_path: Path, stor
     settings = GateSettings(auth_file=str(auth), state_url=server.url if server else None)
     gate = TenantGate(settings, ClientKeys(""), RouterMetrics())
     clock = Clock(1000 * DAY - 1.0)
-    gate.state.wall = gate.state.local.wall = clock
+    gate.state.local.wall = clock
     if server is not None:
         gate.state._up()
     try:
@@ -81,7 +81,7 @@ async def test_a_refund_of_a_charge_the_counts_lost_lends_nothing(
     if server is not None:
         gate.state._up()
     try:
-        today = utc_day(gate.state.wall())
+        today = utc_day(gate.state.local.wall())
         await gate.state.release("t", "lost", -500, server is not None, today)
         ticket = gate.open("r1", "t")
         assert ticket is not None

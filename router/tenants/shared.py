@@ -121,7 +121,6 @@ class TenantState:
         self.metrics = metrics
         self.lease = lease
         # What names the day of a token count, here and in the local fallback.
-        self.wall = wall
         self.local = LocalCounters(wall=wall)
         self.up = False
         self._said_down = False
@@ -209,7 +208,7 @@ class TenantState:
         self.local.release(tenant, ticket_id, tokens, day)
 
     def _admit_shared(self, tenant: Tenant, ticket_id: str, need: int, charge: int) -> Verdict:
-        now = self.wall()
+        now = self.local.wall()  # one clock for both stores' days
         day = utc_day(now)
         code, retry, *left = self._admit(
             keys=_keys(tenant.name, day),
