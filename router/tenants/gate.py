@@ -388,8 +388,6 @@ class Ticket:
         tenant = self.record
         if tenant is None or not (self.slot_taken or (tokens and tenant.tokens_per_day)):
             return
-        if not (tenant.tokens_per_day and self.day):
-            tokens = 0  # no day's count was charged: none to correct (nor a key to make)
         with trio.CancelScope(shield=True):
             await self.gate.state.release(tenant.name, self.id, tokens, self.shared, self.day)
 

@@ -234,6 +234,8 @@ class TenantState:
         )
 
     def _release_shared(self, tenant: str, ticket_id: str, tokens: int, day: str) -> None:
+        if not day:
+            tokens = 0  # no day's count was charged: none to correct (nor a key to make)
         keys = _keys(tenant, day)
         self._release(keys=keys[1:], args=[ticket_id, tokens])
 
