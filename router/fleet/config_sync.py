@@ -93,9 +93,10 @@ class ConfigSync:
         self.stores: dict[str, DocumentStore[Any]] = {}
         # Versions this router rejected: logged once, not re-validated every poll.
         self.rejected: dict[str, str] = {}
-        self._outbox_send, self._outbox = trio.open_memory_channel[str](64)
         # Kinds changed here whose text Redis may not hold yet; ours wins over the fleet's.
+        # The publish loop writes them at once (woken by `_changed`), each poll again.
         self.unpublished: set[str] = set()
+        self._changed = trio.Event()
         self.available = True
         self.named: NamedPolicies | None = None
         # Per-model policy versions refused for a model another document claims: said
@@ -113,11 +114,7 @@ class ConfigSync:
         def replaced(origin: str) -> None:
             if origin != FLEET_ORIGIN:
                 self.unpublished.add(store.kind)
-                # A full outbox drops nothing that matters: the text is read at send time.
-                try:
-                    self._outbox_send.send_nowait(store.kind)
-                except trio.WouldBlock:
-                    log.warning("config_publish_backlog kind=%s", store.kind)
+                self._changed.set()
 
         store.on_replaced.append(replaced)
 
@@ -142,8 +139,15 @@ class ConfigSync:
         await self._poll()
 
     async def _publish_loop(self) -> None:
-        async for kind in self._outbox:
-            await self._publish(kind)
+        while True:
+            await self._changed.wait()
+            self._changed = trio.Event()
+            await self._publish_unpublished()
+
+    async def _publish_unpublished(self) -> None:
+        for kind in sorted(self.unpublished):
+            if kind in self.unpublished:  # not published meanwhile (a poll's, the loop's)
+                await self._publish(kind)
 
     async def _publish(self, kind: str) -> None:
         store = self.stores[kind]
@@ -168,8 +172,7 @@ class ConfigSync:
         return done
 
     async def _poll(self) -> None:
-        for kind in sorted(self.unpublished):
-            await self._publish(kind)
+        await self._publish_unpublished()
         published = await self._call(self._versions)
         if published is None:
             return
