@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -151,6 +153,24 @@ async def test_b2_parks_until_occupancy_leaves_then_refuses_with_retry_after() -
     assert sample("hivenet_router_admission_rejections_total", {"reason": "b2", "model": "m"}) == 1
 
 
+@contextlib.contextmanager
+def shared_store(tmp_path: Path, store: str) -> Iterator[SharedAdmission | None]:
+    """Admission's shared counts in a real Redis for `store == "redis"`, else None."""
+    if store != "redis":
+        yield None
+        return
+    server = RedisServer(tmp_path, dict(os.environ)).start()
+    try:
+        state = TenantState(server.url, RouterMetrics(), lease=60.0)
+        state._up()
+        try:
+            yield SharedAdmission(state, 60.0)
+        finally:
+            state.close()
+    finally:
+        server.stop()
+
+
 @pytest.mark.parametrize("store", ["local", "redis"])
 async def test_models_no_agent_registered_share_one_label_and_pool(
     tmp_path: Path, store: str
@@ -162,13 +182,7 @@ async def test_models_no_agent_registered_share_one_label_and_pool(
     def label(model: str) -> str:
         return model if model == "m" else UNREGISTERED_MODEL
 
-    server = RedisServer(tmp_path, dict(os.environ)).start() if store == "redis" else None
-    try:
-        shared = None
-        if server is not None:
-            state = TenantState(server.url, RouterMetrics(), lease=60.0)
-            state._up()
-            shared = SharedAdmission(state, 60.0)
+    with shared_store(tmp_path, store) as shared:
         admission = Admission(AdmitSettings(park_timeout=0), metrics, shared=shared, label=label)
         limits = AdmissionLimits(max_inflight=1)
 
@@ -185,17 +199,12 @@ async def test_models_no_agent_registered_share_one_label_and_pool(
         rejections = "hivenet_router_admission_rejections_total"
         assert sample(rejections, {"reason": "b2", "model": UNREGISTERED_MODEL}) == 2
         assert sample(rejections, {"reason": "b2", "model": "x2"}) is None
-        if server is not None:
-            assert shared is not None and shared.state.client is not None
+        if shared is not None:
+            assert shared.state.client is not None
             names = {k.decode() for k in shared.state.client.scan_iter(match="hivenet:admission:*")}
             assert names and all("{m}" in n or UNREGISTERED_MODEL in n for n in names), names
         await admission.finish(x1)
         await admission.finish(m)
-    finally:
-        if server is not None:
-            if shared is not None:
-                shared.state.close()
-            server.stop()
 
 
 @pytest.mark.parametrize("store", ["local", "redis"])
@@ -210,13 +219,7 @@ async def test_a_request_is_released_under_the_label_it_was_admitted_under(
     def label(model: str) -> str:
         return model if model in registered else UNREGISTERED_MODEL
 
-    server = RedisServer(tmp_path, dict(os.environ)).start() if store == "redis" else None
-    try:
-        shared = None
-        if server is not None:
-            state = TenantState(server.url, RouterMetrics(), lease=60.0)
-            state._up()
-            shared = SharedAdmission(state, 60.0)
+    with shared_store(tmp_path, store) as shared:
         admission = Admission(
             AdmitSettings(park_timeout=0), RouterMetrics(), shared=shared, label=label
         )
@@ -233,15 +236,13 @@ async def test_a_request_is_released_under_the_label_it_was_admitted_under(
         registered.add("x1")
         held.usage = {"prompt_tokens": 100, "completion_tokens": 500}
         await admission.finish(held)
-        # The unregistered pool's one place is free again, its bucket drained.
+        # The unregistered pool's one place is free again, and the key's bucket there
+        # drained.
         again = await reserve("x2", "hi")
         assert not isinstance(again, Admitted) and again.gate == B4_OTPM, again
-        assert isinstance(await reserve("x1", "hi"), Admitted)
-    finally:
-        if server is not None:
-            if shared is not None:
-                shared.state.close()
-            server.stop()
+        keyless = await admission.reserve("x2", limits, None, admission.estimate("x2", chat()))
+        assert isinstance(keyless, Admitted), keyless
+        await admission.finish(keyless)
 
 
 async def test_b2_max_inflight_and_an_undeclared_output_grows() -> None:
