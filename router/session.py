@@ -425,15 +425,16 @@ class RoutingSession:
                 continue
             self.ranking.chosen(step.strategy, step.strategy_params, peer, run.rank_request)
             if log.isEnabledFor(logging.DEBUG):  # every request passes here: no quoting when off
+                # Least-loaded does not count its survivors (gates.Evaluation).
+                counted = "" if ev.survivors is None else f" survivors={ev.survivors}"
                 log.debug(
-                    "req=%s step_selected step=%s peer=%s active=%d capacity=%d survivors=%d "
-                    "tenant=%s",
+                    "req=%s step_selected step=%s peer=%s active=%d capacity=%d%s tenant=%s",
                     req.request_id,
                     step.name,
                     peer.peer_id,
                     peer.active,
                     peer.metadata.capacity,
-                    ev.survivors,
+                    counted,
                     quote(req.tenant),
                 )
             probe = is_probe(peer, step, trio.current_time())

@@ -83,6 +83,12 @@ def step(*rules: Rule, **match: Any) -> Step:
 ANY = step()
 
 
+def counting(s: Step) -> Step:
+    """`s` with a strategy that ranks every survivor, so its pass counts them
+    (least-loaded does not)."""
+    return dataclasses.replace(s, strategy="round-robin")
+
+
 def run(pool: list[Peer], s: Step = ANY, failed: frozenset[str] = NO_FAILURES, cap: str = "llm"):
     return evaluate(pool, s, cap, failed, NOW)
 
@@ -174,7 +180,7 @@ def test_gate2_health(pool: list[Peer], drain: str) -> None:
 def test_gate2_keeps_healthy_agents() -> None:
     pool = [peer("a", backend_healthy=False), peer("b", active=9), peer("c", draining=True)]
     assert best_id(pool) == "b"
-    assert run(pool).survivors == 1
+    assert run(pool, counting(ANY)).survivors == 1
 
 
 def test_gate3_capability() -> None:
@@ -212,8 +218,8 @@ def test_gate4_region_is_exact() -> None:
 def test_gate4_each_field(field: str) -> None:
     s = step(**{field: "X"})
     pool = [peer("a", **{field: "Y"}), peer("b", **{field: "X"}), peer("c", **{field: "x"})]
-    result = run(pool, s)
-    assert (result.best, result.survivors) == (pool[1], 1)
+    assert best_id(pool, s) == "b"
+    assert run(pool, counting(s)).survivors == 1
     result = run([pool[0], pool[2]], s)
     assert result.drain == (
         f'gate[4] match [{field}(got="Y",want="X")=1,{field}(got="x",want="X")=1]'
@@ -519,12 +525,55 @@ def test_not_waitable_when_nothing_is_full() -> None:
 def test_survivor_count_and_best() -> None:
     pool = [peer(f"p{i}", active=i % 4) for i in range(10)]
     result = run(pool)
+    # Least-loaded does not count its survivors; a strategy that ranks them all does.
     assert (result.best, result.survivors, result.drain, result.waitable) == (
         pool[0],
-        10,
+        None,
         None,
         False,
     )
+    counted = run(pool, counting(ANY))
+    assert (counted.survivors, counted.drain) == (10, None)
+
+
+class _ReadCounter(dict):
+    """An engine snapshot that counts gate 7's reads of it."""
+
+    reads = 0
+
+    def get(self, key: str, default: object = None) -> object:
+        type(self).reads += 1
+        return super().get(key, default)
+
+
+def test_least_loaded_reads_the_gates_of_lighter_agents_only() -> None:
+    # The first agent is the lightest and passes: no other agent's gate 7 is read. An
+    # excluded agent lighter than the choice so far is still read, and passed over.
+    s = step(Rule("kv_cache_utilization", "gt", 0.85))
+    pool = [peer(f"p{i}", active=2 + i % 3) for i in range(50)]
+    pool[0].active = 1
+    pool[7].active = 0
+    pool[7].engine = {"kv_cache_utilization": 0.9}
+    for p in pool:
+        p.engine = _ReadCounter(p.engine)
+    _ReadCounter.reads = 0
+    assert run(tuple(pool), s).best is pool[0]
+    assert _ReadCounter.reads == 2  # p0, then p7 (lighter, excluded)
+
+
+def test_least_loaded_of_large_tied_pools_matches_the_reference() -> None:
+    # Few distinct loads over many agents (ties everywhere) and agents lighter than the
+    # choice that fail a gate: the pass that skips heavier agents' gates still picks
+    # the reference's first lowest survivor.
+    rng = random.Random(20261206)
+    for _ in range(200):
+        pool = [_random_peer(rng, i) for i in range(rng.randrange(20, 120))]
+        for p in pool:
+            p.active = rng.choice((0, 0, 1, 1, 2, 4))
+        s = _random_step(rng)
+        failed = frozenset(p.peer_id for p in pool if rng.random() < 0.1)
+        expected = _reference(pool, s, "llm", failed)
+        assert evaluate(tuple(pool), s, "llm", failed, NOW).best is least_loaded(expected)
 
 
 def test_policy_from_yaml_production_example() -> None:
@@ -651,7 +700,7 @@ def test_compiled_pass_matches_the_reference() -> None:
         failed = frozenset(p.peer_id for p in pool if rng.random() < 0.15)
         expected = _reference(pool, s, "llm", failed)
         result = evaluate(pool, s, "llm", failed, NOW)
-        assert result.survivors == len(expected)
+        assert result.survivors == (None if expected else 0)
         assert result.best is least_loaded(expected)
         assert (result.drain is None) == bool(expected)
         # A PeerTable pool (a tuple) keeps its static verdicts; a second decision on it

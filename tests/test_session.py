@@ -280,6 +280,20 @@ async def test_least_loaded_picks_the_seeds_agent_a(autojump_clock: Any) -> None
     assert peers[2].active == 4
 
 
+async def test_the_selection_is_logged_with_the_survivors_a_strategy_counted(
+    autojump_clock: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    peers = [make_peer("A", capacity=20, active=4), make_peer("B", capacity=20, active=8)]
+    for strategy, counted in (("least-loaded", ""), ("round-robin", " survivors=2")):
+        caplog.clear()
+        served = await Harness(policy(f"strategy: {strategy}"), peers).route()
+        assert isinstance(served, Served)
+        served.response.close()
+        lines = [r.getMessage() for r in caplog.records if "step_selected" in r.getMessage()]
+        assert len(lines) == 1
+        assert f"step=routing_policy peer=A active=5 capacity=20{counted} tenant=" in lines[0]
+
+
 async def test_equal_load_goes_to_the_lowest_peer_id_every_time(autojump_clock: Any) -> None:
     h = Harness(policy(ANY), [make_peer("p2", capacity=4), make_peer("p1", capacity=2)])
     for _ in range(3):
