@@ -7,9 +7,10 @@ is healthy and matches, so each one passes the static gates, and any may be walk
 through the others, including three exclude_if rules that read the universal, engine
 and hardware metric sources (least-loaded walks an agent through them only when it is
 lighter than its choice so far). About one agent in ten is excluded by a rule; loads
-are random, so the lighter agents are spread over the pool. The last two columns time pools that drain, which
-adds the pass that explains why: every agent over a gate 7 threshold, and every agent
-full (gate 6, what a request waiting in the capacity queue re-evaluates).
+are random, so the lighter agents are spread over the pool. The last two columns time
+pools that drain, which adds the pass that explains why: every agent over a gate 7
+threshold, and every agent full (gate 6, what a request waiting in the capacity queue
+re-evaluates).
 
 The prefix-aware rows rank the same pool with `strategy: prefix-aware` for an 8k-token
 prompt (32,768 characters, 4 per token) that continues a conversation one agent was
