@@ -127,9 +127,9 @@ _FLUSH: dict = {"type": m.RESPONSE_CHUNK, "data": b""}
 Answer = tuple[RequestState, dict]
 _NO_FRAME: dict = {}
 
-# RFC 9110 field names and values this router's HTTP server can send (h11 refuses the
-# rest at send time, after the try was counted a success): a token, and visible
-# characters or obs-text with single spaces or tabs between them.
+# RFC 9110 field names and values this router's HTTP server can send (it refuses the
+# rest when it writes the head, after the try was counted a success): a token, and
+# visible characters or obs-text with single spaces or tabs between them.
 _FIELD_NAME = re.compile(r"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
 _FIELD_VALUE = re.compile(r"(?:[^\x00-\x20\x7f]+(?:[ \t]+[^\x00-\x20\x7f]+)*)?")
 

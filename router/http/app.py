@@ -29,6 +29,7 @@ from router.http.asgi import (
     request_id,
     send_bytes,
     send_json,
+    with_headers,
 )
 from router.http.auth import AdminKeys, presented_keys
 from router.http.client import API_KEY, ENDPOINTS, TICKET, ClientApi, send_error
@@ -340,27 +341,15 @@ class RouterApp:
 
 def _with_traceparent(send: Send, span: Span) -> Send:
     """The response names the request's trace (W3C `traceparent`), so a client can find it."""
-    value = (span.traceparent() or "").encode()
-
-    async def traced_send(message: dict) -> None:
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", ()), (b"traceparent", value)]}
-        await send(message)
-
-    return traced_send
+    headers = [(b"traceparent", (span.traceparent() or "").encode())]
+    return with_headers(send, lambda: headers)
 
 
 def _with_anthropic_request_id(send: Send, rid: str) -> Send:
     """The request ID also as `request-id`, Anthropic's name for it: the anthropic SDK
     reads only that one (`request_id` of a message, a raw response or an APIError)."""
-    value = rid.encode("latin-1")
-
-    async def identified_send(message: dict) -> None:
-        if message["type"] == "http.response.start":
-            message = {**message, "headers": [*message.get("headers", ()), (b"request-id", value)]}
-        await send(message)
-
-    return identified_send
+    headers = [(b"request-id", rid.encode("latin-1"))]
+    return with_headers(send, lambda: headers)
 
 
 def _audited(path: str, method: str, status: int) -> bool:

@@ -167,6 +167,23 @@ async def start_response(
     await send(message)
 
 
+Headers = list[tuple[bytes, bytes]]
+
+
+def with_headers(send: Send, extra: Callable[[], Headers]) -> Send:
+    """`send`, adding the headers `extra()` returns to the response's start. It is
+    called when the start is sent, so they may say what the request came to."""
+
+    async def added(message: dict) -> None:
+        if message["type"] == "http.response.start":
+            more = extra()
+            if more:
+                message = {**message, "headers": [*message.get("headers", ()), *more]}
+        await send(message)
+
+    return added
+
+
 async def send_body(send: Send, data: bytes, more: bool = False) -> None:
     await send({"type": "http.response.body", "body": data, "more_body": more})
 

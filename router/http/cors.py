@@ -8,7 +8,7 @@ so no browser sends credentials on their behalf.
 
 from __future__ import annotations
 
-from router.http.asgi import Scope, Send, header
+from router.http.asgi import Headers, Scope, Send, header, with_headers
 
 ALLOW_METHODS = "GET, POST, PUT, DELETE, OPTIONS"
 ALLOW_HEADERS = (
@@ -49,21 +49,14 @@ async def preflight(scope: Scope, send: Send, request_id: str) -> None:
     await send({"type": "http.response.body", "body": b""})
 
 
+_ANSWER_HEADERS: Headers = [
+    (b"access-control-allow-origin", b"*"),
+    (b"access-control-expose-headers", EXPOSE_HEADERS.encode()),
+]
+
+
 def with_cors(scope: Scope, send: Send) -> Send:
     """`send`, adding the CORS headers when the request came from a browser."""
     if header(scope, b"origin") is None:
         return send
-
-    async def wrapped(message: dict) -> None:
-        if message["type"] == "http.response.start":
-            message = {
-                **message,
-                "headers": [
-                    *message.get("headers", []),
-                    (b"access-control-allow-origin", b"*"),
-                    (b"access-control-expose-headers", EXPOSE_HEADERS.encode()),
-                ],
-            }
-        await send(message)
-
-    return wrapped
+    return with_headers(send, lambda: _ANSWER_HEADERS)

@@ -8,22 +8,21 @@ when its answer ends.
 
 from __future__ import annotations
 
-from router.http.asgi import Scope, Send
+from router.http.asgi import Headers, Scope, Send, with_headers
 from router.http.client import TICKET
 
 
 def with_quota_headers(scope: Scope, send: Send) -> Send:
-    async def wrapped(message: dict) -> None:
+    def remaining() -> Headers:
         ticket = scope.get(TICKET)
-        if message["type"] == "http.response.start" and ticket is not None:
-            requests, tokens = ticket.remaining
-            extra = []
-            if requests is not None:
-                extra.append((b"x-ratelimit-remaining-requests", str(requests).encode()))
-            if tokens is not None:
-                extra.append((b"x-ratelimit-remaining-tokens", str(tokens).encode()))
-            if extra:
-                message = {**message, "headers": [*message.get("headers", []), *extra]}
-        await send(message)
+        if ticket is None:
+            return []
+        requests, tokens = ticket.remaining
+        extra = []
+        if requests is not None:
+            extra.append((b"x-ratelimit-remaining-requests", str(requests).encode()))
+        if tokens is not None:
+            extra.append((b"x-ratelimit-remaining-tokens", str(tokens).encode()))
+        return extra
 
-    return wrapped
+    return with_headers(send, remaining)
