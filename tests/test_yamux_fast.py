@@ -537,21 +537,26 @@ async def test_one_batch_end_serves_every_session_of_a_run() -> None:
     assert p2p._batch_end() is p2p._batch_end()
 
 
-async def test_frames_held_for_a_batch_end_go_with_a_closing_session() -> None:
-    """A session that closes, flushing, with frames held for the batch's end has its
-    writer send them; one that is closed outright drops them; neither fails."""
+@contextlib.asynccontextmanager
+async def idle_batch_end_session() -> Any:
+    """A session that writes at the batch's end, running, its writer waiting; yields it,
+    the other end's stream and the nursery it runs in."""
     async with libp2p_stream() as (ours, theirs), trio.open_nursery() as nursery:
         fs = p2p.FramedStream(ours, write_at_batch_end=True)
         nursery.start_soon(fs.run, lambda message: None)
         await trio.testing.wait_all_tasks_blocked()
+        yield fs, theirs, nursery
+
+
+async def test_frames_held_for_a_batch_end_go_with_a_closing_session() -> None:
+    """A session that closes, flushing, with frames held for the batch's end has its
+    writer send them; one that is closed outright drops them; neither fails."""
+    async with idle_batch_end_session() as (fs, theirs, nursery):
         last = {"type": "data", "n": 1}
         fs.send_nowait(last)
         nursery.start_soon(fs.flush_and_close, "done")
         await _frames_arrive(theirs, [last])
-    async with libp2p_stream() as (ours, theirs), trio.open_nursery() as nursery:
-        fs = p2p.FramedStream(ours, write_at_batch_end=True)
-        nursery.start_soon(fs.run, lambda message: None)
-        await trio.testing.wait_all_tasks_blocked()
+    async with idle_batch_end_session() as (fs, _theirs, _nursery):
         fs.send_nowait({"type": "data", "n": 2})
         fs.close("gone")
         with trio.fail_after(5):
@@ -566,14 +571,10 @@ async def test_a_batch_end_write_that_fails_to_seal_ends_the_session(
         raise RuntimeError("nonce depleted")
 
     monkeypatch.setattr(yamux_fast.DirectWriter, "write_now", broken)
-    async with libp2p_stream() as (ours, _theirs):
-        fs = p2p.FramedStream(ours, write_at_batch_end=True)
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(fs.run, lambda message: None)
-            await trio.testing.wait_all_tasks_blocked()
-            fs.send_nowait({"type": "data"})
-            with trio.fail_after(5):
-                await fs.closed.wait()
+    async with idle_batch_end_session() as (fs, _theirs, _nursery):
+        fs.send_nowait({"type": "data"})
+        with trio.fail_after(5):
+            await fs.closed.wait()
         assert fs.close_reason == "write failed: RuntimeError"
 
 
