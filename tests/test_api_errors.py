@@ -225,6 +225,9 @@ def test_client_keys_are_required_when_configured(ef: ErrFleet, path: str, proto
     assert post(ef.router, path, body).status_code == 200
     r = post(ef.router, path, body, key=None, headers={"x-api-key": OTHER_KEY})
     assert r.status_code == 200, r.text
+    # Upstream also takes the raw key without `Bearer` (api-keys).
+    r = post(ef.router, path, body, key=None, headers={"authorization": KEY})
+    assert r.status_code == 200, r.text
 
 
 def test_tenant_of_the_key_is_in_the_access_log_and_metric_labels(ef: ErrFleet) -> None:

@@ -9,14 +9,20 @@ from router.tenants.keys import keys_match
 
 
 def bearer_key(scope: Scope) -> str | None:
+    """The key of `Authorization: Bearer <key>`, or of a raw `Authorization: <key>`,
+    which upstream accepts too (clients and admin keys alike). Another scheme's value
+    (`Basic …`) is taken whole, so it matches no key."""
     auth = header(scope, b"authorization")
-    if auth and auth[:7].lower() == "bearer ":
+    if not auth:
+        return None
+    if auth[:7].lower() == "bearer ":
         return auth[7:].strip() or None
-    return None
+    return auth.strip() or None
 
 
 def presented_keys(scope: Scope, allow_x_api_key: bool) -> list[str]:
-    """`Authorization: Bearer` (OpenAI SDKs) and, for clients, `x-api-key` (Anthropic's)."""
+    """`Authorization: Bearer` (OpenAI SDKs; the raw key without `Bearer` too) and, for
+    clients, `x-api-key` (Anthropic's)."""
     keys = []
     bearer = bearer_key(scope)
     if bearer is not None:
