@@ -459,10 +459,15 @@ def cmd_check_auth(args: argparse.Namespace) -> int:
     for tenant in config.tenants.values():
         view = tenant.public()
         limits = " ".join(f"{k}={v}" for k, v in view.items() if k not in ("name", "models") and v)
-        models = ",".join(tenant.models) or "*"
+        # Upstream's allowlists are per key: keys of one owner may list other models.
+        own = {digest: config.by_hash[digest].models for digest in tenant.key_hashes}
+        per_key = len(set(own.values())) > 1
+        models = "per key" if per_key else ",".join(tenant.models) or "*"
         print(f"tenant {tenant.name}: models={models} {limits}".rstrip())
         for model, rpm, tokens in tenant.per_model:
             print(f"  model {model}: requests_per_minute_per_replica={rpm} tokens_per_day={tokens}")
+        for digest, listed in own.items() if per_key else ():
+            print(f"  key {digest[:19]}…: models={','.join(listed) or '*'}")
     for digest, until in sorted(config.expires.items()):
         day = time.strftime("%d-%m-%Y", time.gmtime(until - 86400))
         print(f"key {digest[:19]}… of {config.by_hash[digest].name}: valid through {day} (UTC)")

@@ -36,7 +36,7 @@ def policy(cap: int, mode: str = "serverless") -> str:
 
 def test_each_reachable_serverless_cap_is_checked_with_the_limits_that_apply() -> None:
     per_model = (
-        "{input_tokens_per_minute: 5000, per_model: {big: {requests_per_minute_per_replica: 0,"
+        "{per_model: {big: {requests_per_minute_per_replica: 0,"
         " tokens_per_day: 0, input_tokens_per_minute: 100}, small: "
         "{requests_per_minute_per_replica: 0, tokens_per_day: 0}}}"
     )

@@ -103,8 +103,45 @@ def test_one_hash_one_id_and_one_set_of_limits_per_owner() -> None:
         )
     )
     assert any("keys[1].key_hash: is also the hash of key 'a'" in e for e in errors), errors
-    assert any("keys[2]: owner 'acme' is also key 'a' with other" in e for e in errors), errors
+    assert any("keys[2]: owner 'acme' is also key 'a' with another quota" in e for e in errors), (
+        errors
+    )
     assert any("keys[3].id: 'a' is listed twice" in e for e in errors), errors
+
+
+def test_keys_of_one_owner_each_keep_their_own_allowed_models() -> None:
+    other = "sk-hivenet-client-two"
+    registry = parse_registry(
+        document(
+            entry("a", allowed_models=["m1"], quota={"requests_per_minute": 5}),
+            entry(
+                "b",
+                key_hash=hashlib.sha256(other.encode()).hexdigest(),
+                allowed_models=["m2"],
+                quota={"requests_per_minute": 5},
+            ),
+        )
+    )
+    first, second = registry.config.tenant_for_key(KEY), registry.config.tenant_for_key(other)
+    assert first is not None and second is not None
+    assert first.allows_model("m1") and not first.allows_model("m2")
+    assert second.allows_model("m2") and not second.allows_model("m1")
+    # One owner, one bucket: the same tenant name and limits for both.
+    assert first.name == second.name == "acme" and first.requests_per_minute == 5
+    assert len(registry.config.tenants["acme"].key_hashes) == 2
+
+
+def test_flat_token_rates_beside_per_model_are_refused() -> None:
+    quota = {
+        "input_tokens_per_minute": 500,
+        "per_model": {"m": {"requests_per_minute_per_replica": 1, "tokens_per_day": 0}},
+    }
+    errors = errors_of(document(entry(quota=quota)))
+    assert any(
+        e.startswith("keys[0].quota.input_tokens_per_minute: cannot be combined with")
+        and "per_model" in e
+        for e in errors
+    ), errors
 
 
 def test_disabled_and_expired_keys_do_not_authenticate() -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from router.tenants.config import AuthError, load_auth
 from router.tenants.counters import LocalCounters
-from router.tenants.upstream_auth import end_of_day, keygen_entry
+from router.tenants.upstream_auth import BASE58_ALPHABET, base58, end_of_day, keygen_entry
 
 KEY = "sk-hivenet-" + "1" * 64
 HEX = hashlib.sha256(KEY.encode()).hexdigest()
@@ -37,6 +37,20 @@ def test_keys_of_one_owner_are_one_tenant() -> None:
     assert len(tenant.key_hashes) == 2 and tenant.requests_per_minute == 10
     assert config.tenant_for_key(KEY) is config.tenant_for_key(OTHER) is tenant
     assert config.admin_mode == "api-key" and not config.api_open
+
+
+def test_keys_of_one_owner_may_list_other_models() -> None:
+    quota = "      quota: {requests_per_minute: 10}\n"
+    config = load_auth(
+        doc(entry(extra=quota + "      models: [m1]\n"), entry(OTHER_HEX, extra=quota))
+    )
+    limited, open_key = config.tenant_for_key(KEY), config.tenant_for_key(OTHER)
+    assert limited is not None and open_key is not None
+    assert limited.allows_model("m1") and not limited.allows_model("m2")
+    assert open_key.allows_model("m2")
+    # Still one tenant, one bucket.
+    assert limited.name == open_key.name == "acme" and open_key.requests_per_minute == 10
+    assert len(config.tenants["acme"].key_hashes) == 2
 
 
 def test_api_mode_none_opens_the_client_api() -> None:
@@ -105,7 +119,7 @@ def test_the_example_placeholder_loads_with_a_warning() -> None:
     [
         (
             doc(entry(extra="      quota: {requests_per_minute: 1}\n"), entry(OTHER_HEX)),
-            "api.keys[1]: owner 'acme' is also api.keys[0] with other models or quota",
+            "api.keys[1]: owner 'acme' is also api.keys[0] with another quota",
         ),
         (doc(entry(), entry()), "api.keys[1].key_hash: listed twice"),
         (doc(entry(KEY)), "api.keys[0].key_hash: is a key in clear"),
@@ -166,6 +180,16 @@ def test_the_example_placeholder_loads_with_a_warning() -> None:
             "cannot be combined with the flat requests_per_minute/tokens_per_day",
         ),
         (
+            doc(
+                entry(
+                    extra="      quota:\n        output_tokens_per_minute: 500\n"
+                    "        per_model: {m: {requests_per_minute_per_replica: 1,"
+                    " tokens_per_day: 1}}\n"
+                )
+            ),
+            "api.keys[0].quota.output_tokens_per_minute: cannot be combined with quota.per_model",
+        ),
+        (
             doc(entry(extra="      quota:\n        per_model: {m: {tokens_per_day: 1}}\n")),
             "per_model.m.requests_per_minute_per_replica: missing (required; 0 is unlimited)",
         ),
@@ -183,6 +207,44 @@ def test_every_mistake_is_named_with_its_path(text: str, expected: str) -> None:
 def test_a_tenants_file_still_loads_as_before() -> None:
     text = f'tenants:\n  team:\n    keys: ["sha256:{HEX}"]\n'
     assert load_auth(text).tenant_for_key(KEY).name == "team"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("hex_bytes", "encoded"),
+    [
+        # Bitcoin Core's base58 vectors (src/test/data/base58_encode_decode.json).
+        ("", ""),
+        ("61", "2g"),
+        ("626262", "a3gV"),
+        ("636363", "aPEr"),
+        ("73696d706c792061206c6f6e6720737472696e67", "2cFupjhnEsSn59qHXstmK2ffpLv2"),
+        (
+            "00eb15231dfceb60925886b67d065299925915aeb172c06647",
+            "1NS17iag9jJgTHD1VXjvLCEnZuQ3rJDE9L",
+        ),
+        ("516b6fcd0f", "ABnLTmg"),
+        ("bf4f89001e670274dd", "3SEo3LWLoPntC"),
+        ("572e4794", "3EFU7m"),
+        ("ecac89cad93923c02321", "EJDM8drfXA6uyA"),
+        ("10c8511e", "Rt5zm"),
+        ("00000000000000000000", "1111111111"),
+    ],
+)
+def test_base58_matches_bitcoins_vectors(hex_bytes: str, encoded: str) -> None:
+    assert base58(bytes.fromhex(hex_bytes)) == encoded
+
+
+def test_keygen_key_is_base58_of_32_bytes() -> None:
+    key = keygen_entry("acme").splitlines()[0].removeprefix("key: ")
+    assert key.startswith("sk-hivenet-")
+    body = key.removeprefix("sk-hivenet-")
+    assert set(body) <= set(BASE58_ALPHABET), body
+    # Decoded back: 32 bytes (upstream: 32 random bytes before Base58 encoding).
+    number = 0
+    for char in body:
+        number = number * 58 + BASE58_ALPHABET.index(char)
+    zeros = len(body) - len(body.lstrip("1"))
+    assert zeros + (number.bit_length() + 7) // 8 == 32
 
 
 def test_keygen_entry_loads_as_printed() -> None:

@@ -182,7 +182,7 @@ class RouterApp:
         ticket = None
         if path in ENDPOINTS and self.tenants:
             # Refused requests have a ticket too: it holds the code their audit line shows.
-            ticket = scope[TICKET] = self.tenants.open(rid, tenant or "-")
+            ticket = scope[TICKET] = self.tenants.open(rid, tenant or "-", key)
             if ticket is not None:
                 # Only a ticket has what the quota headers say: no wrapper without one.
                 send = with_quota_headers(scope, send)
@@ -217,7 +217,7 @@ class RouterApp:
                     self.idle.set()
         if (path == "/v1/models" or path.startswith("/v1/models/")) and method not in _READ_METHODS:
             return await _not_allowed(send, rid, protocol, "GET, HEAD"), tenant
-        record = self.tenants.tenant(tenant) if self.tenants else None
+        record = self.tenants.tenant(tenant, key) if self.tenants else None
         if path == "/v1/models":
             if self.fleet is not None and _fleet_scope(scope):
                 cards = await self.fleet.models()

@@ -161,15 +161,24 @@ class TenantGate:
         config = self.config
         return config is not None and any(config.expired(key) for key in keys)
 
-    def tenant(self, name: str) -> Tenant | None:
+    def tenant(self, name: str, key: ApiKey | None = None) -> Tenant | None:
+        """The record that applies to a caller: its key's (the owner's limits with the
+        key's own `models`), else the tenant's."""
         config = self.config
-        return None if config is None else config.tenants.get(name)
+        if config is None:
+            return None
+        if key is not None:
+            record = config.by_hash.get(key.key_hash)
+            if record is not None:
+                return record
+        return config.tenants.get(name)
 
-    def open(self, request_id: str, tenant: str) -> Ticket | None:
+    def open(self, request_id: str, tenant: str, key: ApiKey | None = None) -> Ticket | None:
         """A ticket for an inference request; None when nothing counts."""
         if self.config is None and self.audit_log is None:
             return None
-        return Ticket(self, request_id, tenant, self.tenant(tenant), trio.current_time())
+        record = self.tenant(tenant, key)
+        return Ticket(self, request_id, tenant, record, trio.current_time())
 
     def audit(
         self,

@@ -4,7 +4,8 @@ The registry is one document, `{"version": …, "keys": [entry, …]}` as canoni
 so that it reloads, syncs to the other routers (router/fleet/config_sync.py) and is
 validated the way the policy and the auth file are: a write builds the whole next
 document, which is checked as a whole (each entry as an auth.yaml `api.keys` entry, no
-hash under two ids, one owner's keys with one set of limits) and installed only when
+hash under two ids, one owner's keys with one quota, each with its own
+`allowed_models`) and installed only when
 valid, so a bad write leaves the running set in force.
 
 Unlike upstream, whose registry lives in memory and is empty after every restart, a
@@ -42,7 +43,7 @@ from router.admission.crosscheck import PolicyLimits, below_serverless_cap
 from router.documents import DocumentError, DocumentStore, Validator, kind, shown
 from router.metrics import RouterMetrics
 from router.tenants.config import HASH_PREFIX, ApiKey, AuthConfig, Tenant
-from router.tenants.upstream_auth import upstream_key
+from router.tenants.upstream_auth import shared_limits, upstream_key, with_models
 
 log = logging.getLogger("tenant")
 
@@ -161,6 +162,8 @@ class _Entries(Validator):
         first_of_owner: dict[str, str] = {}
         hashes: dict[str, list[str]] = {}
         owner_of_hash: dict[str, str] = {}
+        # Each key's own allowed_models (keys of one owner share everything else).
+        models_of_hash: dict[str, tuple[str, ...]] = {}
         records: dict[str, ApiKey] = {}
         id_of_hash: dict[str, str] = {}
         expires: dict[str, float] = {}
@@ -182,12 +185,16 @@ class _Entries(Validator):
                 )
                 continue
             known = base.get(tenant.name)
-            if known is not None and known is not tenant and known != tenant:
+            if (
+                known is not None
+                and known is not tenant
+                and shared_limits(known) != shared_limits(tenant)
+            ):
                 self.error(
                     path,
                     f"owner {tenant.name!r} is also key {first_of_owner[tenant.name]!r} with"
-                    " other allowed_models or quota; keys of one owner share one bucket, so"
-                    " give them the same allowed_models and quota",
+                    " another quota; keys of one owner share one bucket, so give them the"
+                    " same quota (each key's allowed_models may differ)",
                 )
                 continue
             entries[key_id] = entry
@@ -199,6 +206,7 @@ class _Entries(Validator):
             if entry["enabled"]:
                 hashes[tenant.name].append(digest)
                 owner_of_hash[digest] = tenant.name
+                models_of_hash[digest] = tenant.models
                 records[digest] = record
                 if until is not None:
                     expires[digest] = until
@@ -206,7 +214,10 @@ class _Entries(Validator):
             return None
         # Each key's record is its tenant's final one, with every key hash.
         tenants = {name: self.tenant(name, t, tuple(hashes[name])) for name, t in base.items()}
-        by_hash = {digest: tenants[name] for digest, name in owner_of_hash.items()}
+        by_hash = {
+            digest: with_models(tenants[name], models_of_hash[digest])
+            for digest, name in owner_of_hash.items()
+        }
         config = AuthConfig(
             tenants,
             by_hash,

@@ -3,7 +3,9 @@
 
 Keys that share an owner share one tenant and its counts, as upstream; where upstream
 lets two such keys carry different limits on one bucket ("can produce confusing
-behaviour"), this loader refuses the file and names both keys.
+behaviour"), this loader refuses the file and names both keys. A key's `models`
+allowlist is its own (upstream's allowlists are per key): each key's record in
+`AuthConfig.by_hash` is its owner's tenant with that key's list.
 """
 
 from __future__ import annotations
@@ -102,9 +104,27 @@ def end_of_day(text: str) -> float | None:
     return float(start + 86400)
 
 
+# Bitcoin's Base58 alphabet: no 0, O, I or l, so a key read aloud or retyped survives.
+BASE58_ALPHABET = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+
+
+def base58(data: bytes) -> str:
+    """`data` in Base58 (Bitcoin's alphabet): the bytes as one big-endian number in
+    base 58, each leading zero byte kept as a `1`, as Bitcoin's addresses and
+    upstream's keys have it."""
+    number = int.from_bytes(data, "big")
+    digits = []
+    while number:
+        number, digit = divmod(number, 58)
+        digits.append(BASE58_ALPHABET[digit])
+    zeros = len(data) - len(data.lstrip(b"\0"))
+    return "1" * zeros + "".join(reversed(digits))
+
+
 def new_upstream_key() -> str:
-    """Upstream's key shape: `sk-hivenet-` and 32 random bytes in hex."""
-    return KEY_PREFIX + secrets.token_hex(32)
+    """Upstream's key shape: `sk-hivenet-` and 32 random bytes in Base58 (mostly 44
+    characters: 256 bits at 5.86 bits a character)."""
+    return KEY_PREFIX + base58(secrets.token_bytes(32))
 
 
 def preview(key: str) -> str:
@@ -193,24 +213,25 @@ class _Upstream(Validator):
                 self.error(f"api.keys[{i}].key_hash", "listed twice (each key once)")
                 continue
             known = tenants.get(tenant.name)
-            if known is not None and _limits(known) != _limits(tenant):
+            if known is not None and shared_limits(known) != shared_limits(tenant):
                 self.error(
                     f"api.keys[{i}]",
                     f"owner {tenant.name!r} is also api.keys[{first_key[tenant.name]}] with"
-                    " other models or quota; keys of one owner share one bucket, so give"
-                    " them the same models and quota",
+                    " another quota; keys of one owner share one bucket, so give them the"
+                    " same quota (each key's models may differ)",
                 )
                 continue
             if known is None:
                 first_key[tenant.name] = i
                 known = tenants[tenant.name] = tenant
             known = tenants[tenant.name] = _with_key(known, digest)
-            by_hash[digest] = known
+            by_hash[digest] = tenant  # for its models: the final record comes below
             keys[digest] = key
             if until is not None:
                 expires[digest] = until
-        # Each key's record must be the tenant's final one (with every key hash).
-        by_hash = {digest: tenants[t.name] for digest, t in by_hash.items()}
+        # Each key's record must be the tenant's final one (with every key hash), with
+        # the key's own models.
+        by_hash = {digest: with_models(tenants[t.name], t.models) for digest, t in by_hash.items()}
         return AuthConfig(
             tenants,
             by_hash,
@@ -368,6 +389,15 @@ class _Upstream(Validator):
                     f"{path}.per_model",
                     "cannot be combined with the flat requests_per_minute/tokens_per_day",
                 )
+            # Upstream refuses these beside per_model too, where they would otherwise
+            # vanish silently (a per_model entry's own rates replace them).
+            for name in KEY_QUOTA_LIMITS:
+                if raw.get(name, 0) != 0:
+                    self.error(
+                        f"{path}.{name}",
+                        "cannot be combined with quota.per_model: set it in each"
+                        f" per_model entry instead (per_model.<model>.{name})",
+                    )
             out["per_model"], out["per_model_limits"] = self.per_model(
                 f"{path}.per_model", per_model
             )
@@ -415,10 +445,10 @@ class _Upstream(Validator):
         return tuple(out), tuple(limits)
 
 
-def _limits(tenant: Tenant) -> tuple[object, ...]:
-    """What keys of one owner must agree on: everything but the key hashes."""
+def shared_limits(tenant: Tenant) -> tuple[object, ...]:
+    """What keys of one owner must agree on, their one bucket's limits: everything but
+    the key hashes and the `models` allowlist, which is each key's own."""
     return (
-        tenant.models,
         tenant.requests_per_minute,
         tenant.burst,
         tenant.tokens_per_day,
@@ -426,6 +456,12 @@ def _limits(tenant: Tenant) -> tuple[object, ...]:
         tenant.max_input_bytes,
         tenant.per_model,
     )
+
+
+def with_models(tenant: Tenant, models: tuple[str, ...]) -> Tenant:
+    """`tenant` as one of its keys sees it: with that key's `models` (the same record
+    when they are the tenant's, as for most keys)."""
+    return tenant if tenant.models == models else replace(tenant, models=models)
 
 
 def _with_key(tenant: Tenant, digest: str) -> Tenant:
