@@ -21,6 +21,7 @@ from typing import Any
 
 import httpx
 import pytest
+import yaml
 
 from router.http.asgi import RequestIds, request_id
 from tests.fleet import ADMIN_KEY, Agent, Fleet, Proc, Router, wait_until
@@ -382,6 +383,8 @@ def test_seeds_admin_health(af: AdminFleet) -> None:
         assert agent["healthy"] is True and agent["backend_healthy"] is True
         assert agent["is_healthy"] is True and agent["engine"] == "sim"
         assert isinstance(agent["version"], str) and isinstance(agent["region"], str)
+        # Upstream's unit: Unix seconds (issue 47 item 11).
+        assert isinstance(agent["last_seen"], int) and abs(agent["last_seen"] - time.time()) < 60
     assert {a["capacity"] for a in health["agents"]} == {4, 8}
 
 
@@ -518,6 +521,25 @@ def test_admin_needs_a_key(af: AdminFleet, path: str) -> None:
     assert af.get(path).status_code == 200
 
 
+def test_policy_as_json_when_asked(af: AdminFleet) -> None:
+    yaml_text = af.get("/admin/policy")
+    assert yaml_text.headers["content-type"].startswith("application/yaml")
+    for accept in ("application/json", "application/json, */*;q=0.5"):
+        r = httpx.get(
+            af.router.url + "/admin/policy",
+            headers={"Authorization": f"Bearer {ADMIN_KEY}", "Accept": accept},
+            timeout=10,
+        )
+        assert r.status_code == 200
+        assert r.headers["content-type"].startswith("application/json")
+        policy = r.json()
+        # The policy's own fields, as upstream's JSON has them.
+        assert policy["routing_policy"] == yaml.safe_load(yaml_text.text)["routing_policy"]
+        assert policy["chain"][0] == "routing_policy" and policy["version"]
+        assert r.headers["etag"] != yaml_text.headers["etag"]
+        assert r.headers["vary"] == "accept"
+
+
 def test_policy_get_and_put_count_reloads(af: AdminFleet) -> None:
     router = af.router
     h = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -531,8 +553,9 @@ def test_policy_get_and_put_count_reloads(af: AdminFleet) -> None:
         router.url + "/admin/policy", content=b"routing_policy: [", headers=h, timeout=10
     )
     assert bad.status_code == 400
-    assert bad.json()["error"]["code"] == "request_invalid"
-    assert bad.json()["error"]["errors"]
+    # Upstream's flat `{"error": "<message>"}`, every reason in `errors` beside it.
+    assert isinstance(bad.json()["error"], str) and "invalid YAML" in bad.json()["error"]
+    assert bad.json()["errors"]
     good = """
 routing_policy:
   match:

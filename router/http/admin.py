@@ -17,6 +17,13 @@ from router.documents import DocumentStore
 from router.http.asgi import BodyTooLarge, ClientGone, Receive, Scope, Send, read_body, send_json
 from router.peers import Peer, PeerTable
 from router.policy.gates import metric_value
+from router.policy.models import as_json
+from router.policy.store import PolicyStore
+
+
+def _unix(monotonic_at: float, now: float) -> int:
+    """A monotonic instant as Unix seconds, upstream's unit for `last_seen`."""
+    return int(time.time() - (now - monotonic_at))
 
 
 def _wall(monotonic_at: float, now: float) -> str:
@@ -129,8 +136,26 @@ def _health_row(peer: Peer, now: float) -> dict[str, object]:
         "backend_healthy": peer.backend_healthy,
         "active_requests": peer.active,
         "capacity": peer.metadata.capacity,
-        "last_seen": _wall(peer.last_seen, now),
+        # Unix seconds, as upstream's health checks read it (the routing table keeps
+        # ISO 8601 in `status.last_seen`).
+        "last_seen": _unix(peer.last_seen, now),
     }
+
+
+def wants_json(accept: str | None) -> bool:
+    """Whether an `Accept` header asks for JSON rather than this router's YAML: it names
+    `application/json` and no YAML type (upstream's scripts read the policy as JSON)."""
+    if not accept:
+        return False
+    types = {part.split(";", 1)[0].strip().lower() for part in accept.split(",")}
+    return "application/json" in types and not any("yaml" in t for t in types)
+
+
+def policy_json(store: PolicyStore) -> dict[str, object]:
+    """`GET /admin/policy` as JSON: the running global policy's fields, as upstream
+    answers, with its `chain` and `version` beside them."""
+    policy = store.current
+    return {**as_json(policy.source), "chain": policy.chain_names(), "version": store.version()}
 
 
 MAX_DOCUMENT_BYTES = 1024 * 1024
@@ -143,9 +168,10 @@ async def put_document(
     send: Send,
     extra: list[tuple[str, str]],
     accepted: Callable[[], dict],
+    flat: bool = False,
 ) -> int:
     """Validate the body and make it `store`'s running document: 200 with `accepted()`,
-    or 400 with every reason (the running document stays)."""
+    or 400 with every reason (the running document stays); `flat` as `send_rejected`."""
     try:
         text = (await read_body(scope, receive, MAX_DOCUMENT_BYTES)).decode("utf-8")
     except (BodyTooLarge, UnicodeDecodeError):
@@ -155,16 +181,22 @@ async def put_document(
     else:
         errors = store.replace(text, "admin_api")
     if errors:
-        return await send_rejected(send, extra, store.noun, errors)
+        return await send_rejected(send, extra, store.noun, errors, flat)
     await send_json(send, 200, {"status": "ok", **accepted()}, extra)
     return 200
 
 
 async def send_rejected(
-    send: Send, extra: list[tuple[str, str]], noun: str, errors: list[str]
+    send: Send, extra: list[tuple[str, str]], noun: str, errors: list[str], flat: bool = False
 ) -> int:
-    err = RouterError(ErrorCode.REQUEST_INVALID, f"{noun} rejected: " + "; ".join(errors))
-    payload = error_payload("openai", err)
+    """400 with every reason. `flat` is upstream's `{"error": "<message>"}` (what its
+    scripts read from `PUT /admin/policy`), with `errors` beside it; otherwise this
+    router's error object, `errors` inside it."""
+    message = f"{noun} rejected: " + "; ".join(errors)
+    if flat:
+        await send_json(send, 400, {"error": message, "errors": errors}, extra)
+        return 400
+    payload = error_payload("openai", RouterError(ErrorCode.REQUEST_INVALID, message))
     payload["error"]["errors"] = errors
     await send_json(send, 400, payload, extra)
     return 400

@@ -286,9 +286,15 @@ class RouterApp:
             card = models.detail(cards[0], self.table.for_model(model))
             await send_json(send, 200, card, extra)
         elif path == "/admin/policy" and method == "GET":
+            vary = ("vary", "accept")
+            if admin.wants_json(header(scope, b"accept")):
+                # Upstream answers JSON; its scripts ask for it, and `jq` reads it.
+                etag = ("etag", f'"{self.store.version()}-json"')
+                await send_json(send, 200, admin.policy_json(self.store), [*extra, etag, vary])
+                return 200
             body = self.store.current.source.encode()
             etag = ("etag", f'"{self.store.version()}"')
-            await send_bytes(send, 200, body, "application/yaml", [*extra, etag])
+            await send_bytes(send, 200, body, "application/yaml", [*extra, etag, vary])
         elif path == "/admin/policy" and method == "PUT":
             return await admin.put_document(
                 self.store,
@@ -301,6 +307,7 @@ class RouterApp:
                     "chain": self.store.current.chain_names(),
                     "version": self.store.version(),
                 },
+                flat=True,  # upstream's `{"error": "…"}`
             )
         elif path == PREFIX or path.startswith(PREFIX + "/"):
             return await admin_policy_models(self.store, scope, receive, send, extra)

@@ -93,7 +93,7 @@ class ModelPolicies:
         and this router's view of it: `chain`, `origin` and `source` (the YAML)."""
         named = self.named[name]
         return {
-            **_as_json(named.policy.source),
+            **as_json(named.policy.source),
             "models": list(named.policy.models),
             "chain": named.policy.chain_names(),
             "origin": named.origin,
@@ -191,7 +191,7 @@ def check_directory(directory: str) -> Checked:
     return Checked(default, policies, errors)
 
 
-def _as_json(source: str) -> dict[str, object]:
+def as_json(source: str) -> dict[str, object]:
     """A loaded (so valid) policy's YAML as a JSON object; {} for what JSON cannot hold."""
     try:
         document = yaml.safe_load(source)
