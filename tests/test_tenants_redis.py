@@ -116,6 +116,10 @@ async def test_the_shared_counts_refuse_with_what_is_left(tmp_path: Path) -> Non
         assert limited.code is None
         limited, _ = await state.admit(Tenant("u", requests_per_minute=60, burst=1), "d")
         assert (limited.code, limited.requests_left) == (ErrorCode.RATE_LIMITED, 0)
+        # What a whole answer's budget check reads (issue 47 item 6): the day's count in
+        # Redis, this admission's charge included; the local count when not shared.
+        assert await state.used("t", admitted.day, True) == 90
+        assert await state.used("t", admitted.day, False) == 0
         assert state.client is not None
         state.client.close()
     finally:

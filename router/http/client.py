@@ -243,8 +243,9 @@ class ClientApi:
         if ticket is not None:
             need = estimate.footprint if estimate is not None else 0
             charge = estimate.tokens if estimate is not None else 0
+            output = estimate.declared_output if estimate is not None else 0
             with span.child("admission", {"hivenet.tenant": tenant}) as admission:
-                refused = await ticket.admit(model, len(body), need, charge)
+                refused = await ticket.admit(model, len(body), need, charge, output)
                 if refused is not None:
                     admission.fail(refused.code)
             if refused is not None:
@@ -554,6 +555,10 @@ class ClientApi:
         try:
             if not req.stream:
                 body = await response.read_all()
+                if state.ticket is not None and await self._discarded(
+                    state, response.usage, body, protocol, send, extra
+                ):
+                    return
                 headers.append(("content-length", str(len(body))))
                 state.started = True
                 await start_response(send, response.status, headers)
@@ -588,7 +593,7 @@ class ClientApi:
                 state.status = await send_error(send, protocol, err, extra, state.ticket)
         finally:
             (relay.response if relay else response).close()
-            if state.ticket:
+            if state.ticket and not state.ticket.discarded:
                 state.ticket.usage = relay.usage if relay else response.usage
             if state.admitted is not None:
                 state.admitted.usage = relay.usage if relay else response.usage
@@ -607,6 +612,10 @@ class ClientApi:
         headers = [*served.headers.items(), *extra]
         stream = served.stream
         if stream is None:
+            if state.ticket is not None and await self._discarded(
+                state, state.ticket.usage, served.body, protocol, send, extra
+            ):
+                return
             await send_bytes(send, served.status, served.body, served.content_type, headers)
             return
         # The provider's stream: each event goes out as it arrives (router/providers).
@@ -633,6 +642,29 @@ class ClientApi:
                 state.ticket.usage = stream.usage
             if state.admitted is not None:
                 state.admitted.usage = stream.usage
+
+    async def _discarded(
+        self,
+        state: _Progress,
+        usage: dict[str, int] | None,
+        body: bytes,
+        protocol: str,
+        send: Send,
+        extra: list[tuple[str, str]],
+    ) -> bool:
+        """Whether a whole answer was discarded for the daily token budget, as upstream
+        does: then the client got 429 `token_limit_exceeded` instead of it."""
+        ticket = state.ticket
+        assert ticket is not None
+        if ticket.record is None or not ticket.record.tokens_per_day:
+            return False
+        if usage is None:
+            usage = usage_of_body(body)  # an agent that sent no count: the body's
+        refused = await ticket.refuse_whole_answer(usage)
+        if refused is None:
+            return False
+        state.status = await send_error(send, protocol, refused, extra, ticket)
+        return True
 
     def models(self) -> list[dict]:
         return [self.model_card(model) for model in self.table.models()]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import secrets
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -33,7 +34,7 @@ from router.tenants.config import (
     load_auth,
     load_auth_file,
 )
-from router.tenants.counters import Verdict
+from router.tenants.counters import Verdict, until_midnight
 from router.tenants.keys import DEFAULT_TENANT, ClientKeys
 from router.tenants.registry import KeyRegistry
 from router.tenants.shared import TenantState
@@ -248,6 +249,7 @@ class Ticket:
         "closed",
         "code",
         "day",
+        "discarded",
         "gate",
         "id",
         "key_id",
@@ -294,6 +296,8 @@ class Ticket:
         self.source_ip: str | None = None
         # The admission gate that refused the request (b1, b2, b4_*), for the audit line.
         self.refused_by: str | None = None
+        # A whole answer over the day's budget, discarded (`refuse_whole_answer`).
+        self.discarded = False
 
     @property
     def counts_tokens(self) -> bool:
@@ -310,10 +314,11 @@ class Ticket:
         )
 
     async def admit(
-        self, model: str, body_bytes: int, need: int = 0, charge: int = 0
+        self, model: str, body_bytes: int, need: int = 0, charge: int = 0, output: int = 0
     ) -> TenantRefused | None:
-        """The tenant's checks; `need` (the input estimate and declared output) must fit
-        in the day's tokens, and `charge` (the input estimate) is taken now."""
+        """The tenant's checks; `need` (the input estimate and declared output, `output`
+        of it) must fit in the day's tokens, and `charge` (the input estimate) is taken
+        now."""
         self.model = model
         tenant = self.record
         if tenant is None:
@@ -346,7 +351,7 @@ class Ticket:
             if verdict.code is not None:
                 refusal = TenantRefused(
                     verdict.code,
-                    _refusal_message(tenant, verdict, need),
+                    _refusal_message(tenant, verdict, need, output),
                     retry_after=verdict.retry_after,
                 )
             else:
@@ -365,6 +370,42 @@ class Ticket:
                 "-" if refusal.retry_after is None else f"{refusal.retry_after:.3f}",
             )
         return refusal
+
+    async def refuse_whole_answer(self, usage: dict[str, int] | None) -> TenantRefused | None:
+        """A whole (non-stream) answer's refusal when its usage no longer fits in the
+        day's token budget, as upstream: the answer is then discarded (429
+        `token_limit_exceeded`), the admission's input estimate stays charged and the
+        exact usage goes only to the audit line. None when it fits, or nothing counts
+        (a stream cannot be taken back: it is charged when it ends)."""
+        tenant = self.record
+        if tenant is None or not tenant.tokens_per_day or not usage or not self.day:
+            return None
+        exact = usage[PROMPT] + usage[COMPLETION]
+        # `used` holds this request's estimate already, and what others spent since.
+        used = await self.gate.state.used(tenant.name, self.day, self.shared)
+        if used - self.charged + exact <= tenant.tokens_per_day:
+            return None
+        self.discarded = True
+        self.usage = usage
+        before = max(0, tenant.tokens_per_day - (used - self.charged))
+        self.remaining = (self.remaining[0], 0)  # upstream's header on this refusal
+        self.code = str(ErrorCode.QUOTA_EXCEEDED)
+        self.gate.metrics.tenant_rejections.labels(tenant.name, self.code).inc()
+        log.info(
+            "req=%s tenant=%s tenant_limit code=%s model=%s answer_discarded tokens=%d",
+            self.request_id,
+            quote(tenant.name),
+            self.code,
+            quote(self.model or "-"),
+            exact,
+        )
+        return TenantRefused(
+            ErrorCode.QUOTA_EXCEEDED,
+            f"daily token budget exceeded: the answer took {exact} tokens, tenant"
+            f" {tenant.name!r} had {before} of {tenant.tokens_per_day} left"
+            " today (UTC); the answer was discarded",
+            retry_after=until_midnight(time.time()),
+        )
 
     def answered_with(self, code: ErrorCode) -> None:
         """The error code the client got (a refusal, or the error that cut its stream)."""
@@ -389,6 +430,8 @@ class Ticket:
         # one that never reached an engine gives it back.
         exact = usage[PROMPT] + usage[COMPLETION] if usage else None
         spent = exact if exact is not None else (self.charged if self.served else 0)
+        if self.discarded:
+            spent = self.charged  # upstream: the input estimate stays, nothing more
         tokens = spent - self.charged
         if usage:
             tokens_total = self.gate.metrics.tenant_tokens
@@ -401,7 +444,7 @@ class Ticket:
             await self.gate.state.release(tenant.name, self.id, tokens, self.shared, self.day)
 
 
-def _refusal_message(t: Tenant, verdict: Verdict, need: int) -> str:
+def _refusal_message(t: Tenant, verdict: Verdict, need: int, output: int = 0) -> str:
     if verdict.code is ErrorCode.RATE_LIMITED:
         return (
             f"tenant {t.name!r} is over its rate limit of {t.requests_per_minute} requests"
@@ -409,7 +452,7 @@ def _refusal_message(t: Tenant, verdict: Verdict, need: int) -> str:
         )
     if verdict.code is ErrorCode.QUOTA_EXCEEDED:
         left = verdict.tokens_left
-        if left:
+        if left and output:
             # Upstream's words: the request's own estimate and max_tokens are over what
             # the day has left, which the header says.
             return (
@@ -417,5 +460,14 @@ def _refusal_message(t: Tenant, verdict: Verdict, need: int) -> str:
                 f" may take {need} tokens, tenant {t.name!r} has {left} of"
                 f" {t.tokens_per_day} left today (UTC)"
             )
-        return f"tenant {t.name!r} has used its {t.tokens_per_day} tokens for today (UTC)"
+        if left:
+            # No max_tokens was sent: the input alone does not fit.
+            return (
+                f"daily token budget exceeded: this request's input may take {need} tokens,"
+                f" tenant {t.name!r} has {left} of {t.tokens_per_day} left today (UTC)"
+            )
+        return (
+            f"daily token budget exceeded: tenant {t.name!r} has used its"
+            f" {t.tokens_per_day} tokens for today (UTC)"
+        )
     return f"tenant {t.name!r} already has {t.max_concurrent} requests in flight"

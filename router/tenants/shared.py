@@ -207,6 +207,19 @@ class TenantState:
         # after the lease; the tokens are counted here so they are not lost entirely.
         self.local.release(tenant, ticket_id, tokens, day)
 
+    async def used(self, tenant: str, day: str, shared: bool) -> int:
+        """The tokens `tenant` has spent on `day` so far, from where its admission
+        charged them (`shared`: Redis)."""
+        if shared and self.up and self.client is not None:
+            key = _keys(tenant, day)[2]
+            try:
+                raw = await trio.to_thread.run_sync(self.client.get, key)
+            except redis.RedisError as exc:
+                self._down(exc)
+            else:
+                return int(raw or 0)
+        return self.local.used_today(tenant)
+
     def _admit_shared(self, tenant: Tenant, ticket_id: str, need: int, charge: int) -> Verdict:
         now = self.local.wall()  # one clock for both stores' days
         day = utc_day(now)
