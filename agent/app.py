@@ -15,6 +15,7 @@ from libp2p.network.config import ConnectionConfig
 from agent.capacity import SharedCapacity
 from agent.engine_http import EnginePool, EngineTimeouts, MetricsPage
 from agent.engines import EngineEndpoints, HealthTracker, get_adapter
+from agent.engines.endpoints import MissingRoutes
 from agent.hardware import HardwareSampler
 from agent.http_proxy import dial_through_http_proxy
 from agent.link import (
@@ -77,6 +78,8 @@ class AgentDaemon:
         self.health = HealthTracker()
         self.connections: list[RouterConnection] = []
         self.capacity = SharedCapacity(settings.capacity)
+        # The API paths the engine said it has no route for (agent/engines/endpoints.py).
+        self.missing = MissingRoutes()
         self.endpoints: EngineEndpoints | None = None
         self.model = settings.model
         self.sim_app: Any = None
@@ -194,7 +197,8 @@ class AgentDaemon:
             tracer=self.tracer,
             capacity=self.capacity,
             on_workers=lambda workers: self._dial_workers(address, workers),
-            serves=self.adapter.serves,
+            serves=self.missing.serving(self.adapter.serves),
+            missing=self.missing.learn,
         )
 
     def _dial_workers(self, via: str, workers: list) -> None:

@@ -18,9 +18,10 @@ from agent.engine_http import (
 )
 from agent.usage import UsageTap
 from protocol import messages as m
-from protocol.errors import ErrorCode
+from protocol.errors import ErrorCode, route_missing
 from protocol.frames import MAX_FRAME_BYTES
 from protocol.logs import quote
+from protocol.paths import API_PATHS
 from protocol.tracing import NULL_SPAN, Span
 
 log = logging.getLogger("agent")
@@ -49,9 +50,12 @@ async def forward(
     span: Span = NULL_SPAN,
     limits: ReadLimits | None = None,
     whole: bool = False,
+    missing: Callable[[str], None] | None = None,
 ) -> None:
     """Run one request against the engine; every outcome is reported with `send`.
-    `whole`: the router takes a whole answer as one `response` message.
+    `whole`: the router takes a whole answer as one `response` message. `missing`
+    learns an API path the engine answered "no such route" for; the router then gets
+    `endpoint_not_supported` instead of the engine's 404.
 
     `limits`, when given, holds the engine's read timeouts for the request's scope,
     which the caller (the session's worker) has entered: the router's cancel (or the
@@ -62,9 +66,10 @@ async def forward(
     """
     if limits is None:
         with trio.CancelScope() as own:
-            await _forward(engine, msg, send, span, ReadLimits(engine.timeouts.read, own), whole)
+            limits = ReadLimits(engine.timeouts.read, own)
+            await _forward(engine, msg, send, span, limits, whole, missing)
         return
-    await _forward(engine, msg, send, span, limits, whole)
+    await _forward(engine, msg, send, span, limits, whole, missing)
 
 
 async def _forward(
@@ -74,6 +79,7 @@ async def _forward(
     span: Span,
     limits: ReadLimits,
     whole: bool,
+    missing: Callable[[str], None] | None,
 ) -> None:
     req_id: int = msg["id"]
     tap = UsageTap(msg) if msg.get("report_usage") else None
@@ -90,7 +96,7 @@ async def _forward(
                 msg["method"], msg["path"], headers, tap.body if tap else msg["body"], limits
             )
             span.set("http.response.status_code", response.status)
-            await _relay(response, msg, tap, send, limits, whole)
+            await _relay(response, msg, tap, send, limits, whole, missing)
         except trio.Cancelled as exc:
             expired = limits.expired()
             if expired is None:
@@ -124,10 +130,32 @@ async def _relay(
     send: Callable[[dict], None],
     limits: ReadLimits,
     whole: bool,
+    missing: Callable[[str], None] | None = None,
 ) -> None:
     req_id: int = msg["id"]
     status = response.status
     headers = {k: v for k, v in response.headers.items() if k not in _HOP_BY_HOP}
+    if status == 404 and missing is not None and msg["path"] in API_PATHS:
+        body = await response.read_all(MAX_ANSWER_BYTES, limits)
+        if route_missing(status, body):
+            # The engine lacks the endpoint (an older build, a custom server): the
+            # router sends the request to another agent and charges this one nothing.
+            missing(msg["path"])
+            text = body[:200].decode("utf-8", "replace")
+            log.warning(
+                "req=%s engine_route_missing path=%s body=%s",
+                request_id(msg),
+                msg["path"],
+                quote(text),
+            )
+            why = f"engine does not serve {msg['path']} (it answered 404: {text})"
+            send(m.error(req_id, ErrorCode.ENDPOINT_NOT_SUPPORTED, why, status=404))
+            return
+        # The engine's own judgement (a model it lacks): the router's to classify.
+        send(m.response_head(req_id, status, headers))
+        send(m.response_chunk(req_id, body))
+        send(m.response_end(req_id, None))
+        return
     # A success is checked before any of it leaves (agent/answers.py); errors are the
     # router's to classify.
     ok = 200 <= status < 300

@@ -147,6 +147,7 @@ class RouterSession:
         capacity: SharedCapacity | None = None,
         on_workers: Callable[[list[dict]], None] | None = None,
         serves: Callable[[str], bool] | None = None,
+        missing: Callable[[str], None] | None = None,
     ) -> None:
         # `--stream-write-timeout 0` turns the limit off, as it does for the Go agent.
         self.fs = FramedStream(
@@ -178,8 +179,10 @@ class RouterSession:
         self.capacity = capacity or SharedCapacity(UNBOUNDED)
         self.share = self.capacity.join(self._room)
         self.on_workers = on_workers
-        # The engine adapter's capability check (agent/engines/endpoints.py).
+        # The engine adapter's capability check (agent/engines/endpoints.py), and what
+        # learns a path the engine turns out to lack.
         self.serves = serves
+        self.missing = missing
         self._nursery: trio.Nursery | None = None
         self._idle = trio.Event()
         # Workers waiting for a request, the most recently busy last.
@@ -366,7 +369,9 @@ class RouterSession:
         cancelled: trio.Cancelled | None = None
         with span:
             try:
-                await forward(self.engine, msg, send, span, served.limits, self.whole_answers)
+                await forward(
+                    self.engine, msg, send, span, served.limits, self.whole_answers, self.missing
+                )
             except trio.Cancelled as exc:
                 cancelled = exc
             except m.ProtocolError as exc:

@@ -227,6 +227,15 @@ def error_payload(protocol: str, err: RouterError) -> dict:
 _CONTEXT_WORDS = ("length", "window", "token", "size")
 
 
+def route_missing(status: int, body: bytes) -> bool:
+    """Whether an engine's answer says it has no such route, rather than judging the
+    request: a 404 whose body does not name a model. Engines' own words for a path they
+    do not serve: FastAPI's `{"detail":"Not Found"}` (vLLM, SGLang), llama-server's
+    `File Not Found`, Go's `404 page not found` (Ollama); a model they lack is named
+    (vLLM's "The model `m` does not exist", Ollama's `model "m" not found`)."""
+    return status == 404 and b"model" not in body[:4096].lower()
+
+
 def classify_backend_status(status: int, body: bytes) -> ErrorCode | None:
     """Map an engine's HTTP answer to an error code; None when it is a success.
 

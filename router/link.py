@@ -32,11 +32,12 @@ from protocol.conversation import (
     request_error,
     session_error,
 )
-from protocol.errors import AGENT_CODES, ErrorCode, classify_backend_status
+from protocol.errors import AGENT_CODES, ErrorCode, classify_backend_status, route_missing
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from protocol.frames import MAX_FRAME_BYTES
 from protocol.logs import quote
 from protocol.p2p import FramedStream, SessionClosed, before_reads
+from protocol.paths import API_PATHS
 from protocol.router_proof import MAX_CHALLENGE, router_proof
 from protocol.tokens import TokenError, verify_with
 from protocol.tracing import Span
@@ -921,7 +922,9 @@ class AgentLink:
                 pending.frames.appendleft((_DONE, head))
                 pending.frames.appendleft((_BODY, {"data": head["body"]}))
             if status >= 400:
-                return await self._failed_answer(session, req_id, pending, status, headers)
+                return await self._failed_answer(
+                    session, req_id, pending, status, headers, req.path
+                )
         except BaseException:
             session.finish(req_id, cancel=True)
             raise
@@ -937,6 +940,7 @@ class AgentLink:
         pending: _Pending,
         status: int,
         headers: dict[str, str],
+        path: str,
     ) -> ForwardFailure:
         body = bytearray()
         state = _BODY
@@ -951,6 +955,14 @@ class AgentLink:
         session.finish(req_id, cancel=not ended)
         code = classify_backend_status(status, bytes(body)) or ErrorCode.BACKEND_ERROR
         text = bytes(body[:MAX_ERROR_MESSAGE]).decode("utf-8", "replace")
+        if path in API_PATHS and route_missing(status, bytes(body)):
+            # The engine's own 404 for the route, relayed by an agent that does not
+            # say `endpoint_not_supported` itself (an older build): the same verdict.
+            return ForwardFailure(
+                ErrorCode.ENDPOINT_NOT_SUPPORTED,
+                f"engine does not serve {path} (it answered 404: {text})",
+                status=status,
+            )
         return ForwardFailure(
             code,
             f"backend answered {status}: {text}",

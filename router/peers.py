@@ -192,6 +192,13 @@ class Peer:
     preemptions: float | None = None
     # `host:port` the router saw the agent's connection come from (a NAT's, a proxy's).
     remote_addr: str = ""
+    # API paths its engine answered `endpoint_not_supported` for → until when (router
+    # clock) the router sends them elsewhere without asking (router/session.py).
+    lacks: dict[str, float] = field(default_factory=dict)
+
+    def lacks_path(self, path: str, now: float) -> bool:
+        until = self.lacks.get(path) if self.lacks else None
+        return until is not None and until > now
 
     @property
     def capacity(self) -> int:

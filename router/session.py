@@ -36,6 +36,10 @@ _NONE_LEFT = Evaluation(
 )
 
 _BACKEND_FAILURES = frozenset({ErrorCode.BACKEND_UNAVAILABLE, ErrorCode.BACKEND_ERROR})
+# How long an agent whose engine lacks a path is left out for it without being asked:
+# the agent's own memory (agent/engines/endpoints.py MISSING_ROUTE_SECONDS), so an
+# engine upgraded in place is asked again within five minutes.
+LACKS_PATH_SECONDS = 300.0
 
 
 @dataclass
@@ -245,6 +249,8 @@ class RoutingSession:
         self.failure_cooldown = failure_cooldown
         # The router's strategies and what they remember (round-robin, prefix-aware).
         self.ranking = ranking or Ranking()
+        # Whether any agent was found lacking a path: until then no request looks.
+        self.lacking = False
 
     async def route(
         self, policy: Policy, req: RouteRequest, admit: bool = True
@@ -300,6 +306,21 @@ class RoutingSession:
             capacity_drained = capacity_drained or outcome.capacity_full
         return self._exhausted(req, steps, reasons, last_failure, capacity_drained)
 
+    def _leave_out_lacking(self, run: _StepRun, req: RouteRequest) -> None:
+        """Agents whose engine said lately it lacks the request's path start the step
+        as failed (gate 5), so the model's other agents are tried without a round trip
+        to them; when no other agent is left, the client hears `endpoint_not_supported`
+        as when the agent said so."""
+        now = trio.current_time()
+        for peer in self.table.for_model(req.model):
+            if peer.lacks and peer.lacks_path(req.path, now):
+                run.failed.add(peer.peer_id)
+                run.last_failure = ForwardFailure(
+                    ErrorCode.ENDPOINT_NOT_SUPPORTED,
+                    f"the engine of agent {peer.peer_id} does not serve {req.path}",
+                    status=404,
+                )
+
     def _pool(self, req: RouteRequest) -> Sequence[Peer]:
         pool = self.table.for_model(req.model)
         if req.engines:
@@ -331,6 +352,8 @@ class RoutingSession:
         wait = _QueuePlace(self.queue, self.metrics, req)
         budget = step.budget(self.default_max_tries)
         run = _StepRun(index, step, budget, recovered, wait, rank_request)
+        if self.lacking:
+            self._leave_out_lacking(run, req)
         try:
             while True:
                 action = self._next(run, req)
@@ -488,7 +511,10 @@ class RoutingSession:
         if result.code in REQUEST_LEVEL:
             raise BackendRejected(result)
         if result.code is ErrorCode.ENDPOINT_NOT_SUPPORTED:
-            # Another agent's engine may serve it; this one is left out, no try used.
+            # Another agent's engine may serve it; this one is left out, no try used,
+            # and for the next requests too, for a while (`_run_step`).
+            peer.lacks[req.path] = now + LACKS_PATH_SECONDS
+            self.lacking = True
             run.last_failure = result
             run.failed.add(peer.peer_id)
             return None

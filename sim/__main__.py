@@ -82,6 +82,13 @@ def main(argv: list[str] | None = None) -> None:
         default=DEFAULT_PREFIX_CACHE_BLOCKS,
         help="prefix-cache size in blocks (0: none)",
     )
+    parser.add_argument(
+        "--missing-route",
+        action="append",
+        default=[],
+        metavar="PATH",
+        help="answer PATH as an engine without that route does (its 404); repeatable",
+    )
     args = parser.parse_args(argv)
     why = missing_extra()
     if why is not None:
@@ -101,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
             prefix_block_tokens=args.prefix_block_tokens,
             prefix_cache_blocks=args.prefix_cache_blocks,
         )
+        app.state.update({"missing_routes": args.missing_route})
     except ValueError as exc:
         parser.error(str(exc))
     with contextlib.suppress(KeyboardInterrupt):

@@ -171,7 +171,7 @@ class SimEngine:
         if scope["type"] != "http":
             return
         methods = self._routes.get(scope["path"])
-        if methods is None:
+        if methods is None or scope["path"] in self.state.missing_routes:
             await Exchange(send).reply(404, *_NOT_FOUND[self.kind])
             return
         handler = methods.get(scope["method"])

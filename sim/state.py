@@ -49,6 +49,9 @@ class SimState:
     # Requests wait before their prefill while this is true: a test holds them in the
     # engine for as long as it needs, not for a guessed time.
     hold: bool = False
+    # Paths answered as the engine answers one it has no route for (an engine build
+    # without `/v1/responses`, say): its kind's own 404.
+    missing_routes: tuple[str, ...] = ()
     requests_total: int = 0
     cancelled_total: int = 0
     in_flight: int = 0
@@ -106,6 +109,14 @@ def _boolean(value: Any) -> bool:
     return value
 
 
+def _paths(value: Any) -> tuple[str, ...]:
+    if not isinstance(value, list) or not all(
+        isinstance(p, str) and p.startswith("/") for p in value
+    ):
+        raise ValueError("must be a list of paths, each starting with /")
+    return tuple(value)
+
+
 def _malformed_shape(value: Any) -> str | None:
     if value is not None and value not in MALFORMED:
         raise ValueError(f"must be null or one of {', '.join(MALFORMED)}")
@@ -129,4 +140,5 @@ SETTERS: dict[str, Callable[[Any], Any]] = {
     "prefix_cache_blocks": _integer(0, MAX_PREFIX_CACHE_BLOCKS),
     "stall_after_tokens": _optional(_integer(0)),
     "hold": _boolean,
+    "missing_routes": _paths,
 }

@@ -32,6 +32,7 @@ from protocol.errors import (
     anthropic_error_body,
     classify_backend_status,
     openai_error_body,
+    route_missing,
 )
 from tests.fleet import Agent, Fleet, Router, wait_until
 
@@ -695,3 +696,24 @@ def test_every_code_has_a_status_and_both_shapes(code: ErrorCode) -> None:
 )
 def test_backend_status_classification(status: int, body: bytes, code: ErrorCode | None) -> None:
     assert classify_backend_status(status, body) == code
+
+
+@pytest.mark.parametrize(
+    ("status", "body", "missing"),
+    [
+        # Each engine's own words for a path it has no route for (issue 47 item 3).
+        (404, b'{"detail":"Not Found"}', True),
+        (404, b'{"error":{"code":404,"message":"File Not Found","type":"not_found_error"}}', True),
+        (404, b"404 page not found", True),
+        (404, b"", True),
+        # A model it lacks is a judgement of the request, not a missing route.
+        (404, b'{"error":{"message":"The model `m9` does not exist.","code":404}}', False),
+        (404, b'{"error":"model \\"m9\\" not found, try pulling it first"}', False),
+        (405, b'{"detail":"Method Not Allowed"}', False),
+        (200, b"{}", False),
+    ],
+)
+def test_an_engines_missing_route_is_told_from_a_missing_model(
+    status: int, body: bytes, missing: bool
+) -> None:
+    assert route_missing(status, body) is missing

@@ -360,6 +360,49 @@ async def test_a_failed_agent_is_excluded_in_its_step_and_another_serves(
     served.response.close()
 
 
+async def test_an_agent_lacking_the_path_is_remembered_and_not_charged(
+    autojump_clock: Any,
+) -> None:
+    """Issue 47 item 3: `endpoint_not_supported` costs the agent nothing, and the next
+    requests for that path skip it (for LACKS_PATH_SECONDS), even in a later step; when
+    it is the only agent the client hears `endpoint_not_supported`, not a 503."""
+    lacking = fail(ErrorCode.ENDPOINT_NOT_SUPPORTED)
+    h = Harness(
+        policy(ANY, "name: second\n" + ANY),
+        [make_peer("A"), make_peer("B")],
+        script={"A": [lacking]},
+    )
+    responses = "/v1/responses"
+    served = await h.dispatcher().dispatch(request(path=responses))
+    assert isinstance(served, Served) and served.peer.peer_id == "B"
+    served.response.close()
+    assert h.tried() == ["A", "B"]
+    a = h.table.get("A")
+    assert a is not None and a.stats.consecutive_failures == 0
+    for _ in range(3):
+        served = await h.dispatcher().dispatch(request(path=responses))
+        assert isinstance(served, Served) and served.peer.peer_id == "B"
+        served.response.close()
+    assert h.tried() == ["A", "B", "B", "B", "B"]
+    # Other paths still go to A.
+    served = await h.dispatcher().dispatch(request())
+    assert isinstance(served, Served) and served.peer.peer_id == "A"
+    served.response.close()
+    # A alone: the remembered refusal, in every step, without asking A.
+    h.table.remove(h.table.get("B"))  # type: ignore[arg-type]
+    calls = len(h.calls)
+    with pytest.raises(RouterError) as refused:
+        await h.dispatcher().dispatch(request(path=responses))
+    assert refused.value.code is ErrorCode.ENDPOINT_NOT_SUPPORTED
+    assert refused.value.http_status == 404 and responses in refused.value.message
+    assert len(h.calls) == calls
+    # Asked again once the memory runs out (an engine upgraded in place).
+    await trio.sleep(session_module.LACKS_PATH_SECONDS + 1)
+    served = await h.dispatcher().dispatch(request(path=responses))
+    assert isinstance(served, Served) and served.peer.peer_id == "A"
+    served.response.close()
+
+
 async def test_a_failed_agent_is_eligible_again_in_the_next_step(autojump_clock: Any) -> None:
     h = Harness(
         policy("max_tries: 1\n" + ANY, "name: second\n" + ANY),
