@@ -123,17 +123,25 @@ def wait_until(check: Callable[[], Any], timeout: float = 15.0, what: str = "con
 
 
 class Proc:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        log: Path,
+        cwd: Path | None = None,
+    ) -> None:
         self.name = name
         self.argv = argv
         self.env = env
         self.log_path = log
+        self.cwd = cwd
         self.popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Proc:
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(
-                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT
+                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.cwd
             )
         return self
 
