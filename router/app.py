@@ -32,6 +32,7 @@ from router.forward_limit import ForwardLimit
 from router.http.app import RouterApp, metrics_only, protocol_of, with_lifespan
 from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
+from router.http.client_ip import TrustedProxies
 from router.http.server import HttpServer
 from router.lifetime import LifetimeStore, history_path
 from router.link import AgentLink, LinkSettings
@@ -239,6 +240,7 @@ class RouterDaemon:
             self.lifetime,
             self.tracer,
             self.fleet,
+            TrustedProxies.parse(settings.trusted_proxies),
         )
         self._stop = trio.Event()
         self._http_stop = trio.Event()

@@ -15,6 +15,7 @@ from protocol.durations import parse_duration
 from protocol.logs import FORMATS, setup_logging
 from protocol.secrets import load_previous_secret, load_secret
 from protocol.upstream_flags import Ignored, add_ignored, warn_ignored
+from router.http.client_ip import TrustedProxies
 from router.settings import CONFIG_ERROR, RouterSettings, env_value, split_hostport
 
 if TYPE_CHECKING:
@@ -152,6 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="SQLite file of per-agent lifetime stats (default: router_history.sqlite3 "
         "beside --identity-path)",
     )
+    serve.add_argument(
+        "--trusted-proxies",
+        default=os.environ.get("HIVENET_ROUTER_TRUSTED_PROXIES") or "",
+        help="CIDRs of the proxies in front of the router (10.0.0.0/8,::1): their"
+        " X-Forwarded-For or X-Real-IP names the client in audit lines; default none",
+    )
+    serve.add_argument(
+        "--metrics-compat",
+        choices=("", "upstream"),
+        default=os.environ.get("HIVENET_ROUTER_METRICS_COMPAT") or "",
+        help="upstream: /metrics also carries the Go router's series (names, labels, units)",
+    )
     serve.add_argument("--audit-log-max-bytes", type=int, default=100 * 1024 * 1024)
     serve.add_argument("--audit-log-backups", type=int, default=5)
     serve.add_argument(
@@ -266,6 +279,8 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         audit_log=args.audit_log,
         audit_log_max_bytes=args.audit_log_max_bytes,
         audit_log_backups=args.audit_log_backups,
+        trusted_proxies=args.trusted_proxies,
+        metrics_compat=args.metrics_compat,
         history_path=args.history_path,
         worker_index=args.worker_index,
         worker_count=args.worker_count,
@@ -277,6 +292,11 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         raise ValueError(
             "both --auth-file and HIVENET_ROUTER_API_KEYS are set: keep one (the auth file"
             " holds the keys and the tenants)"
+        )
+    TrustedProxies.parse(s.trusted_proxies)  # a bad entry stops the router, named
+    if s.metrics_compat not in ("", "upstream"):
+        raise ValueError(
+            f"HIVENET_ROUTER_METRICS_COMPAT={s.metrics_compat!r}: must be upstream or empty"
         )
     if s.audit_log_max_bytes < 1024 or s.audit_log_backups < 0:
         raise ValueError("--audit-log-max-bytes must be at least 1024, --audit-log-backups >= 0")

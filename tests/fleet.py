@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -383,3 +384,12 @@ def router_and_agent(directory: Path, *router_flags: str) -> Iterator[tuple[Flee
         yield fleet, router, fleet.agent(router, "m1")
     finally:
         fleet.close()
+
+
+def inference_audit_lines(path: Path) -> list[dict]:
+    """The audit lines of inference calls: model discovery and every admin call (the
+    fleet's own polling of /admin/routing-table too) have lines of their own."""
+    from router.http.client import ENDPOINTS
+
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return [line for line in lines if line.get("endpoint") in ENDPOINTS]
