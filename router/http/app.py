@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 import trio
@@ -45,6 +45,9 @@ from router.tenants.audit import AdminRecord
 from router.tenants.gate import TenantGate, Ticket
 from router.tenants.keys import ClientKeys
 
+if TYPE_CHECKING:
+    from router.upstream_metrics import Activity
+
 log = logging.getLogger("http")
 
 
@@ -68,6 +71,8 @@ class RouterApp:
         self.client = client
         # --trusted-proxies: whose forwarding headers name the client (audit lines).
         self.proxies = proxies or TrustedProxies()
+        # --metrics-compat upstream: each tenant's latest request (router/upstream_metrics.py).
+        self.activity: Activity | None = None
         # `?scope=fleet`: every router's agents (router/fleet/view.py).
         self.fleet = fleet
         self.table = table
@@ -150,6 +155,8 @@ class RouterApp:
         if path in ENDPOINTS:
             metrics = self.metrics
             metrics.requests.labels(path, str(status), tenant).inc()
+            if self.activity is not None:
+                self.activity.saw(tenant)
             metrics.duration.labels(path, tenant).observe(elapsed)
             if self.tenants:
                 self.tenants.audit(
