@@ -150,20 +150,19 @@ def upstream_of(engine: dict) -> dict:
 
 
 def _histogram(item: dict) -> tuple[tuple[tuple[float, float], ...], float] | None:
-    buckets, total = item.get("buckets"), amount(item.get("sum"))
-    if not isinstance(buckets, list) or not 1 <= len(buckets) <= MAX_BUCKETS or total is None:
+    """Finite bounds with cumulative counts, then `count` as the +Inf bucket."""
+    buckets, total, count = item.get("buckets"), amount(item.get("sum")), amount(item.get("count"))
+    if not isinstance(buckets, list) or len(buckets) >= MAX_BUCKETS or None in (total, count):
         return None
     out: list[tuple[float, float]] = []
-    for pair in buckets:
+    for pair in [*buckets, (_INF, count)]:
         if not isinstance(pair, list | tuple) or len(pair) != 2:
             return None
-        bound, count = pair
+        bound, seen = pair
         if not isinstance(bound, int | float) or isinstance(bound, bool) or bound != bound:
             return None
-        count = amount(count)
-        if count is None or (out and (bound <= out[-1][0] or count < out[-1][1])):
+        seen = amount(seen)
+        if seen is None or (out and (bound <= out[-1][0] or seen < out[-1][1])):
             return None
-        out.append((float(bound), count))
-    if out[-1][0] != _INF:
-        return None
-    return tuple(out), total
+        out.append((float(bound), seen))
+    return tuple(out), total  # type: ignore[return-value]

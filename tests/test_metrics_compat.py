@@ -62,10 +62,10 @@ ENGINE = {
     "interval": 0.5,
     "upstream": {
         "histograms": {
-            "ttft_seconds": {"buckets": [[0.1, 4], [0.5, 9], [math.inf, 10]], "sum": 1.7},
-            "itl_seconds": {"buckets": [[0.01, 50], [math.inf, 80]], "sum": 1.1},
-            "request_prompt_tokens": {"buckets": [[128, 6], [math.inf, 10]], "sum": 900},
-            "request_generation_tokens": {"buckets": [[64, 2], [math.inf, 10]], "sum": 700},
+            "ttft_seconds": {"buckets": [[0.1, 4], [0.5, 9]], "sum": 1.7, "count": 10},
+            "itl_seconds": {"buckets": [[0.01, 50]], "sum": 1.1, "count": 80},
+            "request_prompt_tokens": {"buckets": [[128, 6]], "sum": 900, "count": 10},
+            "request_generation_tokens": {"buckets": [[64, 2]], "sum": 700, "count": 10},
         },
         "finish_reasons": {"stop": 8, "length": 2},
         "predicted_tps": 41.5,
@@ -175,6 +175,9 @@ async def test_every_dashboard_series_exists_with_the_flag(fleet: Fleet, tmp_pat
         reasons = page["hivenet_agent_engine_request_success_total"]
         assert value(reasons, **ours, finished_reason="length") == 2
         assert value(page["hivenet_agent_engine_predicted_tps"], **ours) == 41.5
+        # The sim agent's own engine (vLLM's names): its TTFT histogram, as the engine has it.
+        sim_ttft = page["hivenet_agent_engine_ttft_seconds_count"]
+        assert value(sim_ttft, peer_id=sim.peer_id) >= 1
         # Tenants: the auth file's limits, the day's tokens, requests by outcome.
         assert value(page["hivenet_tenant_quota_rpm_limit"], tenant_id="acme") == 600
         assert value(page["hivenet_tenant_quota_tpd_limit"], tenant_id="acme") == 100000
@@ -207,20 +210,57 @@ def test_engine_upstream_of_a_heartbeat_is_bounded_and_checked() -> None:
     good = upstream_of(ENGINE)
     assert good["histograms"]["ttft_seconds"][0][-1] == (math.inf, 10.0)
     assert good["finish_reasons"] == {"stop": 8.0, "length": 2.0}
+
+    def ttft(**item: object) -> dict:
+        return {"upstream": {"histograms": {"ttft_seconds": item}}}
+
     hostile = [
         {"upstream": "x"},
-        {"upstream": {"histograms": {"ttft_seconds": {"buckets": [[1, 2]], "sum": 1}}}},  # no +Inf
-        {
-            "upstream": {
-                "histograms": {"ttft_seconds": {"buckets": [[1, 5], [math.inf, 2]], "sum": 1}}
-            }
-        },
-        {"upstream": {"histograms": {"ttft_seconds": {"buckets": [[math.nan, 1]], "sum": 1}}}},
-        {"upstream": {"histograms": {"ttft_seconds": {"buckets": [[1, 1]] * 100, "sum": 1}}}},
-        {"upstream": {"histograms": {"other": {"buckets": [[math.inf, 1]], "sum": 1}}}},
+        ttft(buckets=[[1, 5]], sum=1, count=2),  # the +Inf bucket below a finite one
+        ttft(buckets=[[1, 5]], sum=1),  # no count
+        ttft(buckets=[[math.nan, 1]], sum=1, count=1),
+        ttft(buckets=[[2, 1], [1, 1]], sum=1, count=1),  # bounds out of order
+        ttft(buckets=[[float(i), 1] for i in range(100)], sum=1, count=1),
+        ttft(buckets="many", sum=1, count=1),
+        ttft(buckets=[[1, True]], sum=1, count=1),
+        {"upstream": {"histograms": {"other": {"buckets": [], "sum": 1, "count": 1}}}},
         {"upstream": {"finish_reasons": {f"r{i}": 1 for i in range(100)}}},
         {"upstream": {"finish_reasons": {"Bad Reason!": 1, 3: 4}}},
         {"upstream": {"predicted_tps": -1, "prompt_tps": "fast"}},
     ]
     for engine in hostile:
         assert upstream_of(engine) == {}, engine
+
+
+VLLM_PAGE = """\
+vllm:time_to_first_token_seconds_bucket{le="0.1",model_name="m1"} 3.0
+vllm:time_to_first_token_seconds_bucket{le="+Inf",model_name="m1"} 5.0
+vllm:time_to_first_token_seconds_sum{model_name="m1"} 0.9
+vllm:time_to_first_token_seconds_count{model_name="m1"} 5.0
+vllm:request_prompt_tokens_bucket{le="100.0",model_name="m1"} 4.0
+vllm:request_prompt_tokens_bucket{le="+Inf",model_name="m1"} 5.0
+vllm:request_prompt_tokens_sum{model_name="m1"} 420.0
+vllm:request_prompt_tokens_count{model_name="m1"} 5.0
+vllm:request_success_total{finished_reason="stop",model_name="m1"} 4.0
+vllm:request_success_total{finished_reason="length",model_name="m1"} 1.0
+"""
+
+
+def test_the_agent_reads_what_upstream_re_exports_from_its_engine() -> None:
+    from agent.engines import get_adapter
+
+    values = get_adapter("vllm").new_sampler("m1").update(VLLM_PAGE, now=0.0)
+    json.dumps(values, allow_nan=False)  # the agent's own pages are JSON
+    extra = values["upstream"]
+    assert extra["histograms"]["ttft_seconds"] == {
+        "buckets": [[0.1, 3.0]],
+        "sum": 0.9,
+        "count": 5.0,
+    }
+    assert extra["histograms"]["request_prompt_tokens"]["sum"] == 420.0
+    assert extra["finish_reasons"] == {"stop": 4.0, "length": 1.0}
+    parsed = upstream_of({"upstream": extra})
+    assert parsed["histograms"]["ttft_seconds"] == (((0.1, 3.0), (math.inf, 5.0)), 0.9)
+    llama = "llamacpp:predicted_tokens_seconds 38.5\nllamacpp:prompt_tokens_seconds 812\n"
+    values = get_adapter("llamacpp").new_sampler(None).update(llama, now=0.0)
+    assert values["upstream"] == {"predicted_tps": 38.5, "prompt_tps": 812.0}
