@@ -418,9 +418,9 @@ def test_a_shed_request_is_a_failed_shed_span(
     [
         ("http://collector:4318", True),
         ("https://collector.example/otlp", True),
-        ("tempo:4317", False),  # upstream's gRPC form
-        ("http://tempo:4317", False),
-        ("collector", False),
+        ("tempo:4317", True),  # upstream's form: gRPC (tests/test_traces_grpc.py)
+        ("http://tempo:4317", False),  # OTLP/HTTP on gRPC's port: said
+        ("collector", True),  # gRPC on 4317
     ],
 )
 def test_an_endpoint_this_exporter_cannot_use_is_said_at_startup(
