@@ -264,3 +264,27 @@ def test_the_agent_reads_what_upstream_re_exports_from_its_engine() -> None:
     llama = "llamacpp:predicted_tokens_seconds 38.5\nllamacpp:prompt_tokens_seconds 812\n"
     values = get_adapter("llamacpp").new_sampler(None).update(llama, now=0.0)
     assert values["upstream"] == {"predicted_tps": 38.5, "prompt_tps": 812.0}
+
+
+async def test_provider_calls_are_timed_as_upstream_names_them(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    from tests.provider_fakes import FakeOpenAI
+    from tests.test_provider_e2e import chat, start_router
+
+    fake = FakeOpenAI("sk-test")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(fake.serve)
+        router = await trio.to_thread.run_sync(
+            lambda: start_router(
+                fleet, tmp_path, "openai", fake.base_url, "--metrics-compat", "upstream"
+            )
+        )
+        await trio.to_thread.run_sync(lambda: fleet.agent(router, "m1"))
+        raw = await trio.to_thread.run_sync(lambda: chat(router))
+        assert raw.headers["x-hivenet-served-by"] == "provider:openai"
+        page = await trio.to_thread.run_sync(scraped, router)
+        counts = page["http_client_request_duration_seconds_count"]
+        assert value(counts, provider="openai", status_code="200") == 1
+        assert value(page["hivenet_policy_provider_fallback_total"], model="m1") == 1
+        nursery.cancel_scope.cancel()
