@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import logging
 import os
 import socket
 import sys
@@ -12,23 +14,27 @@ from protocol.collector import tune_collector
 from protocol.durations import parse_duration
 from protocol.logs import FORMATS, setup_logging
 from protocol.secrets import load_secret
-from protocol.upstream_flags import Refused, add_refused
+from protocol.upstream_flags import Ignored, add_ignored, warn_ignored
 
 CAPABILITIES = ("llm", "embedding", "reranker")
-_ROUTER = "use --router /ip4/<router-ip>/tcp/9000 (the router's --p2p-port)"
-# The Go agent's flags with no meaning on a libp2p-only link.
-REFUSED: tuple[Refused, ...] = (
-    Refused(
+# The router's libp2p port when the Go agent's `--router-grpc HOST:PORT` names only its
+# gRPC port: the router's default --p2p-port, which upstream's guides leave unchanged.
+DEFAULT_ROUTER_P2P_PORT = 9000
+# The Go agent's flags with no meaning on a libp2p-only link: accepted, each named in one
+# warning line at start (protocol/upstream_flags.py).
+IGNORED: tuple[Ignored, ...] = (
+    Ignored(
         "--router-grpc",
         None,
-        f"there is no gRPC step, the agent authenticates in its libp2p hello: {_ROUTER};"
-        " `hivenet-router identity` prints the full address with /p2p/<router-peer-id>",
+        "there is no gRPC step (the agent authenticates in its libp2p hello): without"
+        f" --router it dials the router at HOST on the libp2p port {DEFAULT_ROUTER_P2P_PORT},"
+        " learning its peer ID at the dial; with --router it is unused",
     ),
-    Refused("--router-p2p", None, _ROUTER),
-    Refused(
+    Ignored("--router-p2p", None, "unused, as in the Go agent: --router names the router"),
+    Ignored(
         "--p2p-listen-port",
         None,
-        "the agent only dials out and listens on no port (NAT-friendly); drop it",
+        "unused: the agent only dials out and listens on no port (NAT-friendly)",
     ),
 )
 # The Go agent reads these variables directly; flags win over them.
@@ -41,7 +47,12 @@ ENV_FLAGS: dict[str, str] = {
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="hivenet-agent")
-    p.add_argument("--router", action="append", required=True, help="router multiaddr (repeat)")
+    p.add_argument(
+        "--router",
+        action="append",
+        default=None,
+        help="router multiaddr (repeat); required unless --router-grpc HOST:PORT names the host",
+    )
     p.add_argument("--model", default="", help="public model name; discovered when empty")
     p.add_argument("--capacity", type=int, default=10)
     p.add_argument("--capability", choices=CAPABILITIES, default="llm")
@@ -90,7 +101,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--sim-token-latency", type=parse_duration, default="0s")
     p.add_argument("--sim-ttft", type=parse_duration, default="0s")
     p.add_argument("--sim-port", type=int, default=0)
-    add_refused(p, REFUSED)
+    add_ignored(p, IGNORED)
     p.add_argument(
         "--log-format", choices=FORMATS, default=None, help="text (key=value) or json lines"
     )
@@ -136,9 +147,33 @@ def upstream_values(args: argparse.Namespace, env: Mapping[str, str]) -> dict[st
     return values
 
 
+def router_from_grpc(hostport: str) -> str:
+    """The libp2p address an agent dials for the Go agent's `--router-grpc HOST:PORT`:
+    HOST on the router's default libp2p port, without a peer ID (learned at the dial,
+    agent/router_identity.py). ValueError when HOST is missing."""
+    host = hostport.rsplit(":", 1)[0] if ":" in hostport else hostport
+    host = host.strip("[]")
+    if not host:
+        raise ValueError(f"--router-grpc {hostport!r} names no host")
+    try:
+        family = "ip6" if ipaddress.ip_address(host).version == 6 else "ip4"
+    except ValueError:
+        family = "dns"
+    return f"/{family}/{host}/tcp/{DEFAULT_ROUTER_P2P_PORT}"
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.router:
+        if not args.upstream_router_grpc:
+            parser.error("--router is required (or the Go agent's --router-grpc HOST:PORT)")
+        try:
+            args.router = [router_from_grpc(args.upstream_router_grpc)]
+        except ValueError as exc:
+            parser.error(str(exc))
     setup_logging(log_format=args.log_format)
+    warn_ignored(logging.getLogger("agent"), args, os.environ, IGNORED)
     from agent.link import parse_router_address
     from agent.settings import AgentSettings
 

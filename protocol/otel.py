@@ -8,7 +8,10 @@ list (at most `OTEL_BSP_MAX_QUEUE_SIZE`, 2048, beyond which they are dropped and
 counted), and every `OTEL_BSP_SCHEDULE_DELAY` (5 s) the task encodes them as OTLP
 protobuf (the exporter's own encoder) and POSTs them with httpx to
 `OTEL_EXPORTER_OTLP_TRACES_ENDPOINT`, or `OTEL_EXPORTER_OTLP_ENDPOINT` + `/v1/traces`,
-with `OTEL_EXPORTER_OTLP_HEADERS` and `OTEL_EXPORTER_OTLP_TIMEOUT`. A collector that is
+with `OTEL_EXPORTER_OTLP_HEADERS` and `OTEL_EXPORTER_OTLP_TIMEOUT`. With
+`OTEL_EXPORTER_OTLP_PROTOCOL=grpc`, or an endpoint without a scheme (`tempo:4317`, as
+upstream's compose file has it), the same batch goes as one OTLP/gRPC call instead
+(protocol/otlp_grpc.py, HTTP/2 with `h2` in the same trio task). A collector that is
 down costs one warning per outage and the spans of that batch, never a request.
 """
 
@@ -31,6 +34,8 @@ from opentelemetry.trace import SpanKind, Status, StatusCode, set_span_in_contex
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from protocol.logs import quote
+from protocol.otlp_grpc import GrpcTarget, parse_target
+from protocol.otlp_grpc import export as export_grpc
 from protocol.tracing import Attribute, Span, valid_traceparent
 
 log = logging.getLogger("otel")
@@ -82,10 +87,31 @@ def _headers(name: str, text: str) -> dict[str, str]:
     return out
 
 
-def traces_endpoint(env: Mapping[str, str]) -> str:
+GRPC, HTTP_PROTOBUF = "grpc", "http/protobuf"
+
+
+def traces_protocol(env: Mapping[str, str]) -> str:
+    """`OTEL_EXPORTER_OTLP_TRACES_PROTOCOL` or `OTEL_EXPORTER_OTLP_PROTOCOL`; without
+    either, an endpoint without a scheme (`tempo:4317`, upstream's compose file) is gRPC,
+    as upstream's exporter reads it, and a URL is OTLP/HTTP."""
+    for name in ("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        text = env.get(name, "").strip().lower()
+        if text in (GRPC, HTTP_PROTOBUF):
+            return text
+        if text:
+            _ignored(name, text, "grpc or http/protobuf (http/json is not spoken here)")
+    endpoint = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get(
+        "OTEL_EXPORTER_OTLP_ENDPOINT", ""
+    )
+    return HTTP_PROTOBUF if "://" in endpoint else GRPC
+
+
+def traces_endpoint(env: Mapping[str, str], protocol: str = HTTP_PROTOBUF) -> str:
     explicit = env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")
     if explicit:
         return explicit
+    if protocol == GRPC:  # one fixed path: the endpoint is the server's address
+        return env["OTEL_EXPORTER_OTLP_ENDPOINT"]
     return env["OTEL_EXPORTER_OTLP_ENDPOINT"].rstrip("/") + "/v1/traces"
 
 
@@ -170,7 +196,8 @@ class OtelTracer:
         self.finished = _Finished(int(_number(env, "OTEL_BSP_MAX_QUEUE_SIZE", 2048)))
         self.provider.add_span_processor(self.finished)
         self.tracer = self.provider.get_tracer("hivenet")
-        self.endpoint = traces_endpoint(env)
+        self.protocol = traces_protocol(env)
+        self.endpoint = traces_endpoint(env, self.protocol)
         self.headers = {
             "content-type": "application/x-protobuf",
             **_headers("OTEL_EXPORTER_OTLP_HEADERS", env.get("OTEL_EXPORTER_OTLP_HEADERS", "")),
@@ -183,13 +210,31 @@ class OtelTracer:
         self.batch = int(_number(env, "OTEL_BSP_MAX_EXPORT_BATCH_SIZE", 512))
         self.timeout = _number(env, "OTEL_EXPORTER_OTLP_TIMEOUT", 10000) / 1000
         self._failing = False
-        log.info("tracing_enabled endpoint=%s service=%s", quote(self.endpoint), quote(service))
-        if not _usable_endpoint(self.endpoint):
-            # Upstream exports OTLP over gRPC (`tempo:4317`); this speaks OTLP/HTTP only.
+        self.grpc_target: GrpcTarget | None = None
+        log.info(
+            "tracing_enabled endpoint=%s protocol=%s service=%s",
+            quote(self.endpoint),
+            self.protocol,
+            quote(service),
+        )
+        if self.protocol == GRPC:
+            self.grpc_headers = {k: v for k, v in self.headers.items() if k != "content-type"}
+            try:
+                self.grpc_target = parse_target(self.endpoint)
+            except ValueError as exc:
+                log.warning(
+                    "tracing_endpoint_unusable endpoint=%s reason=%s",
+                    quote(self.endpoint),
+                    quote(str(exc)),
+                )
+        elif not _usable_endpoint(self.endpoint):
             log.warning(
                 "tracing_endpoint_unusable endpoint=%s reason=%s",
                 quote(self.endpoint),
-                quote("OTLP/HTTP only: give http(s)://host:4318, not a gRPC endpoint"),
+                quote(
+                    "OTLP/HTTP needs http(s)://host:4318; for gRPC (port 4317) set"
+                    " OTEL_EXPORTER_OTLP_PROTOCOL=grpc or give host:4317 without a scheme"
+                ),
             )
 
     def __repr__(self) -> str:
@@ -224,12 +269,10 @@ class OtelTracer:
             spans = self.finished.spans[: self.batch]
             del self.finished.spans[: self.batch]
             body = encode_spans(spans).SerializeToString()
-            try:
-                r = await client.post(self.endpoint, content=body, headers=self.headers)
-                problem = None if r.status_code < 300 else f"collector answered {r.status_code}"
-            except (httpx.HTTPError, httpx.InvalidURL) as exc:
-                # InvalidURL: an endpoint httpx cannot parse, named at startup.
-                problem = repr(exc)
+            if self.protocol == GRPC:
+                problem = await self._export_grpc(body)
+            else:
+                problem = await self._export_http(client, body)
             if problem is not None:
                 if not self._failing:
                     log.warning(
@@ -243,3 +286,16 @@ class OtelTracer:
             if self._failing:
                 log.info("trace_export_recovered endpoint=%s", quote(self.endpoint))
             self._failing = False
+
+    async def _export_http(self, client: httpx.AsyncClient, body: bytes) -> str | None:
+        try:
+            r = await client.post(self.endpoint, content=body, headers=self.headers)
+        except (httpx.HTTPError, httpx.InvalidURL) as exc:
+            # InvalidURL: an endpoint httpx cannot parse, named at startup.
+            return repr(exc)
+        return None if r.status_code < 300 else f"collector answered {r.status_code}"
+
+    async def _export_grpc(self, body: bytes) -> str | None:
+        if self.grpc_target is None:
+            return "no usable gRPC endpoint (named at startup)"
+        return await export_grpc(self.grpc_target, body, self.grpc_headers, self.timeout)

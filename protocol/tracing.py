@@ -144,7 +144,8 @@ def tracing_enabled(env: Mapping[str, str]) -> bool:
 
 
 def tracer_from_env(service: str, env: Mapping[str, str] | None = None) -> Tracer:
-    """NO_TRACER, or an OTLP/HTTP exporting tracer for `service` (OTEL_SERVICE_NAME wins)."""
+    """NO_TRACER, or an OTLP (HTTP or gRPC) exporting tracer for `service`
+    (OTEL_SERVICE_NAME wins)."""
     e = os.environ if env is None else env
     if not tracing_enabled(e):
         return NO_TRACER

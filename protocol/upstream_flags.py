@@ -1,22 +1,27 @@
-"""Flags and variables of the Go router that mean nothing here, refused by name.
+"""Flags and variables of the Go router that mean nothing here: accepted, each with
+one warning line that names it and says what happens instead.
 
-An operator switching from the Go router keeps its unit files; a flag this project
-has no use for (the gRPC link, the BadgerDB store) must stop the daemon with what to
-do instead, never be accepted and ignored: an ignored `--grpc-port` would leave an
-operator believing a port is served that is not.
+An operator switching from the Go router keeps its unit files (issue 47: its
+bare-metal units start as written). A flag this project has no use for (the gRPC
+link, its session token) therefore must not stop the daemon; but silently ignoring it
+would leave an operator believing a port is served that is not, so each one that is
+set is named once in the log at start, with what the daemon does instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import logging
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from protocol.logs import quote
+
 
 @dataclass(frozen=True)
-class Refused:
-    """One upstream flag (and its variable, if it has one) and what to use instead."""
+class Ignored:
+    """One upstream flag (and its variable, if it has one) and what happens instead."""
 
     flag: str
     env: str | None
@@ -24,35 +29,48 @@ class Refused:
     # Whether the flag takes a value (`--grpc-port :50051`) or is a switch.
     takes_value: bool = True
 
-
-class _RefuseAction(argparse.Action):
-    def __init__(self, option_strings: list[str], dest: str, **kwargs: Any) -> None:
-        self.refused: Refused = kwargs.pop("refused")
-        super().__init__(option_strings, dest, **kwargs)
-
-    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
-        parser.error(
-            f"{self.refused.flag} is a Go router flag with no meaning here: {self.refused.instead}"
-        )
+    @property
+    def dest(self) -> str:
+        return f"upstream_{self.flag.strip('-').replace('-', '_')}"
 
 
-def add_refused(parser: argparse.ArgumentParser, table: Sequence[Refused]) -> None:
-    """Each flag of `table` as an option that exits 2 with its message."""
+def add_ignored(parser: argparse.ArgumentParser, table: Sequence[Ignored]) -> None:
+    """Each flag of `table` as a hidden option whose value lands in `entry.dest`."""
     for entry in table:
         parser.add_argument(
             entry.flag,
-            action=_RefuseAction,
-            refused=entry,
             nargs=None if entry.takes_value else 0,
+            default=None,
             help=argparse.SUPPRESS,
-            dest=f"_refused_{entry.flag.strip('-').replace('-', '_')}",
+            dest=entry.dest,
         )
 
 
-def refused_environment(env: Mapping[str, str], table: Sequence[Refused]) -> list[str]:
-    """A message for each variable of `table` that is set (empty counts as unset)."""
-    return [
-        f"{entry.env} is a Go router variable with no meaning here: {entry.instead}"
-        for entry in table
-        if entry.env and env.get(entry.env)
-    ]
+def ignored_warnings(
+    args: argparse.Namespace, env: Mapping[str, str], table: Sequence[Ignored]
+) -> list[str]:
+    """One `upstream_flag_ignored` line for each entry set by flag or variable (an
+    empty variable counts as unset); the flag wins when both are set."""
+    lines = []
+    for entry in table:
+        value: Any = getattr(args, entry.dest, None)
+        name = entry.flag
+        if value is None and entry.env and env.get(entry.env):
+            value, name = env[entry.env], entry.env
+        if value is None:
+            continue
+        shown = value if isinstance(value, str) else ""
+        lines.append(
+            f"upstream_flag_ignored flag={name} value={quote(shown)} instead={quote(entry.instead)}"
+        )
+    return lines
+
+
+def warn_ignored(
+    log: logging.Logger,
+    args: argparse.Namespace,
+    env: Mapping[str, str],
+    table: Sequence[Ignored],
+) -> None:
+    for line in ignored_warnings(args, env, table):
+        log.warning("%s", line)

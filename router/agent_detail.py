@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import re
 from dataclasses import dataclass
 
 # More GPUs than any one host has (a DGX has 8, an NVL72 rack's host 4).
@@ -99,3 +100,69 @@ def gpu_total(gpus: tuple[Gpu, ...], field: str) -> float | None:
     """The host's sum over its GPUs (power drawn, VRAM used); None when none reports it."""
     values = [v for g in gpus if (v := g.values.get(field)) is not None]
     return sum(values) if values else None
+
+
+# `engine.upstream` of a heartbeat (issue 47): what upstream's router re-exports from the
+# engines, read by nothing but `--metrics-compat upstream`. Bounded like the GPU list: a
+# vLLM histogram has under 30 buckets, its finish reasons are a handful.
+UPSTREAM_HISTOGRAMS = (
+    "ttft_seconds",
+    "itl_seconds",
+    "request_prompt_tokens",
+    "request_generation_tokens",
+)
+MAX_BUCKETS = 64
+MAX_REASONS = 16
+_REASON = re.compile(r"^[a-z_]{1,32}$")
+
+
+def upstream_of(engine: dict) -> dict:
+    """The engine's histograms (cumulative buckets ending at +Inf, and their sum), its
+    finish reasons and llama.cpp's throughputs, as far as they are well formed; a part
+    that is not is left out, never an error."""
+    raw = engine.get("upstream")
+    if not isinstance(raw, dict):
+        return {}
+    out: dict = {}
+    histograms = {}
+    given = raw.get("histograms")
+    for name in UPSTREAM_HISTOGRAMS:
+        item = given.get(name) if isinstance(given, dict) else None
+        parsed = _histogram(item) if isinstance(item, dict) else None
+        if parsed is not None:
+            histograms[name] = parsed
+    if histograms:
+        out["histograms"] = histograms
+    reasons = raw.get("finish_reasons")
+    if isinstance(reasons, dict) and len(reasons) <= MAX_REASONS:
+        counts = {
+            k: v
+            for k, v in ((k, amount(v)) for k, v in reasons.items())
+            if isinstance(k, str) and _REASON.match(k) and v is not None
+        }
+        if counts:
+            out["finish_reasons"] = counts
+    for name in ("predicted_tps", "prompt_tps"):
+        value = amount(raw.get(name))
+        if value is not None:
+            out[name] = value
+    return out
+
+
+def _histogram(item: dict) -> tuple[tuple[tuple[float, float], ...], float] | None:
+    """Finite bounds with cumulative counts, then `count` as the +Inf bucket."""
+    buckets, total, count = item.get("buckets"), amount(item.get("sum")), amount(item.get("count"))
+    if not isinstance(buckets, list) or len(buckets) >= MAX_BUCKETS or None in (total, count):
+        return None
+    out: list[tuple[float, float]] = []
+    for pair in [*buckets, (_INF, count)]:
+        if not isinstance(pair, list | tuple) or len(pair) != 2:
+            return None
+        bound, seen = pair
+        if not isinstance(bound, int | float) or isinstance(bound, bool) or bound != bound:
+            return None
+        seen = amount(seen)
+        if seen is None or (out and (bound <= out[-1][0] or seen < out[-1][1])):
+            return None
+        out.append((float(bound), seen))
+    return tuple(out), total  # type: ignore[return-value]

@@ -32,6 +32,7 @@ from router.forward_limit import ForwardLimit
 from router.http.app import RouterApp, metrics_only, protocol_of, with_lifespan
 from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
+from router.http.client_ip import TrustedProxies
 from router.http.server import HttpServer
 from router.lifetime import LifetimeStore, history_path
 from router.link import AgentLink, LinkSettings
@@ -51,6 +52,8 @@ from router.tenants.keys import ClientKeys
 from router.tenants.registry import KeyRegistry, RegistryFile, registry_path
 from router.tls import server_context
 from router.unjoined import UnjoinedLimits
+from router.upstream_metrics import MODE as COMPAT_MODE
+from router.upstream_metrics import Activity, UpstreamCollector, counted
 
 log = logging.getLogger("router")
 
@@ -82,7 +85,7 @@ class RouterDaemon:
         self.settings = settings
         self.metrics = RouterMetrics()
         self.table = PeerTable()
-        AgentCollector(self.table, self.metrics.registry)
+        agent_collector = AgentCollector(self.table, self.metrics.registry)
         self.queue = WaitQueue(settings.queue_depth)
         self.table.on_change(self.queue.notify)
         self.store = PolicyStore(self.metrics, settings.policy_file, settings.policy_model_dir)
@@ -239,7 +242,25 @@ class RouterDaemon:
             self.lifetime,
             self.tracer,
             self.fleet,
+            TrustedProxies.parse(settings.trusted_proxies),
         )
+        self.compat: UpstreamCollector | None = None
+        if settings.metrics_compat == COMPAT_MODE:
+            # Upstream's series beside ours, computed from these at each scrape.
+            sources = [
+                v
+                for v in vars(self.metrics).values()
+                if hasattr(v, "collect") and v is not self.metrics.registry
+            ]
+            self.compat = UpstreamCollector(
+                self.metrics.registry,
+                [*sources, agent_collector],
+                self.table,
+                lambda: self.tenants,
+                Activity(),
+            )
+            self.app.activity = self.compat.activity
+            self.providers.observe = self.compat.observe_provider
         self._stop = trio.Event()
         self._http_stop = trio.Event()
 
@@ -334,7 +355,10 @@ class RouterDaemon:
                         nursery.start_soon(self.config_sync.run)
                     nursery.start_soon(self.fleet.run)
                     nursery.start_soon(self._signals, nursery.cancel_scope)
-                    await nursery.start(self._serve_http, self.app, s.http_addr)
+                    app = (
+                        self.app if self.compat is None else counted(self.app, self.compat.activity)
+                    )
+                    await nursery.start(self._serve_http, app, s.http_addr)
                     metrics_app = with_lifespan(metrics_only(make_asgi_app(self.metrics.registry)))
                     await nursery.start(self._serve_http, metrics_app, s.metrics_addr)
                     for addr in self.announce_addrs(host):

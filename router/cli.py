@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 import time
@@ -13,25 +14,27 @@ from protocol.collector import tune_collector
 from protocol.durations import parse_duration
 from protocol.logs import FORMATS, setup_logging
 from protocol.secrets import load_previous_secret, load_secret
-from protocol.upstream_flags import Refused, add_refused, refused_environment
+from protocol.upstream_flags import Ignored, add_ignored, warn_ignored
+from router.http.client_ip import TrustedProxies
 from router.settings import CONFIG_ERROR, RouterSettings, env_value, split_hostport
 
 if TYPE_CHECKING:
     from router.policy.schema import Policy
 
-# The Go router's serve flags with no meaning on a libp2p-only router.
-REFUSED: tuple[Refused, ...] = (
-    Refused(
+# The Go router's serve flags with no meaning on a libp2p-only router: accepted, each
+# named in one warning line at start (protocol/upstream_flags.py).
+IGNORED: tuple[Ignored, ...] = (
+    Ignored(
         "--grpc-port",
         "HIVENET_ROUTER_GRPC_PORT",
-        "agents reach the router over libp2p only; drop it and open --p2p-port"
-        " (and --p2p-ws-port) to agents",
+        "no gRPC port is opened: agents authenticate in the hello of their libp2p session"
+        " on --p2p-port (open it to the agents)",
     ),
-    Refused(
+    Ignored(
         "--session-ttl",
         "HIVENET_ROUTER_SESSION_TTL",
         "there is no gRPC session token: each agent proves itself with its JWT in the hello"
-        " of every libp2p session; set the JWT's lifetime with `hivenet-router token --ttl`",
+        " of every libp2p session; its lifetime is the token's (`hivenet-router token --ttl`)",
     ),
 )
 
@@ -150,6 +153,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="SQLite file of per-agent lifetime stats (default: router_history.sqlite3 "
         "beside --identity-path)",
     )
+    serve.add_argument(
+        "--trusted-proxies",
+        default=os.environ.get("HIVENET_ROUTER_TRUSTED_PROXIES") or "",
+        help="CIDRs of the proxies in front of the router (10.0.0.0/8,::1): their"
+        " X-Forwarded-For or X-Real-IP names the client in audit lines; default none",
+    )
+    serve.add_argument(
+        "--metrics-compat",
+        choices=("", "upstream"),
+        default=os.environ.get("HIVENET_ROUTER_METRICS_COMPAT") or "",
+        help="upstream: /metrics also carries the Go router's series (names, labels, units)",
+    )
     serve.add_argument("--audit-log-max-bytes", type=int, default=100 * 1024 * 1024)
     serve.add_argument("--audit-log-backups", type=int, default=5)
     serve.add_argument(
@@ -163,7 +178,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--reset-disk-db", action="store_true", help="start with an empty per-agent history"
     )
-    add_refused(serve, REFUSED)
+    add_ignored(serve, IGNORED)
     serve.add_argument(
         "--log-format", choices=FORMATS, default=None, help="text (key=value) or json lines"
     )
@@ -214,9 +229,6 @@ def build_parser() -> argparse.ArgumentParser:
 
 def settings_from(args: argparse.Namespace) -> RouterSettings:
     env = os.environ
-    refused = refused_environment(env, REFUSED)
-    if refused:
-        raise ValueError("; ".join(refused))
     if args.auth_file and args.auth_config_file and args.auth_file != args.auth_config_file:
         raise ValueError("--auth-file and --auth-config-file name different files: keep one")
 
@@ -267,6 +279,8 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         audit_log=args.audit_log,
         audit_log_max_bytes=args.audit_log_max_bytes,
         audit_log_backups=args.audit_log_backups,
+        trusted_proxies=args.trusted_proxies,
+        metrics_compat=args.metrics_compat,
         history_path=args.history_path,
         worker_index=args.worker_index,
         worker_count=args.worker_count,
@@ -278,6 +292,11 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         raise ValueError(
             "both --auth-file and HIVENET_ROUTER_API_KEYS are set: keep one (the auth file"
             " holds the keys and the tenants)"
+        )
+    TrustedProxies.parse(s.trusted_proxies)  # a bad entry stops the router, named
+    if s.metrics_compat not in ("", "upstream"):
+        raise ValueError(
+            f"HIVENET_ROUTER_METRICS_COMPAT={s.metrics_compat!r}: must be upstream or empty"
         )
     if s.audit_log_max_bytes < 1024 or s.audit_log_backups < 0:
         raise ValueError("--audit-log-max-bytes must be at least 1024, --audit-log-backups >= 0")
@@ -366,6 +385,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from router.app import RouterDaemon
     from router.fleet.workers import MAX_WORKERS, Supervisor
 
+    if args.worker_count == 1:  # a --workers worker: its supervisor has said it
+        warn_ignored(logging.getLogger("router"), args, os.environ, IGNORED)
     try:
         if args.workers < 1 or args.workers > MAX_WORKERS:
             raise ValueError(f"--workers must be 1 to {MAX_WORKERS}, got {args.workers}")
@@ -561,6 +582,10 @@ COMMANDS = {
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-h", "--help")):
+        # The Go router has no subcommands: `hivenet-router [flags]` serves, and its
+        # unit files say exactly that.
+        argv.insert(0, "serve")
     args = build_parser().parse_args(argv)
     if args.command == "serve":
         args.serve_argv = argv[argv.index("serve") + 1 :]

@@ -42,7 +42,7 @@ from protocol.router_proof import MAX_CHALLENGE, router_proof
 from protocol.tokens import TokenError, verify_with
 from protocol.tracing import Span
 from protocol.usage import COMPLETION, PROMPT, valid_usage
-from router.agent_detail import gpus_of, memory_of, preemptions_of
+from router.agent_detail import gpus_of, memory_of, preemptions_of, upstream_of
 from router.capacity import report_elsewhere
 from router.lifetime import LifetimeStore
 from router.metrics import RouterMetrics
@@ -764,6 +764,8 @@ class AgentLink:
             peer.engine_at = now - _age(engine)
             peer.engine_interval = _interval(engine, peer.engine_interval)
             peer.preemptions = preemptions_of(engine)
+            if "upstream" in engine:
+                peer.engine_upstream = upstream_of(engine)
         hardware = msg.get("hardware")
         if hardware:
             peer.hardware = _floats(hardware, HARDWARE_FIELDS)

@@ -190,6 +190,9 @@ class Peer:
     gpus: tuple[Gpu, ...] = ()
     memory: dict[str, float | None] = field(default_factory=dict)
     preemptions: float | None = None
+    # The engine's histograms, finish reasons and throughputs for upstream's series
+    # (router/agent_detail.py upstream_of); empty unless the agent sends them.
+    engine_upstream: dict = field(default_factory=dict)
     # `host:port` the router saw the agent's connection come from (a NAT's, a proxy's).
     remote_addr: str = ""
     # API paths its engine answered `endpoint_not_supported` for → until when (router

@@ -109,6 +109,10 @@ class RouterSettings:
     audit_log: str | None = None
     audit_log_max_bytes: int = 100 * 1024 * 1024
     audit_log_backups: int = 5
+    # --trusted-proxies: CIDRs whose X-Forwarded-For / X-Real-IP name the client.
+    trusted_proxies: str = ""
+    # --metrics-compat upstream: also upstream's series on /metrics (router/upstream_metrics.py).
+    metrics_compat: str = ""
     # Per-agent lifetime stats (router/lifetime.py); None: beside the identity key.
     history_path: str | None = None
     # HIVENET_ROUTER_AUTH_MODE (read without an auth file): none or api-key.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import random
 import re
@@ -123,17 +124,25 @@ def wait_until(check: Callable[[], Any], timeout: float = 15.0, what: str = "con
 
 
 class Proc:
-    def __init__(self, name: str, argv: list[str], env: dict[str, str], log: Path) -> None:
+    def __init__(
+        self,
+        name: str,
+        argv: list[str],
+        env: dict[str, str],
+        log: Path,
+        cwd: Path | None = None,
+    ) -> None:
         self.name = name
         self.argv = argv
         self.env = env
         self.log_path = log
+        self.cwd = cwd
         self.popen: subprocess.Popen[bytes] | None = None
 
     def start(self) -> Proc:
         with open(self.log_path, "ab") as log:
             self.popen = subprocess.Popen(
-                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT
+                self.argv, env=self.env, stdout=log, stderr=subprocess.STDOUT, cwd=self.cwd
             )
         return self
 
@@ -375,3 +384,12 @@ def router_and_agent(directory: Path, *router_flags: str) -> Iterator[tuple[Flee
         yield fleet, router, fleet.agent(router, "m1")
     finally:
         fleet.close()
+
+
+def inference_audit_lines(path: Path) -> list[dict]:
+    """The audit lines of inference calls: model discovery and every admin call (the
+    fleet's own polling of /admin/routing-table too) have lines of their own."""
+    from router.http.client import ENDPOINTS
+
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    return [line for line in lines if line.get("endpoint") in ENDPOINTS]

@@ -4,12 +4,11 @@ every key has its own id and buckets, and the budget charges what engines count.
 from __future__ import annotations
 
 import hashlib
-import json
 from pathlib import Path
 
 import httpx
 
-from tests.fleet import Fleet, wait_until
+from tests.fleet import Fleet, inference_audit_lines, wait_until
 
 KEY_A, KEY_B, KEY_C = (f"sk-hivenet-{n * 64}" for n in ("a", "b", "c"))
 WORDS = "word " * 100  # 500 characters: 160 tokens estimated at first, 100 for the sim
@@ -59,7 +58,7 @@ def test_keys_buckets_budget_and_audit(fleet: Fleet, tmp_path: Path) -> None:
     chat_path, embed_path = "/v1/chat/completions", "/v1/embeddings"
 
     def audited() -> list[dict]:
-        return [json.loads(line) for line in audit.read_text().splitlines()]
+        return inference_audit_lines(audit)
 
     def ended(n: int) -> None:
         """The router is done with the first `n` requests: a request's audit line is

@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from router.tenants.config import hash_key
-from tests.fleet import ADMIN_KEY, VENV_BIN, Fleet, Proc, Router, wait_until
+from tests.fleet import ADMIN_KEY, VENV_BIN, Fleet, Proc, Router, inference_audit_lines, wait_until
 
 ALPHA, BETA, GAMMA, DELTA = (f"hnr-test-{n}-key" for n in ("alpha", "beta", "gamma", "delta"))
 # A word no log or audit line may contain: prompts are never written down.
@@ -227,7 +227,7 @@ def test_tenants_keys_models_and_every_limit(fleet: Fleet, tmp_path: Path) -> No
     # The audit log: one JSON line per request, never the prompt.
     text = audit.read_text()
     assert SECRET_WORD not in text and SECRET_WORD not in router.log()
-    lines = [json.loads(line) for line in text.splitlines()]
+    lines = inference_audit_lines(audit)
     assert len(lines) == router.metric("hivenet_router_http_requests_total")
     by_tenant = {}
     for line in lines:
@@ -390,7 +390,7 @@ def test_every_audit_line_carries_the_code_the_client_got(fleet: Fleet, tmp_path
     ]
 
     def lines() -> list[dict]:
-        return [json.loads(line) for line in audit.read_text().splitlines()]
+        return inference_audit_lines(audit)
 
     wait_until(lambda: len(lines()) == len(got), 10, "an audit line per request")
     assert {x["request_id"]: (x["status"], x["code"]) for x in lines()} == got

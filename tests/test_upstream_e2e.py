@@ -4,8 +4,10 @@ requests; the bare-metal deployment's router and agent route a request."""
 
 from __future__ import annotations
 
+import random
 import shutil
 import signal
+import socket
 import sqlite3
 import subprocess
 import sys
@@ -420,7 +422,26 @@ def doc_environment(doc: str, binary: str) -> dict[str, str]:
     return dict(pair.split("=", 1) for pair in pairs)
 
 
+def loopback_with_port_free(port: int) -> str:
+    """A 127.a.b.c address on which `port` is free. The guide's libp2p port 9000 stays
+    as written (the agent's `--router-grpc HOST:50051` implies it), on an address of
+    this test's own, so a parallel run or another service on 127.0.0.1:9000 is no
+    obstacle."""
+    for _ in range(50):
+        address = "127." + ".".join(str(random.randint(1, 254)) for _ in range(3))
+        with socket.socket() as probe:
+            try:
+                probe.bind((address, port))
+            except OSError:
+                continue
+        return address
+    pytest.fail(f"no loopback address with port {port} free")
+
+
 def test_bare_metal_deployment_routes_a_request(fleet: Fleet, tmp_path: Path) -> None:
+    """Issue 47: the guide's unit command lines run unchanged apart from ports and
+    paths (and the example network's address): no `serve`, `--grpc-port` and the
+    agent's `--router-grpc` each start with one warning line."""
     doc = upstream("docs", "deploy", "bare-metal.mdx").read_text()
     router_argv = unit_command(doc, "hivenet-router")
     agent_argv = unit_command(doc, "hivenet-agent")
@@ -431,70 +452,64 @@ def test_bare_metal_deployment_routes_a_request(fleet: Fleet, tmp_path: Path) ->
         "AGENT_REGION": "EU-Primary",
         "AGENT_CAPACITY": "32",
     }
+    for binary in ("hivenet-router", "hivenet-agent"):  # "Check that both binaries start"
+        assert (
+            subprocess.run([str(VENV_BIN / binary), "--help"], capture_output=True).returncode == 0
+        )
 
-    secret = tmp_path / "jwt.secret"
-    secret.write_text(SECRET + "\n")
-    http, metrics, p2p = free_port(), free_port(), free_port()
-    # Adapted only where the spec wins: `serve`, no gRPC port, the libp2p `--router`;
-    # and the test's own paths and ports.
-    replace = {
-        "/var/lib/hivenet-router/badger": str(tmp_path / "history"),
-        "/etc/hivenet-router/jwt.secret": str(secret),
-        ":8080": f"127.0.0.1:{http}",
-        ":2112": f"127.0.0.1:{metrics}",
-        "9000": str(p2p),
-        "0.0.0.0": "127.0.0.1",
-    }
-    argv: list[str] = []
-    skip = {"--grpc-port"}
-    it = iter(router_argv)
-    for arg in it:
-        if arg in skip:
-            next(it)
-            continue
-        argv.append(replace.get(arg, arg))
+    # The guide's directories (`install -d`), under the test's own.
+    root = tmp_path / "root"
+    lib, logs, etc = root / "var/lib/hivenet-router", root / "var/log/hivenet-router", root / "etc"
+    for folder in (lib / "badger", lib / "agent", logs, etc):
+        folder.mkdir(parents=True)
+    (etc / "jwt.secret").write_text(SECRET + "\n")
+
+    def paths(arg: str) -> str:
+        for prefix in ("/var/lib/", "/var/log/", "/etc/hivenet-router/"):
+            if arg.startswith(prefix):
+                return str(root / arg.lstrip("/").replace("etc/hivenet-router/", "etc/"))
+        return arg
+
+    http, metrics = free_port(), free_port()
+    router_ip = loopback_with_port_free(9000)
+    # Ports only: the client API and metrics keep their flags, on free ports.
+    ports = {":8080": f":{http}", ":2112": f":{metrics}", "0.0.0.0": router_ip}
+    argv = [ports.get(arg, paths(arg)) for arg in router_argv]
+    assert "serve" not in argv and "--grpc-port" in argv and "9000" in argv
     env = {k: v for k, v in fleet.env.items() if not k.startswith("HIVENET_ROUTER_")}
-    audit = tmp_path / "audit.jsonl"
     unit_env = doc_environment(doc, "hivenet-router")
     assert set(unit_env) == {"HIVENET_ROUTER_AUDIT_LOG_PATH", "HIVENET_ROUTER_ALLOW_INSECURE_ADMIN"}
-    unit_env["HIVENET_ROUTER_AUDIT_LOG_PATH"] = str(audit)
+    unit_env = {k: paths(v) for k, v in unit_env.items()}
+    audit = Path(unit_env["HIVENET_ROUTER_AUDIT_LOG_PATH"])
     router_proc = Proc(
         "router",
-        # The unit's WorkingDirectory holds the identity key; here the test's directory.
-        [
-            str(VENV_BIN / "hivenet-router"),
-            "serve",
-            *argv,
-            "--identity-path",
-            str(tmp_path / "r.key"),
-        ],
+        [str(VENV_BIN / "hivenet-router"), *argv],
         {**env, **unit_env},
         tmp_path / "router.log",
+        cwd=lib,  # WorkingDirectory=/var/lib/hivenet-router: the identity key lands there
     )
     fleet.procs.append(router_proc)
     router_proc.start()
     router_proc.wait_log("router_ready")
+    assert (lib / "router_identity.key").exists()
+    ignored = [line for line in router_proc.log().splitlines() if "upstream_flag_ignored" in line]
+    assert len(ignored) == 1 and "flag=--grpc-port" in ignored[0], ignored
 
-    variables["ROUTER_IP"] = "127.0.0.1"
+    variables["ROUTER_IP"] = router_ip
     with vllm_backend("m1") as backend:
+        backend_port = backend.rsplit(":", 1)[1]
         argv = []
-        it = iter(agent_argv)
-        for arg in it:
-            value = arg
+        for arg in agent_argv:
             for name, var in variables.items():
-                value = value.replace("${" + name + "}", var)
-            if arg == "--router-grpc":
-                host = next(it).replace("${ROUTER_IP}", variables["ROUTER_IP"]).split(":")[0]
-                argv += ["--router", f"/ip4/{host}/tcp/{p2p}"]
-                continue
-            argv.append(replace.get(value, value))
-        argv = [backend if a == "http://localhost:8888" else a for a in argv]
-        argv = [str(tmp_path / "agent.key") if a.endswith("identity.key") else a for a in argv]
+                arg = arg.replace("${" + name + "}", var)
+            argv.append(paths(arg.replace(":8888", f":{backend_port}")))
+        assert "--router" not in argv and "--model" not in argv
         agent_proc = Proc(
             "agent",
-            [str(VENV_BIN / "hivenet-agent"), "--model", "m1", *argv],
+            [str(VENV_BIN / "hivenet-agent"), *argv],
             env,
             tmp_path / "agent.log",
+            cwd=lib / "agent",
         )
         fleet.procs.append(agent_proc)
         agent_proc.start()
@@ -504,6 +519,11 @@ def test_bare_metal_deployment_routes_a_request(fleet: Fleet, tmp_path: Path) ->
             timeout=30,
             what="agent registered",
         )
+        assert (lib / "agent" / "identity.key").exists()
+        ignored = [
+            line for line in agent_proc.log().splitlines() if "upstream_flag_ignored" in line
+        ]
+        assert len(ignored) == 1 and "flag=--router-grpc" in ignored[0], ignored
         card = httpx.get(url + "/v1/models/m1", timeout=5).json()
         assert card["agents"]["regions"] == ["EU-Primary"]
         assert card["agents"]["total_capacity"] == 32
@@ -517,5 +537,5 @@ def test_bare_metal_deployment_routes_a_request(fleet: Fleet, tmp_path: Path) ->
     wait_until(lambda: audit.exists() and audit.read_text(), what="audit line")
     # Its --disk-db-path keeps the agents' history for the next start.
     router_proc.stop()
-    with sqlite3.connect(tmp_path / "history" / FILE_NAME) as db:
+    with sqlite3.connect(lib / "badger" / FILE_NAME) as db:
         assert db.execute("SELECT sum(successes) FROM agent_history").fetchone()[0] == 1

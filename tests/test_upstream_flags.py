@@ -8,8 +8,12 @@ import os
 
 import pytest
 
+from agent.cli import IGNORED as AGENT_IGNORED_TABLE
 from agent.cli import build_parser as agent_parser
-from agent.cli import upstream_values
+from agent.cli import main as agent_main
+from agent.cli import router_from_grpc, upstream_values
+from protocol.upstream_flags import ignored_warnings
+from router.cli import IGNORED as ROUTER_IGNORED_TABLE
 from router.cli import build_parser as router_parser
 from router.cli import settings_from
 from router.settings import DEFAULT_MAX_REQUEST_BYTES, UNLIMITED_REQUEST_BYTES
@@ -76,6 +80,11 @@ ROUTER_ACCEPTED = [
     ([], {"HIVENET_ROUTER_QUOTA_BACKEND": "memory"}, "auth_mode", "none"),
     ([], {"HIVENET_ROUTER_AUDIT_LOG_PATH": "/var/log/a.jsonl"}, "audit_log", "/var/log/a.jsonl"),
     ([], {"HIVENET_ROUTER_MAX_REQUEST_BYTES": "0"}, "max_request_bytes", UNLIMITED_REQUEST_BYTES),
+    ([], {"HIVENET_ROUTER_TRUSTED_PROXIES": "10.0.0.0/8"}, "trusted_proxies", "10.0.0.0/8"),
+    (["--trusted-proxies", "::1,10.0.0.7"], {}, "trusted_proxies", "::1,10.0.0.7"),
+    ([], {"HIVENET_ROUTER_METRICS_COMPAT": "upstream"}, "metrics_compat", "upstream"),
+    (["--metrics-compat", "upstream"], {}, "metrics_compat", "upstream"),
+    ([], {}, "metrics_compat", ""),
     ([], {"HIVENET_ROUTER_MAX_REQUEST_BYTES": "2048"}, "max_request_bytes", 2048),
     ([], {}, "max_request_bytes", DEFAULT_MAX_REQUEST_BYTES),
     ([], {"HIVENET_ROUTER_RPM_BURST_SECONDS": "10"}, "rpm_burst_seconds", 10),
@@ -102,29 +111,37 @@ def test_router_accepts_the_go_routers_flags_and_variables(
     assert getattr(serve(monkeypatch, flags, env), field) == expected
 
 
-ROUTER_REFUSED_FLAGS = [
-    (["--grpc-port", ":50051"], "libp2p only"),
-    (["--session-ttl", "1h"], "hivenet-router token --ttl"),
+ROUTER_IGNORED = [
+    (["--grpc-port", ":50051"], {}, "--grpc-port", "no gRPC port is opened"),
+    (["--session-ttl", "1h"], {}, "--session-ttl", "hivenet-router token --ttl"),
+    ([], {"HIVENET_ROUTER_GRPC_PORT": ":50051"}, "HIVENET_ROUTER_GRPC_PORT", "--p2p-port"),
+    ([], {"HIVENET_ROUTER_SESSION_TTL": "1h"}, "HIVENET_ROUTER_SESSION_TTL", "JWT"),
 ]
 
 
-@pytest.mark.parametrize(("flags", "instead"), ROUTER_REFUSED_FLAGS)
-def test_router_refuses_go_only_flags_saying_what_to_use(
-    capsys: pytest.CaptureFixture[str], flags: list[str], instead: str
+@pytest.mark.parametrize(("flags", "env", "name", "instead"), ROUTER_IGNORED)
+def test_router_go_only_flags_start_with_one_warning_each(
+    monkeypatch: pytest.MonkeyPatch,
+    flags: list[str],
+    env: dict[str, str],
+    name: str,
+    instead: str,
 ) -> None:
-    with pytest.raises(SystemExit) as exited:
-        router_parser().parse_args(["serve", *flags])
-    assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert f"{flags[0]} is a Go router flag with no meaning here" in err and instead in err
+    """Issue 47: the Go router's unit files start; each flag with no meaning here is
+    named once, with what happens instead."""
+    serve(monkeypatch, flags, env)  # no startup error
+    args = router_parser().parse_args(["serve", *flags])
+    lines = ignored_warnings(args, {**BASE_ENV, **env}, ROUTER_IGNORED_TABLE)
+    assert len(lines) == 1
+    assert lines[0].startswith(f"upstream_flag_ignored flag={name} ") and instead in lines[0]
 
 
 ROUTER_BAD_ENV = [
-    ({"HIVENET_ROUTER_GRPC_PORT": ":50051"}, "HIVENET_ROUTER_GRPC_PORT is a Go router variable"),
-    ({"HIVENET_ROUTER_SESSION_TTL": "1h"}, "HIVENET_ROUTER_SESSION_TTL is a Go router variable"),
     ({"HIVENET_ROUTER_REQUEST_TIMEOUT": "five minutes"}, "HIVENET_ROUTER_REQUEST_TIMEOUT="),
     ({"HIVENET_ROUTER_MAX_TRIES_PER_STEP": "three"}, "HIVENET_ROUTER_MAX_TRIES_PER_STEP="),
     ({"HIVENET_ROUTER_P2P_PORT": "nine"}, "HIVENET_ROUTER_P2P_PORT='nine'"),
+    ({"HIVENET_ROUTER_TRUSTED_PROXIES": "proxy.lan"}, "--trusted-proxies: 'proxy.lan'"),
+    ({"HIVENET_ROUTER_METRICS_COMPAT": "go"}, "HIVENET_ROUTER_METRICS_COMPAT='go'"),
     ({"HIVENET_ROUTER_MAX_TRIES_PER_STEP": "0"}, "--max-tries-per-step must be at least 1"),
     ({"HIVENET_ROUTER_QUEUE_DEPTH": "-1"}, "--queue-depth must be at least 0"),
     ({"HIVENET_ROUTER_QUEUE_SIZE": "0"}, "--queue-size must be at least 1"),
@@ -151,7 +168,7 @@ ROUTER_BAD_ENV = [
 
 
 @pytest.mark.parametrize(("env", "message"), ROUTER_BAD_ENV)
-def test_router_invalid_or_refused_values_are_startup_errors(
+def test_router_invalid_values_are_startup_errors(
     monkeypatch: pytest.MonkeyPatch, env: dict[str, str], message: str
 ) -> None:
     with pytest.raises(ValueError) as failed:
@@ -249,19 +266,43 @@ def test_agent_accepts_the_go_agents_flags_and_variables(
 @pytest.mark.parametrize(
     ("flags", "instead"),
     [
-        (["--router-grpc", "router:50051"], "--router /ip4/"),
-        (["--router-p2p", "/ip4/127.0.0.1/tcp/9000"], "--router /ip4/"),
+        (["--router-grpc", "router:50051"], "with --router it is unused"),
+        (["--router-p2p", "/ip4/127.0.0.1/tcp/9000"], "unused, as in the Go agent"),
         (["--p2p-listen-port", "4001"], "listens on no port"),
     ],
 )
-def test_agent_refuses_grpc_flags_saying_what_to_use(
-    capsys: pytest.CaptureFixture[str], flags: list[str], instead: str
+def test_agent_go_only_flags_start_with_one_warning_each(flags: list[str], instead: str) -> None:
+    parsed = agent_parser().parse_args(["--router", "/ip4/127.0.0.1/tcp/9000", *flags])
+    lines = ignored_warnings(parsed, {}, AGENT_IGNORED_TABLE)
+    assert len(lines) == 1
+    assert lines[0].startswith(f"upstream_flag_ignored flag={flags[0]} ") and instead in lines[0]
+
+
+@pytest.mark.parametrize(
+    ("hostport", "dialed"),
+    [
+        ("192.168.1.100:50051", "/ip4/192.168.1.100/tcp/9000"),
+        ("router.internal:50051", "/dns/router.internal/tcp/9000"),
+        ("[2001:db8::1]:50051", "/ip6/2001:db8::1/tcp/9000"),
+        ("localhost", "/dns/localhost/tcp/9000"),
+    ],
+)
+def test_router_grpc_alone_dials_the_host_on_the_default_p2p_port(
+    hostport: str, dialed: str
+) -> None:
+    assert router_from_grpc(hostport) == dialed
+
+
+def test_agent_without_router_or_router_grpc_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
     with pytest.raises(SystemExit) as exited:
-        agent(flags)
+        agent_main(["--engine", "sim"])
     assert exited.value.code == 2
-    err = capsys.readouterr().err
-    assert f"{flags[0]} is a Go router flag with no meaning here" in err and instead in err
+    assert "--router is required" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        agent_main(["--router-grpc", ":50051"])
+    assert "names no host" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(
@@ -300,7 +341,7 @@ def test_gpu_devices_file(tmp_path: object, text: str, expected: set[str]) -> No
 
 
 def test_every_flag_of_the_reference_is_known() -> None:
-    """Each flag in the Go router's flag tables parses (accepted or refused, never
+    """Each flag in the Go router's flag tables parses (accepted or ignored, never
     `unrecognized arguments`)."""
     router = {
         a

@@ -68,6 +68,14 @@ class MetricNames:
     # For an engine with no ITL histogram: (seconds spent decoding, tokens decoded)
     # counters, whose change over a scrape interval is the average time per token.
     itl_counters: tuple[tuple[str, str], ...] = ()
+    # Read for upstream's re-exported series only (`engine.upstream` of a heartbeat):
+    # request length histograms, finished requests by `finished_reason`, and llama.cpp's
+    # throughput gauges.
+    prompt_tokens_histogram: tuple[str, ...] = ()
+    generation_tokens_histogram: tuple[str, ...] = ()
+    finish_reasons: tuple[str, ...] = ()
+    predicted_tps: tuple[str, ...] = ()
+    prompt_tps: tuple[str, ...] = ()
 
     def __or__(self, other: MetricNames) -> MetricNames:
         def join(a: tuple[str, ...], b: tuple[str, ...]) -> tuple[str, ...]:
@@ -82,12 +90,22 @@ class MetricNames:
             preemptions=join(self.preemptions, other.preemptions),
             itl_counters=self.itl_counters
             + tuple(p for p in other.itl_counters if p not in self.itl_counters),
+            prompt_tokens_histogram=join(
+                self.prompt_tokens_histogram, other.prompt_tokens_histogram
+            ),
+            generation_tokens_histogram=join(
+                self.generation_tokens_histogram, other.generation_tokens_histogram
+            ),
+            finish_reasons=join(self.finish_reasons, other.finish_reasons),
+            predicted_tps=join(self.predicted_tps, other.predicted_tps),
+            prompt_tps=join(self.prompt_tps, other.prompt_tps),
         )
 
     def sample_names(self) -> frozenset[str]:
         gauges = self.kv_cache_utilization + self.running_requests + self.waiting_requests
-        gauges += self.preemptions
+        gauges += self.preemptions + self.finish_reasons + self.predicted_tps + self.prompt_tps
         histograms = self.ttft_histogram + self.itl_histogram
+        histograms += self.prompt_tokens_histogram + self.generation_tokens_histogram
         suffixed = (h + s for h in histograms for s in ("_sum", "_count", "_bucket"))
         counters = (name for pair in self.itl_counters for name in pair)
         return frozenset((*gauges, *suffixed, *counters))
@@ -200,7 +218,7 @@ class MetricSampler:
         }
         self._itl_counters: _Window[_CounterSnapshot] = _Window()
 
-    def update(self, text: str, now: float) -> dict[str, float | None]:
+    def update(self, text: str, now: float) -> dict:
         """Fields from one scrape taken at `now` (monotonic seconds).
 
         Raises ValueError when `text` is not Prometheus text exposition format; the
@@ -227,7 +245,57 @@ class MetricSampler:
             "preemptions_total": self._gauge(series, self._names.preemptions, sum),
         }
         # Finite samples can still add up past the largest float (1e308 + 1e308).
-        return {k: v if v is None or math.isfinite(v) else None for k, v in values.items()}
+        out: dict = {k: v if v is None or math.isfinite(v) else None for k, v in values.items()}
+        upstream = self._upstream(series)
+        if upstream:
+            out["upstream"] = upstream
+        return out
+
+    def _upstream(self, series: dict[str, Series]) -> dict:
+        """What upstream's router re-exports from an engine, as the engine counts it
+        (cumulative): its histograms, finish reasons and llama.cpp's throughputs. A few
+        hundred bytes per heartbeat; the router reads them only for
+        `--metrics-compat upstream` (router/agent_detail.py upstream_of)."""
+        names = self._names
+        out: dict = {}
+        histograms = {}
+        for key, candidates in (
+            ("ttft_seconds", names.ttft_histogram),
+            ("itl_seconds", names.itl_histogram),
+            ("request_prompt_tokens", names.prompt_tokens_histogram),
+            ("request_generation_tokens", names.generation_tokens_histogram),
+        ):
+            snapshot = _snapshot(series, candidates)
+            if snapshot is None or not math.isfinite(snapshot.total + snapshot.count):
+                continue
+            # The +Inf bucket travels as `count`: JSON (the agent's own pages) has no
+            # infinity.
+            finite = [[le, n] for le, n in snapshot.buckets if math.isfinite(le + n)]
+            if len(finite) < 64:
+                histograms[key] = {
+                    "buckets": finite,
+                    "sum": snapshot.total,
+                    "count": snapshot.count,
+                }
+        if histograms:
+            out["histograms"] = histograms
+        for name in names.finish_reasons:
+            reasons: dict[str, float] = {}
+            for labels, value in series.get(name, ()):
+                reason = labels.get("finished_reason", "")
+                if reason:
+                    reasons[reason] = reasons.get(reason, 0.0) + value
+            if reasons:
+                out["finish_reasons"] = dict(list(reasons.items())[:16])
+                break
+        for key, candidates in (
+            ("predicted_tps", names.predicted_tps),
+            ("prompt_tps", names.prompt_tps),
+        ):
+            value = self._gauge(series, candidates, max)
+            if value is not None:
+                out[key] = value
+        return out
 
     def _collect(self, text: str) -> dict[str, Series]:
         # Indexed by sample name, not family name: untyped exposition (no # TYPE line)

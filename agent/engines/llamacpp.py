@@ -16,6 +16,8 @@ LLAMACPP_METRICS = MetricNames(
     running_requests=("llamacpp:requests_processing",),
     waiting_requests=("llamacpp:requests_deferred",),
     itl_counters=(("llamacpp:tokens_predicted_seconds_total", "llamacpp:tokens_predicted_total"),),
+    predicted_tps=("llamacpp:predicted_tokens_seconds",),
+    prompt_tps=("llamacpp:prompt_tokens_seconds",),
 )
 
 

@@ -11,6 +11,9 @@ VLLM_METRICS = MetricNames(
     ttft_histogram=("vllm:time_to_first_token_seconds",),
     itl_histogram=("vllm:inter_token_latency_seconds", "vllm:time_per_output_token_seconds"),
     preemptions=("vllm:num_preemptions_total",),
+    prompt_tokens_histogram=("vllm:request_prompt_tokens",),
+    generation_tokens_histogram=("vllm:request_generation_tokens",),
+    finish_reasons=("vllm:request_success_total",),
 )
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs
 
 import trio
@@ -33,6 +33,7 @@ from router.http.asgi import (
 )
 from router.http.auth import AdminKeys, presented_keys
 from router.http.client import API_KEY, ENDPOINTS, TICKET, ClientApi, send_error
+from router.http.client_ip import TrustedProxies
 from router.http.quota_headers import with_quota_headers
 from router.http.registration_stream import registration_stream
 from router.lifetime import HistoryUnwritable, LifetimeStore
@@ -43,6 +44,9 @@ from router.registrations import RegistrationFeed
 from router.tenants.audit import AdminRecord
 from router.tenants.gate import TenantGate, Ticket
 from router.tenants.keys import ClientKeys
+
+if TYPE_CHECKING:
+    from router.upstream_metrics import Activity
 
 log = logging.getLogger("http")
 
@@ -62,8 +66,13 @@ class RouterApp:
         lifetime: LifetimeStore | None = None,
         tracer: Tracer = NO_TRACER,
         fleet: FleetView | None = None,
+        proxies: TrustedProxies | None = None,
     ) -> None:
         self.client = client
+        # --trusted-proxies: whose forwarding headers name the client (audit lines).
+        self.proxies = proxies or TrustedProxies()
+        # --metrics-compat upstream: each tenant's latest request (router/upstream_metrics.py).
+        self.activity: Activity | None = None
         # `?scope=fleet`: every router's agents (router/fleet/view.py).
         self.fleet = fleet
         self.table = table
@@ -138,11 +147,16 @@ class RouterApp:
                 await send_error(send, protocol, err, [("x-request-id", rid)], scope.get(TICKET))
         elapsed = trio.current_time() - started
         trace_id = span.trace_id
-        if path.startswith("/admin/") and _audited(path, method, status):
-            self._audit_admin(scope, rid, status)
+        if path.startswith("/admin/"):
+            self._audit_admin(scope, rid, status, elapsed)
+        elif path.startswith("/v1/") and path not in ENDPOINTS and self.tenants is not None:
+            # Model discovery and unknown /v1/ paths: a line as upstream writes one.
+            self._audit_v1(scope, rid, tenant, status, elapsed)
         if path in ENDPOINTS:
             metrics = self.metrics
             metrics.requests.labels(path, str(status), tenant).inc()
+            if self.activity is not None:
+                self.activity.saw(tenant)
             metrics.duration.labels(path, tenant).observe(elapsed)
             if self.tenants:
                 self.tenants.audit(
@@ -187,8 +201,7 @@ class RouterApp:
                 # Only a ticket has what the quota headers say: no wrapper without one.
                 send = with_quota_headers(scope, send)
                 ticket.key_id = key.id if key is not None else None
-                client = scope.get("client")
-                ticket.source_ip = client[0] if client else None
+                ticket.source_ip = self.proxies.client_ip(scope)
         if tenant is None:
             why = "missing or invalid API key (send Authorization: Bearer <key> or x-api-key)"
             if self.tenants and self.tenants.expired(keys):
@@ -322,18 +335,35 @@ class RouterApp:
             return await _not_found(send, rid, "openai")
         return 200
 
-    def _audit_admin(self, scope: Scope, rid: str, status: int) -> None:
+    def _audit_admin(self, scope: Scope, rid: str, status: int, elapsed: float) -> None:
+        """Every admin call's audit line, reads too, as upstream: an operator asks who
+        looked at the routing table as well as who changed a key."""
         if self.tenants is not None and self.tenants.audit_log is not None:
-            client = scope.get("client") or ("", 0)
             record = AdminRecord(
                 action=scope["method"],
                 target=scope["path"],
                 status=status,
                 key_id=self.admin_keys.key_id(scope),
-                source_ip=client[0],
+                source_ip=self.proxies.client_ip(scope),
                 request_id=rid,
+                duration_s=elapsed,
             )
             self.tenants.audit_admin(record)
+
+    def _audit_v1(self, scope: Scope, rid: str, tenant: str, status: int, elapsed: float) -> None:
+        assert self.tenants is not None
+        if self.tenants.audit_log is not None:
+            key = scope.get(API_KEY)
+            self.tenants.audit(
+                None,
+                scope["path"],
+                rid,
+                tenant,
+                status,
+                elapsed,
+                key_id=key.id if key is not None else None,
+                source_ip=self.proxies.client_ip(scope),
+            )
 
     def _admin_models(self) -> list[dict]:
         cards = []
@@ -357,16 +387,6 @@ def _with_anthropic_request_id(send: Send, rid: str) -> Send:
     reads only that one (`request_id` of a message, a raw response or an APIError)."""
     headers = [(b"request-id", rid.encode("latin-1"))]
     return with_headers(send, lambda: headers)
-
-
-def _audited(path: str, method: str, status: int) -> bool:
-    """Admin calls with an audit line: every change, every refused key, and every read
-    of the keys. Successful reads of the other views are left out: dashboards and
-    scripts poll them (80 of 99 lines in tests/test_tenants_e2e.py were such reads)."""
-    return method != "GET" or status in (401, 403) or path.startswith(_AUDITED_READS)
-
-
-_AUDITED_READS = ("/admin/api-keys", "/admin/auth")
 
 
 def _fleet_scope(scope: Scope) -> bool:

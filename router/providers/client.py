@@ -209,6 +209,8 @@ class ProviderClient:
         timeout: float = 30.0,
     ) -> None:
         self.timeout = timeout
+        # --metrics-compat upstream: told each call's provider, status and seconds.
+        self.observe: Callable[[str, int, float], None] | None = None
         self._engines: dict[str, _Engine] = {}
         if openai_api_key:
             self._engines["openai"] = _Engine(
@@ -253,6 +255,41 @@ class ProviderClient:
             )
         # Refusals (invalid_parameter) happen here, before anything leaves the router.
         body = route.build(req.payload, provider.model, req.stream)
+        if self.observe is not None:
+            return await self._observed(self.observe, name, engine, route, body, provider, req)
+        return await self._call(name, engine, route, body, provider, req)
+
+    async def _observed(
+        self,
+        observe: Callable[[str, int, float], None],
+        name: str,
+        engine: _Engine,
+        route: _Route,
+        body: dict[str, Any],
+        provider: ProviderFallback,
+        req: RouteRequest,
+    ) -> ProviderServed:
+        started = trio.current_time()
+        status = 502
+        try:
+            served = await self._call(name, engine, route, body, provider, req)
+            status = served.status
+            return served
+        except RouterError as err:
+            status = err.http_status
+            raise
+        finally:
+            observe(name, status, trio.current_time() - started)
+
+    async def _call(
+        self,
+        name: str,
+        engine: _Engine,
+        route: _Route,
+        body: dict[str, Any],
+        provider: ProviderFallback,
+        req: RouteRequest,
+    ) -> ProviderServed:
         headers = {SERVED_BY_HEADER: f"provider:{name}"}
         url = engine.base_url + route.path
         try:

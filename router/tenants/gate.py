@@ -190,7 +190,11 @@ class TenantGate:
         status: int,
         duration: float,
         trace_id: str | None = None,
+        key_id: str | None = None,
+        source_ip: str | None = None,
     ) -> None:
+        """A `/v1/*` call's audit line; `key_id` and `source_ip` are for a call without
+        a ticket (model discovery), a ticket holds its own."""
         if self.audit_log is None:
             return
         usage = ticket.usage if ticket is not None else None
@@ -208,8 +212,8 @@ class TenantGate:
                 duration_s=duration,
                 code=ticket.code if ticket else None,
                 trace_id=trace_id,
-                key_id=ticket.key_id if ticket else None,
-                source_ip=ticket.source_ip if ticket else None,
+                key_id=ticket.key_id if ticket else key_id,
+                source_ip=ticket.source_ip if ticket else source_ip,
                 gate=ticket.refused_by if ticket else None,
             )
         )
