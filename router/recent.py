@@ -4,8 +4,9 @@
 ways: SIZE requests are kept (the oldest leaves when one more ends), each with at most
 LINES lines; requests in flight are tracked only up to MAX_OPEN, beyond which a burst's
 requests are summarised without their lines. A request costs one small record and two
-dict operations; a log line is looked at only when it starts with `req=`, and formatted
-only when its request is one being kept (`bench.overhead`: docs/console.md).
+dict operations; a log line is looked at only when it starts with `req=`, kept as the
+record it is when its request is one being kept, and formatted only when someone reads
+the story (`bench.recent`, docs/console.md).
 
 The lines are the ones the router writes at its configured levels: with
 `HIVENET_LOG_LEVEL=policy=debug` a story shows each step's selection and drain, at the
@@ -33,7 +34,8 @@ class RecentRequest:
     id: str
     started: float  # wall clock
     path: str
-    lines: list[str] = field(default_factory=list)
+    # The log records themselves: formatted only when someone reads the story.
+    records: list[logging.LogRecord] = field(default_factory=list)
     model: str = "-"
     tenant: str = "-"
     agent: str = ""
@@ -83,13 +85,10 @@ class RecentRequests:
         ring.append(entry)
         self._by_id[entry.id] = entry
 
-    def line(self, rid: str, text: str) -> None:
+    def record(self, rid: str, record: logging.LogRecord) -> None:
         entry = self._open.get(rid) or self._by_id.get(rid)
-        if entry is not None and len(entry.lines) < self.lines:
-            entry.lines.append(text[:MAX_LINE_CHARS])
-
-    def wanted(self, rid: str) -> bool:
-        return rid in self._open or rid in self._by_id
+        if entry is not None and len(entry.records) < self.lines:
+            entry.records.append(record)
 
     def get(self, rid: str) -> RecentRequest | None:
         return self._by_id.get(rid) or self._open.get(rid)
@@ -151,17 +150,23 @@ class StoryHandler(logging.Handler):
             rid = first[4:].split(" ", 1)[0]
         else:
             return
-        if not isinstance(rid, str) or not self.recent.wanted(rid):
-            return
+        if isinstance(rid, str):
+            self.recent.record(rid, record)
+
+
+def story(records: list[logging.LogRecord]) -> list[str]:
+    """A request's records as the router's text log lines."""
+    lines = []
+    for record in records:
         try:
             text = record.getMessage()
         except Exception:  # a line that cannot be formatted is the logger's to report
-            return
+            continue
         at = time.strftime("%H:%M:%S", time.gmtime(record.created))
         level = record.levelname.lower()
-        self.recent.line(
-            rid, f"{at}.{int(record.msecs):03d}Z level={level} subsystem={record.name} {text}"
-        )
+        line = f"{at}.{int(record.msecs):03d}Z level={level} subsystem={record.name} {text}"
+        lines.append(line[:MAX_LINE_CHARS])
+    return lines
 
 
 def _rfc3339(at: float) -> str:

@@ -48,7 +48,7 @@ from router.http.asgi import (
 from router.http.auth import presented_keys
 from router.http.client import ENDPOINTS, ROUTE
 from router.policy.store import PolicyStore
-from router.recent import FILTERS, RecentRequest, RecentRequests
+from router.recent import FILTERS, RecentRequest, RecentRequests, story
 from router.tenants.config import hash_key
 from router.tenants.gate import TenantGate
 from router.tenants.keys import ClientKeys
@@ -267,7 +267,7 @@ class Console:
         if entry is None:
             why = "no such request among the recent ones"
             return await _error(send, extra, ErrorCode.NOT_FOUND, why, 404)
-        await send_json(send, 200, {**entry.summary(), "lines": list(entry.lines)}, extra)
+        await send_json(send, 200, {**entry.summary(), "lines": story(entry.records)}, extra)
         return 200
 
     async def _validate(
