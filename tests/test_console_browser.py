@@ -193,6 +193,17 @@ def test_console_walkthrough(browser: Any, fleet: tuple[Fleet, Router]) -> None:
     chosen = wait(driver, lambda d: d.find_elements(By.ID, "explain-chosen"))[0]
     assert joined.peer_id in chosen.text
     shoot(driver, "explain")
+    # The hostile agent's model: the first step drains at gate 4, the second chooses it.
+    model = by_id(driver, "explain-model")
+    model.clear()
+    model.send_keys(HOSTILE_MODEL)
+    by_id(driver, "explain-button").click()
+    wait(driver, lambda d: hostile.peer_id in by_id(d, "explain-out").text)
+    out = by_id(driver, "explain-out").text
+    assert 'gate[4] match [region(got="",want="eu-west")=1]' in out
+    assert f"Chosen: {hostile.peer_id} (step anywhere)" in out and HOSTILE_MACHINE in out
+    assert driver.find_elements(By.CSS_SELECTOR, "#explain-out img, #explain-out b") == []
+    shoot(driver, "explain-fallback")
 
     body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
     key = create_key(driver, "ci-key", "acme")
@@ -200,6 +211,9 @@ def test_console_walkthrough(browser: Any, fleet: tuple[Fleet, Router]) -> None:
     r = httpx.post(router.url + "/v1/chat/completions", json=body, headers=client, timeout=20)
     assert r.status_code == 200, r.text
     rid = r.headers["x-request-id"]
+    driver.find_element(By.CSS_SELECTOR, "#tabs [data-view=tenants]").click()
+    wait(driver, lambda d: "acme" in by_id(d, "tenants-table").text)
+    shoot(driver, "tenants")
 
     driver.find_element(By.CSS_SELECTOR, "#tabs [data-view=requests]").click()
     wait(driver, lambda d: rid in rows(d, "requests-table", "id"))

@@ -174,7 +174,7 @@ function gauges(e) {
     `kv ${pct(e.kv_cache_utilization)}`,
     `run ${num(e.running_requests)}`,
     `wait ${num(e.waiting_requests)}`,
-    `ttft ${num(e.avg_ttft_seconds, 3)}s`,
+    `ttft ${e.avg_ttft_seconds === null || e.avg_ttft_seconds === undefined ? "–" : `${num(e.avg_ttft_seconds, 3)}s`}`,
   ].join(" · ");
 }
 
@@ -471,7 +471,7 @@ async function loadKeys() {
       $("keys-error").textContent = e.message;
     }));
     return el("tr", { "data-key": k.id }, el("td", { class: "mono" }, k.id), el("td", {}, k.owner || ""),
-      el("td", {}, k.name || ""), el("td", { class: "mono" }, k.preview || ""),
+      el("td", {}, k.name || ""), el("td", { class: "mono" }, k.key_preview || ""),
       el("td", {}, String(k.enabled !== false)), el("td", {}, revoke));
   }));
 }
@@ -488,7 +488,8 @@ async function createKey(event) {
   try {
     const minted = await api("/admin/keygen", { method: "POST" });
     const entry = { version: nextVersion(keysVersion), key_hash: minted.key_hash,
-      owner: $("key-owner").value.trim(), name: $("key-name").value.trim() || id, enabled: true };
+      owner: $("key-owner").value.trim(), name: $("key-name").value.trim() || id,
+      key_preview: minted.preview, enabled: true };
     await api(`/admin/api-keys/${encodeURIComponent(id)}`, {
       method: "PUT", headers: { "Content-Type": "application/json" }, body: JSON.stringify(entry),
     });
