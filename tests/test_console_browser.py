@@ -15,6 +15,7 @@ import os
 import shutil
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ import httpx
 import pytest
 
 from tests.fleet import ADMIN_KEY, Fleet, Router
+from tests.redis_server import RedisServer
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -93,23 +95,45 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
 
 
 @pytest.fixture(scope="module")
-def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, Router]]:
+def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, Router, Router]]:
+    """The console's router and another one sharing its Redis (the whole-fleet view)."""
     tmp_path = tmp_path_factory.mktemp("fleet")
     policy = tmp_path / "policy.yaml"
     policy.write_text(POLICY)
     f = Fleet(tmp_path)
+    redis_server = RedisServer(tmp_path, f.env).start()
     try:
-        router = f.router(
-            "--policy-file",
-            str(policy),
-            "--history-path",
-            str(tmp_path / "history.sqlite3"),
-            # policy=debug: the stories show each step's selection.
-            env={"HIVENET_ROUTER_AUTH_MODE": "dynamic", "HIVENET_LOG_LEVEL": "info,policy=debug"},
-        )
-        yield f, router
+        routers = [
+            f.router(
+                "--policy-file",
+                str(policy),
+                "--history-path",
+                str(tmp_path / f"history-{n}.sqlite3"),
+                "--state-url",
+                redis_server.url,
+                # An agent that left is gone from the table in seconds, not 30.
+                "--heartbeat-interval",
+                "1s",
+                "--unhealthy-after",
+                "2s",
+                "--remove-after",
+                "4s",
+                # policy=debug: the stories show each step's selection.
+                env={
+                    "HIVENET_ROUTER_AUTH_MODE": "dynamic",
+                    "HIVENET_LOG_LEVEL": "info,policy=debug",
+                },
+                start=False,
+            )
+            for n in range(2)
+        ]
+        # Side by side: each takes seconds to start.
+        with ThreadPoolExecutor(2) as pool:
+            list(pool.map(Router.start, routers))
+        yield f, routers[0], routers[1]
     finally:
         f.close()
+        redis_server.stop()
 
 
 def wait(driver: Any, condition: Any, timeout: float = 20) -> Any:
@@ -145,13 +169,19 @@ def login(driver: Any, router: Router) -> None:
     wait(driver, lambda d: by_id(d, "app").is_displayed())
 
 
-def test_console_walkthrough(browser: Any, fleet: tuple[Fleet, Router]) -> None:
+def test_console_walkthrough(browser: Any, fleet: tuple[Fleet, Router, Router]) -> None:
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
 
-    f, router = fleet
+    f, router, other = fleet
     hostile = f.agent(
-        router, HOSTILE_MODEL, "--machine", HOSTILE_MACHINE, "--tags", f"{HOSTILE_TAG},gpu"
+        [router, other],
+        HOSTILE_MODEL,
+        "--machine",
+        HOSTILE_MACHINE,
+        "--tags",
+        f"{HOSTILE_TAG},gpu",
+        wait=False,  # it joins while the browser logs in; the fleet view waits for it
     )
     driver = browser
     driver.get(router.url + "/ui")
@@ -240,7 +270,8 @@ def test_console_walkthrough(browser: Any, fleet: tuple[Fleet, Router]) -> None:
     # The agent leaves: its row goes.
     driver.find_element(By.CSS_SELECTOR, "#tabs [data-view=fleet]").click()
     joined.stop()
-    wait(driver, lambda d: joined.peer_id not in rows(d, "fleet-table", "peer"), 40)
+    wait(driver, lambda d: "unregistered" in by_id(d, "fleet-events").text, 20)
+    wait(driver, lambda d: joined.peer_id not in rows(d, "fleet-table", "peer"), 20)
     assert driver.execute_script("return window.sameDocument") is True
 
     # Policy: validate shows the diff; only then can it be applied.
@@ -262,6 +293,24 @@ def test_console_walkthrough(browser: Any, fleet: tuple[Fleet, Router]) -> None:
     assert running.text == NEW_POLICY
     Select(by_id(driver, "explain-path"))  # the form is still there after the tab switches
 
+    # With --state-url, the whole fleet: the hostile agent is held by both routers.
+    driver.find_element(By.CSS_SELECTOR, "#tabs [data-view=fleet]").click()
+    by_id(driver, "fleet-scope").click()
+
+    def held_by_both(d: Any) -> bool:
+        # Read in one script: the rows are rebuilt on every refresh.
+        held = d.execute_script(
+            "const r = document.querySelector(`tr[data-peer='${arguments[0]}']`);"
+            "return r ? r.lastElementChild.textContent : ''",
+            hostile.peer_id,
+        )
+        return router.peer_id[-8:] in held and other.peer_id[-8:] in held
+
+    wait(driver, held_by_both, 20)
+    assert HOSTILE_MODEL in by_id(driver, "fleet-table").text
+    assert driver.execute_script("return window.pwned") is None
+    shoot(driver, "fleet-scope")
+
     by_id(driver, "logout").click()
     assert driver.execute_script("return sessionStorage.length") == 0
     assert by_id(driver, "login").is_displayed()
@@ -280,8 +329,8 @@ def create_key(driver: Any, key_id: str, owner: str) -> str:
     return str(by_id(driver, "key-raw").text)
 
 
-def test_csp_refuses_inline_script(browser: Any, fleet: tuple[Fleet, Router]) -> None:
-    _, router = fleet
+def test_csp_refuses_inline_script(browser: Any, fleet: tuple[Fleet, Router, Router]) -> None:
+    _, router, _ = fleet
     driver = browser
     login(driver, router)  # the console's own script runs
     driver.execute_script(
@@ -314,10 +363,10 @@ class _Framer(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
 
-def test_the_console_cannot_be_framed(browser: Any, fleet: tuple[Fleet, Router]) -> None:
+def test_the_console_cannot_be_framed(browser: Any, fleet: tuple[Fleet, Router, Router]) -> None:
     from selenium.webdriver.common.by import By
 
-    _, router = fleet
+    _, router, _ = fleet
     _Framer.target = router.url.replace("127.0.0.1", "localhost")  # another origin
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Framer)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
