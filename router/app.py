@@ -33,6 +33,7 @@ from router.http.app import RouterApp, metrics_only, protocol_of, with_lifespan
 from router.http.auth import AdminKeys
 from router.http.client import ClientApi, ClientSettings
 from router.http.client_ip import TrustedProxies
+from router.http.console_setup import console_for, story_capture
 from router.http.server import HttpServer
 from router.lifetime import LifetimeStore, history_path
 from router.link import AgentLink, LinkSettings
@@ -261,6 +262,7 @@ class RouterDaemon:
             )
             self.app.activity = self.compat.activity
             self.providers.observe = self.compat.observe_provider
+        self.app.console = console_for(self, settings.ui)
         self._stop = trio.Event()
         self._http_stop = trio.Event()
 
@@ -329,6 +331,11 @@ class RouterDaemon:
         self.queue.notify(peer.metadata.model)
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
+        # The console's stories read the log lines while the router runs (router/recent.py).
+        with story_capture(self.app.console):
+            await self._run(task_status=task_status)
+
+    async def _run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         s = self.settings
         addrs = listen_multiaddrs(s)
         host = router_host(

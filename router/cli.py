@@ -1,4 +1,5 @@
-"""`hivenet-router`: serve, check-policy, check-auth, hash-key, keygen, identity, token."""
+"""`hivenet-router`: serve, check-policy, check-auth, hash-key, keygen, identity, token,
+explain."""
 
 from __future__ import annotations
 
@@ -15,8 +16,9 @@ from protocol.durations import parse_duration
 from protocol.logs import FORMATS, setup_logging
 from protocol.secrets import load_previous_secret, load_secret
 from protocol.upstream_flags import Ignored, add_ignored, warn_ignored
+from router.explain_cli import add_explain, cmd_explain
 from router.http.client_ip import TrustedProxies
-from router.settings import CONFIG_ERROR, RouterSettings, env_value, split_hostport
+from router.settings import CONFIG_ERROR, RouterSettings, env_value, parse_on_off, split_hostport
 
 if TYPE_CHECKING:
     from router.policy.schema import Policy
@@ -178,6 +180,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--reset-disk-db", action="store_true", help="start with an empty per-agent history"
     )
+    serve.add_argument(
+        "--no-ui",
+        action="store_true",
+        help="no operator console at /ui and no recent-requests ring (HIVENET_ROUTER_UI=off)",
+    )
     add_ignored(serve, IGNORED)
     serve.add_argument(
         "--log-format", choices=FORMATS, default=None, help="text (key=value) or json lines"
@@ -219,6 +226,8 @@ def build_parser() -> argparse.ArgumentParser:
     ident.add_argument("--p2p-listen-addr", default="127.0.0.1")
     ident.add_argument("--p2p-port", type=int, default=None, help="default 9000")
     ident.add_argument("--p2p-announce-addr", default=None)
+
+    add_explain(sub)
 
     token = sub.add_parser("token", help="print an agent JWT signed with the shared secret")
     token.add_argument("--peer-id", required=True)
@@ -288,6 +297,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
     if s.worker_count > 1:
         _as_worker(s)
     s.apply_environment(env)
+    s.ui = not args.no_ui and env_value(env, "UI", parse_on_off, "on")
     if s.auth_file and s.client_api_keys.strip():
         raise ValueError(
             "both --auth-file and HIVENET_ROUTER_API_KEYS are set: keep one (the auth file"
@@ -577,6 +587,7 @@ COMMANDS = {
     "keygen": cmd_keygen,
     "identity": cmd_identity,
     "token": cmd_token,
+    "explain": cmd_explain,
 }
 
 

@@ -173,6 +173,7 @@ class Dispatcher:
         if provider is not None and self.provider_call is not None:
             if req.on_provider is not None:
                 await req.on_provider()
+            req.agent = f"provider:{provider.engine}"
             try:
                 attributes = {"hivenet.provider": provider.engine}
                 with req.span.child("provider_fallback", attributes):

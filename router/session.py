@@ -82,6 +82,10 @@ class RouteRequest:
     # taken once when it arrives, so a reload changes the next request's and never
     # mixes two in one. None: the model's running policy when routing starts.
     policy: Policy | None = None
+    # For the console's recent requests (router/recent.py): forwards tried so far, and
+    # the agent of the latest (the one that answered, when one did).
+    tries: int = 0
+    agent: str = ""
 
 
 class Slot:
@@ -378,6 +382,8 @@ class RoutingSession:
                     continue
                 started = trio.current_time()
                 parent, peer = req.span, action.slot.peer
+                req.tries += 1
+                req.agent = peer.peer_id
                 with parent.child("try", {"hivenet.peer_id": peer.peer_id}) as attempt:
                     # The link's forward span goes under this try's.
                     req.span = attempt

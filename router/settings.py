@@ -128,6 +128,8 @@ class RouterSettings:
     admit_fraction: float = DEFAULT_ADMIT_FRACTION
     admit_park_timeout: float = DEFAULT_PARK_TIMEOUT
     workers: list[dict] = field(default_factory=list)
+    # The operator console at /ui and its recent-requests ring (--no-ui, HIVENET_ROUTER_UI).
+    ui: bool = True
 
     def apply_environment(self, env: Mapping[str, str] | None = None) -> None:
         """Environment-only settings (keys, provider endpoints, limits)."""
@@ -160,6 +162,16 @@ class RouterSettings:
         self.rpm_burst_seconds = env_value(e, "RPM_BURST_SECONDS", _burst_seconds, "0")
         self.admit_fraction = env_value(e, "ADMIT_FRACTION", parse_fraction, "0.90")
         self.admit_park_timeout = env_value(e, "ADMIT_PARK_TIMEOUT", parse_duration, "250ms")
+
+
+def parse_on_off(raw: str) -> bool:
+    """A switch variable: on/true/yes/1 or off/false/no/0."""
+    value = raw.strip().lower()
+    if value in ("on", "true", "yes", "1"):
+        return True
+    if value in ("off", "false", "no", "0"):
+        return False
+    raise ValueError("must be on or off")
 
 
 def _non_negative(raw: str) -> int:

@@ -34,6 +34,7 @@ from router.http.asgi import (
 from router.http.auth import AdminKeys, presented_keys
 from router.http.client import API_KEY, ENDPOINTS, TICKET, ClientApi, send_error
 from router.http.client_ip import TrustedProxies
+from router.http.console import PAGE_PREFIX, Console
 from router.http.quota_headers import with_quota_headers
 from router.http.registration_stream import registration_stream
 from router.lifetime import HistoryUnwritable, LifetimeStore
@@ -89,6 +90,9 @@ class RouterApp:
         self.inflight = 0
         self.idle = trio.Event()
         self.ids = RequestIds()
+        # The operator console's page and endpoints (router/http/console.py); its
+        # recent-requests ring is None with --no-ui.
+        self.console: Console | None = None
         if not admin_keys.keys and admin_keys.insecure:
             log.warning(
                 "admin_api_insecure reason=%s",
@@ -109,6 +113,8 @@ class RouterApp:
         started = trio.current_time()
         path: str = scope["path"]
         method: str = scope["method"]
+        console = self.console
+        kept = console.begin(rid, path) if console is not None else None
         tenant = "-"
         protocol = protocol_of(path)
         if protocol == "anthropic":
@@ -126,6 +132,8 @@ class RouterApp:
                 status, tenant = await self._client(scope, receive, send, rid)
             elif path.startswith("/admin/"):
                 status = await self._admin(scope, receive, send, rid)
+            elif console is not None and console.ui and path.startswith(PAGE_PREFIX):
+                status = await console.page(scope, send, rid)
             elif path == "/health" and method in _READ_METHODS:
                 # A draining router tells load balancers to send new clients elsewhere.
                 status, state = (503, "draining") if self.draining else (200, "ok")
@@ -179,6 +187,8 @@ class RouterApp:
                 elapsed * 1000,
                 f" trace_id={trace_id}" if trace_id else "",
             )
+        if kept is not None and console is not None:
+            console.end(kept, scope, status, tenant, elapsed)
 
     async def _client(
         self, scope: Scope, receive: Receive, send: Send, rid: str
@@ -329,6 +339,8 @@ class RouterApp:
         elif path == KEYS_PREFIX or path.startswith(KEYS_PREFIX + "/"):
             registry = self.tenants.registry if self.tenants else None
             return await admin_api_keys(registry, scope, receive, send, extra)
+        elif self.console is not None and self.console.handles(path):
+            return await self.console.admin(scope, receive, send, extra)
         elif path in _ADMIN_METHODS:
             return await _not_allowed(send, rid, "openai", _ADMIN_METHODS[path])
         else:

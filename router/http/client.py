@@ -55,6 +55,8 @@ log = logging.getLogger("http")
 TICKET = "hivenet.ticket"
 # ... and the record of the client key that matched (router.tenants.config.ApiKey).
 API_KEY = "hivenet.api_key"
+# ... and the request as routed (router.session.RouteRequest), once it is parsed.
+ROUTE = "hivenet.route"
 # endpoint -> (capability, error protocol)
 ENDPOINTS: dict[str, tuple[str, str]] = {
     "/v1/chat/completions": ("llm", "openai"),
@@ -330,6 +332,7 @@ class ClientApi:
             policy=policy,
         )
         req.report_usage = ticket is not None and ticket.wants_usage
+        scope[ROUTE] = req  # what the console's recent requests read when it ends
         if path == count_tokens.COUNT_TOKENS_PATH:
             try:
                 count_tokens.to_tokenize(req, payload, self.table.for_model(model))
