@@ -72,7 +72,8 @@ ENGINE = {
         "prompt_tps": 900.0,
     },
 }
-LLAMA = {"model": "m1", "capability": "llm", "engine": "llamacpp", "capacity": 4}
+# Another model than the sim agent's: this scripted agent never answers a request.
+LLAMA = {"model": "m-gpu", "capability": "llm", "engine": "llamacpp", "capacity": 4}
 
 
 def dashboard_metrics() -> set[str]:
@@ -138,7 +139,6 @@ async def test_every_dashboard_series_exists_with_the_flag(fleet: Fleet, tmp_pat
         def traffic() -> None:
             headers = {"Authorization": f"Bearer {KEY}"}
             body = {"model": "m1", "messages": [{"role": "user", "content": "hi"}]}
-            # The sim agent answers (its peer ID sorts either way: retry until it did).
             wait_until(
                 lambda: (
                     httpx.post(
@@ -152,6 +152,15 @@ async def test_every_dashboard_series_exists_with_the_flag(fleet: Fleet, tmp_pat
             httpx.post(router.url + "/v1/chat/completions", json=body, headers=bad, timeout=10)
 
         await trio.to_thread.run_sync(traffic)
+
+        def sim_ttft_sent() -> bool:
+            # The sim agent's histogram arrives with its next heartbeat after the answer.
+            lines = scraped(router).get("hivenet_agent_engine_ttft_seconds_count", [])
+            return any(sim.peer_id in line and not line.endswith(" 0.0") for line in lines)
+
+        await trio.to_thread.run_sync(
+            lambda: wait_until(sim_ttft_sent, what="the sim engine's TTFT in a heartbeat")
+        )
         page = await trio.to_thread.run_sync(scraped, router)
         missing = sorted(n for n in dashboard_metrics() if n not in page)
         assert not missing, missing
