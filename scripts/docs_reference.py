@@ -857,6 +857,57 @@ def auth_page() -> str:
     )
 
 
+# --- engines ------------------------------------------------------------------------
+
+
+def engines_page() -> str:
+    import dataclasses as dc
+
+    from agent.engines import ENGINES, get_adapter
+    from protocol.paths import API_PATHS
+
+    adapters = [get_adapter(name) for name in ENGINES]
+    rows = [
+        [
+            code(a.name),
+            code(a.default_backend_url)
+            if a.default_backend_url
+            else "built in (`--sim-port`)"
+            if a.name == "sim"
+            else "none: `--backend-url` required",
+            code(a.health_path) if a.health_path else "none",
+            code(a.metrics_path) if a.metrics_path else "none",
+        ]
+        for a in adapters
+    ]
+    paths = sorted(API_PATHS)
+    served = [
+        [code(a.name), *["yes" if p in a.api_paths else "no" for p in paths]] for a in adapters
+    ]
+    fields = [f.name for f in dc.fields(adapters[0].metric_names)]
+    read = []
+    for field in fields:
+        row = [code(field)]
+        for a in adapters:
+            names = getattr(a.metric_names, field)
+            row.append(" ".join(code(n) for n in names))
+        read.append(row)
+    return (
+        "# Engines\n\n"
+        "What the agent does with each `--engine` (`agent/engines/`): where it finds the "
+        "engine by default (`--backend-url`; health and metrics are paths under it unless "
+        "`--health-url` or `--metrics-url` says otherwise), which client endpoints it "
+        "forwards (any other is answered `endpoint_not_supported` by the agent itself), "
+        "and which of the engine's Prometheus series feed each routing signal. How to run "
+        "each: [Agents per engine](../engines/index.md).\n\n"
+        + table(["engine", "default backend", "health", "metrics"], rows)
+        + "\n## Endpoints\n\n"
+        + table(["engine", *[code(p) for p in paths]], served)
+        + "\n## Metrics read\n\n"
+        + table(["signal", *[code(a.name) for a in adapters]], read)
+    )
+
+
 PAGES = {
     "cli.md": cli_page,
     "metrics.md": metrics_page,
@@ -864,6 +915,7 @@ PAGES = {
     "logs.md": logs_page,
     "policy.md": policy_page,
     "auth.md": auth_page,
+    "engines.md": engines_page,
 }
 
 
