@@ -62,6 +62,7 @@ OTHER_TOOLS = {
     "--max-time": "curl",
     "--tool": "valgrind",
     "--reranking": "llama.cpp server",
+    "--strict": "mkdocs build",
 }
 
 
