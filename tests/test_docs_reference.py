@@ -164,3 +164,22 @@ def test_the_check_would_catch_an_unknown_flag_and_series() -> None:
     families = {name for name, *_ in GEN.metric_families()}
     assert "hivenet_router_policy_shed_total" in families
     assert "hivenet_router_no_such_total" not in families
+
+
+def test_the_pages_policy_and_auth_examples_load() -> None:
+    """Every whole policy (`routing_policy:` or `models:` at the top) and auth file
+    (`tenants:` or `api:`) a page shows loads as the router would load it; `sha256:…`
+    stands for a key's hash."""
+    from router.policy.schema import load_policy
+    from router.tenants.config import load_auth
+
+    loaded = 0
+    for page in hand_written():
+        for block in re.findall(r"```yaml\n(.*?)```", page.read_text(), flags=re.S):
+            if re.search(r"^(routing_policy|models):", block, flags=re.M):
+                load_policy(block)
+                loaded += 1
+            elif re.match(r"(tenants|api):", block):
+                load_auth(block.replace("sha256:…", "sha256:" + "0" * 64))
+                loaded += 1
+    assert loaded >= 4
