@@ -10,8 +10,8 @@ Every page is made from what the daemons themselves use:
   code's; each flag's variable from the parser's own source (a name read in its
   `add_argument` call, `pick(args.x, "NAME")` in settings_from, the agent's ENV_FLAGS)
   and from the systemd units' ExecStart lines; then every variable read anywhere else.
-- metrics.md: the router's registry as `router/app.py` builds it (RouterMetrics and the
-  per-agent collector), each family with its type, labels and help.
+- metrics.md: the registry of a router daemon (`router.app.RouterDaemon`, built in a
+  temporary folder, nothing started), each family with its type, labels and help.
 - errors.md: `protocol/errors.py`: each code's HTTP status, its OpenAI and Anthropic
   error types, whether routing retries it, and both bodies.
 - logs.md: every logging call of router/, agent/ and protocol/ (found in the syntax
@@ -28,6 +28,7 @@ import argparse
 import ast
 import contextlib
 import dataclasses
+import functools
 import os
 import re
 import sys
@@ -418,15 +419,29 @@ def cli_page() -> str:
 
 
 def router_registry() -> Any:
-    from router.agent_metrics import AgentCollector
-    from router.metrics import RouterMetrics
-    from router.peers import PeerTable
+    """The registry of a router daemon built as `hivenet-router serve` builds it (its
+    state in a temporary folder, nothing started), so a collector any part of the
+    daemon registers is listed."""
+    import tempfile
 
-    metrics = RouterMetrics()
-    AgentCollector(PeerTable(), metrics.registry)
-    return metrics.registry
+    import router.cli
+    from router.app import RouterDaemon
+
+    with clean_environment(), tempfile.TemporaryDirectory() as state:
+        os.environ["HIVENET_ROUTER_JWT_SECRET"] = "docs-reference-" + "x" * 32
+        os.environ["HIVENET_ROUTER_ADMIN_API_KEYS"] = "docs-reference"
+        try:
+            args = router.cli.build_parser().parse_args(
+                ["serve", "--identity-path", f"{state}/router_identity.key"]
+            )
+            daemon = RouterDaemon(router.cli.settings_from(args))
+        finally:
+            del os.environ["HIVENET_ROUTER_JWT_SECRET"]
+            del os.environ["HIVENET_ROUTER_ADMIN_API_KEYS"]
+        return daemon.metrics.registry
 
 
+@functools.cache
 def metric_families() -> list[tuple[str, str, tuple[str, ...], str]]:
     """(name, type, labels, help) of every family the router's registry exports."""
     registry = router_registry()
