@@ -208,8 +208,8 @@ def test_dashboard_panels_tile_a_24_column_grid_with_unique_ids() -> None:
             assert len(refs) == len(set(refs)), (path.name, panel["title"])
 
 
-def test_the_readme_lists_the_panels_the_builder_renders() -> None:
-    readme = (DEPLOY.parent / "README.md").read_text()
-    assert load_builder().markdown() in readme, (
+def test_the_docs_list_the_panels_the_builder_renders() -> None:
+    page = (DEPLOY.parent / "docs" / "observability.md").read_text()
+    assert load_builder().markdown() in page, (
         "paste: python deploy/grafana/dashboards.py --markdown"
     )

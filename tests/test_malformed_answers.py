@@ -191,7 +191,8 @@ def test_a_stream_that_breaks_after_its_first_event_goes_on_from_the_good_agent(
     mf: MalformedFleet, path: str, protocol: str
 ) -> None:
     """Bytes went to the client: no retry, the stream is continued on the good agent
-    (README "Stream continuation"); the client sees one whole stream in its protocol."""
+    (docs/api/client.md, "Stream continuation"); the client sees one whole stream in its
+    protocol."""
     pair = mf.chat
     failures = mf.router.metric(FAILURES, model="m1", code="backend_error")
     # The broken event comes a while after the good one, so the good one is relayed first.

@@ -1,5 +1,5 @@
-"""The README's list of ports to open on the router host, checked: a router whose
-namespace drops every inbound packet but those to the listed ports runs a whole fleet
+"""The list of ports to open on the router host (docs/deploy/bare-metal.md), checked: a
+router whose namespace drops every inbound packet but those to the listed ports runs a whole fleet
 check, and what is not listed (the metrics port) is unreachable from outside."""
 
 from __future__ import annotations
@@ -17,20 +17,20 @@ from tests.netns import HTTP_PORT, METRICS_PORT, P2P_PORT, AgentIn, RouterIn, la
 
 pytestmark = pytest.mark.netpaths
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "deploy" / "bare-metal.md"
 CLIENT_SIDE_IP, ROUTER_CLIENT_IP = "10.77.1.9", "10.77.1.1"
 ROUTER_AGENT_IP, AGENT_IP = "10.77.4.1", "10.77.4.2"
 WS_PORT = 9001
 
 
 def ports_to_open(ports: dict[str, int]) -> list[int]:
-    """The ports the README's "Inbound on the router host, open only:" sentence names,
+    """The ports the page's "Inbound on the router host, open only:" sentence names,
     as this router runs them (`ports`: each name the sentence may use, to its port)."""
-    section = README.read_text().split("### What runs where, and which ports are open")[1]
+    section = PAGE.read_text().split("## What runs where, and which ports are open")[1]
     sentence = section.split("Inbound on the router host, open only:")[1].split("\n")[0]
     names = re.findall(r"`([^`]+)`", sentence)
     unknown = [n for n in names if n not in ports]
-    assert not unknown, f"README names ports this test does not know: {unknown}"
+    assert not unknown, f"the page names ports this test does not know: {unknown}"
     return [ports[n] for n in names if ports[n]]
 
 

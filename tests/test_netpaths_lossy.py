@@ -1,7 +1,8 @@
 """A slow, lossy agent link (100 ms ± 20 ms, 1% loss), then a 30 s black hole: the
 agent stays joined through the loss, streams arrive whole and in order, a request
 pays the path's round trip once, and the black hole is noticed, then healed, as the
-README's *Liveness* decision says (TCP_USER_TIMEOUT 15 s, --unhealthy-after 15 s)."""
+*Liveness* decision of docs/decisions.md says (TCP_USER_TIMEOUT 15 s,
+--unhealthy-after 15 s)."""
 
 from __future__ import annotations
 

@@ -4,6 +4,7 @@ requests; the bare-metal deployment's router and agent route a request."""
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 import signal
@@ -45,9 +46,17 @@ ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
 
 
 def upstream(*parts: str) -> Path:
+    """A file of the Go router's checkout. A clone outside this workspace has none: the
+    test skips, naming the folder; CI (CI=1), which has it, fails instead."""
     path = UPSTREAM.joinpath(*parts)
     if not path.exists():
-        pytest.fail(f"{path} is missing: these tests read the Go router's files from ../shared")
+        why = (
+            f"{path} is missing: these tests read the Go router's own files from"
+            " ../shared/upstream/ beside the clone (its policies, auth files and deploy docs)"
+        )
+        if os.environ.get("CI"):
+            pytest.fail(why)
+        pytest.skip(why)
     return path
 
 

@@ -1,7 +1,7 @@
 """The three Grafana dashboards, written as data and rendered to deploy/grafana/dashboards/.
 
 `python deploy/grafana/dashboards.py` rewrites the JSON files; `--markdown` prints the
-panel list that README "8. Monitoring" shows. tests/test_deploy.py checks that the JSON
+panel list that docs/observability.md shows. tests/test_deploy.py checks that the JSON
 is what this file renders, that promtool parses every expression, and that each metric
 an expression names is one a running router exports. Panels hold PromQL only: Grafana
 variables (`$model`, `$tenant`, …) filter by the router's own labels.
@@ -689,7 +689,7 @@ AUDIT = Dashboard(
                     "agent, status, refusal code, tokens, duration) is written by "
                     "`--audit-log PATH`; these panels are the same traffic counted by "
                     "Prometheus. `jq 'select(.status >= 400)' audit.jsonl` lists the "
-                    "refused requests (README 11).",
+                    "refused requests (docs: Admission and tenants).",
                 ),
                 series(
                     "Answers by status",
