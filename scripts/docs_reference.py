@@ -273,7 +273,7 @@ def parser_rows(
     return rows
 
 
-def refused_rows(table: tuple[Any, ...]) -> list[list[str]]:
+def ignored_rows(table: tuple[Any, ...]) -> list[list[str]]:
     return [[code(r.flag), code(r.env) if r.env else "", cell(r.instead)] for r in table]
 
 
@@ -384,10 +384,12 @@ def cli_page() -> str:
     if unknown:
         raise SystemExit(f"MEANINGS names flags the parsers lack: {sorted(unknown)}")
     out.append(
-        "## Flags of the Go router that stop the daemon\n\nThese exit with status 2 and"
-        " say what to use instead ([Coming from the Go router](../from-go-router.md)).\n\n"
+        "## Flags of the Go router that mean nothing here\n\nAccepted, so that upstream's"
+        " unit files start as written; each is named in one `upstream_flag_ignored` warning"
+        " line at start that says what happens instead"
+        " ([Coming from the Go router](../from-go-router.md)).\n\n"
     )
-    rows = refused_rows(router.cli.REFUSED) + refused_rows(agent.cli.REFUSED)
+    rows = ignored_rows(router.cli.IGNORED) + ignored_rows(agent.cli.IGNORED)
     out.append(table(["flag", "variable", "instead"], rows) + "\n")
     shown = {
         v.removesuffix(" (unit)")
