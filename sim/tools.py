@@ -75,9 +75,12 @@ def scripted_call(payload: dict[str, Any]) -> ToolCall | None:
     not call the tool again, so a tool loop ends after one round.
     """
     messages = payload.get("messages")
-    if not isinstance(messages, list) or not messages or _tools_off(payload.get("tool_choice")):
+    if not isinstance(messages, list) or _tools_off(payload.get("tool_choice")):
         return None
-    last = messages[-1]
+    # Claude Code puts `system` messages after the user's turn (its environment): the
+    # turn that is answered is the last one of another role.
+    turns = [m for m in messages if not (isinstance(m, dict) and m.get("role") == "system")]
+    last = turns[-1] if turns else None
     if not isinstance(last, dict) or last.get("role") != "user" or _has_tool_result(last):
         return None
     text = content_text(last.get("content"))

@@ -46,6 +46,9 @@ def test_the_directive_needs_an_offered_tool_and_a_user_turn() -> None:
     assert scripted_call({"messages": [user]}) is None
     assert scripted_call({"messages": [user], "tools": [{"name": "other"}]}) is None
     assert scripted_call({"messages": [user], "tools": OPENAI_TOOLS, "tool_choice": "none"}) is None
+    # System messages after the user's turn (Claude Code's environment) are passed over.
+    system = {"role": "system", "content": "env"}
+    assert scripted_call({"messages": [user, system], "tools": OPENAI_TOOLS}) is not None
     result = {"role": "tool", "tool_call_id": "c1", "content": "done"}
     assert scripted_call({"messages": [user, result], "tools": OPENAI_TOOLS}) is None
     # Hostile or broken arguments script nothing, and never raise.
