@@ -12,6 +12,7 @@ sim (4,096) would refuse as a real 4k model would. The simulated engine answers
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -34,7 +35,7 @@ CONTEXT = 131_072
 
 
 def installed_stamp() -> Path:
-    """The file `scripts/setup` writes once `npm ci` installed this package-lock."""
+    """The file `scripts/setup` writes once npm installed this package-lock."""
     import hashlib
 
     digest = hashlib.sha1((CLIENTS / "package-lock.json").read_bytes()).hexdigest()[:12]
@@ -45,11 +46,11 @@ def require_node_clients(*programs: str) -> None:
     """Skip (fail under CI) when the npm clients are not installed as the lock says."""
     missing = []
     if not installed_stamp().exists():
-        missing.append("tests/clients/node_modules (npm ci of tests/clients/package-lock.json)")
+        missing.append("tests/clients/node_modules (as tests/clients/package-lock.json pins)")
     for program in programs:
         if not (NODE_MODULES / ".bin" / program).exists():
             missing.append(f"tests/clients/node_modules/.bin/{program}")
-    if subprocess.run(["node", "--version"], capture_output=True).returncode != 0:
+    if shutil.which("node") is None:
         missing.append("node")
     if missing:
         why = f"{', '.join(missing)} missing: run scripts/setup"
