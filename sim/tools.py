@@ -89,7 +89,7 @@ def scripted_call(payload: dict[str, Any]) -> ToolCall | None:
         return None
     try:
         arguments, _ = json.JSONDecoder().raw_decode(text, match.end())
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: arguments nested thousands deep
         return None
     if not isinstance(arguments, dict):
         return None

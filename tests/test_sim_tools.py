@@ -52,7 +52,8 @@ def test_the_directive_needs_an_offered_tool_and_a_user_turn() -> None:
     result = {"role": "tool", "tool_call_id": "c1", "content": "done"}
     assert scripted_call({"messages": [user, result], "tools": OPENAI_TOOLS}) is None
     # Hostile or broken arguments script nothing, and never raise.
-    for text in ("sim:call read_file [1]", "sim:call read_file {bad", "sim:call read_file"):
+    deep = "sim:call read_file " + '{"a":' * 100_000
+    for text in ("sim:call read_file [1]", "sim:call read_file {bad", "sim:call read_file", deep):
         message = {"role": "user", "content": text}
         assert scripted_call({"messages": [message], "tools": OPENAI_TOOLS}) is None
     for payload in ({}, {"messages": "x"}, {"messages": [1]}, {"messages": [], "tools": 3}):
