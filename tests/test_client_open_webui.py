@@ -70,7 +70,9 @@ class OpenWebui:
 
 @pytest.fixture(scope="module")
 def webui(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpenWebui]:
-    command = os.environ["HIVENET_OPEN_WEBUI"]
+    command = os.environ.get("HIVENET_OPEN_WEBUI")
+    if not command:
+        pytest.fail("HIVENET_OPEN_WEBUI is not set: run this file through scripts/open-webui")
     directory = Path(tmp_path_factory.mktemp("open-webui"))
     egress = EgressRecorder(directory)
     try:
