@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
@@ -16,6 +17,7 @@ from sim.generation import (
     prefilled,
     words,
 )
+from sim.tools import ToolCall, scripted_call
 
 if TYPE_CHECKING:
     from sim.app import SimEngine
@@ -33,6 +35,12 @@ def prepare_messages(engine: SimEngine, payload: dict[str, Any], started: float)
         raise RequestError(400, "max_tokens: Field required")
     system = words(content_text(payload.get("system")))
     prompt, last_user = conversation(payload.get("messages"), system)
+    call = scripted_call(payload)
+    if call is not None:
+        job = engine.tool_job(prompt, call, limit, started)
+        if payload.get("stream") is True:
+            return partial(_tool_use_stream, engine, job, call)
+        return partial(_tool_use_full, engine, job, call)
     # A final assistant message is a prefill: the answer goes on from it.
     job = engine.job(prompt, last_user, limit, payload, started, prefilled(payload["messages"]))
     if payload.get("stream") is True:
@@ -41,7 +49,10 @@ def prepare_messages(engine: SimEngine, payload: dict[str, Any], started: float)
 
 
 def _stop_reason(job: Job) -> str:
-    return "max_tokens" if job.finish == "length" else "end_turn"
+    return _STOP_REASONS.get(job.finish, "end_turn")
+
+
+_STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
 async def _messages_full(engine: SimEngine, job: Job, exchange: Exchange) -> None:
@@ -88,6 +99,74 @@ async def _messages_stream(engine: SimEngine, job: Job, exchange: Exchange) -> N
                 "index": 0,
                 "content_block": {"type": "text", "text": ""},
             },
+        )
+    )
+    await engine.generate(job, emit)
+    await exchange.finish(
+        sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
+        + sse_event(
+            "message_delta",
+            {
+                "type": "message_delta",
+                "delta": {"stop_reason": _stop_reason(job), "stop_sequence": None},
+                "usage": {"output_tokens": len(job.pieces)},
+            },
+        )
+        + sse_event("message_stop", {"type": "message_stop"})
+    )
+
+
+async def _tool_use_full(engine: SimEngine, job: Job, call: ToolCall, exchange: Exchange) -> None:
+    await engine.generate(job, None)
+    number = engine.next_id()
+    # Cut at max_tokens, the arguments are not JSON: the block's input is then empty,
+    # the stop reason (`max_tokens`) says why.
+    try:
+        arguments = json.loads("".join(job.pieces))
+    except ValueError:
+        arguments = {}
+    body = {
+        "id": f"msg_sim{number}",
+        "type": "message",
+        "role": "assistant",
+        "model": engine.model,
+        "content": [
+            {"type": "tool_use", "id": f"toolu_sim{number}", "name": call.name, "input": arguments}
+        ],
+        "stop_reason": _stop_reason(job),
+        "stop_sequence": None,
+        "usage": {"input_tokens": job.prompt_tokens, "output_tokens": len(job.pieces)},
+    }
+    await exchange.reply(200, dumps(body))
+
+
+async def _tool_use_stream(engine: SimEngine, job: Job, call: ToolCall, exchange: Exchange) -> None:
+    """A `tool_use` block as Anthropic streams one: the block with an empty input, then
+    the input's JSON in `input_json_delta` fragments."""
+    number = engine.next_id()
+    message = {
+        "id": f"msg_sim{number}",
+        "type": "message",
+        "role": "assistant",
+        "model": engine.model,
+        "content": [],
+        "stop_reason": None,
+        "stop_sequence": None,
+        "usage": {"input_tokens": job.prompt_tokens, "output_tokens": 0},
+    }
+    block = {"type": "tool_use", "id": f"toolu_sim{number}", "name": call.name, "input": {}}
+
+    async def emit(index: int, piece: str) -> None:
+        delta = {"type": "input_json_delta", "partial_json": piece}
+        event = {"type": "content_block_delta", "index": 0, "delta": delta}
+        await exchange.chunk(sse_event("content_block_delta", event))
+
+    await exchange.start(200, SSE_HEADERS)
+    await exchange.chunk(
+        sse_event("message_start", {"type": "message_start", "message": message})
+        + sse_event(
+            "content_block_start",
+            {"type": "content_block_start", "index": 0, "content_block": block},
         )
     )
     await engine.generate(job, emit)

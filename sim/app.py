@@ -38,6 +38,7 @@ from sim.generation import Emit, Job, RequestError, Run, answer, check_context
 from sim.metrics import KINDS, METRICS_TYPE, EngineMetrics
 from sim.prefix_cache import PrefixCache, block_hashes
 from sim.state import DEFAULT_PREFIX_BLOCK_TOKENS, DEFAULT_PREFIX_CACHE_BLOCKS, SimState
+from sim.tools import ToolCall
 
 Prepare = Callable[["SimEngine", dict[str, Any], float], Run]
 ErrorBody = Callable[[RequestError], bytes]
@@ -334,6 +335,17 @@ class SimEngine:
         limit = max_tokens if max_tokens is not None else self.max_context - prompt_tokens
         pieces, finish = answer(last_user, limit, payload.get("ignore_eos") is True, skip)
         return Job(prompt, pieces, finish, started)
+
+    def tool_job(
+        self, prompt: list[str], call: ToolCall, max_tokens: int | None, started: float
+    ) -> Job:
+        """The generation of a scripted tool call (sim/tools.py): its arguments' pieces,
+        cut at `max_tokens` as an engine cuts them (`length`), else `tool_calls`."""
+        check_context(self.max_context, len(prompt), max_tokens)
+        pieces = call.pieces()
+        if max_tokens is not None and len(pieces) > max_tokens:
+            return Job(prompt, pieces[:max_tokens], "length", started)
+        return Job(prompt, pieces, "tool_calls", started)
 
     async def prefill(self, prompt_tokens: int) -> None:
         """A pooling request (embeddings, rerank): a slot for the prefill alone."""

@@ -30,7 +30,7 @@ class Job:
 
     prompt: list[str]  # after the chat template (`template`)
     pieces: list[str]
-    finish: str  # "stop" or "length" (OpenAI's names)
+    finish: str  # "stop", "length" or "tool_calls" (OpenAI's names)
     started: float
     cached_tokens: int = 0  # found in the prefix cache at prefill
 
@@ -64,7 +64,26 @@ def words(text: str) -> list[str]:
 
 
 def content_text(content: Any) -> str:
-    """Text of an OpenAI or Anthropic message content: a string or a list of parts."""
+    """Text of an OpenAI or Anthropic message content: a string or a list of parts,
+    a `tool_result` block's content among them (what the model reads of a tool run)."""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for part in content:
+            if not isinstance(part, dict):
+                continue
+            if isinstance(part.get("text"), str):
+                texts.append(part["text"])
+            elif part.get("type") == "tool_result":
+                texts.append(_result_text(part.get("content")))
+        return " ".join(texts)
+    return ""
+
+
+def _result_text(content: Any) -> str:
+    """A `tool_result` block's content: a string or a list of text blocks (one level,
+    so a hostile nesting cannot recurse)."""
     if isinstance(content, str):
         return content
     if isinstance(content, list):
@@ -146,7 +165,8 @@ def conversation(messages: Any, system: list[str] | None = None) -> tuple[list[s
         turn = words(content_text(message.get("content")))
         role = message.get("role")
         prompt += template(str(role), turn)
-        if role == "user":
+        if role in ("user", "tool"):
+            # A tool's result (OpenAI's `tool` message) is what the next answer is about.
             last_user = turn
     return prompt, last_user
 

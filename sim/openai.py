@@ -26,6 +26,7 @@ from sim.generation import (
     template,
     words,
 )
+from sim.tools import ToolCall, scripted_call
 
 if TYPE_CHECKING:
     from sim.app import SimEngine
@@ -77,6 +78,12 @@ def continued(payload: dict[str, Any]) -> int:
 def prepare_chat(engine: SimEngine, payload: dict[str, Any], started: float) -> Run:
     prompt, last_user = conversation(payload.get("messages"))
     limit = max_tokens(payload, "max_completion_tokens", "max_tokens")
+    call = scripted_call(payload)
+    if call is not None:
+        job = engine.tool_job(prompt, call, limit, started)
+        if payload.get("stream") is True:
+            return partial(_chat_tool_stream, engine, job, call, _include_usage(payload))
+        return partial(_chat_tool_full, engine, job, call)
     job = engine.job(prompt, last_user, limit, payload, started, continued(payload))
     if payload.get("stream") is True:
         return partial(_chat_stream, engine, job, _include_usage(payload))
@@ -121,6 +128,61 @@ async def _chat_stream(
     await exchange.start(200, SSE_HEADERS)
     await engine.generate(job, emit)
     end = head + b'},"logprobs":null,"finish_reason":"%s"}]}\n\n' % job.finish.encode()
+    kind = "chat.completion.chunk"
+    await _finish_stream(engine, exchange, end, request_id, created, kind, job, include_usage)
+
+
+async def _chat_tool_full(engine: SimEngine, job: Job, call: ToolCall, exchange: Exchange) -> None:
+    await engine.generate(job, None)
+    number = engine.next_id()
+    tool_call = {
+        "id": f"call_sim{number}",
+        "type": "function",
+        "function": {"name": call.name, "arguments": "".join(job.pieces)},
+    }
+    body = {
+        "id": f"chatcmpl-sim{number}",
+        "object": "chat.completion",
+        "created": int(time.time()),
+        "model": engine.model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {"role": "assistant", "content": None, "tool_calls": [tool_call]},
+                "logprobs": None,
+                "finish_reason": job.finish,
+            }
+        ],
+        "usage": job.usage(),
+    }
+    await exchange.reply(200, dumps(body))
+
+
+async def _chat_tool_stream(
+    engine: SimEngine, job: Job, call: ToolCall, include_usage: bool, exchange: Exchange
+) -> None:
+    """A tool call as vLLM streams one: the role, then the call's id and name with empty
+    arguments, then the arguments in fragments, then `finish_reason: tool_calls`."""
+    number = engine.next_id()
+    request_id, created = f"chatcmpl-sim{number}", int(time.time())
+    base = {"id": request_id, "object": "chat.completion.chunk", "created": created}
+    base["model"] = engine.model
+
+    def chunk(delta: dict[str, Any], finish: str | None = None) -> bytes:
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+        return b"data: " + dumps({**base, "choices": [choice]}) + b"\n\n"
+
+    opened = {"index": 0, "id": f"call_sim{number}", "type": "function"}
+    opened["function"] = {"name": call.name, "arguments": ""}
+    head = chunk({"role": "assistant", "content": ""}) + chunk({"tool_calls": [opened]})
+
+    async def emit(index: int, piece: str) -> None:
+        data = chunk({"tool_calls": [{"index": 0, "function": {"arguments": piece}}]})
+        await exchange.chunk(head + data if index == 0 else data)
+
+    await exchange.start(200, SSE_HEADERS)
+    await engine.generate(job, emit)
+    end = chunk({}, job.finish)
     kind = "chat.completion.chunk"
     await _finish_stream(engine, exchange, end, request_id, created, kind, job, include_usage)
 

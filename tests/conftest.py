@@ -14,6 +14,10 @@ collect_ignore = [] if os.environ.get("HIVENET_REAL_ENGINES") else ["real_engine
 # The same for the container images, which `scripts/images` builds (`scripts/test --images`).
 if not os.environ.get("HIVENET_IMAGES"):
     collect_ignore.append("images")
+# Open WebUI (7.4 GB with its PyTorch) runs only through `scripts/open-webui`, which
+# installs it and names its command in HIVENET_OPEN_WEBUI.
+if not os.environ.get("HIVENET_OPEN_WEBUI"):
+    collect_ignore.append("test_client_open_webui.py")
 
 
 @pytest.fixture

@@ -63,6 +63,15 @@ OTHER_TOOLS = {
     "--tool": "valgrind",
     "--reranking": "llama.cpp server",
     "--strict": "mkdocs build",
+    "--allowed": "claude (--allowedTools)",
+    "--output-format": "claude -p",
+    "--verbose": "claude -p",
+    "--format": "opencode run",
+    "--ignore-scripts": "npm install",
+    "--omit": "npm install",
+    "--enable-auto-tool-choice": "vLLM",
+    "--tool-call-parser": "vLLM",
+    "--max-model-len": "vLLM",
 }
 
 
