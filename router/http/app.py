@@ -13,6 +13,7 @@ from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
 from protocol.tracing import NO_TRACER, NULL_SPAN, Span, Tracer
 from router.capacity import WaitQueue
+from router.documents import etag
 from router.fleet.view import FleetView
 from router.http import admin, cors, models
 from router.http.admin_auth import admin_auth
@@ -287,8 +288,8 @@ class RouterApp:
             await send_json(send, 200, card, extra)
         elif path == "/admin/policy" and method == "GET":
             body = self.store.current.source.encode()
-            etag = ("etag", f'"{self.store.version()}"')
-            await send_bytes(send, 200, body, "application/yaml", [*extra, etag])
+            tag = etag(self.store.version())
+            await send_bytes(send, 200, body, "application/yaml", [*extra, tag])
         elif path == "/admin/policy" and method == "PUT":
             return await admin.put_document(
                 self.store,
