@@ -50,6 +50,7 @@ import redis
 import trio
 
 from protocol.logs import quote
+from router import state_url
 from router.documents import (
     Contended,
     DocumentError,
@@ -425,7 +426,7 @@ class ConfigSync:
         except redis.RedisError as exc:
             if self.available:
                 self.available = False
-                log.warning("config_sync_unavailable error=%s", quote(str(exc)))
+                log.warning("config_sync_unavailable error=%s", quote(state_url.reason(exc)))
             return None
         if not self.available:
             self.available = True
