@@ -7,6 +7,7 @@ the fleet's copy, so a stale one is 412 on every router, at once."""
 from __future__ import annotations
 
 import hashlib
+import subprocess
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -22,6 +23,7 @@ DYNAMIC = {"HIVENET_ROUTER_AUTH_MODE": "dynamic"}
 WRITES = 100
 POLICY = "routing_policy:\n  strategy: {}\n"
 NAMED = "models: [{}]\nrouting_policy:\n  strategy: least-loaded\n"
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def entry(key: str, owner: str, **fields: object) -> dict:
@@ -206,3 +208,24 @@ def test_named_policies_and_tenant_changes_written_at_once_reach_every_router(
     assert stale.status_code == 412, stale.text
     for router in routers:
         wait_until(lambda r=router: "acme" in str(r.admin("/admin/auth")), 2, "tenant everywhere")
+
+
+def test_the_operators_if_match_script_runs_as_documented(fleet: Fleet, tmp_path: Path) -> None:
+    """docs/deploy/shared-state.md's read-change-write, run as it is printed there."""
+    server = RedisServer(tmp_path, fleet.env).start()
+    fleet.procs.append(server)
+    a, b = (fleet.router("--state-url", server.url) for _ in range(2))
+    put = httpx.put(a.url + "/admin/policy", content=POLICY.format("least-loaded"), headers=ADMIN)
+    assert put.status_code == 200, put.text
+    tag = put.headers["etag"]
+    wait_until(lambda: httpx.get(b.url + "/admin/policy", headers=ADMIN).headers["etag"] == tag)
+    page = (ROOT / "docs" / "deploy" / "shared-state.md").read_text()
+    blocks = [block.split("```")[0] for block in page.split("```sh\n")[1:]]
+    script = next(block for block in blocks if "If-Match" in block)
+    env = {**fleet.env, "ROUTER": b.url, "ADMIN_KEY": ADMIN_KEY}
+    out = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script], cwd=tmp_path, env=env,
+        capture_output=True, text=True, timeout=30,
+    )  # fmt: skip
+    assert out.returncode == 0 and out.stdout.strip() == "200", (out.stdout, out.stderr)
+    wait_until(lambda: "round-robin" in httpx.get(a.url + "/admin/policy", headers=ADMIN).text)
