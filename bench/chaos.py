@@ -89,23 +89,26 @@ class Proc:
                 self.popen.wait()
 
 
-READY_WITHIN = 30.0
-AGENTS_WITHIN = 60.0
+READY_WITHIN = 120.0
+AGENTS_WITHIN = 120.0
 
 
-async def wait_ready(proc: Proc) -> None:
+async def wait_ready(proc: Proc) -> float:
+    """Seconds until `proc` answers (a process without a URL: half a second);
+    RuntimeError past READY_WITHIN, its log kept."""
+    started = trio.current_time()
     if not proc.ready:
         await trio.sleep(0.5)
-        return
+        return 0.5
     with trio.move_on_after(READY_WITHIN):
         async with httpx.AsyncClient(timeout=2) as client:
             while True:
                 try:
                     await client.get(proc.ready)
-                    return
+                    return trio.current_time() - started
                 except httpx.HTTPError:
                     await trio.sleep(0.1)
-    raise RuntimeError(f"{proc.name} did not come up (log: {proc.log})")
+    raise RuntimeError(f"{proc.name} did not come up in {READY_WITHIN:g} s (log: {proc.log})")
 
 
 @dataclass
@@ -116,6 +119,7 @@ class Tally:
     twice: int = 0
     seen: set[str] = field(default_factory=set)
     kills: Counter[str] = field(default_factory=Counter)
+    slowest_start: float = 0.0
 
     def answer(self, nonce: str, text: str) -> None:
         if nonce not in text or nonce in self.seen:
@@ -295,7 +299,8 @@ class Soak:
             await trio.sleep(self.rng.uniform(0.5, 3))
             victim.restarts += 1
             victim.start()
-            await wait_ready(victim)
+            took = await wait_ready(victim)
+            self.tally.slowest_start = max(self.tally.slowest_start, took)
 
     async def _client(self, index: int) -> None:
         async with httpx.AsyncClient(timeout=REQUEST_TIMEOUT) as client:
@@ -366,6 +371,7 @@ class Soak:
             print(f"  {count:6d}  {cause}")
         print(f"answered twice:    {t.twice}")
         print(f"in flight at end:  {t.sent - t.answered - sum(t.failed.values())}")
+        print(f"slowest restart:   {t.slowest_start:.1f} s (until it answered HTTP)")
         print("kills:")
         for what, count in sorted(t.kills.items()):
             print(f"  {count:6d}  {what}")
@@ -377,10 +383,13 @@ class Soak:
                 f" {proc.restarts:4d}"
             )
 
-    def close(self) -> None:
+    def close(self, keep: bool = False) -> None:
         for proc in reversed(self.procs):
             proc.kill(signal.SIGTERM)
-        shutil.rmtree(self.dir, ignore_errors=True)
+        if keep:
+            print(f"logs kept in {self.dir}", file=sys.stderr)
+        else:
+            shutil.rmtree(self.dir, ignore_errors=True)
 
 
 def _cause(status: int, raw: bytes) -> str:
@@ -400,10 +409,12 @@ def main(argv: list[str] | None = None) -> None:
     args = p.parse_args(argv)
     seed = args.seed if args.seed is not None else random.randrange(2**32)
     soak = Soak(args.minutes, seed, args.clients)
+    failed = True
     try:
         trio.run(soak.run)
+        failed = False
     finally:
-        soak.close()
+        soak.close(keep=failed)
     sys.stdout.flush()
 
 
