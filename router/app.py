@@ -18,6 +18,7 @@ from protocol.p2p import load_or_create_identity, peer_id_of
 from protocol.sdnotify import sd_notify
 from protocol.secrets import load_previous_secret, load_secret
 from protocol.tracing import tracer_from_env
+from router import state_url
 from router.admission.control import Admission
 from router.admission.crosscheck import below_serverless_cap
 from router.admission.idle import sweep_idle
@@ -216,11 +217,7 @@ class RouterDaemon:
         self.config_sync: ConfigSync | None = None
         fleet_redis: redis.Redis | None = None
         if settings.state_url:
-            fleet_redis = redis.Redis.from_url(
-                settings.state_url,
-                socket_timeout=CALL_TIMEOUT,
-                socket_connect_timeout=CALL_TIMEOUT,
-            )
+            fleet_redis = state_url.connect(settings.state_url, CALL_TIMEOUT)
             self.config_sync = ConfigSync(fleet_redis, self.peer_id)
             self.config_sync.add(self.store)
             if settings.auth_file:

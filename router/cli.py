@@ -140,7 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument(
         "--state-url",
         default=os.environ.get("HIVENET_ROUTER_STATE_URL") or None,
-        help="redis://host:port/db: tenant counts shared by several routers",
+        help="redis://host:port/db, or redis+sentinel://host:port[,host:port...]/master for a"
+        " primary that Sentinel fails over: tenant counts, keys and policies shared by"
+        " several routers",
     )
     serve.add_argument(
         "--audit-log",

@@ -14,8 +14,9 @@ import logging
 import reprlib
 import sys
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Generic, TypeVar
+from typing import Any, Generic, Protocol, TypeVar
 
 import yaml
 from prometheus_client import Counter
@@ -279,6 +280,46 @@ def version_of(text: str) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
+def etag(version: str) -> tuple[str, str]:
+    """The `ETag` header of a document at `version` (a strong tag: the version quoted)."""
+    return ("etag", f'"{version}"')
+
+
+@dataclass(frozen=True)
+class PreconditionFailed(Exception):
+    """A write whose `If-Match` does not name the running document (HTTP 412);
+    `current` is the version it would have to name."""
+
+    current: str
+
+
+class Contended(Exception):
+    """A write that lost every try to other routers' writes of the same document made
+    at the same moment (HTTP 503: retry)."""
+
+
+def matches(if_match: str | None, version: str) -> bool:
+    """Whether an `If-Match` header names `version` (RFC 9110: `*`, or a list of tags
+    compared strongly, so a weak `W/"…"` tag never matches); no header matches."""
+    if if_match is None:
+        return True
+    tags = [t.strip() for t in if_match.split(",")]
+    return "*" in tags or f'"{version}"' in tags
+
+
+class FleetWriter(Protocol):
+    """What runs a store's writes against the copy several routers share
+    (router/fleet/config_sync.py): DocumentStore.change hands them over when it is set."""
+
+    async def write(
+        self,
+        store: DocumentStore[Any],
+        prepare: Callable[[], Any],
+        origin: str,
+        if_match: str | None,
+    ) -> list[str]: ...
+
+
 class DocumentStore(Generic[T]):
     """`kind` names the log events (`<kind>_reloaded`, `<kind>_reload_failed`) and the
     messages; a subclass parses (raising an error with `.errors`) and installs."""
@@ -298,6 +339,8 @@ class DocumentStore(Generic[T]):
         # router/fleet/config_sync.py publishes it to the other routers.
         self.on_replaced: list[Callable[[str], None]] = []
         self._versioned: tuple[str, str] | None = None
+        # With --state-url: writes go through the fleet's copy, so none is lost.
+        self.fleet: FleetWriter | None = None
 
     def parse(self, text: str) -> T:
         """The document in `text`, or DocumentError naming every problem."""
@@ -329,6 +372,47 @@ class DocumentStore(Generic[T]):
             self.log.exception("%s_validation_failed origin=%s", self.kind, origin)
             why = f"{self.title} could not be checked ({type(exc).__name__})"
             return self.reject([why], origin)
+        self.commit(value, origin)
+        return []
+
+    def parsed(self, text: str) -> T:
+        """`parse`, where a validator's bug is a refused document (logged), never an
+        exception that reaches the caller."""
+        try:
+            return self.parse(text)
+        except DocumentError:
+            raise
+        except Exception as exc:
+            self.log.exception("%s_validation_failed origin=admin_api", self.kind)
+            why = f"{self.title} could not be checked ({type(exc).__name__})"
+            raise DocumentError([why]) from None
+
+    def text_of(self, value: T) -> str:
+        """A parsed document's text (each document type keeps it as `source`)."""
+        return str(value.source)  # type: ignore[attr-defined]
+
+    async def before_commit(self, value: T) -> None:
+        """What must be done before `value` runs (the key registry saves it)."""
+
+    async def change(
+        self,
+        prepare: Callable[[], T],
+        origin: str,
+        if_match: str | None = None,
+    ) -> list[str]:
+        """A change through the admin API: `prepare()` builds the next document from the
+        running one (DocumentError: refused, with the reasons returned; other
+        refusals propagate). `If-Match` must name the running document, or the
+        fleet's with --state-url (PreconditionFailed)."""
+        if self.fleet is not None:
+            return await self.fleet.write(self, prepare, origin, if_match)
+        if not matches(if_match, self.version()):
+            raise PreconditionFailed(self.version())
+        try:
+            value = prepare()
+        except DocumentError as exc:
+            return self.reject(exc.errors, origin)
+        await self.before_commit(value)
         self.commit(value, origin)
         return []
 

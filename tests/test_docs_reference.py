@@ -63,6 +63,7 @@ OTHER_TOOLS = {
     "--tool": "valgrind",
     "--reranking": "llama.cpp server",
     "--strict": "mkdocs build",
+    "--replicaof": "redis-server",
     "--allowed": "claude (--allowedTools)",
     "--output-format": "claude -p",
     "--verbose": "claude -p",

@@ -16,7 +16,8 @@ import trio
 import trio.testing
 from prometheus_client import Counter
 
-from router.documents import DocumentStore, version_of
+from router.documents import Contended, DocumentStore, PreconditionFailed, matches, version_of
+from router.fleet import config_sync
 from router.fleet.config_sync import KEY, NAMED, ConfigSync
 from router.metrics import RouterMetrics
 from router.policy.store import PolicyStore
@@ -39,6 +40,9 @@ class TextStore(DocumentStore[str]):
     def source(self) -> str:
         return self.text
 
+    def text_of(self, value: str) -> str:
+        return value
+
     def install(self, value: str) -> str:
         self.text = value
         return ""
@@ -54,6 +58,8 @@ class FakeRedis:
         self.down = False
         self.on_read: Callable[[], None] | None = None
         self.on_fetch: Callable[[], None] | None = None
+        # Runs just before the next compare-and-swap (another router's write landing).
+        self.on_swap: Callable[[], None] | None = None
 
     def _up(self) -> None:
         if self.down:
@@ -87,6 +93,23 @@ class FakeRedis:
 
     def pipeline(self, transaction: bool = True) -> FakePipeline:
         return FakePipeline(self)
+
+    def register_script(self, script: str) -> Callable[..., int]:
+        """The compare-and-swap of config_sync's `_SWAP`, the one script it runs."""
+
+        def swap(keys: list[str], args: list[str]) -> int:
+            self._up()
+            if self.on_swap is not None:
+                hook, self.on_swap = self.on_swap, None
+                hook()
+            base, version, text, router, kind = args
+            if self.hashes.get(keys[0], {}).get("version", b"").decode() != base:
+                return 0
+            self.hset(keys[0], {"version": version, "text": text, "router": router})
+            self.sadd(keys[1], kind)
+            return 1
+
+        return swap
 
 
 class FakePipeline:
@@ -224,3 +247,95 @@ def test_a_model_policy_changed_while_a_poll_fetches_the_fleets_is_not_undone() 
     assert client.on_fetch is None
     assert store.models.named["one"].policy.source == named_policy("lowest-srtt")
     assert client.hashes[key]["text"].decode() == named_policy("lowest-srtt")
+
+
+def test_a_write_that_another_routers_write_overtakes_is_built_again_on_it() -> None:
+    client = FakeRedis()
+    sync_a, a = router(client, "A", "one")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sync_a.run)
+            await trio.sleep(1)
+
+            # Router B's write lands after A read the fleet's version, before A's swap.
+            def other() -> None:
+                client.hset(KEY + "policy", {"version": version_of("one+B"), "text": "one+B"})
+
+            client.on_swap = other
+            assert await a.change(lambda: a.text + "+A", "admin") == []
+            nursery.cancel_scope.cancel()
+
+    run(main)
+    # Neither write lost: A's was made again from B's document.
+    assert (a.text, fleet_text(client)) == ("one+B+A", "one+B+A")
+
+
+def test_if_match_is_checked_against_the_fleets_version() -> None:
+    client = FakeRedis()
+    sync_a, a = router(client, "A", "one")
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sync_a.run)
+            await trio.sleep(1)
+            seen = a.version()
+            client.hset(KEY + "policy", {"version": version_of("two"), "text": "two"})
+            # Before any poll: the tag this router showed is stale in the fleet.
+            with pytest.raises(PreconditionFailed) as stale:
+                await a.change(lambda: "three", "admin", f'"{seen}"')
+            assert stale.value.current == version_of("two") == a.version()
+            assert await a.change(lambda: "three", "admin", f'"{a.version()}"') == []
+            nursery.cancel_scope.cancel()
+
+    run(main)
+    assert fleet_text(client) == "three"
+
+
+def test_if_match_headers_are_read_as_rfc_9110_says() -> None:
+    version = version_of("one")
+    assert matches(None, version)
+    assert matches("*", version)
+    assert matches(f'"{version}"', version)
+    assert matches(f'"other", "{version}"', version)
+    for stale in (version, f'W/"{version}"', '"other"', "", ",,,", '"' * 10_000):
+        assert not matches(stale, version)
+
+
+def test_without_redis_if_match_is_checked_against_the_routers_own_document() -> None:
+    store = TextStore("one")
+
+    async def main() -> None:
+        with pytest.raises(PreconditionFailed):
+            await store.change(lambda: "two", "admin", '"stale"')
+        assert await store.change(lambda: "two", "admin", f'"{version_of("one")}"') == []
+
+    trio.run(main)
+    assert store.text == "two"
+
+
+def test_a_write_that_loses_every_try_is_contended_not_forced(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    client = FakeRedis()
+    sync_a, a = router(client, "A", "one")
+    monkeypatch.setattr(config_sync, "MAX_TRIES", 3)
+    others = iter(range(1_000))
+
+    def busy_fleet() -> None:
+        text = f"other-{next(others)}"
+        client.hset(KEY + "policy", {"version": version_of(text), "text": text})
+        client.on_swap = busy_fleet  # and again at the next try
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(sync_a.run)
+            await trio.sleep(1)
+            client.on_swap = busy_fleet
+            with pytest.raises(Contended):
+                await a.change(lambda: a.text + "+A", "admin")
+            client.on_swap = None
+            nursery.cancel_scope.cancel()
+
+    run(main)
+    assert "+A" not in fleet_text(client)

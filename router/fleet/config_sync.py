@@ -26,20 +26,39 @@ Per-model policies come and go, so their kinds are listed in the set
 deletes it on the routers that have it. A router finds its own changes to them (PUT,
 DELETE, a SIGHUP of --policy-model-dir) by comparing each poll what it runs with what
 it last had in step with the fleet (`NamedPolicies`), so no write path needs a hook.
-When two routers write the registry at once, the one whose registry version sorts
-higher wins everywhere (`DocumentStore.supersedes`).
+
+A write through the admin API (`DocumentStore.change`: `PUT /admin/policy`, `PUT
+/admin/auth`, each `/admin/api-keys` write) is a compare-and-swap on the fleet's copy,
+so no write is lost when several routers take writes at once: the router first adopts
+the fleet's version (one HGET; the text only when it differs), checks `If-Match`
+against it, builds and validates the next document from it, then one Lua script
+writes it only if the fleet's version is still the one it was built from. When
+another router wrote in between, the write starts again from that router's document
+(up to MAX_TRIES; each try lets at least one router's write land). Writes of one kind
+on one router go one at a time, so three routers taking 100 key writes at once
+contend three at a time. The registry's own version then only decides when a change
+made while Redis was away meets the fleet's (`DocumentStore.supersedes`).
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import Any
 
 import redis
 import trio
 
 from protocol.logs import quote
-from router.documents import DocumentStore, version_of
+from router import state_url
+from router.documents import (
+    Contended,
+    DocumentError,
+    DocumentStore,
+    PreconditionFailed,
+    matches,
+    version_of,
+)
 from router.policy.models import ModelConflict
 from router.policy.store import PolicyStore
 
@@ -54,6 +73,21 @@ NAMED = "policy/model/"
 FLEET_ORIGIN = "fleet"
 # A deleted per-model policy: no text.
 TOMBSTONE = version_of("")
+# Tries of one write against writes landing on other routers; each try lets at least
+# one of the contending routers' writes land, so this is met only by a fleet of more
+# routers than this writing the same document without pause.
+MAX_TRIES = 50
+
+# KEYS: the document's hash, the set of kinds. ARGV: the version the write was built
+# from ('' for none), the new version, its text, this router, the kind. 1 when written,
+# 0 when the fleet's version is another one by now.
+_SWAP = """
+local current = redis.call('HGET', KEYS[1], 'version') or ''
+if current ~= ARGV[1] then return 0 end
+redis.call('HSET', KEYS[1], 'version', ARGV[2], 'text', ARGV[3], 'router', ARGV[4])
+redis.call('SADD', KEYS[2], ARGV[5])
+return 1
+"""
 
 
 class NamedPolicies:
@@ -102,6 +136,10 @@ class ConfigSync:
         # Per-model policy versions refused for a model another document claims: said
         # once, tried again each poll (the other document may be deleted next).
         self.conflicts: dict[str, str] = {}
+        # Kinds with an admin write under way here: the polls leave them to it.
+        self.writing: set[str] = set()
+        self._locks: dict[str, trio.Lock] = {}
+        self._swap: Any = None
 
     def __repr__(self) -> str:
         versions = ", ".join(f"{k}={s.version()}" for k, s in self.stores.items())
@@ -110,6 +148,7 @@ class ConfigSync:
     def add(self, store: DocumentStore[Any]) -> None:
         """Keep `store`'s document the same on every router."""
         self.stores[store.kind] = store
+        store.fleet = self
 
         def replaced(origin: str) -> None:
             if origin != FLEET_ORIGIN:
@@ -171,6 +210,103 @@ class ConfigSync:
             log.info("config_published kind=%s version=%s", quote(kind), version)
         return done
 
+    async def write(
+        self,
+        store: DocumentStore[Any],
+        prepare: Callable[[], Any],
+        origin: str,
+        if_match: str | None,
+    ) -> list[str]:
+        """`store.change` with --state-url: a compare-and-swap on the fleet's copy."""
+        kind = store.kind
+        lock = self._locks.setdefault(kind, trio.Lock())
+        async with lock:
+            self.writing.add(kind)
+            try:
+                for _ in range(MAX_TRIES):
+                    base = await self._adopt(store)
+                    if not matches(if_match, store.version()):
+                        raise PreconditionFailed(store.version())
+                    try:
+                        value = prepare()
+                    except DocumentError as exc:
+                        return store.reject(exc.errors, origin)
+                    text = store.text_of(value)
+                    landed = None if base is None else await self._cas(kind, base, text)
+                    if landed is False:
+                        continue  # another router's write landed first: build on it
+                    await store.before_commit(value)
+                    store.commit(value, origin)
+                    if landed:
+                        log.info(
+                            "config_published kind=%s version=%s", quote(kind), version_of(text)
+                        )
+                        self.unpublished.discard(kind)
+                    # else Redis is away: this router runs it alone; published when back.
+                    return []
+                raise Contended(kind)
+            finally:
+                self.writing.discard(kind)
+
+    async def _adopt(self, store: DocumentStore[Any]) -> str | None:
+        """Make the fleet's copy of `store`'s document the running one, when they
+        differ; the fleet's version ('' when it has none, None when Redis is away)."""
+        kind = store.kind
+        if kind in self.unpublished:
+            # A change made here while Redis was away goes first, as the polls do.
+            await self._publish(kind)
+            if kind in self.unpublished:
+                return None
+        # In a list: a missing field is None as a failed call is.
+        got = await self._call(lambda: [self.client.hget(KEY + kind, "version")])
+        if got is None:
+            return None
+        if got[0] is None:
+            return ""
+        version = got[0].decode()
+        if version == store.version():
+            return version
+        fetched = await self._call(
+            lambda: self.client.hmget(KEY + kind, "version", "text", "router")
+        )
+        if fetched is None:
+            return None
+        if fetched[0] is None or fetched[1] is None:
+            return ""
+        version = fetched[0].decode()
+        if version != store.version() and self.rejected.get(kind) != version:
+            self._install(store, version, fetched[1], fetched[2])
+        return version
+
+    async def _cas(self, kind: str, base: str, text: str) -> bool | None:
+        """Write `text` if the fleet's version is still `base`; None when Redis is away."""
+        if self._swap is None:
+            self._swap = self.client.register_script(_SWAP)
+        args = [base, version_of(text), text, self.router_id, kind]
+        done = await self._call(lambda: self._swap(keys=[KEY + kind, KINDS], args=args))
+        return None if done is None else bool(done)
+
+    def _install(self, store: DocumentStore[Any], version: str, raw: bytes, by: Any) -> None:
+        """Run the fleet's text `raw` at `version` (validated here; a refusal logged)."""
+        kind = store.kind
+        source = (by or b"?").decode("utf-8", "replace")
+        if len(raw) > store.max_bytes:
+            errors = store.reject(
+                [f"{kind} text in Redis is {len(raw)} bytes, over {store.max_bytes}"],
+                FLEET_ORIGIN,
+            )
+        else:
+            errors = store.replace(raw.decode("utf-8", "replace"), FLEET_ORIGIN)
+        if errors:
+            self.rejected[kind] = version
+            log.warning(
+                "config_rejected kind=%s version=%s from_router=%s errors=%d",
+                kind,
+                version,
+                quote(source),
+                len(errors),
+            )
+
     async def _poll(self) -> None:
         await self._publish_unpublished()
         published = await self._call(self._versions)
@@ -178,38 +314,37 @@ class ConfigSync:
             return
         for kind, version in published.items():
             store = self.stores[kind]
-            if kind in self.unpublished:
+            if kind in self.unpublished or kind in self.writing:
                 continue
             if version is None:
-                # The fleet has no copy (first router, or Redis lost its data): ours.
-                await self._publish(kind)
+                # The fleet has no copy (first router, or Redis lost its data): ours,
+                # unless another router's lands first.
+                await self._cas(kind, "", store.source())
                 continue
-            if version == store.version() or self.rejected.get(kind) == version:
+            running = store.version()
+            if version == running or self.rejected.get(kind) == version:
                 continue
-            fetched = await self._call(lambda k=kind: self.client.hmget(KEY + k, "text", "router"))
-            if fetched is None or fetched[0] is None or kind in self.unpublished:
+            fetched = await self._call(
+                lambda k=kind: self.client.hmget(KEY + k, "version", "text", "router")
+            )
+            if (
+                fetched is None
+                or fetched[1] is None
+                or kind in self.unpublished
+                or kind in self.writing
+                or store.version() != running
+            ):
                 # Changed here while Redis was read: the fleet's text is the older one.
                 continue
-            raw, source = fetched[0], (fetched[1] or b"?").decode("utf-8", "replace")
-            if len(raw) > store.max_bytes:
-                errors = store.reject(
-                    [f"{kind} text in Redis is {len(raw)} bytes, over {store.max_bytes}"],
-                    FLEET_ORIGIN,
-                )
-            elif store.supersedes(text := raw.decode("utf-8", "replace")):
-                await self._publish(kind)
+            fleet = fetched[0].decode()
+            if fleet == running:
                 continue
-            else:
-                errors = store.replace(text, FLEET_ORIGIN)
-            if errors:
-                self.rejected[kind] = version
-                log.warning(
-                    "config_rejected kind=%s version=%s from_router=%s errors=%d",
-                    kind,
-                    version,
-                    quote(source),
-                    len(errors),
-                )
+            if store.supersedes(fetched[1].decode("utf-8", "replace")):
+                # Newer here (a change made while Redis was away): the fleet takes it,
+                # unless another router's write lands first.
+                await self._cas(kind, fleet, store.source())
+                continue
+            self._install(store, fleet, fetched[1], fetched[2])
 
     async def _poll_named(self) -> None:
         named = self.named
@@ -291,7 +426,7 @@ class ConfigSync:
         except redis.RedisError as exc:
             if self.available:
                 self.available = False
-                log.warning("config_sync_unavailable error=%s", quote(str(exc)))
+                log.warning("config_sync_unavailable error=%s", quote(state_url.reason(exc)))
             return None
         if not self.available:
             self.available = True

@@ -13,8 +13,9 @@ from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
 from router.agent_detail import gpu_total
 from router.capacity import WaitQueue
-from router.documents import DocumentStore
+from router.documents import Contended, DocumentStore, PreconditionFailed, etag
 from router.http.asgi import BodyTooLarge, ClientGone, Receive, Scope, Send, read_body, send_json
+from router.http.preconditions import if_match, send_contended, send_precondition_failed
 from router.peers import Peer, PeerTable
 from router.policy.gates import metric_value
 from router.policy.models import as_json
@@ -171,7 +172,8 @@ async def put_document(
     flat: bool = False,
 ) -> int:
     """Validate the body and make it `store`'s running document: 200 with `accepted()`,
-    or 400 with every reason (the running document stays); `flat` as `send_rejected`."""
+    or 400 with every reason (the running document stays; `flat` as `send_rejected`); 412
+    for a stale `If-Match` (router/http/preconditions.py)."""
     try:
         text = (await read_body(scope, receive, MAX_DOCUMENT_BYTES)).decode("utf-8")
     except (BodyTooLarge, UnicodeDecodeError):
@@ -179,10 +181,15 @@ async def put_document(
     except ClientGone:
         return 499
     else:
-        errors = store.replace(text, "admin_api")
+        try:
+            errors = await store.change(lambda: store.parsed(text), "admin_api", if_match(scope))
+        except PreconditionFailed as exc:
+            return await send_precondition_failed(send, extra, exc.current)
+        except Contended:
+            return await send_contended(send, extra)
     if errors:
         return await send_rejected(send, extra, store.noun, errors, flat)
-    await send_json(send, 200, {"status": "ok", **accepted()}, extra)
+    await send_json(send, 200, {"status": "ok", **accepted()}, [*extra, etag(store.version())])
     return 200
 
 

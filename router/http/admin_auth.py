@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from protocol.errors import ErrorCode, RouterError, error_payload
+from router.documents import etag
 from router.http.admin import put_document, send_rejected
 from router.http.asgi import Receive, Scope, Send, send_json
 from router.tenants.gate import TenantGate
@@ -13,7 +14,7 @@ async def admin_auth(
 ) -> int:
     method = scope["method"]
     if method == "GET":
-        await send_json(send, 200, gate.admin_view(), extra)
+        await send_json(send, 200, gate.admin_view(), [*extra, etag(gate.store.version())])
         return 200
     if method != "PUT":
         err = RouterError(ErrorCode.METHOD_NOT_ALLOWED, "method not allowed; use GET, PUT")

@@ -13,12 +13,13 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qs
 
+from router.documents import Contended, PreconditionFailed, etag
 from router.http.asgi import BodyTooLarge, ClientGone, Receive, Scope, Send, read_body, send_json
+from router.http.preconditions import if_match, send_contended, send_precondition_failed
 from router.tenants.registry import (
     MAX_ENTRY_BYTES,
     MAX_REGISTRY_BYTES,
     KeyRegistry,
-    RegistryError,
     StaleVersion,
 )
 
@@ -52,7 +53,9 @@ async def admin_api_keys(
         if method != "GET":
             return await _not_allowed(send, extra, "GET")
         keys = [current.public(k) for k in sorted(current.entries)]
-        return await _answer(send, extra, 200, {"count": len(keys), "keys": keys})
+        # The tag `If-Match` names on a write (router/http/preconditions.py).
+        tagged = [*extra, etag(registry.version())]
+        return await _answer(send, tagged, 200, {"count": len(keys), "keys": keys})
     if rest == "version":
         if method != "GET":
             return await _not_allowed(send, extra, "GET")
@@ -64,7 +67,8 @@ async def admin_api_keys(
         raw = await _json_body(scope, receive, send, extra, MAX_REGISTRY_BYTES)
         if isinstance(raw, _Answered):
             return raw.status
-        return await _write(registry, send, extra, lambda: registry.replaced_by(raw), count=True)
+        build = lambda: registry.replaced_by(raw)  # noqa: E731
+        return await _write(registry, scope, send, extra, build, count=True)
     key_id = rest
     if method == "GET":
         if key_id not in current.entries:
@@ -76,7 +80,8 @@ async def admin_api_keys(
         if version is None:
             why = "the version query parameter is required (?version=rev_00000043)"
             return await _answer(send, extra, 400, {"error": why, "errors": [why]})
-        return await _write(registry, send, extra, lambda: registry.without_entry(key_id, version))
+        build = lambda: registry.without_entry(key_id, version)  # noqa: E731
+        return await _write(registry, scope, send, extra, build)
     if method != "PUT":
         return await _not_allowed(send, extra, "GET, PUT, DELETE")
     raw = await _json_body(scope, receive, send, extra, MAX_ENTRY_BYTES)
@@ -85,31 +90,33 @@ async def admin_api_keys(
     if not isinstance(raw, dict):
         why = "body: must be a JSON object (a key entry with its version)"
         return await _answer(send, extra, 400, {"error": why, "errors": [why]})
-    at = len([k for k in current.entries if k != key_id])
-    return await _write(
-        registry, send, extra, lambda: registry.with_entry(key_id, raw), entry_at=at
-    )
+    build = lambda: registry.with_entry(key_id, raw)  # noqa: E731
+    return await _write(registry, scope, send, extra, build, entry_of=key_id)
 
 
 async def _write(
     registry: KeyRegistry,
+    scope: Scope,
     send: Send,
     extra: list[tuple[str, str]],
     build: Any,
     count: bool = False,
-    entry_at: int | None = None,
+    entry_of: str | None = None,
 ) -> int:
+    # With --state-url `build` runs on the fleet's registry (router/fleet/config_sync.py).
     try:
-        document = build()
+        errors = await registry.edit(build, ORIGIN, if_match(scope))
     except StaleVersion as exc:
         body = {"error": "stale version", "current_version": exc.current}
         return await _answer(send, extra, 409, body)
-    except RegistryError as exc:
-        errors = exc.errors
-    else:
-        errors = await registry.write(document, ORIGIN)
+    except PreconditionFailed as exc:
+        return await send_precondition_failed(send, extra, exc.current)
+    except Contended:
+        return await send_contended(send, extra)
     if errors:
-        if entry_at is not None:
+        if entry_of is not None:
+            # A refused write left the registry it was built from running.
+            entry_at = len([k for k in registry.current.entries if k != entry_of])
             # One key's write: its reasons name its fields, not its place in the registry.
             at = f"keys[{entry_at}]"
             errors = [e.replace(f"{at}.", "").replace(f"{at}:", "entry:") for e in errors]
@@ -117,7 +124,7 @@ async def _write(
     body: dict[str, Any] = {"ok": True}
     if count:
         body["count"] = len(registry.current.entries)
-    return await _answer(send, extra, 200, body)
+    return await _answer(send, [*extra, etag(registry.version())], 200, body)
 
 
 async def _json_body(

@@ -13,6 +13,7 @@ from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
 from protocol.tracing import NO_TRACER, NULL_SPAN, Span, Tracer
 from router.capacity import WaitQueue
+from router.documents import etag
 from router.fleet.view import FleetView
 from router.http import admin, cors, models
 from router.http.admin_auth import admin_auth
@@ -312,12 +313,13 @@ class RouterApp:
             vary = ("vary", "accept")
             if admin.wants_json(header(scope, b"accept")):
                 # Upstream answers JSON; its scripts ask for it, and `jq` reads it.
-                etag = ("etag", f'"{self.store.version()}-json"')
-                await send_json(send, 200, admin.policy_json(self.store), [*extra, etag, vary])
+                # One ETag for both forms: a script may send either back in If-Match.
+                tag = etag(self.store.version())
+                await send_json(send, 200, admin.policy_json(self.store), [*extra, tag, vary])
                 return 200
             body = self.store.current.source.encode()
-            etag = ("etag", f'"{self.store.version()}"')
-            await send_bytes(send, 200, body, "application/yaml", [*extra, etag, vary])
+            tag = etag(self.store.version())
+            await send_bytes(send, 200, body, "application/yaml", [*extra, tag, vary])
         elif path == "/admin/policy" and method == "PUT":
             return await admin.put_document(
                 self.store,

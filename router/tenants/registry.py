@@ -474,19 +474,30 @@ class KeyRegistry(DocumentStore[Registry]):
 
     async def write(self, document: dict[str, Any], origin: str) -> list[str]:
         """Validate `document`, save it, then run it; the errors, empty on success."""
-        try:
-            value = self.check(document, "")
-        except DocumentError as exc:
-            return self.reject(exc.errors, origin)
+        return await self.change(lambda: self.finished(self.check(document, "")), origin)
+
+    async def edit(
+        self, build: Callable[[], dict[str, Any]], origin: str, if_match: str | None = None
+    ) -> list[str]:
+        """A write of the admin API: `build` makes the next document (`with_entry`,
+        `without_entry`, `replaced_by`) from the running one, which with --state-url is
+        the fleet's at that moment (again when another router wrote meanwhile), so
+        concurrent writes on several routers all land. StaleVersion and
+        PreconditionFailed propagate."""
+        return await self.change(lambda: self.finished(self.check(build(), "")), origin, if_match)
+
+    def finished(self, value: Registry) -> Registry:
+        """`value` with its canonical text, the same on every router."""
         try:
             text = canonical(value.version, value.entries)
         except orjson.JSONEncodeError as exc:  # an integer past 64 bits, as 2**70
-            return self.reject([f"registry: {exc}; numbers must fit in 64 bits"], origin)
-        value = replace(value, source=text, config=replace(value.config, source=text))
+            raise RegistryError([f"registry: {exc}; numbers must fit in 64 bits"]) from None
+        return replace(value, source=text, config=replace(value.config, source=text))
+
+    async def before_commit(self, value: Registry) -> None:
+        # Saved before it is acknowledged: a restart keeps what a 200 promised.
         if self.saved is not None:
-            await self.saved.save(text)
-        self.commit(value, origin)
-        return []
+            await self.saved.save(value.source)
 
     def _saved_later(self, origin: str) -> None:
         """A registry from the fleet is saved too, so a restart without Redis keeps it."""

@@ -17,11 +17,10 @@ from collections.abc import Callable
 
 import redis
 import trio
-from redis.backoff import NoBackoff
-from redis.retry import Retry
 
 from protocol.errors import ErrorCode
 from protocol.logs import quote
+from router import state_url
 from router.metrics import RouterMetrics
 from router.tenants.config import Tenant
 from router.tenants.counters import (
@@ -126,14 +125,9 @@ class TenantState:
         self._said_down = False
         self.client: redis.Redis | None = None
         if url is not None:
-            # from_url refuses a malformed URL here, at start-up (exit 2).
-            self.client = redis.Redis.from_url(
-                url,
-                socket_timeout=CALL_TIMEOUT,
-                socket_connect_timeout=CALL_TIMEOUT,
-                retry=Retry(NoBackoff(), 0),
-                health_check_interval=0,
-            )
+            # A malformed URL is refused here, at start-up (exit 2); a Sentinel URL
+            # follows the primary it promotes (router/state_url.py).
+            self.client = state_url.connect(url, CALL_TIMEOUT)
             self._admit = self.client.register_script(_ADMIT)
             self._release = self.client.register_script(_RELEASE)
             metrics.state_store_up.labels("redis").set(0)
@@ -171,7 +165,7 @@ class TenantState:
             log.warning(
                 "state_store_unavailable url=%s counts=local reason=%s",
                 quote(_safe(self.url)),
-                quote(f"{type(exc).__name__}: {exc}"),
+                quote(state_url.reason(exc)),
             )
         self.up = False
         self.metrics.state_store_up.labels("redis").set(0)
