@@ -113,7 +113,19 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--unhealthy-after", type=parse_duration, default="15s")
     serve.add_argument("--remove-after", type=parse_duration, default="30s")
     serve.add_argument("--max-unjoined-per-ip", type=int, default=64)
-    serve.add_argument("--drain-timeout", type=parse_duration, default="30s")
+    serve.add_argument(
+        "--drain-delay",
+        type=parse_duration,
+        default=_env("HIVENET_ROUTER_DRAIN_DELAY", "5s"),
+        help="on SIGTERM: fail /health but keep serving this long, so load balancers"
+        " take the router out, before the HTTP listener closes (0s: close at once)",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=parse_duration,
+        default=_env("HIVENET_ROUTER_DRAIN_TIMEOUT", "30s"),
+        help="after the listener closes, how long in-flight requests may run",
+    )
     serve.add_argument("--failure-cooldown", type=parse_duration, default="30s")
     serve.add_argument("--stream-slot-release", choices=("head", "end"), default="head")
     serve.add_argument("--jwt-secret-file", default=None)
@@ -176,6 +188,7 @@ def build_parser() -> argparse.ArgumentParser:
     # Set by the --workers supervisor on each worker it starts.
     serve.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
     serve.add_argument("--worker-count", type=int, default=1, help=argparse.SUPPRESS)
+    serve.add_argument("--supervisor-fd", type=int, default=None, help=argparse.SUPPRESS)
 
     check = sub.add_parser(
         "check-policy",
@@ -251,6 +264,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         unhealthy_after=args.unhealthy_after,
         remove_after=args.remove_after,
         max_unjoined_per_ip=args.max_unjoined_per_ip,
+        drain_delay=args.drain_delay,
         drain_timeout=args.drain_timeout,
         failure_cooldown=args.failure_cooldown,
         stream_slot_release=args.stream_slot_release,
@@ -270,6 +284,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         history_path=args.history_path,
         worker_index=args.worker_index,
         worker_count=args.worker_count,
+        supervisor_fd=args.supervisor_fd,
     )
     if s.worker_count > 1:
         _as_worker(s)

@@ -118,7 +118,8 @@ class RouterApp:
             elif path.startswith("/admin/"):
                 status = await self._admin(scope, receive, send, rid)
             elif path == "/health" and method in _READ_METHODS:
-                # A draining router tells load balancers to send new clients elsewhere.
+                # A draining router tells load balancers to send new clients elsewhere;
+                # it serves what still reaches it (router/app.py: the drain delay).
                 status, state = (503, "draining") if self.draining else (200, "ok")
                 extra_health = self.tenants.health() if self.tenants else {}
                 await send_json(
@@ -198,9 +199,6 @@ class RouterApp:
         if path in ENDPOINTS and method != "POST":
             return await _not_allowed(send, rid, protocol, "POST", ticket), tenant
         if path in ENDPOINTS:
-            if self.draining:
-                err = RouterError(ErrorCode.NO_AGENTS_AVAILABLE, "router is shutting down")
-                return await send_error(send, protocol, err, extra, ticket), tenant
             if not self.inflight:
                 self.idle = trio.Event()
             self.inflight += 1

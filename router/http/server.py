@@ -210,19 +210,26 @@ class HttpServer:
         addr: tuple[str, int],
         shutdown_trigger: Callable[[], Awaitable[Any]],
         *,
+        accept_until: Callable[[], Awaitable[Any]] | None = None,
         reuse_port: bool = False,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve until `shutdown_trigger` returns; then stop accepting, let requests in
         progress finish for up to graceful_timeout, and cancel what is left. Started
         with the port it listens on (for port 0). `reuse_port`: share the port with the
-        host's other router workers (SO_REUSEPORT; the kernel spreads connections)."""
+        host's other router workers (SO_REUSEPORT; the kernel spreads connections).
+
+        `accept_until`: stop accepting earlier, when it returns. The listener closes (a
+        new connection is refused, not answered), idle connections end, and each busy
+        one ends after its answer (`Connection: close`); the answers in progress go on
+        until `shutdown_trigger`. This is the router's drain: in-flight streams finish
+        while nothing new can reach it."""
         if reuse_port:
             listeners = [await _reuse_port_listener(addr)]
         else:
             listeners = await trio.open_tcp_listeners(addr[1], host=addr[0])
         try:
-            await self._serve(listeners, shutdown_trigger, task_status)
+            await self._serve(listeners, accept_until, shutdown_trigger, task_status)
         finally:
             if self.hangups is not None:
                 self.hangups.close()
@@ -231,6 +238,7 @@ class HttpServer:
     async def _serve(
         self,
         listeners: list[trio.SocketListener],
+        accept_until: Callable[[], Awaitable[Any]] | None,
         shutdown_trigger: Callable[[], Awaitable[Any]],
         task_status: trio.TaskStatus[int],
     ) -> None:
@@ -249,13 +257,15 @@ class HttpServer:
             nursery.start_soon(accept_all)
             nursery.start_soon(self.watch)
             task_status.started(listeners[0].socket.getsockname()[1])
-            await shutdown_trigger()
+            await (accept_until or shutdown_trigger)()
             self.stopping = True
             accepting.cancel()
             for listener in listeners:
                 await listener.aclose()
             for conn in list(self.connections):
                 conn.stop_if_idle()
+            if accept_until is not None:
+                await shutdown_trigger()
             with trio.move_on_after(self.graceful_timeout):
                 if self.connections:
                     await self._all_closed.wait()
