@@ -242,6 +242,7 @@ class RouterDaemon:
             self.tracer,
             self.fleet,
         )
+        self.app.health_min_agents = settings.health_min_agents
         self._delay = settings.drain_delay
         self._stop = trio.Event()  # SIGTERM: /health fails, the drain delay begins
         self._accept_stop = trio.Event()  # the delay is over: the HTTP listener closes

@@ -121,6 +121,13 @@ def build_parser() -> argparse.ArgumentParser:
         " take the router out, before the HTTP listener closes (0s: close at once)",
     )
     serve.add_argument(
+        "--health-min-agents",
+        type=int,
+        default=int(_env("HIVENET_ROUTER_HEALTH_MIN_AGENTS", "0")),
+        help="GET /health answers 503 while fewer agents than this are routable"
+        " (behind a load balancer: 1, so a restarted router waits for its agents)",
+    )
+    serve.add_argument(
         "--drain-timeout",
         type=parse_duration,
         default=_env("HIVENET_ROUTER_DRAIN_TIMEOUT", "30s"),
@@ -265,6 +272,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         remove_after=args.remove_after,
         max_unjoined_per_ip=args.max_unjoined_per_ip,
         drain_delay=args.drain_delay,
+        health_min_agents=args.health_min_agents,
         drain_timeout=args.drain_timeout,
         failure_cooldown=args.failure_cooldown,
         stream_slot_release=args.stream_slot_release,
@@ -315,6 +323,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         ("--max-concurrent", s.max_concurrent, 0),
         ("--p2p-max-conns-per-ip", s.p2p_max_conns_per_ip, 1),
         ("--disk-db-ttl", s.disk_db_ttl, 0),
+        ("--health-min-agents", s.health_min_agents, 0),
     ):
         if value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")

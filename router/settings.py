@@ -89,6 +89,8 @@ class RouterSettings:
     # every 500 ms with `fall 3`: 1.5 s, plus a check in flight); then its HTTP listener
     # closes and the in-flight requests drain, up to drain_timeout.
     drain_delay: float = 5.0
+    # /health answers 503 {"status":"no_agents"} while fewer agents are routable.
+    health_min_agents: int = 0
     drain_timeout: float = 30.0
     failure_cooldown: float = DEFAULT_FAILURE_COOLDOWN
     stream_slot_release: str = "head"

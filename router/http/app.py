@@ -77,6 +77,10 @@ class RouterApp:
         self.lifetime = lifetime
         self.tracer = tracer
         self.draining = False
+        # `--health-min-agents`: /health fails while fewer agents than this are routable,
+        # so a balancer sends nothing to a router that has just started (or lost its
+        # agents) and could only answer 404/503; 0: /health says only that it runs.
+        self.health_min_agents = 0
         self.inflight = 0
         self.idle = trio.Event()
         self.ids = RequestIds()
@@ -85,6 +89,14 @@ class RouterApp:
                 "admin_api_insecure reason=%s",
                 quote("no HIVENET_ROUTER_ADMIN_API_KEYS: /admin/* answers without a key"),
             )
+
+    def _too_few_agents(self) -> bool:
+        routable = 0
+        for peer in self.table.all():
+            routable += peer.routable
+            if routable >= self.health_min_agents:
+                return False
+        return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -121,6 +133,8 @@ class RouterApp:
                 # A draining router tells load balancers to send new clients elsewhere;
                 # it serves what still reaches it (router/app.py: the drain delay).
                 status, state = (503, "draining") if self.draining else (200, "ok")
+                if status == 200 and self.health_min_agents and self._too_few_agents():
+                    status, state = 503, "no_agents"
                 extra_health = self.tenants.health() if self.tenants else {}
                 await send_json(
                     send, status, {"status": state, **extra_health}, [("x-request-id", rid)]
