@@ -196,6 +196,7 @@ def test_health_min_agents_keeps_a_router_out_until_an_agent_joins(fleet: Fleet)
     assert httpx.get(router.url + "/health", timeout=5).json()["status"] == "ok"
 
 
+@pytest.mark.slow  # about 90 s on two shared cores: each restart takes seconds of CPU
 async def test_rolling_every_router_and_agent_behind_haproxy_fails_no_request(
     fleet: Fleet,
 ) -> None:
