@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -323,3 +324,58 @@ def test_sigusr2_restarts_the_workers_one_at_a_time_and_loses_no_request(fleet: 
     # The host stayed in its balancer's pool: /health never failed during the roll.
     assert health and 503 not in health, health
     print(f"workers roll: {len(results)} requests, {refused} connects tried again")
+
+
+async def test_a_worker_that_dies_loses_only_its_own_requests(fleet: Fleet) -> None:
+    router = fleet.router("--workers", "2")
+    wait_until(lambda: router.log().count("router_ready") == 2, 20, "both workers ready")
+    fleet.agent(router, "m1", "--capacity", "64", "--sim-token-latency", "100ms", wait=False)
+    for worker in (0, 1):
+        await trio.to_thread.run_sync(
+            lambda w=worker: wait_until(
+                lambda: metric(router, w, "hivenet_router_agents_healthy") == 1,
+                45,
+                f"worker {w} has the agent",
+            )
+        )
+    routed = "hivenet_router_routing_requests_routed_total"
+    before = [metric(router, w, routed) for w in (0, 1)]
+    streams = 24
+    words = " ".join(f"w{k}" for k in range(40))  # 4 s of tokens
+    started = trio.Semaphore(0)
+    outcomes: list[str] = []
+
+    async def one() -> None:
+        # Each on its own connection, which the kernel gives to one worker or the other.
+        body = {"model": "m1", "stream": True, "messages": [{"role": "user", "content": words}]}
+        text, told = "", False
+        try:
+            async with (
+                httpx.AsyncClient(base_url=router.url, timeout=30) as http,
+                http.stream("POST", "/v1/chat/completions", json=body) as r,
+            ):
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"content"' in line:
+                        text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                        if not told:
+                            told = True
+                            started.release()
+            outcomes.append("ok" if text == f"Echo: {words}" else f"cut: {text[-20:]!r}")
+        except httpx.HTTPError as exc:
+            outcomes.append(f"broken: {type(exc).__name__}")
+            if not told:
+                started.release()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for _ in range(streams):
+                nursery.start_soon(one)
+            for _ in range(streams):
+                await started.acquire()
+            on = [metric(router, w, routed) - before[w] for w in (0, 1)]
+            os.kill(_worker_pids(router)[1], signal.SIGKILL)
+    assert sum(on) == streams and min(on) >= 1, on  # the kernel spread them
+    lost = [o for o in outcomes if o != "ok"]
+    # Worker 0's streams all finished; worker 1's, and only those, were lost.
+    assert len(lost) == on[1], (on, outcomes)
+    router.wait_log(r"worker_started index=1 pid=\d+ starts=2")
