@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -357,7 +358,16 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
             "HIVENET_ROUTER_ADMIN_API_KEYS is empty: set admin keys, or "
             "HIVENET_ROUTER_ALLOW_INSECURE_ADMIN=true to run the admin API without them"
         )
+    if s.supervisor_fd is not None and not _is_socket(s.supervisor_fd):
+        raise ValueError(f"--supervisor-fd {s.supervisor_fd} is not an open socket")
     return s
+
+
+def _is_socket(fd: int) -> bool:
+    try:
+        return stat.S_ISSOCK(os.fstat(fd).st_mode)
+    except (OSError, OverflowError):
+        return False
 
 
 def _as_worker(s: RouterSettings) -> None:
