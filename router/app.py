@@ -77,6 +77,13 @@ def listen_multiaddrs(settings: RouterSettings) -> list[multiaddr.Multiaddr]:
 # requests still open after the drain get this long before HTTP closes.
 KEEP_ALIVE_TIMEOUT = 75.0
 GRACEFUL_TIMEOUT = 1.0
+# A worker started again waits for its agents before it opens the shared HTTP port:
+# agents redial within their 5 s backoff cap, so 15 s in all is ample; it opens once
+# no agent has joined for 1 s.
+AGENTS_WAIT = 15.0
+AGENTS_SETTLE = 1.0
+# The drain waits for what was accepted, or begun, this recently and is not done yet.
+ARRIVING = 2.0
 
 
 class RouterDaemon:
@@ -244,6 +251,7 @@ class RouterDaemon:
         )
         self.app.health_min_agents = settings.health_min_agents
         self._delay = settings.drain_delay
+        self._api_server: HttpServer | None = None
         self._stop = trio.Event()  # SIGTERM: /health fails, the drain delay begins
         self._accept_stop = trio.Event()  # the delay is over: the HTTP listener closes
         self._http_stop = trio.Event()
@@ -339,6 +347,8 @@ class RouterDaemon:
                         nursery.start_soon(self.config_sync.run)
                     nursery.start_soon(self.fleet.run)
                     nursery.start_soon(self._signals, nursery.cancel_scope)
+                    if s.worker_wait_agents:
+                        await self._wait_for_agents()
                     await nursery.start(self._serve_http, self.app, s.http_addr)
                     metrics_app = with_lifespan(metrics_only(make_asgi_app(self.metrics.registry)))
                     await nursery.start(self._serve_http, metrics_app, s.metrics_addr)
@@ -399,6 +409,8 @@ class RouterDaemon:
         # workers of one host share the HTTP port (the metrics ports differ: port 0 never
         # shares).
         api = addr == self.settings.http_addr and app is self.app
+        if api:
+            self._api_server = server
         reuse = self.settings.worker_count > 1 and addr == self.settings.http_addr
         await server.serve(
             addr,
@@ -459,6 +471,27 @@ class RouterDaemon:
         await trio.lowlevel.checkpoint()
         log.info("router_http_closed inflight=%d", self.app.inflight)
 
+    async def _wait_for_agents(self) -> None:
+        """A worker started again (after a crash, or by a rolling restart) shares the
+        HTTP port with siblings that serve: the kernel would hand it clients at once,
+        which it could only answer 404 until the agents have rejoined it. So it takes
+        no connection before its agents are back: one at least, then none more for
+        AGENTS_SETTLE (they rejoin within a few seconds of each other), up to
+        AGENTS_WAIT in all (a host without agents still answers)."""
+        started = trio.current_time()
+        with trio.move_on_after(AGENTS_WAIT):
+            count, settled = 0, False
+            while not settled:
+                await trio.sleep(0.1 if not count else AGENTS_SETTLE)
+                now = sum(p.routable for p in self.table.all())
+                settled, count = bool(count) and now == count, now
+        log.info(
+            "worker_agents_back index=%d agents=%d waited_s=%.1f",
+            self.settings.worker_index,
+            sum(p.routable for p in self.table.all()),
+            trio.current_time() - started,
+        )
+
     async def _supervised(self, fd: int, cancel_scope: trio.CancelScope) -> None:
         """A `serve --workers N` worker's line to its supervisor, one end of a socket
         pair (router/fleet/workers.py): `R` tells it this worker is ready; `D` from it
@@ -515,5 +548,13 @@ class RouterDaemon:
             log.warning("router_drain_cut inflight=%d", self.app.inflight)
 
     async def _until_idle(self) -> None:
-        while self.app.inflight:
-            await self.app.idle.wait()
+        """No request in flight, and none on its way: a connection accepted just before
+        the listener closed, or a request read just then, may not have reached the app's
+        count yet (ARRIVING seconds are ample on a busy host)."""
+        while True:
+            while self.app.inflight:
+                await self.app.idle.wait()
+            server = self._api_server
+            if server is None or not server.arriving(ARRIVING):
+                return
+            await trio.sleep(0.05)

@@ -197,6 +197,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
     serve.add_argument("--worker-count", type=int, default=1, help=argparse.SUPPRESS)
     serve.add_argument("--supervisor-fd", type=int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--worker-wait-agents", action="store_true", help=argparse.SUPPRESS)
 
     check = sub.add_parser(
         "check-policy",
@@ -294,6 +295,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         worker_index=args.worker_index,
         worker_count=args.worker_count,
         supervisor_fd=args.supervisor_fd,
+        worker_wait_agents=args.worker_wait_agents,
     )
     if s.worker_count > 1:
         _as_worker(s)

@@ -129,6 +129,8 @@ class RouterSettings:
     worker_count: int = 1
     # A worker's end of the socket pair its supervisor holds (router/fleet/workers.py).
     supervisor_fd: int | None = None
+    # A worker its supervisor started again: it opens the HTTP port once agents are back.
+    worker_wait_agents: bool = False
     # HIVENET_ROUTER_ADMIT_FRACTION and HIVENET_ROUTER_ADMIT_PARK_TIMEOUT (admission B2).
     admit_fraction: float = DEFAULT_ADMIT_FRACTION
     admit_park_timeout: float = DEFAULT_PARK_TIMEOUT

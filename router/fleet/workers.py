@@ -123,6 +123,10 @@ class Supervisor:
             mine, theirs = socket.socketpair()
             argv = [sys.executable, "-m", "router.cli", "serve", *worker.argv]
             argv += ["--supervisor-fd", str(theirs.fileno())]
+            if worker.starts:
+                # Its siblings serve the shared port meanwhile: it takes clients once
+                # its agents are back (router/app.py `_wait_for_agents`).
+                argv.append("--worker-wait-agents")
             # The workers inherit stdout/stderr: one log stream, each line naming its
             # router by peer_id as a single router's do.
             try:
