@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import os
 import signal
+import socket
 import time
 from typing import Any
 
@@ -80,6 +82,13 @@ def listen_multiaddrs(settings: RouterSettings) -> list[multiaddr.Multiaddr]:
 # requests still open after the drain get this long before HTTP closes.
 KEEP_ALIVE_TIMEOUT = 75.0
 GRACEFUL_TIMEOUT = 1.0
+# A worker started again waits for its agents before it opens the shared HTTP port:
+# agents redial within their 5 s backoff cap, so 15 s in all is ample; it opens once
+# no agent has joined for 1 s.
+AGENTS_WAIT = 15.0
+AGENTS_SETTLE = 1.0
+# The drain waits for what was accepted, or begun, this recently and is not done yet.
+ARRIVING = 2.0
 
 
 class RouterDaemon:
@@ -260,7 +269,11 @@ class RouterDaemon:
             self.app.activity = self.compat.activity
             self.providers.observe = self.compat.observe_provider
         self.app.console = console_for(self, settings.ui)
-        self._stop = trio.Event()
+        self.app.health_min_agents = settings.health_min_agents
+        self._delay = settings.drain_delay
+        self._api_server: HttpServer | None = None
+        self._stop = trio.Event()  # SIGTERM: /health fails, the drain delay begins
+        self._accept_stop = trio.Event()  # the delay is over: the HTTP listener closes
         self._http_stop = trio.Event()
 
     def _healthy_replicas(self, model: str) -> int:
@@ -359,10 +372,12 @@ class RouterDaemon:
                         nursery.start_soon(self.config_sync.run)
                     nursery.start_soon(self.fleet.run)
                     nursery.start_soon(self._signals, nursery.cancel_scope)
+                    if s.worker_wait_agents:
+                        await self._wait_for_agents()
                     app = (
                         self.app if self.compat is None else counted(self.app, self.compat.activity)
                     )
-                    await nursery.start(self._serve_http, app, s.http_addr)
+                    await nursery.start(self._serve_http, app, s.http_addr, True)
                     metrics_app = with_lifespan(metrics_only(make_asgi_app(self.metrics.registry)))
                     await nursery.start(self._serve_http, metrics_app, s.metrics_addr)
                     for addr in self.announce_addrs(host):
@@ -375,8 +390,11 @@ class RouterDaemon:
                         "→".join(self.store.current.chain_names()),
                     )
                     sd_notify(f"READY=1\nSTATUS=serving http={s.http_addr[0]}:{s.http_addr[1]}")
+                    if s.supervisor_fd is not None:
+                        nursery.start_soon(self._supervised, s.supervisor_fd, nursery.cancel_scope)
                     task_status.started()
                     await self._stop.wait()
+                    await self._drain_delay()
                     await self._drain(host)
                     self._http_stop.set()
                     nursery.cancel_scope.cancel()
@@ -403,6 +421,7 @@ class RouterDaemon:
         self,
         app: Any,
         addr: tuple[str, int],
+        api: bool = False,
         *,
         task_status: Any = trio.TASK_STATUS_IGNORED,
     ) -> None:
@@ -414,10 +433,20 @@ class RouterDaemon:
             protocol_of=protocol_of,
             answer_timeout=self.settings.request_timeout,
         )
-        # HTTP stays up while draining, so in-flight streams can finish. The workers of
-        # one host share the HTTP port (the metrics ports differ: port 0 never shares).
+        # The API's listener closes after the drain delay; its connections stay up while
+        # draining, so in-flight streams can finish. Metrics are served to the end. The
+        # workers of one host share the HTTP port (the metrics ports differ: port 0 never
+        # shares).
+        if api:
+            self._api_server = server
         reuse = self.settings.worker_count > 1 and addr == self.settings.http_addr
-        await server.serve(addr, self._http_stop.wait, reuse_port=reuse, task_status=task_status)
+        await server.serve(
+            addr,
+            self._http_stop.wait,
+            accept_until=self._accept_stop.wait if api else None,
+            reuse_port=reuse,
+            task_status=task_status,
+        )
 
     async def _signals(self, cancel_scope: trio.CancelScope) -> None:
         with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:
@@ -438,20 +467,89 @@ class RouterDaemon:
                     log.warning("router_stop_now signal=%s", signal.Signals(signum).name)
                     cancel_scope.cancel()
                 else:
-                    log.info(
-                        "router_draining signal=%s inflight=%d drain_timeout_s=%g",
-                        signal.Signals(signum).name,
-                        self.app.inflight,
-                        self.settings.drain_timeout,
-                    )
-                    sd_notify(f"STOPPING=1\nSTATUS=draining {self.app.inflight} requests")
-                    self.app.draining = True
-                    self._stop.set()
+                    self.begin_drain(signal.Signals(signum).name)
+
+    def begin_drain(self, cause: str, delay: float | None = None) -> None:
+        """The first step of a stop: /health answers 503 from now on (load balancers
+        take the router out), while new requests are still served for --drain-delay.
+        `delay` 0: a worker rolled by its supervisor, whose siblings go on serving the
+        same port, so the host stays in the pool and the listener closes at once."""
+        if self._stop.is_set():
+            return
+        self._delay = self.settings.drain_delay if delay is None else delay
+        log.info(
+            "router_draining signal=%s inflight=%d drain_delay_s=%g drain_timeout_s=%g",
+            cause,
+            self.app.inflight,
+            self._delay,
+            self.settings.drain_timeout,
+        )
+        sd_notify(f"STOPPING=1\nSTATUS=draining {self.app.inflight} requests")
+        self.app.draining = delay is None
+        self._stop.set()
+
+    async def _drain_delay(self) -> None:
+        """Serve on through --drain-delay while balancers see /health fail; then close
+        the HTTP listener: a new connection is refused (a balancer retries it on another
+        router at once), where a 503 would reach the client."""
+        if self._delay > 0:
+            await trio.sleep(self._delay)
+        self._accept_stop.set()
+        # The listener closes in the HTTP server's task; let it run before the log says so.
+        await trio.lowlevel.checkpoint()
+        log.info("router_http_closed inflight=%d", self.app.inflight)
+
+    async def _wait_for_agents(self) -> None:
+        """A worker started again (after a crash, or by a rolling restart) shares the
+        HTTP port with siblings that serve: the kernel would hand it clients at once,
+        which it could only answer 404 until the agents have rejoined it. So it takes
+        no connection before its agents are back: one at least, then none more for
+        AGENTS_SETTLE (they rejoin within a few seconds of each other), up to
+        AGENTS_WAIT in all (a host without agents still answers)."""
+        started = trio.current_time()
+        with trio.move_on_after(AGENTS_WAIT):
+            count, settled = 0, False
+            while not settled:
+                await trio.sleep(0.1 if not count else AGENTS_SETTLE)
+                now = sum(p.routable for p in self.table.all())
+                settled, count = bool(count) and now == count, now
+        log.info(
+            "worker_agents_back index=%d agents=%d waited_s=%.1f",
+            self.settings.worker_index,
+            sum(p.routable for p in self.table.all()),
+            trio.current_time() - started,
+        )
+
+    async def _supervised(self, fd: int, cancel_scope: trio.CancelScope) -> None:
+        """A `serve --workers N` worker's line to its supervisor, one end of a socket
+        pair (router/fleet/workers.py): `R` tells it this worker is ready; `D` from it
+        starts a drain (a rolling restart); its end of file means the supervisor is
+        gone, killed even (SIGKILL, the OOM killer), and the worker stops at once
+        rather than hold the shared HTTP port as an orphan no one restarts or stops.
+        A socket rather than PR_SET_PDEATHSIG: trio starts processes from a worker
+        thread, and that signal follows the thread, which ends when idle."""
+        sock = trio.socket.fromfd(fd, socket.AF_UNIX, socket.SOCK_STREAM)
+        os.close(fd)
+        with sock:
+            try:
+                await sock.send(b"R")
+                while data := await sock.recv(64):
+                    if b"D" in data:
+                        self.begin_drain("supervisor", delay=0.0)
+            except OSError:
+                pass
+        log.warning(
+            "worker_orphaned index=%d reason=%s",
+            self.settings.worker_index,
+            quote("the supervisor is gone; stopping now"),
+        )
+        cancel_scope.cancel()
 
     async def _drain(self, host: Any) -> None:
         """Let in-flight requests finish, up to --drain-timeout; then end the rest clearly.
 
-        New inference requests already get a 503 (`app.draining`). What outlives the
+        The HTTP listener is closed by now; a request that still arrives on an open
+        connection is served, and its connection then closes. What outlives the
         timeout is not cut off silently: the p2p listener closes (no agent rejoins) and
         every agent session closes, so each request still waiting on an agent ends the
         way a lost agent ends it: an `agent_disconnected` error event on a started
@@ -478,5 +576,13 @@ class RouterDaemon:
             log.warning("router_drain_cut inflight=%d", self.app.inflight)
 
     async def _until_idle(self) -> None:
-        while self.app.inflight:
-            await self.app.idle.wait()
+        """No request in flight, and none on its way: a connection accepted just before
+        the listener closed, or a request read just then, may not have reached the app's
+        count yet (ARRIVING seconds are ample on a busy host)."""
+        while True:
+            while self.app.inflight:
+                await self.app.idle.wait()
+            server = self._api_server
+            if server is None or not server.arriving(ARRIVING):
+                return
+            await trio.sleep(0.05)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import stat
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -118,7 +119,26 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--unhealthy-after", type=parse_duration, default="15s")
     serve.add_argument("--remove-after", type=parse_duration, default="30s")
     serve.add_argument("--max-unjoined-per-ip", type=int, default=64)
-    serve.add_argument("--drain-timeout", type=parse_duration, default="30s")
+    serve.add_argument(
+        "--drain-delay",
+        type=parse_duration,
+        default=_env("HIVENET_ROUTER_DRAIN_DELAY", "5s"),
+        help="on SIGTERM: fail /health but keep serving this long, so load balancers"
+        " take the router out, before the HTTP listener closes (0s: close at once)",
+    )
+    serve.add_argument(
+        "--health-min-agents",
+        type=int,
+        default=int(_env("HIVENET_ROUTER_HEALTH_MIN_AGENTS", "0")),
+        help="GET /health answers 503 while fewer agents than this are routable"
+        " (behind a load balancer: 1, so a restarted router waits for its agents)",
+    )
+    serve.add_argument(
+        "--drain-timeout",
+        type=parse_duration,
+        default=_env("HIVENET_ROUTER_DRAIN_TIMEOUT", "30s"),
+        help="after the listener closes, how long in-flight requests may run",
+    )
     serve.add_argument("--failure-cooldown", type=parse_duration, default="30s")
     serve.add_argument("--stream-slot-release", choices=("head", "end"), default="head")
     serve.add_argument("--jwt-secret-file", default=None)
@@ -200,6 +220,8 @@ def build_parser() -> argparse.ArgumentParser:
     # Set by the --workers supervisor on each worker it starts.
     serve.add_argument("--worker-index", type=int, default=0, help=argparse.SUPPRESS)
     serve.add_argument("--worker-count", type=int, default=1, help=argparse.SUPPRESS)
+    serve.add_argument("--supervisor-fd", type=int, default=None, help=argparse.SUPPRESS)
+    serve.add_argument("--worker-wait-agents", action="store_true", help=argparse.SUPPRESS)
 
     check = sub.add_parser(
         "check-policy",
@@ -274,6 +296,8 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         unhealthy_after=args.unhealthy_after,
         remove_after=args.remove_after,
         max_unjoined_per_ip=args.max_unjoined_per_ip,
+        drain_delay=args.drain_delay,
+        health_min_agents=args.health_min_agents,
         drain_timeout=args.drain_timeout,
         failure_cooldown=args.failure_cooldown,
         stream_slot_release=args.stream_slot_release,
@@ -295,6 +319,8 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         history_path=args.history_path,
         worker_index=args.worker_index,
         worker_count=args.worker_count,
+        supervisor_fd=args.supervisor_fd,
+        worker_wait_agents=args.worker_wait_agents,
     )
     if s.worker_count > 1:
         _as_worker(s)
@@ -331,6 +357,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         ("--max-concurrent", s.max_concurrent, 0),
         ("--p2p-max-conns-per-ip", s.p2p_max_conns_per_ip, 1),
         ("--disk-db-ttl", s.disk_db_ttl, 0),
+        ("--health-min-agents", s.health_min_agents, 0),
     ):
         if value < low:
             raise ValueError(f"{flag} must be at least {low}, got {value}")
@@ -364,7 +391,16 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
             "HIVENET_ROUTER_ADMIN_API_KEYS is empty: set admin keys, or "
             "HIVENET_ROUTER_ALLOW_INSECURE_ADMIN=true to run the admin API without them"
         )
+    if s.supervisor_fd is not None and not _is_socket(s.supervisor_fd):
+        raise ValueError(f"--supervisor-fd {s.supervisor_fd} is not an open socket")
     return s
+
+
+def _is_socket(fd: int) -> bool:
+    try:
+        return stat.S_ISSOCK(os.fstat(fd).st_mode)
+    except (OSError, OverflowError):
+        return False
 
 
 def _as_worker(s: RouterSettings) -> None:

@@ -84,6 +84,13 @@ class RouterSettings:
     remove_after: float = 30.0
     # Agent sessions from one address (IPv6: one /64) not yet past their hello.
     max_unjoined_per_ip: int = 64
+    # On SIGTERM /health fails at once, but the router goes on serving new requests this
+    # long, so that a load balancer takes it out of its pool first (HAProxy checking
+    # every 500 ms with `fall 3`: 1.5 s, plus a check in flight); then its HTTP listener
+    # closes and the in-flight requests drain, up to drain_timeout.
+    drain_delay: float = 5.0
+    # /health answers 503 {"status":"no_agents"} while fewer agents are routable.
+    health_min_agents: int = 0
     drain_timeout: float = 30.0
     failure_cooldown: float = DEFAULT_FAILURE_COOLDOWN
     stream_slot_release: str = "head"
@@ -124,6 +131,10 @@ class RouterSettings:
     # others as worker 0's welcome names them ({"tcp_port", "peer_id"}).
     worker_index: int = 0
     worker_count: int = 1
+    # A worker's end of the socket pair its supervisor holds (router/fleet/workers.py).
+    supervisor_fd: int | None = None
+    # A worker its supervisor started again: it opens the HTTP port once agents are back.
+    worker_wait_agents: bool = False
     # HIVENET_ROUTER_ADMIT_FRACTION and HIVENET_ROUTER_ADMIT_PARK_TIMEOUT (admission B2).
     admit_fraction: float = DEFAULT_ADMIT_FRACTION
     admit_park_timeout: float = DEFAULT_PARK_TIMEOUT

@@ -337,6 +337,9 @@ class Fleet:
             "HIVENET_ROUTER_JWT_SECRET": SECRET,
             "HIVENET_ROUTER_ADMIN_API_KEYS": ADMIN_KEY,
             "HIVENET_LOG_LEVEL": "info",
+            # No load balancer to wait for: a stopped router closes its listener at once
+            # (tests of the delay set --drain-delay).
+            "HIVENET_ROUTER_DRAIN_DELAY": "0s",
         }
 
     def router(self, *flags: str, env: dict[str, str] | None = None, start: bool = True) -> Router:

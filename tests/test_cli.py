@@ -140,3 +140,30 @@ def test_agent_defaults_are_interface_md_s() -> None:
     assert (args.http_timeout, args.stream_write_timeout) == (120.0, 60.0)
     values = upstream_values(args, {})
     assert (values["tags"], values["heartbeat_interval"]) == (["production"], 5.0)
+
+
+def test_the_drain_and_health_flags_refuse_what_makes_no_sense(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setenv("HIVENET_ROUTER_JWT_SECRET", SECRET)
+    monkeypatch.setenv("HIVENET_ROUTER_ADMIN_API_KEYS", "k")
+    monkeypatch.delenv("HIVENET_ROUTER_DRAIN_DELAY", raising=False)
+    default = settings_from(router_parser().parse_args(["serve"]))
+    assert (default.drain_delay, default.drain_timeout, default.health_min_agents) == (5, 30, 0)
+    monkeypatch.setenv("HIVENET_ROUTER_DRAIN_DELAY", "1500ms")
+    monkeypatch.setenv("HIVENET_ROUTER_HEALTH_MIN_AGENTS", "2")
+    from_env = settings_from(router_parser().parse_args(["serve"]))
+    assert (from_env.drain_delay, from_env.health_min_agents) == (1.5, 2)
+    with pytest.raises(SystemExit):  # argparse: not a duration
+        router_parser().parse_args(["serve", "--drain-delay", "-1s"])
+    with pytest.raises(ValueError, match="--health-min-agents must be at least 0"):
+        settings_from(router_parser().parse_args(["serve", "--health-min-agents", "-1"]))
+    # The supervisor's socket, which only it passes: anything else is refused at start.
+    with open(os.devnull, "rb") as not_a_socket:
+        for fd in (not_a_socket.fileno(), 100_000, -1, 2**70):
+            with pytest.raises(ValueError, match="is not an open socket"):
+                settings_from(router_parser().parse_args(["serve", "--supervisor-fd", str(fd)]))
+    a, b = socket.socketpair()
+    with a, b:
+        args = router_parser().parse_args(["serve", "--supervisor-fd", str(a.fileno())])
+        assert settings_from(args).supervisor_fd == a.fileno()

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
+from collections import Counter
 from pathlib import Path
 
 import httpx
@@ -186,7 +188,7 @@ def test_a_stop_while_a_worker_is_being_started_reaches_that_worker(
     supervisor = Supervisor(["--http-port", ":0"], 2)
     started: list[_SlowToStart] = []
 
-    async def open_process(argv: list[str]) -> _SlowToStart:
+    async def open_process(argv: list[str], **kwargs: object) -> _SlowToStart:
         if not started:
             # SIGTERM arrives while the first worker's process is being made (in a
             # thread, in trio): no worker has a process to pass it to yet.
@@ -198,3 +200,188 @@ def test_a_stop_while_a_worker_is_being_started_reaches_that_worker(
 
     assert trio.run(supervisor.run, clock=trio.testing.MockClock(autojump_threshold=0)) == 0
     assert [p.signals for p in started] == [[signal.SIGTERM], [signal.SIGTERM]]
+
+
+def _worker_pids(router: Router) -> dict[int, int]:
+    """The pid of each worker's latest start, from the supervisor's log."""
+    pids: dict[int, int] = {}
+    for index, pid in re.findall(r"worker_started index=(\d+) pid=(\d+)", router.log()):
+        pids[int(index)] = int(pid)
+    return pids
+
+
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a worker whose parent died is reaped by init, or not)."""
+    try:
+        with open(f"/proc/{pid}/stat", encoding="ascii") as stat:
+            return stat.read().rpartition(")")[2].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def test_a_sigkilled_supervisor_leaves_no_worker_running(fleet: Fleet) -> None:
+    router = fleet.router("--workers", "2")
+    wait_until(lambda: router.log().count("router_ready") == 2, 20, "both workers ready")
+    pids = _worker_pids(router)
+    assert len(pids) == 2 and all(_running(p) for p in pids.values())
+    assert httpx.get(router.url + "/health", timeout=5).status_code == 200
+    try:
+        router.stop(signal.SIGKILL)
+        # Each worker reads its end of file from the supervisor's socket and stops.
+        wait_until(lambda: not any(_running(p) for p in pids.values()), 5, "no worker left running")
+        with pytest.raises(httpx.ConnectError):
+            httpx.get(router.url + "/health", timeout=5)
+        assert router.log().count("worker_orphaned") == 2
+    finally:
+        for pid in pids.values():  # whatever outlived the test (the failing case)
+            if _running(pid):
+                os.kill(pid, signal.SIGKILL)
+
+
+def test_sigusr2_restarts_the_workers_one_at_a_time_and_loses_no_request(fleet: Fleet) -> None:
+    router = fleet.router("--workers", "2", "--drain-timeout", "20s")
+    wait_until(lambda: router.log().count("router_ready") == 2, 20, "both workers ready")
+    fleet.agent(router, "m1", "--capacity", "32", "--sim-token-latency", "30ms", wait=False)
+    for worker in (0, 1):
+        wait_until(
+            lambda w=worker: metric(router, w, "hivenet_router_agents_healthy") == 1,
+            45,
+            f"worker {worker} has the agent",
+        )
+    before = _worker_pids(router)
+    results: list[tuple[int, str]] = []
+    health: list[int] = []
+    retried: Counter[str] = Counter()
+    stop = trio.Event()
+
+    async def client(c: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            words = " ".join(f"c{c}.{n}.{k}" for k in range(5 + n % 20))
+            body = {"model": "m1", "messages": [{"role": "user", "content": words}]}
+            # A new connection per request, as a balancer's new client. One refused is
+            # tried again, as HAProxy's `retry-on conn-failure` and the SDKs do: nothing
+            # of it was sent. One closed without an answer is a failure (a worker that
+            # stopped before serving what it had accepted).
+            r: httpx.Response | None = None
+            error = "refused five times"
+            for _ in range(5):
+                try:
+                    async with httpx.AsyncClient(base_url=router.url, timeout=60) as http:
+                        r = await http.post("/v1/chat/completions", json=body)
+                    break
+                except httpx.ConnectError as exc:
+                    retried[type(exc).__name__] += 1
+                    await trio.sleep(0.05)
+                except httpx.HTTPError as exc:
+                    error = repr(exc)
+                    break
+            if r is None:
+                results.append((0, error))
+                continue
+            ok = r.status_code == 200 and (
+                r.json()["choices"][0]["message"]["content"] == f"Echo: {words}"
+            )
+            results.append((r.status_code, "ok" if ok else r.text))
+
+    async def check_health() -> None:
+        while not stop.is_set():
+            async with httpx.AsyncClient(base_url=router.url, timeout=10) as http:
+                try:
+                    health.append((await http.get("/health")).status_code)
+                except (httpx.ConnectError, httpx.RemoteProtocolError):
+                    health.append(0)
+            await trio.sleep(0.1)
+
+    async def main() -> None:
+        with trio.fail_after(90):
+            async with trio.open_nursery() as nursery:
+                for c in range(6):
+                    nursery.start_soon(client, c)
+                nursery.start_soon(check_health)
+                await trio.to_thread.run_sync(
+                    lambda: wait_until(lambda: len(results) >= 20, 30, "load")
+                )
+                router.send_signal(signal.SIGUSR2)
+                await trio.to_thread.run_sync(lambda: router.wait_log("workers_rolled", 60))
+                for worker in (0, 1):  # the agent joins the new workers
+                    await trio.to_thread.run_sync(
+                        lambda w=worker: wait_until(
+                            lambda: metric(router, w, "hivenet_router_agents_healthy") == 1,
+                            45,
+                            f"worker {w} has the agent again",
+                        )
+                    )
+                await trio.sleep(1)
+                stop.set()
+
+    trio.run(main)
+    after = _worker_pids(router)
+    assert set(after) == {0, 1} and all(after[i] != before[i] for i in (0, 1)), (before, after)
+    assert not any(_running(p) for p in before.values())
+    log = router.log()
+    assert log.count("worker_rolled index=") == 2 and "worker_exited" not in log
+    # One at a time: worker 1 was told to drain only after worker 0's successor was ready.
+    assert log.index("worker_rolled index=0") < log.index("worker_rolled index=1")
+    failures = [r for r in results if r != (200, "ok")]
+    assert not failures, failures[:5]
+    assert len(results) > 40, len(results)
+    # The host stayed in its balancer's pool: /health never failed during the roll.
+    assert health and 503 not in health, health
+    print(f"workers roll: {len(results)} requests, tried again: {dict(retried)}")
+
+
+async def test_a_worker_that_dies_loses_only_its_own_requests(fleet: Fleet) -> None:
+    router = fleet.router("--workers", "2")
+    wait_until(lambda: router.log().count("router_ready") == 2, 20, "both workers ready")
+    fleet.agent(router, "m1", "--capacity", "64", "--sim-token-latency", "100ms", wait=False)
+    for worker in (0, 1):
+        await trio.to_thread.run_sync(
+            lambda w=worker: wait_until(
+                lambda: metric(router, w, "hivenet_router_agents_healthy") == 1,
+                45,
+                f"worker {w} has the agent",
+            )
+        )
+    routed = "hivenet_router_routing_requests_routed_total"
+    before = [metric(router, w, routed) for w in (0, 1)]
+    streams = 24
+    words = " ".join(f"w{k}" for k in range(40))  # 4 s of tokens
+    started = trio.Semaphore(0)
+    outcomes: list[str] = []
+
+    async def one() -> None:
+        # Each on its own connection, which the kernel gives to one worker or the other.
+        body = {"model": "m1", "stream": True, "messages": [{"role": "user", "content": words}]}
+        text, told = "", False
+        try:
+            async with (
+                httpx.AsyncClient(base_url=router.url, timeout=30) as http,
+                http.stream("POST", "/v1/chat/completions", json=body) as r,
+            ):
+                async for line in r.aiter_lines():
+                    if line.startswith("data: {") and '"content"' in line:
+                        text += json.loads(line[6:])["choices"][0]["delta"].get("content") or ""
+                        if not told:
+                            told = True
+                            started.release()
+            outcomes.append("ok" if text == f"Echo: {words}" else f"cut: {text[-20:]!r}")
+        except httpx.HTTPError as exc:
+            outcomes.append(f"broken: {type(exc).__name__}")
+            if not told:
+                started.release()
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            for _ in range(streams):
+                nursery.start_soon(one)
+            for _ in range(streams):
+                await started.acquire()
+            on = [metric(router, w, routed) - before[w] for w in (0, 1)]
+            os.kill(_worker_pids(router)[1], signal.SIGKILL)
+    assert sum(on) == streams and min(on) >= 1, on  # the kernel spread them
+    lost = [o for o in outcomes if o != "ok"]
+    # Worker 0's streams all finished; worker 1's, and only those, were lost.
+    assert len(lost) == on[1], (on, outcomes)
+    router.wait_log(r"worker_started index=1 pid=\d+ starts=2")

@@ -17,6 +17,7 @@ import resource
 import socket
 import struct
 from collections.abc import AsyncIterator, Awaitable, Callable
+from functools import partial
 
 import httpx
 import pytest
@@ -177,7 +178,8 @@ async def test_keep_alive_timeout_and_graceful_stop() -> None:
         with trio.fail_after(10):
             assert await idle.receive_some(100) == b""
         await idle.aclose()
-        # On stop, the listener closes and an idle connection ends at once.
+        # On stop, the listener closes; a connection that never sent a request gets
+        # the graceful time to send one, then ends.
         idle = await trio.open_tcp_stream("127.0.0.1", port)
         await trio.sleep(0.05)
         stop.set()
@@ -186,6 +188,50 @@ async def test_keep_alive_timeout_and_graceful_stop() -> None:
         await idle.aclose()
     with socket.socket() as s:
         assert s.connect_ex(("127.0.0.1", port)) != 0
+
+
+async def test_closing_the_listener_serves_what_was_accepted_and_refuses_new_connections() -> None:
+    """The router's drain (router/app.py): `accept_until` closes the listener while the
+    answers in progress go on until the stop. What the server had accepted is served:
+    a connection that had not sent its request yet gets one answer, with `Connection:
+    close`; one waiting between requests ends; `arriving` tells a drain to wait."""
+    closing, stop = trio.Event(), trio.Event()
+    request = b"GET /late HTTP/1.1\r\nHost: x\r\n\r\n"
+    async with trio.open_nursery() as nursery:
+        server = HttpServer(echo, graceful_timeout=1)
+        port = await nursery.start(
+            partial(server.serve, accept_until=closing.wait), ("127.0.0.1", 0), stop.wait
+        )
+        # One connection served a request and waits for the next; one sent nothing yet.
+        kept = await trio.open_tcp_stream("127.0.0.1", port)
+        await kept.send_all(b"GET /first HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert b"GET /first" in await kept.receive_some(1000)
+        fresh = await trio.open_tcp_stream("127.0.0.1", port)
+        await trio.to_thread.run_sync(
+            lambda: wait_until(lambda: len(server.connections) == 2, 5, "both accepted")
+        )
+        closing.set()
+        await trio.to_thread.run_sync(
+            lambda: wait_until(lambda: server.stopping, 5, "the listener closed")
+        )
+        with socket.socket() as s:  # refused, never answered
+            assert s.connect_ex(("127.0.0.1", port)) != 0
+        assert server.arriving(60)  # the fresh one has a request to come
+        with trio.fail_after(5):
+            assert await kept.receive_some(100) == b""  # ended between requests
+        await fresh.send_all(request)
+        answer = b""
+        with trio.fail_after(5):
+            while chunk := await fresh.receive_some(1000):
+                answer += chunk
+        assert answer.startswith(b"HTTP/1.1 200") and answer.endswith(b"GET /late ")
+        assert b"connection: close" in answer.lower()
+        with trio.fail_after(5):
+            while server.arriving(60):  # noqa: ASYNC110 (the connection's own close)
+                await trio.sleep(0.01)
+        stop.set()
+    await kept.aclose()
+    await fresh.aclose()
 
 
 @pytest.mark.parametrize("served", [True, False], ids=["watchdog", "connection-alone"])

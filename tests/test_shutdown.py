@@ -1,7 +1,8 @@
 """Graceful shutdown with real processes: SIGTERM on a router, SIGTERM on an agent.
 
-Router: new inference requests get a clear 503 while in-flight ones finish, up to
---drain-timeout; streams that outlive it end with an error event, never a cut
+Router: /health fails at once while new requests are still served for --drain-delay;
+then the HTTP listener closes (new connections refused) and in-flight requests finish,
+up to --drain-timeout; streams that outlive it end with an error event, never a cut
 connection. Agent: the router stops routing to it at once, it finishes what it holds,
 then leaves, and no request of a steady client load is lost.
 """
@@ -72,18 +73,23 @@ async def read_stream(
 
 
 async def test_sigterm_router_with_50_streams_in_flight(fleet: Fleet) -> None:
-    drain = 3.0
-    router = fleet.router("--drain-timeout", f"{drain:g}s")
-    fleet.agent(router, "m1", "--capacity", "64", "--sim-token-latency", "100ms")
-    # 6 to 60 tokens, 100 ms apart: the short ones end well inside the drain window,
-    # the long ones well after it.
+    delay, drain = 2.0, 3.0
+    router = fleet.router("--drain-delay", f"{delay:g}s", "--drain-timeout", f"{drain:g}s")
+    fleet.agent(router, "m1", "--capacity", "64", "--sim-token-latency", "150ms")
+    # 6 to 60 tokens, 150 ms apart: the short ones end well inside the delay plus the
+    # drain (5 s from the signal), the long ones well after it.
     texts = {i: " ".join(f"w{i}.{k}" for k in range(5 + (i % 10) * 6)) for i in range(STREAMS)}
     outcomes: dict[int, StreamOutcome] = {}
-    refused: list[httpx.Response] = []
+    late: list[StreamOutcome | httpx.Response] = []
     started = trio.Semaphore(0)
 
     async def one(client: httpx.AsyncClient, i: int) -> None:
         outcomes[i] = await read_stream(client, texts[i], started)
+
+    async def fresh(method: str, path: str, **kw: object) -> httpx.Response:
+        # A new connection each time: what a load balancer's check or new client sees.
+        async with httpx.AsyncClient(base_url=router.url, timeout=10) as c:
+            return await c.request(method, path, **kw)  # type: ignore[arg-type]
 
     limits = httpx.Limits(max_connections=STREAMS + 10)
     timeout = httpx.Timeout(60, connect=10)
@@ -97,21 +103,33 @@ async def test_sigterm_router_with_50_streams_in_flight(fleet: Fleet) -> None:
             for _ in range(STREAMS):  # every stream has its first token
                 await started.acquire()
             router.send_signal(signal.SIGTERM)
-            await trio.to_thread.run_sync(lambda: router.wait_log("router_draining", 5))
-            # New requests during the drain: a clear 503, streaming or not.
-            for stream in (False, True):
-                r = await client.post("/v1/chat/completions", json=chat("late", stream))
-                refused.append(r)
-            # Load balancers see the drain on /health.
-            health = await client.get("/health")
-    # The router was still draining (the long streams outlast the window): a 503 that
-    # says why, not a refused connection.
+            signalled = trio.current_time()
+            # Load balancers see the drain on /health within a second...
+            while (health := await fresh("GET", "/health")).status_code == 200:  # noqa: ASYNC110
+                await trio.sleep(0.02)
+            health_after = trio.current_time() - signalled
+            # ...while new requests are still answered, streaming or not, through the delay.
+            late.append(await fresh("POST", "/v1/chat/completions", json=chat("late", False)))
+            async with httpx.AsyncClient(base_url=router.url, timeout=timeout) as c:
+                late.append(await read_stream(c, "late stream"))
+            assert trio.current_time() - signalled < delay, "the late requests took too long"
+            # Then the listener closes: a new connection is refused, never answered 503.
+            await trio.to_thread.run_sync(lambda: router.wait_log("router_http_closed", 10))
+            closed_after = trio.current_time() - signalled
+            try:
+                refused = await fresh("GET", "/health")
+            except httpx.ConnectError as exc:
+                refused = exc
+    assert health_after < 1.0, health_after
     assert health.status_code == 503
     assert health.json() == {"status": "draining"}
-    for r in refused:
-        assert r.status_code == 503, r.text
-        assert r.json()["error"]["code"] == "no_agents_available"
-        assert "shutting down" in r.json()["error"]["message"]
+    plain, streamed = late
+    assert isinstance(plain, httpx.Response) and plain.status_code == 200, plain
+    assert plain.json()["choices"][0]["message"]["content"] == "Echo: late"
+    assert isinstance(streamed, StreamOutcome)
+    assert streamed.done and streamed.content == "Echo: late stream", streamed
+    assert closed_after >= delay, closed_after
+    assert isinstance(refused, httpx.ConnectError), refused
 
     completed = errored = 0
     for i, out in sorted(outcomes.items()):

@@ -12,7 +12,10 @@ as with any routers; with `--state-url` tenant counts and the configuration are
 shared (router/fleet/config_sync.py) and an agent's capacity holds across all of them
 (agent/capacity.py). The supervisor restarts a worker that dies (after RESTART_DELAY,
 so a worker that cannot start does not spin) and passes SIGTERM/SIGINT (each worker
-drains as a single router does) and SIGHUP on to every worker. A worker whose first
+drains as a single router does) and SIGHUP on to every worker; SIGUSR2 restarts the
+workers one at a time (`roll`). Each worker holds one end of a socket pair with the
+supervisor: when the supervisor dies, SIGKILLed even, the worker reads its end of file
+and stops, so no worker is left holding the HTTP port. A worker whose first
 start ends with CONFIG_ERROR stops the host with that status, as a single router's
 configuration error does: a restart reads the same files, and the unit's
 RestartPreventExitStatus=2 can act only on the supervisor's status.
@@ -22,8 +25,9 @@ from __future__ import annotations
 
 import logging
 import signal
+import socket
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import trio
@@ -70,18 +74,31 @@ def worker_argv(argv: list[str], index: int, count: int) -> list[str]:
     return [*out, "--workers", "1", "--worker-index", str(index), "--worker-count", str(count)]
 
 
+# A rolling restart waits this long for each new worker to say it is ready before it
+# gives up on the rest (a worker that cannot start is restarted, as ever).
+READY_TIMEOUT = 60.0
+
+
 @dataclass
 class Worker:
     index: int
     argv: list[str]
     process: Any = None
     starts: int = 0
+    # The supervisor's end of the socket pair shared with the running process.
+    line: Any = None
+    # Set when the next (or running) process says it is ready; a new one after each exit.
+    ready: trio.Event = field(default_factory=trio.Event)
+    # Set when the running process has exited.
+    exited: trio.Event = field(default_factory=trio.Event)
+    rolling: bool = False
 
 
 class Supervisor:
     def __init__(self, argv: list[str], count: int) -> None:
         self.workers = [Worker(i, worker_argv(argv, i, count)) for i in range(count)]
         self.stopping = False
+        self.rolling = False
         self.exit_code = 0
 
     def __repr__(self) -> str:
@@ -100,10 +117,27 @@ class Supervisor:
 
     async def _keep(self, worker: Worker) -> None:
         while True:
+            # The worker's line to this process: it says when it is ready, hears when to
+            # drain, and its end of file tells the worker that this supervisor is gone
+            # (SIGKILL included), so no worker outlives it (router/app.py `_supervised`).
+            mine, theirs = socket.socketpair()
             argv = [sys.executable, "-m", "router.cli", "serve", *worker.argv]
+            argv += ["--supervisor-fd", str(theirs.fileno())]
+            if worker.starts:
+                # Its siblings serve the shared port meanwhile: it takes clients once
+                # its agents are back (router/app.py `_wait_for_agents`).
+                argv.append("--worker-wait-agents")
             # The workers inherit stdout/stderr: one log stream, each line naming its
             # router by peer_id as a single router's do.
-            worker.process = await trio.lowlevel.open_process(argv)
+            try:
+                worker.process = await trio.lowlevel.open_process(argv, pass_fds=(theirs.fileno(),))
+            except BaseException:
+                mine.close()
+                raise
+            finally:
+                theirs.close()
+            worker.line = trio.socket.from_stdlib_socket(mine)
+            exited = worker.exited = trio.Event()
             worker.starts += 1
             log.info(
                 "worker_started index=%d pid=%d starts=%d",
@@ -116,8 +150,18 @@ class Supervisor:
                 # runs in a thread), so it was not passed on: the worker would run on.
                 worker.process.send_signal(signal.SIGTERM)
             with trio.CancelScope(shield=True):
-                code = await worker.process.wait()
-            worker.process = None
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._hear, worker)
+                    code = await worker.process.wait()
+                    nursery.cancel_scope.cancel()
+            worker.line.close()
+            worker.process = worker.line = None
+            worker.ready = trio.Event()
+            exited.set()
+            if worker.rolling and not self.stopping:
+                worker.rolling = False
+                log.info("worker_rolled index=%d code=%d", worker.index, code)
+                continue  # the new code starts at once: the other workers serve meanwhile
             if self.stopping:
                 log.info("worker_stopped index=%d code=%d", worker.index, code)
                 return
@@ -138,12 +182,69 @@ class Supervisor:
             if self.stopping:
                 return
 
+    async def _hear(self, worker: Worker) -> None:
+        """The worker's `R` (ready); its end of file is its exit, which wait() sees."""
+        ready = worker.ready
+        try:
+            while data := await worker.line.recv(64):
+                if b"R" in data:
+                    ready.set()
+        except OSError:
+            pass
+
     async def _signals(self) -> None:
-        """Passed on to every worker; the first SIGTERM/SIGINT also stops restarts, and
-        a second one reaches the workers too (each then stops at once, as a router does)."""
-        with trio.open_signal_receiver(signal.SIGHUP, signal.SIGTERM, signal.SIGINT) as signals:
-            async for signum in signals:
-                self._on_signal(signum)
+        """SIGTERM/SIGINT/SIGHUP passed on to every worker; the first SIGTERM/SIGINT also
+        stops restarts, and a second one reaches the workers too (each then stops at
+        once, as a router does). SIGUSR2: a rolling restart, one worker at a time."""
+        sigs = (signal.SIGHUP, signal.SIGTERM, signal.SIGINT, signal.SIGUSR2)
+        async with trio.open_nursery() as nursery:
+            with trio.open_signal_receiver(*sigs) as signals:
+                async for signum in signals:
+                    if signum == signal.SIGUSR2:
+                        if not self.rolling and not self.stopping:
+                            nursery.start_soon(self.roll)
+                    else:
+                        self._on_signal(signum)
+
+    async def roll(self) -> None:
+        """Restart every worker, one at a time, on the code now installed: the worker
+        closes its listener at once (its siblings go on serving the shared port, so
+        /health stays 200 and the host stays in its balancer's pool), drains what it
+        holds as a stopped router does, and exits; its successor starts, and the next
+        worker goes only once that one is ready."""
+        self.rolling = True
+        log.info("workers_rolling count=%d", len(self.workers))
+        try:
+            for worker in self.workers:
+                if self.stopping:
+                    return
+                if worker.process is None or worker.line is None:
+                    continue
+                exited = worker.exited
+                worker.rolling = True
+                try:
+                    await worker.line.send(b"D")
+                except OSError:
+                    worker.rolling = False
+                    continue
+                # The old one drains (its --drain-timeout bounds that), then its
+                # successor gets READY_TIMEOUT to say it is ready.
+                await exited.wait()
+                ready = worker.ready
+                with trio.move_on_after(READY_TIMEOUT):
+                    await ready.wait()
+                if self.stopping:
+                    return
+                if not ready.is_set():
+                    log.warning(
+                        "workers_roll_stopped index=%d reason=%s",
+                        worker.index,
+                        quote("the new worker did not get ready"),
+                    )
+                    return
+            log.info("workers_rolled count=%d", len(self.workers))
+        finally:
+            self.rolling = False
 
     def _on_signal(self, signum: int) -> None:
         if signum != signal.SIGHUP:

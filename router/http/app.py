@@ -88,6 +88,10 @@ class RouterApp:
         self.lifetime = lifetime
         self.tracer = tracer
         self.draining = False
+        # `--health-min-agents`: /health fails while fewer agents than this are routable,
+        # so a balancer sends nothing to a router that has just started (or lost its
+        # agents) and could only answer 404/503; 0: /health says only that it runs.
+        self.health_min_agents = 0
         self.inflight = 0
         self.idle = trio.Event()
         self.ids = RequestIds()
@@ -99,6 +103,14 @@ class RouterApp:
                 "admin_api_insecure reason=%s",
                 quote("no HIVENET_ROUTER_ADMIN_API_KEYS: /admin/* answers without a key"),
             )
+
+    def _too_few_agents(self) -> bool:
+        routable = 0
+        for peer in self.table.all():
+            routable += peer.routable
+            if routable >= self.health_min_agents:
+                return False
+        return True
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -136,8 +148,11 @@ class RouterApp:
             elif console is not None and console.ui and path.startswith(PAGE_PREFIX):
                 status = await console.page(scope, send, rid)
             elif path == "/health" and method in _READ_METHODS:
-                # A draining router tells load balancers to send new clients elsewhere.
+                # A draining router tells load balancers to send new clients elsewhere;
+                # it serves what still reaches it (router/app.py: the drain delay).
                 status, state = (503, "draining") if self.draining else (200, "ok")
+                if status == 200 and self.health_min_agents and self._too_few_agents():
+                    status, state = 503, "no_agents"
                 extra_health = self.tenants.health() if self.tenants else {}
                 await send_json(
                     send, status, {"status": state, **extra_health}, [("x-request-id", rid)]
@@ -222,9 +237,6 @@ class RouterApp:
         if path in ENDPOINTS and method != "POST":
             return await _not_allowed(send, rid, protocol, "POST", ticket), tenant
         if path in ENDPOINTS:
-            if self.draining:
-                err = RouterError(ErrorCode.NO_AGENTS_AVAILABLE, "router is shutting down")
-                return await send_error(send, protocol, err, extra, ticket), tenant
             if not self.inflight:
                 self.idle = trio.Event()
             self.inflight += 1

@@ -210,19 +210,26 @@ class HttpServer:
         addr: tuple[str, int],
         shutdown_trigger: Callable[[], Awaitable[Any]],
         *,
+        accept_until: Callable[[], Awaitable[Any]] | None = None,
         reuse_port: bool = False,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve until `shutdown_trigger` returns; then stop accepting, let requests in
         progress finish for up to graceful_timeout, and cancel what is left. Started
         with the port it listens on (for port 0). `reuse_port`: share the port with the
-        host's other router workers (SO_REUSEPORT; the kernel spreads connections)."""
+        host's other router workers (SO_REUSEPORT; the kernel spreads connections).
+
+        `accept_until`: stop accepting earlier, when it returns. The listener closes (a
+        new connection is refused, not answered), idle connections end, and each busy
+        one ends after its answer (`Connection: close`); the answers in progress go on
+        until `shutdown_trigger`. This is the router's drain: in-flight streams finish
+        while nothing new can reach it."""
         if reuse_port:
             listeners = [await _reuse_port_listener(addr)]
         else:
             listeners = await trio.open_tcp_listeners(addr[1], host=addr[0])
         try:
-            await self._serve(listeners, shutdown_trigger, task_status)
+            await self._serve(listeners, accept_until, shutdown_trigger, task_status)
         finally:
             if self.hangups is not None:
                 self.hangups.close()
@@ -231,6 +238,7 @@ class HttpServer:
     async def _serve(
         self,
         listeners: list[trio.SocketListener],
+        accept_until: Callable[[], Awaitable[Any]] | None,
         shutdown_trigger: Callable[[], Awaitable[Any]],
         task_status: trio.TaskStatus[int],
     ) -> None:
@@ -249,17 +257,42 @@ class HttpServer:
             nursery.start_soon(accept_all)
             nursery.start_soon(self.watch)
             task_status.started(listeners[0].socket.getsockname()[1])
-            await shutdown_trigger()
+            await (accept_until or shutdown_trigger)()
             self.stopping = True
             accepting.cancel()
             for listener in listeners:
-                await listener.aclose()
+                await self._close_listener(listener, nursery)
             for conn in list(self.connections):
                 conn.stop_if_idle()
+            if accept_until is not None:
+                await shutdown_trigger()
             with trio.move_on_after(self.graceful_timeout):
                 if self.connections:
                     await self._all_closed.wait()
             nursery.cancel_scope.cancel()
+
+    def arriving(self, within: float) -> bool:
+        """A connection accepted, or a request begun, in the last `within` seconds that
+        is not done: what an app may not have counted yet (a drain waits for it)."""
+        since = trio.current_time() - within
+        return any(
+            c.began > since and (c.state is not IDLE or not c.requests) and c.state is not CLOSED
+            for c in self.connections
+        )
+
+    async def _close_listener(self, listener: trio.SocketListener, nursery: trio.Nursery) -> None:
+        """Close `listener` losing as few connections as the kernel allows: those it
+        completed but nobody accepted yet would be reset by the close, so what is
+        queued is accepted (and served) first. One the kernel completes between the
+        last accept and the close is still reset before any answer: a balancer's retry
+        covers it, and with `sysctl net.ipv4.tcp_migrate_req=1` the kernel hands it to
+        a sibling worker of the shared port instead."""
+        try:
+            while readable_now(listener.socket):
+                nursery.start_soon(self.run_connection, await listener.accept())
+        except OSError:
+            pass  # closing anyway
+        await listener.aclose()
 
     async def watch(self) -> None:
         """Close every connection whose write made no progress for write_timeout, end
@@ -397,6 +430,8 @@ class _Connection:
         self.scope = trio.CancelScope()
         self.state = ACTIVE
         self.requests = 0
+        # When the connection was accepted, then when its latest request began.
+        self.began = trio.current_time()
         # When the write in progress began (inf: none), for the write watchdog.
         self.write_began = math.inf
         # When the wait for the next request began, for the keep-alive watchdog.
@@ -449,7 +484,10 @@ class _Connection:
         )
 
     def stop_if_idle(self) -> None:
-        if self.state is IDLE:
+        """On stop: end the connection if it waits between requests. A connection that
+        has not sent its first request yet is kept for it (served with `Connection:
+        close`): its client opened it to send one, and accepted it was."""
+        if self.state is IDLE and self.requests:
             self.end()
 
     async def abandon(self) -> None:
@@ -551,7 +589,7 @@ class _Connection:
     async def run(self) -> None:
         try:
             with self.scope:
-                while not self.server.stopping:
+                while not self.server.stopping or not self.requests:
                     request = await self._next_request()
                     if request is None:
                         break
@@ -611,6 +649,7 @@ class _Connection:
     async def _serve(self, request: Head) -> None:
         self.request = request
         self.requests += 1
+        self.began = trio.current_time()
         self.head = None
         self.answer = READING
         self.body_done = False
