@@ -140,3 +140,11 @@ def test_agent_defaults_are_interface_md_s() -> None:
     assert (args.http_timeout, args.stream_write_timeout) == (120.0, 60.0)
     values = upstream_values(args, {})
     assert (values["tags"], values["heartbeat_interval"]) == (["production"], 5.0)
+
+
+def test_an_infinity_agent_must_name_its_capability(capsys: pytest.CaptureFixture[str]) -> None:
+    from agent.cli import main as agent_main
+
+    router = "/ip4/127.0.0.1/tcp/9000/p2p/x"
+    assert agent_main(["--router", router, "--engine", "infinity"]) == 2
+    assert "--capability embedding or reranker" in capsys.readouterr().err
