@@ -143,10 +143,11 @@ def test_infinity_embeddings_through_the_router_are_the_engines_own(
     assert [d.embedding for d in client.embeddings.create(model=MODEL, input=TEXTS).data] == (
         direct
     )
-    # Chat is not Infinity's: the agent refuses it before asking the engine.
+    # Chat is not Infinity's: an embedding agent is never chosen for it (capability gate).
     chat = httpx.post(
         router.url + "/v1/chat/completions",
         json={"model": MODEL, "messages": [{"role": "user", "content": "hi"}]},
         timeout=30,
     )
-    assert chat.status_code in (400, 404), chat.text
+    assert chat.status_code == 503, chat.text
+    assert "capability" in chat.json()["error"]["message"]
