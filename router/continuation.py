@@ -152,8 +152,12 @@ def _read_openai(sent: Sent, name: str | None, event: dict[str, Any]) -> None:
             sent.tokens, sent.prompt_tokens = completion, prompt
 
 
+# A count past this is no engine's (the bound the router puts on an agent's usage).
+MAX_COUNT = 2**32
+
+
 def _count(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_COUNT
 
 
 def _read_anthropic(sent: Sent, name: str | None, event: dict[str, Any]) -> None:
