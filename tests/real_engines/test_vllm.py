@@ -316,16 +316,24 @@ def _pair_one(fleet: Fleet, router: Router, url: str, region: str) -> Agent:
 
 
 def _leave(base: str, vllm_url: str) -> tuple[float, float, float]:
-    """A stream of 960 tokens left after 10 chunks: the engine's running requests just
-    before, the seconds until its gauge says none run, and the tokens it generated."""
+    """A stream of 960 tokens left after its first chunk: the engine's running requests
+    just before, the seconds until its gauge says none run, and the tokens it generated.
+    On an idle machine the tiny model can finish before the gauge is read: up to three
+    tries for one that is still running then."""
+    for _ in range(3):
+        found = _leave_once(base, vllm_url)
+        if found[0] == 1:
+            break
+    return found
+
+
+def _leave_once(base: str, vllm_url: str) -> tuple[float, float, float]:
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     generated = gauge(vllm_url, "vllm:generation_tokens_total")
     stream = client.chat.completions.create(
         model=SERVED, messages=HELLO, max_tokens=960, stream=True, extra_body={"ignore_eos": True}
     )
-    for n, _ in enumerate(stream):
-        if n == 10:
-            break
+    next(iter(stream))
     running = gauge(vllm_url, "vllm:num_requests_running")
     stream.close()
     left = time.monotonic()
