@@ -263,7 +263,7 @@ def test_a_stream_continued_after_its_agent_is_killed_is_whole_and_adds_up(
         first = _pair_one(fleet, router, vllm_url, "first")
         before = router.metric(counter, outcome="continued")
         try:
-            got = _stream(router, limit, _Killer(first), after=2 + (5 * run) % 30)
+            got = _stream(router, limit, _Killer(first), after=1 + run % 3)
         except AssertionError as exc:
             lines = [x for x in router.log().splitlines() if " stream_" in x]
             raise AssertionError(f"run {run}: {exc}\n" + "\n".join(lines[-5:])) from None
@@ -287,8 +287,8 @@ def test_a_stream_continued_after_its_agent_is_killed_is_whole_and_adds_up(
                 f"{got['text'][at - 10 : at + 20]!r} against "
                 f"{reference['text'][at - 10 : at + 20]!r}"
             )
-    # Most kills land mid-answer (the first after 2 events); a late one on a fast
-    # machine can come after the router had the whole answer.
+    # Most kills land mid-answer (after 1 to 3 events); one on a fast idle
+    # machine can still come after the router had the whole answer.
     assert cut >= (runs + 1) // 2, (cut, runs)
     summary = (
         f"continuation on real vLLM: {cut} of {runs} streams cut and continued; "
