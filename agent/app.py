@@ -121,6 +121,7 @@ class AgentDaemon:
             # The engine is never asked through HTTP(S)_PROXY, which names the agent's way
             # out to its routers (agent/http_proxy.py).
             engine = EnginePool(ep.backend_url, timeouts, s.capacity)
+            engine.kind = s.engine
             nursery.start_soon(engine.tidy)
             if not self.model:
                 self.model = await self._discover(probe, ep)

@@ -58,7 +58,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capability", choices=CAPABILITIES, default="llm")
     p.add_argument(
         "--engine",
-        choices=("vllm", "sglang", "llamacpp", "ollama", "custom", "sim"),
+        choices=("vllm", "sglang", "llamacpp", "ollama", "infinity", "custom", "sim"),
         default="vllm",
     )
     p.add_argument("--backend-url", default=None)
@@ -179,6 +179,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.engine == "custom" and not (args.health_url and args.model):
         print("hivenet-agent: --engine custom needs --health-url and --model", file=sys.stderr)
+        return 2
+    if args.engine == "infinity" and args.capability == "llm":
+        # Infinity serves embeddings and reranking only: an `llm` agent would take
+        # chat requests its engine refuses.
+        print(
+            "hivenet-agent: --engine infinity needs --capability embedding or reranker",
+            file=sys.stderr,
+        )
         return 2
     if args.engine == "sim":
         from sim import missing_extra

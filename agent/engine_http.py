@@ -180,6 +180,8 @@ class EnginePool:
         self._port = parts.port or (443 if self._tls else 80)
         host = parts.netloc.rpartition("@")[2]  # never the URL's user:password
         self.origin = f"{parts.scheme}://{host}"
+        # The engine's kind (`--engine`), for what its API can be asked (agent/usage.py).
+        self.kind = ""
         self._own_lines = [f"host: {host}"]
         self._skip = _OWN_HEADERS
         if parts.username is not None:

@@ -16,7 +16,7 @@ from agent.engine_http import (
     EngineUnavailable,
     ReadLimits,
 )
-from agent.usage import UsageTap
+from agent.usage import UsageTap, wanted
 from protocol import messages as m
 from protocol.errors import ErrorCode, route_missing
 from protocol.frames import MAX_FRAME_BYTES
@@ -82,7 +82,7 @@ async def _forward(
     missing: Callable[[str], None] | None,
 ) -> None:
     req_id: int = msg["id"]
-    tap = UsageTap(msg) if msg.get("report_usage") else None
+    tap = UsageTap(msg, engine.kind) if wanted(msg, engine.kind) else None
     headers = msg["headers"]
     # The engine joins the trace: this agent's span when tracing, else the router's.
     traceparent = span.traceparent() or msg.get("traceparent")

@@ -8,6 +8,13 @@ asks the engine for it and removes that extra chunk when the client did not ask.
 
 The answer is parsed once, by the check of agent/answers.py: a whole answer's object
 is handed to `of_answer`, a stream's events to `of_event` as the SSEChecker's observer.
+A chat stream the router may continue (`stream_tokens` on the request frame) needs what
+the client was sent counted in tokens, not events: vLLM packs several tokens into one
+event when its reader lags. On engines that can, the agent asks for the running count
+in every chunk (`continuous_usage_stats`); those chunks reach the client with their
+`usage` (OpenAI's chunks carry the field anyway), and router/continuation.py reads it
+when a stream breaks.
+
 Where that check does not run on a stream (an error status, a compressed stream) its
 usage is not read and its usage-only chunk stays; a compressed stream could not be
 read before either.
@@ -22,19 +29,35 @@ from protocol.usage import COMPLETION, PROMPT, normalize, usage_of_answer, usage
 
 # OpenAI endpoints whose streams need `stream_options` to carry usage.
 _INCLUDE_USAGE_PATHS = (CHAT, COMPLETIONS)
+# Engines that put the usage so far in every chunk when asked
+# (`stream_options.continuous_usage_stats`, with `include_usage`).
+CONTINUOUS_USAGE_ENGINES = frozenset({"vllm", "sglang", "sim"})
+
+
+def wanted(msg: dict, engine: str) -> bool:
+    """Whether a request needs a UsageTap: the router asked for usage, or for a stream's
+    running token count on an engine that gives one."""
+    return bool(msg.get("report_usage")) or (
+        bool(msg.get("stream_tokens")) and engine in CONTINUOUS_USAGE_ENGINES
+    )
 
 
 class UsageTap:
-    def __init__(self, msg: dict) -> None:
+    def __init__(self, msg: dict, engine: str = "") -> None:
         self.body: bytes = msg["body"]
         # Whether the usage-only chunk (`choices: []`) was asked for by the agent alone.
         self.strip = False
         self.usage: dict[str, int] | None = None
         if msg["stream"] and msg["path"] in _INCLUDE_USAGE_PATHS:
-            rewritten = _ask_for_usage(self.body)
+            continuous = (
+                msg["path"] == CHAT
+                and bool(msg.get("stream_tokens"))
+                and engine in CONTINUOUS_USAGE_ENGINES
+            )
+            rewritten, asked = _ask_for_usage(self.body, continuous)
             if rewritten is not None:
                 self.body = rewritten
-                self.strip = True
+                self.strip = not asked
 
     def of_answer(self, answer: dict | None, body: bytes) -> None:
         """Read a whole answer: `answer` is its object as the check parsed it; only an
@@ -62,20 +85,24 @@ class UsageTap:
         return self.strip and event.get("choices") == []
 
 
-def _ask_for_usage(body: bytes) -> bytes | None:
-    """The body with `include_usage` set; None when the client already asked (or the
-    body is not a JSON object: the engine answers that one with its own error)."""
+def _ask_for_usage(body: bytes, continuous: bool) -> tuple[bytes | None, bool]:
+    """The body with `include_usage` set (and `continuous_usage_stats` when `continuous`),
+    and whether the client had asked for the usage chunk itself. None when the body asks
+    for all that already (or is not a JSON object: the engine answers that one with its
+    own error)."""
     try:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
-        return None
+        return None, True
     if not isinstance(payload, dict):
-        return None
+        return None, True
     options = payload.get("stream_options")
-    if isinstance(options, dict) and options.get("include_usage") is True:
-        return None
-    payload["stream_options"] = {
-        **(options if isinstance(options, dict) else {}),
-        "include_usage": True,
-    }
-    return json.dumps(payload, separators=(",", ":")).encode()
+    options = options if isinstance(options, dict) else {}
+    asked = options.get("include_usage") is True
+    if asked and (not continuous or options.get("continuous_usage_stats") is True):
+        return None, True
+    options = {**options, "include_usage": True}
+    if continuous:
+        options["continuous_usage_stats"] = True
+    payload["stream_options"] = options
+    return json.dumps(payload, separators=(",", ":")).encode(), asked

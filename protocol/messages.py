@@ -79,7 +79,7 @@ _OPTIONAL: dict[str, tuple[tuple[str, type | tuple[type, ...]], ...]] = {
     # protocol/router_proof.py: the agent's challenge and the router's answer.
     HELLO: (("challenge", str),),
     ERROR: (("status", int), ("elsewhere", int)),
-    REQUEST: (("report_usage", bool), ("traceparent", str)),
+    REQUEST: (("report_usage", bool), ("traceparent", str), ("stream_tokens", bool)),
     RESPONSE_END: (("usage", dict), ("elsewhere", int)),
     RESPONSE: (("usage", dict), ("elsewhere", int)),
 }
@@ -177,6 +177,7 @@ def request(
     stream: bool,
     report_usage: bool = False,
     traceparent: str | None = None,
+    stream_tokens: bool = False,
 ) -> dict:
     msg = {
         "type": REQUEST,
@@ -194,6 +195,11 @@ def request(
     if traceparent is not None:
         # W3C trace context of the router's try, for the agent's span and the engine.
         msg["traceparent"] = traceparent
+    if stream_tokens:
+        # The router may continue this stream elsewhere if it breaks: have the engine
+        # put its running token count in every event, where the engine can, so the
+        # router knows in tokens what the client was sent (router/continuation.py).
+        msg["stream_tokens"] = True
     return msg
 
 

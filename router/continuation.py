@@ -39,7 +39,15 @@ class Sent:
     """What the client has of a stream, read from the bytes it was sent."""
 
     text: str = ""
-    tokens: int = 0  # content events: one token each for vLLM, SGLang and the sim
+    # The answer's tokens the client has: the engine's running count where its events
+    # carry one (OpenAI's `usage` in every chunk, which the agent asks vLLM, SGLang and
+    # the sim for: agent/usage.py), plus one per content event after the last count.
+    # vLLM packs several tokens into one event when its reader lags, so counting events
+    # alone undercounts (README 5.6).
+    tokens: int = 0
+    # The prompt's tokens as the engine counted them (the same running usage), which
+    # the spliced usage reports: the continuation's prompt holds the text sent too.
+    prompt_tokens: int | None = None
     problem: str | None = None  # why it cannot be continued; None: it can
     finished: bool = False  # the answer's end already reached the client
     # ... and so did the stream's last event (`[DONE]`, `message_stop`): the router
@@ -136,6 +144,20 @@ def _read_openai(sent: Sent, name: str | None, event: dict[str, Any]) -> None:
                 sent.tokens += 1
         if choice.get("finish_reason") is not None:
             sent.finished = True
+    usage = event.get("usage")
+    if isinstance(usage, dict):
+        # A running count includes this event's own tokens.
+        completion, prompt = usage.get(COMPLETION), usage.get(PROMPT)
+        if _count(completion) and _count(prompt):
+            sent.tokens, sent.prompt_tokens = completion, prompt
+
+
+# A count past this is no engine's (the bound the router puts on an agent's usage).
+MAX_COUNT = 2**32
+
+
+def _count(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < MAX_COUNT
 
 
 def _read_anthropic(sent: Sent, name: str | None, event: dict[str, Any]) -> None:
@@ -206,10 +228,16 @@ def merged_usage(usage: dict[str, int] | None, sent: Sent) -> dict[str, int] | N
     already sent move from the prompt (where the continuation read them) to the output."""
     if usage is None:
         return None
-    return {
-        PROMPT: max(0, usage[PROMPT] - sent.tokens),
-        COMPLETION: usage[COMPLETION] + sent.tokens,
-    }
+    return {PROMPT: prompt_of(usage[PROMPT], sent), COMPLETION: usage[COMPLETION] + sent.tokens}
+
+
+def prompt_of(continued_prompt: int, sent: Sent) -> int:
+    """The client's prompt tokens, from a continuation's: the engine's own count of the
+    first part's where it gave one; else the continuation's less the tokens sent (the
+    text sent is part of its prompt, tokenized again: only about the same count)."""
+    if sent.prompt_tokens is not None:
+        return sent.prompt_tokens
+    return max(0, continued_prompt - sent.tokens)
 
 
 def closing(path: str, sent: Sent, finish: str) -> bytes:
@@ -278,7 +306,7 @@ class Splice:
             event["model"] = sent.model
         usage = event.get("usage")
         if isinstance(usage, dict) and isinstance(usage.get(PROMPT), int):
-            prompt = max(0, usage[PROMPT] - sent.tokens)
+            prompt = prompt_of(usage[PROMPT], sent)
             completion = int(usage.get(COMPLETION) or 0) + sent.tokens
             usage |= {PROMPT: prompt, COMPLETION: completion, "total_tokens": prompt + completion}
         choices = event.get("choices")

@@ -886,6 +886,7 @@ class AgentLink:
                     req.stream,
                     req.report_usage,
                     span.traceparent() or req.traceparent,
+                    req.stream_tokens,
                 )
             )
         except SessionClosed as exc:

@@ -62,6 +62,9 @@ class RouteRequest:
     sent_at: float = 0.0
     # Ask the agent for the engine's token usage (tenant quotas, audit log).
     report_usage: bool = False
+    # The stream may be continued if it breaks: the agent asks the engine to count its
+    # tokens in every event (router/continuation.py reads them).
+    stream_tokens: bool = False
     # Higher is served first from the capacity queue; `shed_if` may select by it.
     priority: int = 0
     # A hard constraint like the model: only agents running one of these engines

@@ -413,18 +413,24 @@ class SimEngine:
                 metrics.itl.observe((time.monotonic() - last) / gaps, gaps)
             metrics.generation_tokens += len(pieces)
             return
-        for index, piece in enumerate(pieces):
-            if index:
-                if state.token_latency > 0:
-                    await trio.sleep(state.token_latency)
-                now = time.monotonic()
-                metrics.itl.observe(now - last)
-                last = now
-            stall = state.stall_after_tokens
-            if stall is not None and index >= stall:
-                await trio.sleep_forever()
-            await emit(index, piece)
-            metrics.generation_tokens += 1
+        # Events of `tokens_per_event` tokens (the last may hold fewer); the tokens'
+        # gaps are slept one by one all the same, as the engine decodes them.
+        per_event = state.tokens_per_event
+        for start in range(0, len(pieces), per_event):
+            group = pieces[start : start + per_event]
+            for index in range(start, start + len(group)):
+                if index:
+                    if state.token_latency > 0:
+                        await trio.sleep(state.token_latency)
+                    now = time.monotonic()
+                    metrics.itl.observe(now - last)
+                    last = now
+                stall = state.stall_after_tokens
+                if stall is not None and index >= stall:
+                    await trio.sleep_forever()
+            job.emitted = start + len(group)
+            await emit(start, group[0] if len(group) == 1 else "".join(group))
+            metrics.generation_tokens += len(group)
 
 
 def create_sim_app(

@@ -33,6 +33,7 @@ class Job:
     finish: str  # "stop", "length" or "tool_calls" (OpenAI's names)
     started: float
     cached_tokens: int = 0  # found in the prefix cache at prefill
+    emitted: int = 0  # tokens a stream has sent so far, the event being sent included
 
     @property
     def prompt_tokens(self) -> int:

@@ -55,6 +55,13 @@ def _include_usage(payload: dict[str, Any]) -> bool:
     return isinstance(options, dict) and options.get("include_usage") is True
 
 
+def _continuous_usage(payload: dict[str, Any]) -> bool:
+    """vLLM's `continuous_usage_stats`: every chunk carries the usage so far (only with
+    `include_usage`, as vLLM reads it)."""
+    options = payload.get("stream_options")
+    return _include_usage(payload) and options.get("continuous_usage_stats") is True
+
+
 # Chat ---------------------------------------------------------------------------------
 
 
@@ -86,7 +93,8 @@ def prepare_chat(engine: SimEngine, payload: dict[str, Any], started: float) -> 
         return partial(_chat_tool_full, engine, job, call)
     job = engine.job(prompt, last_user, limit, payload, started, continued(payload))
     if payload.get("stream") is True:
-        return partial(_chat_stream, engine, job, _include_usage(payload))
+        usage = _include_usage(payload), _continuous_usage(payload)
+        return partial(_chat_stream, engine, job, *usage)
     return partial(_chat_full, engine, job)
 
 
@@ -111,23 +119,36 @@ async def _chat_full(engine: SimEngine, job: Job, exchange: Exchange) -> None:
 
 
 async def _chat_stream(
-    engine: SimEngine, job: Job, include_usage: bool, exchange: Exchange
+    engine: SimEngine, job: Job, include_usage: bool, continuous: bool, exchange: Exchange
 ) -> None:
     request_id, created = f"chatcmpl-sim{engine.next_id()}", int(time.time())
     head = (
         b'data: {"id":"%s","object":"chat.completion.chunk","created":%d,"model":%s,'
         b'"choices":[{"index":0,"delta":{'
     ) % (request_id.encode(), created, engine.model_json)
-    open_tail = b'},"logprobs":null,"finish_reason":null}]}\n\n'
+
+    def tail(finish: bytes) -> bytes:
+        choice = b'},"logprobs":null,"finish_reason":' + finish + b"}]"
+        if not continuous:
+            return choice + b"}\n\n"
+        prompt, completion = job.prompt_tokens, job.emitted
+        usage = {
+            "prompt_tokens": prompt,
+            "completion_tokens": completion,
+            "total_tokens": prompt + completion,
+        }
+        return choice + b',"usage":' + dumps(usage) + b"}\n\n"
+
+    open_tail = tail(b"null")
     role = head + b'"role":"assistant","content":""' + open_tail
 
     async def emit(index: int, piece: str) -> None:
-        data = head + b'"content":' + dumps(piece) + open_tail
+        data = head + b'"content":' + dumps(piece) + (tail(b"null") if continuous else open_tail)
         await exchange.chunk(role + data if index == 0 else data)
 
     await exchange.start(200, SSE_HEADERS)
     await engine.generate(job, emit)
-    end = head + b'},"logprobs":null,"finish_reason":"%s"}]}\n\n' % job.finish.encode()
+    end = head + tail(b'"%s"' % job.finish.encode())
     kind = "chat.completion.chunk"
     await _finish_stream(engine, exchange, end, request_id, created, kind, job, include_usage)
 

@@ -46,6 +46,9 @@ class SimState:
     malformed: str | None = None
     # A stream stops after this many tokens and hangs; a non-streamed answer never comes.
     stall_after_tokens: int | None = None
+    # Tokens per stream event: vLLM sends every token its reader finds decoded since the
+    # last event, several at once when the reader lags (a loaded server, a slow client).
+    tokens_per_event: int = 1
     # Requests wait before their prefill while this is true: a test holds them in the
     # engine for as long as it needs, not for a guessed time.
     hold: bool = False
@@ -139,6 +142,7 @@ SETTERS: dict[str, Callable[[Any], Any]] = {
     "prefix_block_tokens": _integer(1, MAX_PREFIX_BLOCK_TOKENS),
     "prefix_cache_blocks": _integer(0, MAX_PREFIX_CACHE_BLOCKS),
     "stall_after_tokens": _optional(_integer(0)),
+    "tokens_per_event": _integer(1, 4096),
     "hold": _boolean,
     "missing_routes": _paths,
 }

@@ -167,3 +167,11 @@ def test_the_drain_and_health_flags_refuse_what_makes_no_sense(
     with a, b:
         args = router_parser().parse_args(["serve", "--supervisor-fd", str(a.fileno())])
         assert settings_from(args).supervisor_fd == a.fileno()
+
+
+def test_an_infinity_agent_must_name_its_capability(capsys: pytest.CaptureFixture[str]) -> None:
+    from agent.cli import main as agent_main
+
+    router = "/ip4/127.0.0.1/tcp/9000/p2p/x"
+    assert agent_main(["--router", router, "--engine", "infinity"]) == 2
+    assert "--capability embedding or reranker" in capsys.readouterr().err

@@ -7,6 +7,7 @@ import json
 from collections.abc import AsyncIterator
 
 import anthropic
+import httpx
 import openai
 import pytest
 import trio
@@ -93,6 +94,36 @@ async def test_the_sim_continues_a_final_assistant_turn_and_counts_only_new_toke
     assert answer.usage.output_tokens == 4
 
 
+async def test_the_sim_packs_tokens_into_events_and_counts_them_in_each_chunk(
+    nursery: trio.Nursery,
+) -> None:
+    """As vLLM when its reader lags (`tokens_per_event`), with the running usage of
+    `continuous_usage_stats` in every chunk; a bad setting is refused."""
+    url = await _sim(nursery)
+    async with httpx.AsyncClient(base_url=url) as http:
+        refused = await http.post("/sim/state", json={"tokens_per_event": 0})
+        assert refused.status_code == 400
+        assert (await http.post("/sim/state", json={"tokens_per_event": 3})).status_code == 200
+        body = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "a b c d e f g"}],
+            "stream": True,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True},
+        }
+        answer = await http.post("/v1/chat/completions", json=body)
+    events = [json.loads(d) for _, d in sse_events(answer.content)[0] if d != "[DONE]"]
+    content = [e for e in events if e["choices"] and e["choices"][0]["delta"].get("content")]
+    # "Echo: a b c d e f g": 8 tokens in events of 3, 3 and 2.
+    assert [e["choices"][0]["delta"]["content"] for e in content] == [
+        "Echo: a b",
+        " c d e",
+        " f g",
+    ]
+    assert [e["usage"]["completion_tokens"] for e in content] == [3, 6, 8]
+    assert {e["usage"]["prompt_tokens"] for e in events} == {7}
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 8
+
+
 def _chat_stream(pieces: list[str], *, role: bool = True, cid: str = "chatcmpl-1") -> bytes:
     out = b""
     for i, piece in enumerate(pieces):
@@ -155,6 +186,31 @@ def test_a_broken_chat_stream_is_read_and_the_continuation_spliced_on() -> None:
         "prompt_tokens": 4,
         "completion_tokens": 4,
     }
+
+
+def test_the_engines_running_count_says_how_many_tokens_were_sent() -> None:
+    """vLLM packs tokens into events; with `continuous_usage_stats` each chunk says how
+    many it has generated. Events after the last count add one each; a count that is
+    no count (a bool, negative, past 2^32) is ignored."""
+    out = b""
+    for text, done in (("Echo: a", 3), (" b c d", 7)):
+        chunk = {"id": "c", "created": 7, "model": "m", "choices": [_c({"content": text})]}
+        chunk["usage"] = {"prompt_tokens": 30, "completion_tokens": done, "total_tokens": 0}
+        out += _data(chunk)
+    out += _data({"id": "c", "created": 7, "model": "m", "choices": [_c({"content": " e"})]})
+    sent = read_sent(CHAT, out)
+    assert (sent.text, sent.tokens, sent.prompt_tokens) == ("Echo: a b c d e", 8, 30)
+    payload = {"model": "m", "messages": [{"role": "user", "content": "x"}], "max_tokens": 20}
+    assert continuation_body(CHAT, payload, sent, flagged=True)["max_tokens"] == 12
+    # The continuation's prompt holds the text sent: the client's is the engine's 30.
+    assert merged_usage({"prompt_tokens": 39, "completion_tokens": 12}, sent) == {
+        "prompt_tokens": 30,
+        "completion_tokens": 20,
+    }
+    for bad in (True, -1, 2**32, "7", None):
+        chunk = {"id": "c", "choices": [_c({"content": "a"})]}
+        chunk["usage"] = {"prompt_tokens": 30, "completion_tokens": bad}
+        assert read_sent(CHAT, _data(chunk)).tokens == 1, bad
 
 
 def test_streams_that_cannot_be_continued_say_why() -> None:

@@ -73,6 +73,12 @@ OTHER_TOOLS = {
     "--enable-auto-tool-choice": "vLLM",
     "--tool-call-parser": "vLLM",
     "--max-model-len": "vLLM",
+    "--dtype": "vLLM",
+    "--enforce-eager": "vLLM",
+    "--enable-prefix-caching": "vLLM",
+    "--max-num-seqs": "vLLM",
+    "--num-gpu-blocks-override": "vLLM",
+    "--runner": "vLLM",
 }
 
 

@@ -365,11 +365,16 @@ def _ttft_itl(values: dict[str, float | None]) -> tuple[float | None, ...]:
 
 
 def test_engine_list_and_unknown_engine() -> None:
-    assert ENGINES == ("vllm", "sglang", "llamacpp", "ollama", "custom", "sim")
+    assert ENGINES == ("vllm", "sglang", "llamacpp", "ollama", "infinity", "custom", "sim")
     for engine in ENGINES:
         assert get_adapter(engine).name == engine
     with pytest.raises(ValueError, match="unknown engine"):
         get_adapter("tgi")
+    # Infinity: embeddings and reranking only, no engine gauges (as upstream's agent).
+    infinity = get_adapter("infinity")
+    assert infinity.serves("/v1/embeddings") and infinity.serves("/v1/rerank")
+    assert not infinity.serves("/v1/chat/completions")
+    assert infinity.endpoints(None, None, None).metrics_url is None
 
 
 def test_vllm_current_names_and_interval_histograms() -> None:

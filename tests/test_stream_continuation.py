@@ -60,7 +60,8 @@ async def _chat(router: Router, problems: list[str], errors: list[str]) -> None:
                 text += choice.delta.content or ""
                 if choice.finish_reason:
                     finish.append(choice.finish_reason)
-            if chunk.usage is not None:
+            # The usage chunk (every chunk carries the running count: agent/usage.py).
+            if chunk.usage is not None and not chunk.choices:
                 usage.append((chunk.usage.prompt_tokens, chunk.usage.completion_tokens))
     except openai.APIError as exc:
         errors.append(f"chat: {exc}")

@@ -13,7 +13,7 @@ from agent.engines.base import (
     MetricSampler,
 )
 
-ENGINES = ("vllm", "sglang", "llamacpp", "ollama", "custom", "sim")
+ENGINES = ("vllm", "sglang", "llamacpp", "ollama", "infinity", "custom", "sim")
 
 __all__ = [
     "ENGINES",

@@ -14,7 +14,7 @@ import trio
 
 from protocol.errors import ErrorCode, RouterError, error_payload
 from protocol.logs import quote
-from protocol.paths import GENERATIVE
+from protocol.paths import CHAT, GENERATIVE
 from protocol.tracing import NULL_SPAN, Span, valid_traceparent
 from protocol.usage import usage_of_body
 from router.admission.control import Admission, AdmissionRefused, Admitted
@@ -333,6 +333,7 @@ class ClientApi:
         )
         req.report_usage = ticket is not None and ticket.wants_usage
         scope[ROUTE] = req  # what the console's recent requests read when it ends
+        req.stream_tokens = stream and path == CHAT and self.continuer.enabled(req)
         if path == count_tokens.COUNT_TOKENS_PATH:
             try:
                 count_tokens.to_tokenize(req, payload, self.table.for_model(model))

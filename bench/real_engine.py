@@ -1,0 +1,177 @@
+"""Routed against direct on a real engine: the same streams sent straight to a running
+vLLM and through a router and one agent in front of it, in one run.
+
+    python -m bench.real_engine --engine-url http://127.0.0.1:8000 --model tiny \\
+        [--concurrency 1,16,64] [--duration 20] [--tokens 128]
+
+Each of `concurrency` clients sends greedy streams of `--tokens` output tokens
+(`ignore_eos`, so every answer has the same length) with `include_usage`, one after
+another, for `--duration` seconds. Reported per level: output tokens per second (from
+the engine's usage chunks) direct and routed and their ratio, and the time to the first
+content token, p50 and p99, direct and routed and the difference. Direct and routed
+levels alternate, so a machine that slows down mid-run affects both alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import trio
+
+from bench.procs import Procs, free_port, wait_models
+
+
+@dataclass
+class Run:
+    tokens: int = 0
+    ttft: list[float] = field(default_factory=list)
+    errors: int = 0
+    elapsed: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.elapsed if self.elapsed else 0.0
+
+    def pct(self, q: float) -> float:
+        values = sorted(self.ttft)
+        return values[min(len(values) - 1, int(q * len(values)))] if values else float("nan")
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, body: dict, run: Run) -> None:
+    started = time.perf_counter()
+    first = None
+    async with client.stream("POST", url, json=body) as response:
+        if response.status_code != 200:
+            await response.aread()
+            run.errors += 1
+            return
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            event = json.loads(line[6:])
+            if first is None and any(
+                (c.get("delta") or {}).get("content") for c in event.get("choices") or ()
+            ):
+                first = time.perf_counter() - started
+            if not event.get("choices") and event.get("usage"):
+                run.tokens += event["usage"]["completion_tokens"]
+    if first is not None:
+        run.ttft.append(first)
+
+
+async def load(base: str, model: str, concurrency: int, duration: float, tokens: int) -> Run:
+    body = {
+        "model": model,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    url = base + "/v1/chat/completions"
+    run = Run()
+    limits = httpx.Limits(max_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+        # Warm-up: connections open, the engine's first requests done.
+        async with trio.open_nursery() as nursery:
+            for _ in range(concurrency):
+                nursery.start_soon(one_stream, client, url, body, Run())
+        started = time.perf_counter()
+        deadline = started + duration
+
+        async def worker() -> None:
+            while time.perf_counter() < deadline:
+                await one_stream(client, url, body, run)
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(concurrency):
+                nursery.start_soon(worker)
+        run.elapsed = time.perf_counter() - started
+    return run
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine-url", required=True, help="a running vLLM")
+    parser.add_argument("--model", required=True, help="its served model name")
+    parser.add_argument("--concurrency", default="1,16,64")
+    parser.add_argument("--duration", type=float, default=20.0)
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
+    procs = Procs()
+    try:
+        http, metrics, p2p = free_port(), free_port(), free_port()
+        _, addr = procs.router(http, metrics, p2p)
+        procs.agent(addr, args.model, args.engine_url)
+        routed_url = f"http://127.0.0.1:{http}"
+        wait_models(routed_url, args.model, 1)
+        rows = []
+        for level in levels:
+            direct = trio.run(load, args.engine_url, args.model, level, args.duration, args.tokens)
+            routed = trio.run(load, routed_url, args.model, level, args.duration, args.tokens)
+            rows.append((level, direct, routed))
+    finally:
+        procs.close()
+    report(rows, args)
+
+
+def report(rows: list[tuple[int, Run, Run]], args: argparse.Namespace) -> None:
+    if args.json:
+        print(
+            json.dumps(
+                [
+                    {
+                        "concurrency": level,
+                        "direct_tokens_per_s": round(d.tokens_per_s, 1),
+                        "routed_tokens_per_s": round(r.tokens_per_s, 1),
+                        "ttft_ms": {
+                            q: [round(d.pct(p) * 1000, 1), round(r.pct(p) * 1000, 1)]
+                            for q, p in (("p50", 0.5), ("p99", 0.99))
+                        },
+                        "errors": d.errors + r.errors,
+                    }
+                    for level, d, r in rows
+                ]
+            )
+        )
+        return
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).parent,
+    ).stdout.strip()
+    print(
+        f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, build {commit}, "
+        f"{platform.processor() or platform.machine()}, {args.tokens} tokens a stream, "
+        f"{args.duration:g} s a level"
+    )
+    print(
+        "| streams | direct tok/s | routed tok/s | ratio | TTFT p50 direct / routed / added ms "
+        "| TTFT p99 direct / routed / added ms | errors |"
+    )
+    print("|---|---|---|---|---|---|---|")
+    for level, d, r in rows:
+        ratio = r.tokens_per_s / d.tokens_per_s if d.tokens_per_s else float("nan")
+        cells = []
+        for q in (0.5, 0.99):
+            dq, rq = d.pct(q) * 1000, r.pct(q) * 1000
+            cells.append(f"{dq:.1f} / {rq:.1f} / {rq - dq:+.1f}")
+        print(
+            f"| {level} | {d.tokens_per_s:.0f} | {r.tokens_per_s:.0f} | {ratio:.3f} "
+            f"| {cells[0]} | {cells[1]} | {d.errors + r.errors} |"
+        )
+
+
+if __name__ == "__main__":
+    main()

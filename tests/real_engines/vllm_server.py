@@ -1,0 +1,99 @@
+"""Starting a real vLLM (CPU build) for the real-engine checks.
+
+`scripts/real-engines` installs it in its own cache (HIVENET_VLLM_VENV) and writes the
+tiny random-weight Llama (HIVENET_TINY_LLAMA); the environment below is what a 2-core
+machine with no GPU and no model hub needs (../shared/notes/real-vllm.md): without
+`nobind` vLLM pins its worker to core 0, without the host IPs its internal sockets bind
+the host's external address, and float32 is 2.7 times faster than bfloat16 there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import subprocess
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import httpx
+
+from tests.fleet import free_port, wait_until
+
+SERVED = "tiny"
+ENV = {
+    "VLLM_CPU_KVCACHE_SPACE": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "OMP_NUM_THREADS": "1",
+    "VLLM_HOST_IP": "127.0.0.1",
+    "VLLM_LOOPBACK_IP": "127.0.0.1",
+    "HF_HUB_OFFLINE": "1",
+    "VLLM_NO_USAGE_STATS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+}
+
+
+def vllm_bin() -> str:
+    return str(Path(os.environ["HIVENET_VLLM_VENV"]) / "bin" / "vllm")
+
+
+@contextmanager
+def vllm_server(log_dir: Path, model: str, served: str, *flags: str) -> Iterator[str]:
+    """A `vllm serve` of `model` as `served`; yields its URL once healthy (30 to 50 s)."""
+    port = free_port()
+    argv = [
+        vllm_bin(),
+        "serve",
+        model,
+        *("--host", "127.0.0.1", "--port", str(port), "--served-model-name", served),
+        *("--dtype", "float32", "--enforce-eager"),
+        *flags,
+    ]
+    env = {**os.environ, **ENV}
+    log_path = log_dir / f"vllm-{served}.log"
+    # Its own process group: vLLM runs its engine core and worker as child processes,
+    # which go with it when the test ends however it ends.
+    with open(log_path, "ab") as log:
+        server = subprocess.Popen(
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+    url = f"http://127.0.0.1:{port}"
+
+    def healthy() -> bool:
+        if server.poll() is not None:
+            raise AssertionError(f"vllm exited:\n{log_path.read_text(errors='replace')[-3000:]}")
+        try:
+            return httpx.get(url + "/health", timeout=5).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(healthy, 240, f"vllm serving {served}")
+        yield url
+    finally:
+        stop_group(server)
+
+
+def stop_group(server: subprocess.Popen[bytes]) -> None:
+    """SIGTERM to the server's process group (vLLM shuts its children down), SIGKILL
+    after 20 s."""
+    try:
+        os.killpg(server.pid, signal.SIGTERM)
+        server.wait(20)
+    except subprocess.TimeoutExpired:
+        os.killpg(server.pid, signal.SIGKILL)
+        server.wait(5)
+    except ProcessLookupError:
+        pass
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(server.pid, signal.SIGKILL)  # any child left behind
+
+
+def gauge(url: str, name: str) -> float:
+    """A vLLM metric's value (summed over its label sets)."""
+    total = 0.0
+    for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.rpartition(" ")[2])
+    return total

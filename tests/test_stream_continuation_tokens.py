@@ -1,0 +1,109 @@
+"""A continued stream counts what the client was sent in tokens, not events.
+
+vLLM packs several tokens into one stream event when its reader lags (issue 48: 71
+events carried about 107 tokens). The sim does the same here (`tokens_per_event`): two
+agents' engines stall after 12 tokens, sent as 4 events of 3, and are SIGKILLed; a third
+continues each stream. The spliced usage must be the uninterrupted answer's, and
+`max_tokens` must hold, whether or not the client asked for the usage chunk.
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+
+import httpx
+import openai
+import trio
+
+from tests.fleet import Fleet, Router, wait_until
+
+WORDS = [f"w{i}" for i in range(30)]
+PROMPT = " ".join(WORDS)
+ANSWER = ["Echo:", *WORDS]  # the sim's answer: 31 tokens, one a word
+PER_EVENT = 3
+STALL = 12  # tokens out when the engine stalls: 4 events
+
+
+def _answer(tokens: int) -> str:
+    return " ".join(ANSWER[:tokens])
+
+
+async def _sdk(router: Router, limit: int | None, out: dict) -> None:
+    """The official SDK, asking for the usage chunk."""
+    client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
+    extra = {} if limit is None else {"max_tokens": limit}
+    try:
+        stream = await client.chat.completions.create(
+            model="m1",
+            messages=[{"role": "user", "content": PROMPT}],
+            stream=True,
+            stream_options={"include_usage": True},
+            temperature=0,
+            **extra,
+        )
+        text, finish, usage = "", [], []
+        async for chunk in stream:
+            for choice in chunk.choices:
+                text += choice.delta.content or ""
+                if choice.finish_reason:
+                    finish.append(choice.finish_reason)
+            if chunk.usage is not None and not chunk.choices:
+                usage.append((chunk.usage.prompt_tokens, chunk.usage.completion_tokens))
+        out[limit] = (text, finish, usage)
+    finally:
+        await client.close()
+
+
+async def _raw(router: Router, out: dict) -> None:
+    """A client that did not ask for usage: no usage-only chunk may reach it."""
+    body = {
+        "model": "m1",
+        "messages": [{"role": "user", "content": PROMPT}],
+        "stream": True,
+        "max_tokens": 20,
+    }
+    events = []
+    async with (
+        httpx.AsyncClient(timeout=30) as client,
+        client.stream("POST", router.url + "/v1/chat/completions", json=body) as response,
+    ):
+        assert response.status_code == 200
+        async for line in response.aiter_lines():
+            if line.startswith("data: "):
+                events.append(line[6:])
+    out["raw"] = events
+
+
+async def test_a_continued_stream_counts_the_tokens_sent_not_the_events(fleet: Fleet) -> None:
+    router = fleet.router()
+    first = [fleet.agent(router, "m1", wait=False) for _ in range(2)]
+    for agent in first:
+        router.wait_agent(agent.peer_id)
+        agent.sim_state(tokens_per_event=PER_EVENT, stall_after_tokens=STALL)
+    out: dict = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_sdk, router, None, out)
+        nursery.start_soon(_sdk, router, 20, out)
+        nursery.start_soon(_raw, router, out)
+        held = lambda: sum(a.sim_state()["in_flight"] for a in first) == 3  # noqa: E731
+        await trio.to_thread.run_sync(lambda: wait_until(held, 15, "three held streams"))
+        # The one that continues them joins now, packing tokens as well.
+        last = await trio.to_thread.run_sync(lambda: fleet.agent(router, "m1"))
+        last.sim_state(tokens_per_event=PER_EVENT)
+        for agent in first:
+            await trio.to_thread.run_sync(lambda a=agent: a.stop(signal.SIGKILL))
+
+    # The whole answer, and the uninterrupted usage: 30 prompt tokens, 31 generated.
+    assert out[None] == (_answer(31), ["stop"], [(30, 31)]), out[None]
+    # max_tokens 20 holds: 12 sent, 8 more, not 16 (20 less the 4 events).
+    assert out[20] == (_answer(20), ["length"], [(30, 20)]), out[20]
+    events = out["raw"]
+    assert events[-1] == "[DONE]" and events.count("[DONE]") == 1, events
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["choices"] for c in chunks), "a usage-only chunk the client did not ask for"
+    text = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    assert text == _answer(20), text
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert router.metric("hivenet_router_stream_continuations_total", outcome="continued") >= 3
+    assert f"sent_tokens={STALL} " in router.log()
