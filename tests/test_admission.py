@@ -498,7 +498,9 @@ class _SlowTicket:
         self.during = during
         self.answers: list[ErrorCode] = []
 
-    async def admit(self, model: str, size: int, need: int, charge: int) -> None:
+    async def admit(
+        self, model: str, size: int, need: int = 0, charge: int = 0, output: int = 0
+    ) -> None:
         self.during()
 
     def answered_with(self, code: ErrorCode) -> None:

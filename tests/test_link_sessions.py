@@ -82,7 +82,13 @@ def test_an_agent_answer_out_of_order_fails_that_request_only(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     async def broken_forward(
-        engine: object, msg: dict, send: object, span: object, scope: object, whole: bool
+        engine: object,
+        msg: dict,
+        send: object,
+        span: object,
+        scope: object,
+        whole: bool,
+        missing: object = None,
     ) -> None:
         send(m.response_chunk(msg["id"], b"before the head"))  # type: ignore[operator]
 
