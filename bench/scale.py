@@ -8,11 +8,12 @@ one router process; `--workers 2`; then, `--rounds` times interleaved (A, B, A, 
 shared host), one router with `--state-url` and a tenant whose key has no limits (A),
 and the same router with the tenant's requests per minute, concurrency and tokens per
 day counted in Redis (B: three Redis calls per whole answer, the admission script, the
-day's count and the release). `--before CHECKOUT` adds B run from another checkout (a
-`git worktree` or `git archive` of an older build) in each round. Then, in-process, the
+day's count and the release), and the same limits counted by the router alone (C: no
+`--state-url`). `--before CHECKOUT` adds B run from another checkout (a `git worktree`
+or `git archive` of an older build) in each round. Then, in-process, the
 per-request cost of the shared capacity (the agent's count over every router, the
 router's `elsewhere` bookkeeping). CPU is the router's (all its workers) and Redis's,
-in seconds per 1,000 requests; the ratios are B's over A's of the same round. The load
+in seconds per 1,000 requests; the ratios are each row's over A's of the same round. The load
 generator shares the host's cores: on a small or busy machine it, not the router, can
 be what limits requests/s.
 """
@@ -201,19 +202,21 @@ def main() -> None:
         redis_proc, url = start_redis(procs)
         bearer = {"Authorization": f"Bearer {KEY}"}
         plain, limited = auth_file(procs, "plain", ""), auth_file(procs, "limited", LIMITS)
+        shared = ("--state-url", url)
         variants = [
-            ("A: --state-url, a tenant, no limits", plain, None),
-            ("B: --state-url, RPM + concurrency + tokens/day in Redis", limited, None),
+            ("A: --state-url, a tenant, no limits", plain, None, shared),
+            ("B: --state-url, RPM + concurrency + tokens/day in Redis", limited, None, shared),
+            ("C: the same limits counted locally (no --state-url)", limited, None, ()),
         ]
         if args.before is not None:
-            variants.append((f"B at {args.before.name}", limited, args.before))
+            variants.append((f"B at {args.before.name}", limited, args.before, shared))
         for _ in range(args.rounds):
             pair = []
-            for name, auth, root in variants:
+            for name, auth, root, store in variants:
                 # Routers on one Redis share their auth file through it (the first one
                 # up publishes it): each row starts on an empty Redis, with its own.
                 flush(url)
-                flags = ("--state-url", url, "--auth-file", str(auth))
+                flags = (*store, "--auth-file", str(auth))
                 pair.append(
                     measure(
                         procs,
