@@ -1,14 +1,21 @@
 """Router throughput with 1 and 2 workers on this host, and what sharing costs.
 
-    python -m bench.scale [--duration 5] [--concurrency 64]
+    python -m bench.scale [--duration 5] [--concurrency 64] [--rounds 2]
+                          [--limits-only] [--before CHECKOUT]
 
 Rows, one after the other, each against the same simulated engine through one agent:
-one router process; `--workers 2`; one router with `--state-url` and a tenant (two
-Redis calls per request: the admission script and the release). Then, in-process, the
+one router process; `--workers 2`; then, `--rounds` times interleaved (A, B, A, B on a
+shared host), one router with `--state-url` and a tenant whose key has no limits (A),
+and the same router with the tenant's requests per minute, concurrency and tokens per
+day counted in Redis (B: three Redis calls per whole answer, the admission script, the
+day's count and the release), and the same limits counted by the router alone (C: no
+`--state-url`). `--before CHECKOUT` adds B run from another checkout (a `git worktree`
+or `git archive` of an older build) in each round. Then, in-process, the
 per-request cost of the shared capacity (the agent's count over every router, the
 router's `elsewhere` bookkeeping). CPU is the router's (all its workers) and Redis's,
-in seconds per 1,000 requests. The load generator shares the host's cores: on a small
-or busy machine it, not the router, can be what limits requests/s.
+in seconds per 1,000 requests; the ratios are each row's over A's of the same round. The load
+generator shares the host's cores: on a small or busy machine it, not the router, can
+be what limits requests/s.
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from pathlib import Path
 
 import httpx
 import psutil
+import redis
 import trio
 
 from agent.capacity import SharedCapacity
@@ -35,8 +43,14 @@ from router.tenants.config import hash_key
 
 MODEL = "bench-model"
 KEY = "bench-tenant-key"
-# A concurrency limit makes every request take and give back a place in Redis.
-AUTH = 'tenants:\n  bench:\n    keys: ["{hash}"]\n    max_concurrent: 100000\n'
+# Limits that never refuse in a run but make every request count: a place taken and
+# given back, a token from the bucket, the day's tokens charged and read back.
+LIMITS = (
+    "    requests_per_minute: 1000000000\n"
+    "    burst: 1000000000\n"
+    "    max_concurrent: 100000\n"
+    "    tokens_per_day: 1000000000000\n"
+)
 
 
 @dataclass
@@ -86,12 +100,13 @@ def measure(
     workers: int = 1,
     redis_pid: int | None = None,
     headers: dict[str, str] | None = None,
+    root: Path | None = None,
 ) -> Row:
     http, metrics, p2p = free_port(), free_port(), free_port()
     flags = ("--queue-depth", "1024", *extra)
     if workers > 1:
         flags = (*flags, "--workers", str(workers))
-    router, addr = procs.router(http, metrics, p2p, *flags)
+    router, addr = procs.router(http, metrics, p2p, *flags, root=root)
     agent = procs.agent(addr, MODEL, f"http://127.0.0.1:{sim_port}")
     try:
         # By the metrics ports: /v1/models needs a key once there are tenants.
@@ -151,41 +166,90 @@ def start_redis(procs: Procs) -> tuple[subprocess.Popen[bytes], str]:
     return proc, f"redis://127.0.0.1:{port}/0"
 
 
+def flush(url: str) -> None:
+    client = redis.Redis.from_url(url, socket_timeout=5)
+    client.flushall()
+    client.close()
+
+
+def auth_file(procs: Procs, name: str, limits: str) -> Path:
+    path = Path(procs.dir) / f"auth-{name}.yaml"
+    path.write_text(f'tenants:\n  bench:\n    keys: ["{hash_key(KEY)}"]\n{limits}')
+    return path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--duration", type=float, default=5.0)
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=2, help="A, B pairs of the limits rows")
+    parser.add_argument("--limits-only", action="store_true", help="skip the 1 and 2 worker rows")
+    parser.add_argument(
+        "--before", type=Path, help="a checkout whose router also runs the limits row"
+    )
     args = parser.parse_args()
 
     procs = Procs()
+    pairs: list[list[Row]] = []
     try:
         sim_port = free_port()
         procs.sim(MODEL, sim_port)
-        rows = [
-            measure(procs, "1 worker", sim_port, args),
-            measure(procs, "2 workers (--workers 2)", sim_port, args, workers=2),
-        ]
+        rows = []
+        if not args.limits_only:
+            rows.append(measure(procs, "1 worker", sim_port, args))
+            rows.append(measure(procs, "2 workers (--workers 2)", sim_port, args, workers=2))
         redis_proc, url = start_redis(procs)
-        auth = Path(procs.dir) / "auth.yaml"
-        auth.write_text(
-            f'tenants:\n  bench:\n    keys: ["{hash_key(KEY)}"]\n    max_concurrent: 100000\n'
-        )
-        rows.append(
-            measure(
-                procs,
-                "1 worker, --state-url, a tenant",
-                sim_port,
-                args,
-                extra=("--state-url", url, "--auth-file", str(auth)),
-                redis_pid=redis_proc.pid,
-                headers={"Authorization": f"Bearer {KEY}"},
-            )
-        )
+        bearer = {"Authorization": f"Bearer {KEY}"}
+        plain, limited = auth_file(procs, "plain", ""), auth_file(procs, "limited", LIMITS)
+        shared = ("--state-url", url)
+        variants = [
+            ("A: --state-url, a tenant, no limits", plain, None, shared),
+            ("B: --state-url, RPM + concurrency + tokens/day in Redis", limited, None, shared),
+            ("C: the same limits counted locally (no --state-url)", limited, None, ()),
+        ]
+        if args.before is not None:
+            variants.append((f"B at {args.before.name}", limited, args.before, shared))
+        for _ in range(args.rounds):
+            pair = []
+            for name, auth, root, store in variants:
+                # Routers on one Redis share their auth file through it (the first one
+                # up publishes it): each row starts on an empty Redis, with its own.
+                flush(url)
+                flags = (*store, "--auth-file", str(auth))
+                pair.append(
+                    measure(
+                        procs,
+                        name,
+                        sim_port,
+                        args,
+                        extra=flags,
+                        redis_pid=redis_proc.pid,
+                        headers=bearer,
+                        root=root,
+                    )
+                )
+            pairs.append(pair)
+            rows.extend(pair)
     finally:
         procs.close()
     agent_us, router_us = shared_capacity_cost()
     report(rows, agent_us, router_us, args)
+    ratios(pairs)
+
+
+def ratios(pairs: list[list[Row]]) -> None:
+    """Each round's limits rows over its row without limits."""
+    if not pairs:
+        return
+    print()
+    print("| round | row | router CPU / A | req/s / A |")
+    print("|---|---|---:|---:|")
+    for i, (base, *others) in enumerate(pairs, 1):
+        for r in others:
+            cpu_x = r.router_cpu_per_1k / max(base.router_cpu_per_1k, 1e-9)
+            rps_x = r.result.rps / max(base.result.rps, 1e-9)
+            print(f"| {i} | {r.name} | {cpu_x:.2f} | {rps_x:.2f} |")
 
 
 def report(rows: list[Row], agent_us: float, router_us: float, args: argparse.Namespace) -> None:

@@ -2,8 +2,8 @@
 
 The same rules as the local counts (occupancy.py, control.py), each check-and-take one
 Lua script, so two routers never both take the last of a budget. Redis is reached the
-way the tenant counts reach it (router/tenants/shared.py: the same client, its worker
-threads, its short timeouts and its up/down state): while Redis is unreachable each
+way the tenant counts reach it (router/tenants/shared.py: the same trio-native client,
+router/redis_trio.py, its short deadlines and its up/down state): while Redis is unreachable each
 router counts alone, and an entry a router took before it lost Redis expires after the
 lease (the request timeout and a minute), so a crashed router's occupancy comes back.
 
@@ -14,11 +14,10 @@ A parked request cannot hear another router's release, so it re-checks every
 from __future__ import annotations
 
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 
-import redis
-import trio
-
+from router.redis_trio import Script, StoreError
 from router.tenants.shared import TenantState
 
 # 20 ms: a few re-checks within upstream's 250 ms park, each one Redis round trip.
@@ -31,7 +30,7 @@ GROW_STEP = 32
 # ARGV: id, tokens, key id ('' none), budget, backstop, key share (0 none), lease
 # seconds, input per minute, output per minute, input tokens, pooled (1/0).
 # Returns {gate or '', occupancy, count, wait seconds}.
-_RESERVE = """
+_RESERVE = Script("""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local id, tokens, key = ARGV[1], tonumber(ARGV[2]), ARGV[3]
@@ -96,11 +95,11 @@ if key ~= '' and itpm > 0 then
   redis.call('EXPIRE', KEYS[4], 120)
 end
 return {'', tostring(occ), tostring(count), '0'}
-"""
+""")
 
 # KEYS: entries, lease set, totals. ARGV: id, tokens to add (negative: release all).
 # Returns {occupancy, count}.
-_CHANGE = """
+_CHANGE = Script("""
 local e = redis.call('HGET', KEYS[1], ARGV[1])
 if e then
   local n, k = string.match(e, '^(%-?%d+):(.*)$')
@@ -119,10 +118,10 @@ if e then
   end
 end
 return {redis.call('HGET', KEYS[3], 'tokens') or '0', redis.call('HGET', KEYS[3], 'count') or '0'}
-"""
+""")
 
 # KEYS: output bucket. ARGV: per minute, tokens spent.
-_SPEND = """
+_SPEND = Script("""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local per_minute, spent = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -133,7 +132,7 @@ level = math.min(per_minute, level + math.max(0, now - ts) * per_minute / 60)
 redis.call('HSET', KEYS[1], 'level', tostring(math.max(0, level - spent)), 'ts', tostring(now))
 redis.call('EXPIRE', KEYS[1], 120)
 return 1
-"""
+""")
 
 
 def _pool_keys(model: str) -> list[str]:
@@ -159,25 +158,22 @@ class SharedAdmission:
     def __init__(self, state: TenantState, lease: float) -> None:
         self.state = state
         self.lease = lease
-        client = state.client
-        assert client is not None
-        self._reserve = client.register_script(_RESERVE)
-        self._change = client.register_script(_CHANGE)
-        self._spend = client.register_script(_SPEND)
+        assert state.store is not None
+        self.store = state.store
 
     @property
     def up(self) -> bool:
         return self.state.up
 
-    async def call(self, fn: object, *args: object) -> object | None:
-        """`fn(*args)` in a worker thread; None (and local counts) when Redis fails."""
+    async def call(self, fn: Callable[..., Awaitable[object]], *args: object) -> object | None:
+        """`await fn(*args)`; None (and local counts) when Redis fails."""
         try:
-            return await trio.to_thread.run_sync(fn, *args)  # type: ignore[arg-type]
-        except redis.RedisError as exc:
+            return await fn(*args)
+        except StoreError as exc:
             self.state._down(exc)
             return None
 
-    def reserve(
+    async def reserve(
         self,
         model: str,
         entry: str,
@@ -191,9 +187,10 @@ class SharedAdmission:
         input_tokens: int,
         pooled: bool,
     ) -> SharedVerdict:
-        gate, occupancy, count, wait = self._reserve(
-            keys=[*_pool_keys(model), *_bucket_keys(model, key_id or "-")],
-            args=[
+        gate, occupancy, count, wait = await self.store.evalsha(
+            _RESERVE,
+            [*_pool_keys(model), *_bucket_keys(model, key_id or "-")],
+            [
                 entry,
                 tokens,
                 key_id,
@@ -214,12 +211,14 @@ class SharedAdmission:
             float(wait),
         )
 
-    def change(self, model: str, entry: str, tokens: int) -> tuple[int, int]:
-        occupancy, count = self._change(keys=_pool_keys(model), args=[entry, tokens])
+    async def change(self, model: str, entry: str, tokens: int) -> tuple[int, int]:
+        occupancy, count = await self.store.evalsha(_CHANGE, _pool_keys(model), [entry, tokens])
         return int(occupancy), int(count)
 
-    def spend(self, model: str, key_id: str, per_minute: int, tokens: int) -> None:
-        self._spend(keys=_bucket_keys(model, key_id)[1:], args=[per_minute, tokens])
+    async def spend(self, model: str, key_id: str, per_minute: int, tokens: int) -> bool:
+        """True once spent in Redis (the caller's local bucket is then left alone)."""
+        await self.store.evalsha(_SPEND, _bucket_keys(model, key_id)[1:], [per_minute, tokens])
+        return True
 
 
 def entry_id() -> str:

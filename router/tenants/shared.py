@@ -1,11 +1,12 @@
 """Tenant counts shared by several routers in Redis, with a local fallback.
 
-The project is trio-only and redis-py's asyncio client does not run under trio, so
-the synchronous client runs in trio's worker threads (`trio.to_thread`): a thread the
-library forces. Every call has a short socket timeout and no retries; the first failure
-switches the router to its local counts (one log line, the gauge, `/health`), and a
-background task pings Redis until it answers again. Each check-and-take is one Lua
-script, so two routers can never both take the last unit of a bucket.
+Calls go through the router's own trio-native client (router/redis_trio.py: one
+pipelined connection, no thread per call; the calls of concurrent requests share round
+trips). Every call has a short deadline and no retries; the first failure switches the
+router to its local counts (one log line, the gauge, `/health`), and a background task
+pings Redis until it answers again. Each check-and-take is one Lua script, so two
+routers can never both take the last unit of a bucket: the counts stay exact across
+routers, with no budget held locally.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from protocol.errors import ErrorCode
 from protocol.logs import quote
 from router import state_url
 from router.metrics import RouterMetrics
+from router.redis_trio import RedisTrio, Script, StoreError
 from router.tenants.config import Tenant
 from router.tenants.counters import (
     LocalCounters,
@@ -42,7 +44,7 @@ PING_INTERVAL = 1.0
 # (0: none), ticket id, lease seconds, seconds to midnight, tokens the request may need,
 # tokens charged now (its input estimate).
 # Server time (TIME) keeps routers with skewed clocks on one bucket.
-_ADMIT = """
+_ADMIT = Script("""
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1000000
 local rate, burst = tonumber(ARGV[1]), tonumber(ARGV[2])
@@ -83,13 +85,13 @@ if quota > 0 and charge > 0 then
   redis.call('EXPIRE', KEYS[3], 172800)
 end
 return {'', '0', left_requests, left_tokens}
-"""
+""")
 
 # KEYS: in-flight sorted set, the counter of the day the admission charged. ARGV: ticket
 # id, tokens still to charge (negative when the admission's estimate was more than the
 # usage). The counter never goes below zero: a Redis that restarted (or a key that
 # expired) since the admission has lost the charge that a refund would give back.
-_RELEASE = """
+_RELEASE = Script("""
 redis.call('ZREM', KEYS[1], ARGV[1])
 local n = tonumber(ARGV[2])
 if n ~= 0 then
@@ -97,7 +99,7 @@ if n ~= 0 then
   redis.call('EXPIRE', KEYS[2], 172800)
 end
 return 1
-"""
+""")
 
 
 def _keys(tenant: str, day: str) -> list[str]:
@@ -123,13 +125,15 @@ class TenantState:
         self.local = LocalCounters(wall=wall)
         self.up = False
         self._said_down = False
+        # redis-py's client, for inspection off the request path (it connects only when
+        # used); the counts go through `store`.
         self.client: redis.Redis | None = None
+        self.store: RedisTrio | None = None
         if url is not None:
             # A malformed URL is refused here, at start-up (exit 2); a Sentinel URL
             # follows the primary it promotes (router/state_url.py).
             self.client = state_url.connect(url, CALL_TIMEOUT)
-            self._admit = self.client.register_script(_ADMIT)
-            self._release = self.client.register_script(_RELEASE)
+            self.store = RedisTrio(url, CALL_TIMEOUT)
             metrics.state_store_up.labels("redis").set(0)
 
     @property
@@ -141,12 +145,12 @@ class TenantState:
 
     async def watch(self) -> None:
         """Keep pinging Redis: notice it going away between requests, and coming back."""
-        if self.client is None:
+        if self.store is None:
             return
         while True:
             try:
-                await trio.to_thread.run_sync(self.client.ping)
-            except redis.RedisError as exc:
+                await self.store.call("PING")
+            except StoreError as exc:
                 self._down(exc)
             else:
                 self._up()
@@ -176,10 +180,8 @@ class TenantState:
         """The verdict, and whether it was taken in Redis (release it there too)."""
         if self.up:
             try:
-                verdict = await trio.to_thread.run_sync(
-                    self._admit_shared, tenant, ticket_id, need, charge
-                )
-            except redis.RedisError as exc:
+                verdict = await self._admit_shared(tenant, ticket_id, need, charge)
+            except StoreError as exc:
                 self._down(exc)
             else:
                 return verdict, True
@@ -192,8 +194,8 @@ class TenantState:
         admission charged, `Verdict.day`)."""
         if shared and self.up:
             try:
-                await trio.to_thread.run_sync(self._release_shared, tenant, ticket_id, tokens, day)
-            except redis.RedisError as exc:
+                await self._release_shared(tenant, ticket_id, tokens, day)
+            except StoreError as exc:
                 self._down(exc)
             else:
                 return
@@ -204,22 +206,26 @@ class TenantState:
     async def used(self, tenant: str, day: str, shared: bool) -> int:
         """The tokens `tenant` has spent on `day` so far, from where its admission
         charged them (`shared`: Redis)."""
-        if shared and self.up and self.client is not None:
+        if shared and self.up and self.store is not None:
             key = _keys(tenant, day)[2]
             try:
-                raw = await trio.to_thread.run_sync(self.client.get, key)
-            except redis.RedisError as exc:
+                raw = await self.store.call("GET", key)
+            except StoreError as exc:
                 self._down(exc)
             else:
                 return int(raw or 0)
         return self.local.used_today(tenant)
 
-    def _admit_shared(self, tenant: Tenant, ticket_id: str, need: int, charge: int) -> Verdict:
+    async def _admit_shared(
+        self, tenant: Tenant, ticket_id: str, need: int, charge: int
+    ) -> Verdict:
+        assert self.store is not None
         now = self.local.wall()  # one clock for both stores' days
         day = utc_day(now)
-        code, retry, *left = self._admit(
-            keys=_keys(tenant.name, day),
-            args=[
+        code, retry, *left = await self.store.evalsha(
+            _ADMIT,
+            _keys(tenant.name, day),
+            [
                 tenant.requests_per_minute / 60.0,
                 tenant.burst,
                 tenant.max_concurrent,
@@ -240,15 +246,18 @@ class TenantState:
             day if tenant.tokens_per_day else "",
         )
 
-    def _release_shared(self, tenant: str, ticket_id: str, tokens: int, day: str) -> None:
+    async def _release_shared(self, tenant: str, ticket_id: str, tokens: int, day: str) -> None:
+        assert self.store is not None
         if not day:
             tokens = 0  # no day's count was charged: none to correct (nor a key to make)
         keys = _keys(tenant, day)
-        self._release(keys=keys[1:], args=[ticket_id, tokens])
+        await self.store.evalsha(_RELEASE, keys[1:], [ticket_id, tokens])
 
     def close(self) -> None:
         if self.client is not None:
             self.client.close()
+        if self.store is not None:
+            self.store.close()
 
 
 def _safe(url: str | None) -> str:
