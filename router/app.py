@@ -40,6 +40,7 @@ from router.http.console_setup import console_for, story_capture
 from router.http.server import HttpServer
 from router.lifetime import LifetimeStore, history_path
 from router.link import AgentLink, LinkSettings
+from router.loop_watch import LoopWatch
 from router.metrics import RouterMetrics
 from router.p2p_host import check_listening, close_listeners, router_host
 from router.peers import Peer, PeerTable
@@ -342,8 +343,14 @@ class RouterDaemon:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         # The console's stories read the log lines while the router runs (router/recent.py).
-        with story_capture(self.app.console):
-            await self._run(task_status=task_status)
+        m = self.metrics
+        watch = LoopWatch(m.loop_lag.labels(), [m.gc_pause.labels(str(g)) for g in range(3)])
+        watch.install()
+        try:
+            with story_capture(self.app.console):
+                await self._run(task_status=task_status)
+        finally:
+            watch.uninstall()
 
     async def _run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         s = self.settings
