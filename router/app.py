@@ -14,6 +14,7 @@ import redis
 import trio
 from prometheus_client import make_asgi_app
 
+from protocol.collector import OldFreezer
 from protocol.logs import quote
 from protocol.messages import PROTOCOL_ID
 from protocol.p2p import load_or_create_identity, peer_id_of
@@ -96,6 +97,7 @@ class RouterDaemon:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.metrics = RouterMetrics()
+        self.freezer = OldFreezer()
         self.table = PeerTable()
         agent_collector = AgentCollector(self.table, self.metrics.registry)
         self.queue = WaitQueue(settings.queue_depth)
@@ -368,6 +370,7 @@ class RouterDaemon:
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self.link.sweep)
+                    nursery.start_soon(self.freezer.run)
                     nursery.start_soon(self.tenants.run)
                     nursery.start_soon(sweep_idle, self.admission, self.tenants.state.local)
                     if self.tenants.registry is not None:
