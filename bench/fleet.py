@@ -9,9 +9,12 @@ loop while requests run through one more, real agent to a simulated engine.
 `--rate` streamed requests per second (0: none) come from `--clients` keep-alive
 connections, each paced to its share of the rate; their latency's p50, p99 and p99.9 are
 reported. The router's own `hivenet_router_event_loop_lag_seconds` (each run batch of its
-trio loop) and `hivenet_router_gc_pause_seconds` are read before and after the measured
-window: the longest batch and collector pass (the upper bound of their histogram bucket),
-the batches' p99.9, and how many ran over 5 ms. A checkout without them shows n/a.
+trio loop, wall clock), `..._event_loop_busy_seconds` (the same batches' CPU time) and
+`hivenet_router_gc_pause_seconds` are read before and after the measured window: the
+longest batch and collector pass (the upper bound of their histogram bucket), the
+batches' p99.9, and how many ran over 5 ms; then how long the last /metrics scrape took
+(its batch is in the window, as a Prometheus scrape's would be). A checkout without
+them shows n/a.
 
 With `--against DIR` each size is measured `--rounds` times from this checkout and from
 that one (its router and its agents, each run from its own tree, its `.venv` when it
@@ -38,6 +41,7 @@ PER_PROCESS = 250
 HERE = Path(__file__).resolve().parent.parent
 TRAFFIC_MODEL = "fleet-traffic"
 LAG = "hivenet_router_event_loop_lag_seconds"
+BUSY = "hivenet_router_event_loop_busy_seconds"
 GC = "hivenet_router_gc_pause_seconds"
 STALL = 0.005  # the longest pause of the loop the fleet should see
 
@@ -101,9 +105,9 @@ def histograms(metrics_url: str) -> dict[str, Buckets]:
     """The lag histogram and the collector's (`GC` all generations summed, `GC` + N
     generation N's), as scraped."""
     text = httpx.get(metrics_url, timeout=10).text
-    out: dict[str, Buckets] = {LAG: {}, GC: {}, GC + "0": {}, GC + "1": {}, GC + "2": {}}
+    out: dict[str, Buckets] = {LAG: {}, BUSY: {}, GC: {}, GC + "0": {}, GC + "1": {}, GC + "2": {}}
     for family in text_string_to_metric_families(text):
-        if family.name not in (LAG, GC):
+        if family.name not in (LAG, BUSY, GC):
             continue
         for sample in family.samples:
             if sample.name.endswith("_bucket"):
@@ -216,13 +220,17 @@ def run(
             load = Result()
         cpu = sum(router_ps.cpu_times()[:2]) - cpu0
         share = cpu / (time.monotonic() - t0)
+        scraped = time.monotonic()
         after = histograms(metrics_url)
+        scrape_ms = (time.monotonic() - scraped) * 1000
         return {
             "lag": window(before[LAG], after[LAG]),
+            "busy": window(before[BUSY], after[BUSY]),
             "gc": window(before[GC], after[GC]),
             "gc_by_generation": [window(before[GC + g], after[GC + g]) for g in "012"],
             "requests": load.count,
             "errors": load.errors,
+            "scrape_ms": scrape_ms,
             "p50_ms": load.pct(load.latencies, 0.5) * 1000,
             "p99_ms": load.pct(load.latencies, 0.99) * 1000,
             "p999_ms": load.pct(load.latencies, 0.999) * 1000,
@@ -254,15 +262,15 @@ def main() -> None:
     print(
         "| build | agents | sessions | healthy | router CPU (share of one core) "
         "| router RSS MiB (idle) | requests (errors) | p50 / p99 / p99.9 ms "
-        "| loop batches | lag max / p99.9 ms | batches over 5 ms "
-        "| GC passes, max ms (generations 0; 1; 2) |"
+        "| loop batches | lag max / p99.9 ms | over 5 ms | CPU max / p99.9 ms | over 5 ms "
+        "| GC passes, max CPU ms (generations 0; 1; 2) | a /metrics scrape, ms |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for size in (int(s) for s in args.sizes.split(",")):
         for round_ in range(args.rounds):
             for name, root in builds if round_ % 2 == 0 else reversed(builds):
                 r = run(size, args.measure, args.settle, root, args.rate, args.clients, args.tokens)
-                lag, gc = r["lag"], r["gc"]
+                lag, busy, gc = r["lag"], r["busy"], r["gc"]
                 print(
                     f"| {name} | {r['agents']} | {r['joined']} | {r['healthy']} "
                     f"| {r['router_cpu_share_of_one_core']:.3f} "
@@ -271,8 +279,11 @@ def main() -> None:
                     f"| {r['p50_ms']:.2f} / {r['p99_ms']:.2f} / {r['p999_ms']:.2f} "
                     f"| {lag.get('count', 'n/a')} | {_ms(lag, 'max_le')} / {_ms(lag, 'p999_le')} "
                     f"| {lag.get('over_5ms', 'n/a')} "
+                    f"| {_ms(busy, 'max_le')} / {_ms(busy, 'p999_le')} "
+                    f"| {busy.get('over_5ms', 'n/a')} "
                     f"| {gc.get('count', 'n/a')}, {_ms(gc, 'max_le')} "
-                    f"({'; '.join(_ms(g, 'max_le') for g in r['gc_by_generation'])}) |",
+                    f"({'; '.join(_ms(g, 'max_le') for g in r['gc_by_generation'])}) "
+                    f"| {r['scrape_ms']:.0f} |",
                     flush=True,
                 )
 

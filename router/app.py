@@ -346,7 +346,9 @@ class RouterDaemon:
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         # The console's stories read the log lines while the router runs (router/recent.py).
         m = self.metrics
-        watch = LoopWatch(m.loop_lag.labels(), [m.gc_pause.labels(str(g)) for g in range(3)])
+        watch = LoopWatch(
+            m.loop_lag.labels(), m.loop_busy.labels(), [m.gc_pause.labels(str(g)) for g in "012"]
+        )
         watch.install()
         try:
             with story_capture(self.app.console):

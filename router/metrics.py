@@ -131,9 +131,17 @@ class RouterMetrics:
             buckets=_LAG_BUCKETS,
             registry=r,
         )
+        self.loop_busy = LeanHistogram(
+            P + "event_loop_busy_seconds",
+            "The CPU time of each run batch of event_loop_lag_seconds: the loop's own work"
+            " (the rest of a lag is the host's scheduler)",
+            [],
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
         self.gc_pause = LeanHistogram(
             P + "gc_pause_seconds",
-            "Each garbage-collector pass, by generation (0 to 2)",
+            "The CPU time of each garbage-collector pass, by generation (0 to 2)",
             ["generation"],
             buckets=_LAG_BUCKETS,
             registry=r,
