@@ -125,8 +125,8 @@ class RouterMetrics:
         # router/loop_watch.py: every loop turn's run batch, and every collector pass.
         self.loop_lag = LeanHistogram(
             P + "event_loop_lag_seconds",
-            "Each turn of the event loop's run batch: how long it ran without reading its"
-            " sockets or firing its timers",
+            "Each run batch of the event loop (wall clock): how long the loop went without"
+            " reading its sockets or firing its timers",
             [],
             buckets=_LAG_BUCKETS,
             registry=r,
