@@ -12,7 +12,6 @@ from typing import Any
 import multiaddr
 import redis
 import trio
-from prometheus_client import make_asgi_app
 
 from protocol.collector import OldFreezer
 from protocol.logs import quote
@@ -43,6 +42,7 @@ from router.lifetime import LifetimeStore, history_path
 from router.link import AgentLink, LinkSettings
 from router.loop_watch import LoopWatch
 from router.metrics import RouterMetrics
+from router.metrics_page import metrics_page
 from router.p2p_host import check_listening, close_listeners, router_host
 from router.peers import Peer, PeerTable
 from router.policy.describe import policy_warnings
@@ -99,7 +99,7 @@ class RouterDaemon:
         self.metrics = RouterMetrics()
         self.freezer = OldFreezer()
         self.table = PeerTable()
-        agent_collector = AgentCollector(self.table, self.metrics.registry)
+        agent_collector = self.agent_collector = AgentCollector(self.table, self.metrics.registry)
         self.queue = WaitQueue(settings.queue_depth)
         self.table.on_change(self.queue.notify)
         self.store = PolicyStore(self.metrics, settings.policy_file, settings.policy_model_dir)
@@ -390,7 +390,9 @@ class RouterDaemon:
                         self.app if self.compat is None else counted(self.app, self.compat.activity)
                     )
                     await nursery.start(self._serve_http, app, s.http_addr, True)
-                    metrics_app = with_lifespan(metrics_only(make_asgi_app(self.metrics.registry)))
+                    metrics_app = with_lifespan(
+                        metrics_only(metrics_page(self.metrics.registry, self.agent_collector))
+                    )
                     await nursery.start(self._serve_http, metrics_app, s.metrics_addr)
                     for addr in self.announce_addrs(host):
                         log.info("router_listening p2p=%s", addr)
