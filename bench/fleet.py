@@ -92,7 +92,12 @@ def join_agents(
         procs.spawn(f"agents-{remaining}", [*argv, str(count)], cwd=root)
         remaining -= count
     deadline = time.monotonic() + 120 + size / 10
-    while (n := joined(url) - already) < size:
+    n = 0
+    while n < size:
+        try:
+            n = joined(url) - already
+        except httpx.HTTPError:  # a router busy with a join burst may drop a poll
+            n = 0
         if time.monotonic() > deadline:
             raise RuntimeError(f"only {n}/{size} agents joined")
         time.sleep(1)
