@@ -5,7 +5,7 @@ prometheus_client's ASGI app collects and formats the whole registry in one call
 1,000 agents that is about 30,000 per-agent samples: 100 to 250 ms of CPU in one run
 batch of the router's loop (bench.fleet), during which no frame, heartbeat or request
 moves, once per Prometheus scrape. Here the per-agent families are built a slice of the
-table at a time and each family is formatted on its own, with a checkpoint whenever
+table at a time and formatted `SLICE` samples at a time, with a checkpoint whenever
 `STEP_SECONDS` have passed. The page is the same bytes prometheus_client would send:
 its own encoders (text or OpenMetrics, as the `Accept` header chooses), gzip when asked
 (compressed in steps too), and its own app for a `name[]` selection.
@@ -13,6 +13,7 @@ its own encoders (text or OpenMetrics, as the `Accept` header chooses), gzip whe
 
 from __future__ import annotations
 
+import copy
 import zlib
 from collections.abc import Iterable
 from contextvars import ContextVar
@@ -27,6 +28,8 @@ from prometheus_client.metrics_core import Metric
 
 # The longest stretch of building or formatting between two checkpoints.
 STEP_SECONDS = 0.002
+# Samples formatted between two checks of the pace (about 1 ms of formatting here).
+SLICE = 200
 # A scrape's per-agent families, built ahead in steps (router/agent_metrics.py reads it).
 PREPARED: ContextVar[list[Metric] | None] = ContextVar("prepared_agent_families", default=None)
 _EOF = b"# EOF\n"
@@ -54,6 +57,36 @@ class _Families:
         return self.families
 
 
+def _slices(family: Metric) -> list[Metric]:
+    """`family` in pieces of `SLICE` samples (one per agent's series): formatting 1,000
+    samples in one go takes 5 ms or more here."""
+    if len(family.samples) <= SLICE or not _sliceable(family):
+        return [family]
+    pieces = []
+    for start in range(0, len(family.samples), SLICE):
+        piece = copy.copy(family)
+        piece.samples = family.samples[start : start + SLICE]
+        pieces.append(piece)
+    return pieces
+
+
+def _sliceable(family: Metric) -> bool:
+    """The text format writes a family's `_created` (and a gauge histogram's `_gsum`,
+    `_gcount`) samples after the rest, as a family of their own: such a family is
+    formatted whole. The agents' gauges and counters have none."""
+    if family.type in ("histogram", "gaugehistogram", "summary"):
+        return False
+    return not any(s.name.endswith(("_created", "_gsum", "_gcount")) for s in family.samples)
+
+
+def _without_header(part: bytes) -> bytes:
+    """A family's later piece without the `# HELP`/`# TYPE`/`# UNIT` lines its first one
+    has: a sample line never starts with `#`."""
+    while part.startswith(b"#"):
+        part = part[part.index(b"\n") + 1 :]
+    return part
+
+
 def _header(scope: dict, name: str) -> str:
     return ",".join(
         value.decode("latin-1") for key, value in scope["headers"] if key.decode().lower() == name
@@ -75,9 +108,10 @@ def metrics_page(registry: CollectorRegistry, agents: Any) -> Any:
         try:
             parts: list[bytes] = []
             for family in registry.collect():
-                part = encoder(_Families([family]))
-                parts.append(part.removesuffix(_EOF))
-                await pace.step()
+                for i, piece in enumerate(_slices(family)):
+                    part = encoder(_Families([piece])).removesuffix(_EOF)
+                    parts.append(part if i == 0 else _without_header(part))
+                    await pace.step()
         finally:
             PREPARED.reset(token)
         if content_type.startswith("application/openmetrics-text"):

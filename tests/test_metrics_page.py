@@ -39,9 +39,13 @@ def _fleet() -> tuple[CollectorRegistry, AgentCollector]:
         )
     registry = CollectorRegistry()
     collector = AgentCollector(table, registry)
-    Counter("hivenet_router_x_total", "a counter", ["model"], registry=registry).labels("m").inc(3)
-    lag = LeanHistogram("hivenet_router_y_seconds", "a histogram", [], registry, [0.1, 1])
-    lag.labels().observe(0.5)
+    counter = Counter("hivenet_router_x_total", "a counter", ["model"], registry=registry)
+    for n in range(AGENTS):  # with its `_created` samples, written after the rest
+        counter.labels(f"m{n}").inc(3)
+    # A histogram of many series: its family is formatted in slices that cut through one.
+    lag = LeanHistogram("hivenet_router_y_seconds", "a histogram", ["n"], registry, [0.1, 1])
+    for n in range(150):
+        lag.labels(str(n)).observe(n / 100)
     return registry, collector
 
 
@@ -115,7 +119,7 @@ def test_other_tasks_run_while_a_large_page_is_built(monkeypatch: pytest.MonkeyP
             _, body = await _get(page, [])
             done = True
         assert _steady(body) == _steady(generate_latest(registry))
-        # One turn at least per agent built and per family formatted.
+        # One turn at least per agent built and per slice formatted.
         assert turns - before >= AGENTS
 
     trio.run(main)
