@@ -74,7 +74,7 @@ def record(spy: str, pid: int, seconds: float, raw: Path) -> subprocess.Popen[by
 def profile_fleet(spy: str, raw: Path, agents: int, seconds: float) -> None:
     procs = Procs()
     try:
-        router, url, addr = start_router(procs)
+        router, url, addr, _ = start_router(procs)
         join_agents(procs, url, addr, agents)
         time.sleep(5)  # let the join burst settle
         recorder = record(spy, router.pid, seconds, raw)

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import gc
 
+import trio
+
 YOUNG_THRESHOLD = 20_000
 
 
@@ -23,3 +25,71 @@ def tune_collector() -> None:
     """Raise the young generation's threshold; the older two keep their defaults."""
     _, older, oldest = gc.get_threshold()
     gc.set_threshold(YOUNG_THRESHOLD, older, oldest)
+
+
+# The frozen set may grow by this fraction (new long-lived objects, or cycles among
+# frozen objects that became garbage and that only a complete pass frees) before it is
+# thawed for one complete pass: CPython's own rule for its oldest generation (25%).
+THAW_GROWTH = 0.25
+
+
+class OldFreezer:
+    """Keeps what survives a full collection out of the next ones.
+
+    A full (generation 2) pass walks every tracked object: at 1,000 agent sessions about
+    50 ms every 25 s, with the event loop stopped meanwhile (bench.fleet). Objects that
+    survived one are mostly the fleet's sessions and the process's modules, alive for
+    hours; `gc.freeze()` after such a pass moves them to the permanent generation, which
+    collections skip, so the next full pass walks only what was promoted since.
+
+    The cost: garbage cycles among frozen objects (a session that ended) wait. When the
+    frozen count has grown by `THAW_GROWTH` since the last complete pass, `gc.unfreeze()`
+    hands everything back, the next full pass is complete (one long pause), and what
+    survives it is frozen anew; a fleet that does not grow thaws rarely, one that churns
+    reclaims its dead sessions at that rate. Only trio code calls `tick` (a collection
+    callback must not freeze in the middle of a pass); `on_gc` just notes the pass.
+    """
+
+    def __init__(self, growth: float = THAW_GROWTH) -> None:
+        self.growth = growth
+        self.full_passes = 0
+        self._seen = 0  # full passes handled by `tick`
+        self.baseline = gc.get_freeze_count()  # frozen after the last complete pass
+        self.thawed = True  # the next full pass walks everything
+        self.thaws = 0
+
+    def on_gc(self, phase: str, info: dict) -> None:
+        if phase == "stop" and info.get("generation") == 2:
+            self.full_passes += 1
+
+    def tick(self) -> None:
+        """After a full pass: freeze its survivors, or thaw for a complete one."""
+        if self.full_passes == self._seen:
+            return
+        self._seen = self.full_passes
+        gc.freeze()
+        frozen = gc.get_freeze_count()
+        if self.thawed:
+            self.thawed = False
+            self.baseline = frozen
+        elif frozen > self.baseline * (1 + self.growth):
+            gc.unfreeze()
+            self.thawed = True
+            self.thaws += 1
+
+    def install(self) -> None:
+        gc.callbacks.append(self.on_gc)
+
+    def uninstall(self) -> None:
+        if self.on_gc in gc.callbacks:
+            gc.callbacks.remove(self.on_gc)
+
+    async def run(self, period: float = 1.0) -> None:
+        """Install, and tick every `period` seconds until cancelled."""
+        self.install()
+        try:
+            while True:
+                await trio.sleep(period)
+                self.tick()
+        finally:
+            self.uninstall()

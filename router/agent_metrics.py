@@ -46,6 +46,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from protocol.fields import ENGINE_FIELDS, HARDWARE_FIELDS
+from router.metrics_page import PREPARED, Pace
 from router.peers import Peer, PeerTable
 from router.policy.gates import STALE_AFTER_PERIODS, metric_value
 
@@ -132,6 +133,10 @@ class AgentCollector(Collector):
         return list(self._families().values())
 
     def collect(self) -> Iterator[Metric]:
+        prepared = PREPARED.get()
+        if prepared is not None:  # the scrape built them ahead, in steps
+            yield from prepared
+            return
         try:
             now = trio.current_time()
         except RuntimeError:
@@ -142,6 +147,16 @@ class AgentCollector(Collector):
         for peer in sorted(self.table.all(), key=lambda p: p.peer_id):
             self._add(families, peer, now)
         yield from families.values()
+
+    async def prepare(self, pace: Pace) -> list[Metric]:
+        """The families `collect` yields, built with a checkpoint at `pace` (about 0.1 ms
+        an agent here: 1,000 agents in one go stop the event loop for 100 ms)."""
+        now = trio.current_time()
+        families = self._families()
+        for peer in sorted(self.table.all(), key=lambda p: p.peer_id):
+            self._add(families, peer, now)
+            await pace.step()
+        return list(families.values())
 
     @staticmethod
     def _families() -> dict[str, GaugeMetricFamily | CounterMetricFamily]:

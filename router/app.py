@@ -12,8 +12,8 @@ from typing import Any
 import multiaddr
 import redis
 import trio
-from prometheus_client import make_asgi_app
 
+from protocol.collector import OldFreezer
 from protocol.logs import quote
 from protocol.messages import PROTOCOL_ID
 from protocol.p2p import load_or_create_identity, peer_id_of
@@ -40,7 +40,9 @@ from router.http.console_setup import console_for, story_capture
 from router.http.server import HttpServer
 from router.lifetime import LifetimeStore, history_path
 from router.link import AgentLink, LinkSettings
+from router.loop_watch import LoopWatch
 from router.metrics import RouterMetrics
+from router.metrics_page import metrics_page
 from router.p2p_host import check_listening, close_listeners, router_host
 from router.peers import Peer, PeerTable
 from router.policy.describe import policy_warnings
@@ -95,8 +97,9 @@ class RouterDaemon:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.metrics = RouterMetrics()
+        self.freezer = OldFreezer()
         self.table = PeerTable()
-        agent_collector = AgentCollector(self.table, self.metrics.registry)
+        agent_collector = self.agent_collector = AgentCollector(self.table, self.metrics.registry)
         self.queue = WaitQueue(settings.queue_depth)
         self.table.on_change(self.queue.notify)
         self.store = PolicyStore(self.metrics, settings.policy_file, settings.policy_model_dir)
@@ -342,8 +345,16 @@ class RouterDaemon:
 
     async def run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         # The console's stories read the log lines while the router runs (router/recent.py).
-        with story_capture(self.app.console):
-            await self._run(task_status=task_status)
+        m = self.metrics
+        watch = LoopWatch(
+            m.loop_lag.labels(), m.loop_busy.labels(), [m.gc_pause.labels(str(g)) for g in "012"]
+        )
+        watch.install()
+        try:
+            with story_capture(self.app.console):
+                await self._run(task_status=task_status)
+        finally:
+            watch.uninstall()
 
     async def _run(self, *, task_status: Any = trio.TASK_STATUS_IGNORED) -> None:
         s = self.settings
@@ -361,6 +372,7 @@ class RouterDaemon:
             try:
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self.link.sweep)
+                    nursery.start_soon(self.freezer.run)
                     nursery.start_soon(self.tenants.run)
                     nursery.start_soon(sweep_idle, self.admission, self.tenants.state.local)
                     if self.tenants.registry is not None:
@@ -378,7 +390,9 @@ class RouterDaemon:
                         self.app if self.compat is None else counted(self.app, self.compat.activity)
                     )
                     await nursery.start(self._serve_http, app, s.http_addr, True)
-                    metrics_app = with_lifespan(metrics_only(make_asgi_app(self.metrics.registry)))
+                    metrics_app = with_lifespan(
+                        metrics_only(metrics_page(self.metrics.registry, self.agent_collector))
+                    )
                     await nursery.start(self._serve_http, metrics_app, s.metrics_addr)
                     for addr in self.announce_addrs(host):
                         log.info("router_listening p2p=%s", addr)

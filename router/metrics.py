@@ -13,6 +13,11 @@ P = "hivenet_router_"
 UNREGISTERED_MODEL = "(unregistered)"
 _LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _OVERHEAD_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.05, 0.1)
+# Fine around the 5 ms a pause must stay under, so a scrape's difference tells the longest.
+_LAG_BUCKETS = (
+    0.00025, 0.0005, 0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.05,
+    0.075, 0.1, 0.25, 0.5, 1, 2.5,
+)  # fmt: skip
 
 
 class RouterMetrics:
@@ -117,6 +122,30 @@ class RouterMetrics:
             P + "policy_reloads_total", "Policy reloads by result", ["result"], registry=r
         )
         ProcessCollector(registry=r)
+        # router/loop_watch.py: every loop turn's run batch, and every collector pass.
+        self.loop_lag = LeanHistogram(
+            P + "event_loop_lag_seconds",
+            "Each run batch of the event loop (wall clock): how long the loop went without"
+            " reading its sockets or firing its timers",
+            [],
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
+        self.loop_busy = LeanHistogram(
+            P + "event_loop_busy_seconds",
+            "The CPU time of each run batch of event_loop_lag_seconds: the loop's own work"
+            " (the rest of a lag is the host's scheduler)",
+            [],
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
+        self.gc_pause = LeanHistogram(
+            P + "gc_pause_seconds",
+            "The CPU time of each garbage-collector pass, by generation (0 to 2)",
+            ["generation"],
+            buckets=_LAG_BUCKETS,
+            registry=r,
+        )
         # A task left behind per past connection is how py-libp2p leaks; watch for it.
         Gauge(P + "trio_tasks", "Live trio tasks in the router", registry=r).set_function(
             _count_tasks

@@ -1,8 +1,10 @@
-"""Both daemons collect their young generation less often (protocol/collector.py)."""
+"""Both daemons collect their young generation less often, and the router keeps what
+survives a full collection out of the next ones (protocol/collector.py)."""
 
 from __future__ import annotations
 
 import gc
+import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 
@@ -10,7 +12,7 @@ import pytest
 import trio
 
 from agent import cli as agent_cli
-from protocol.collector import YOUNG_THRESHOLD, tune_collector
+from protocol.collector import YOUNG_THRESHOLD, OldFreezer, tune_collector
 from router import cli as router_cli
 
 ROUTER_ADDR = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGQaEXi5zdK6sv4u1rjM8EQrfH3GnjJb8GrmyrXrU2yZ8"
@@ -66,3 +68,62 @@ def test_the_daemon_runs_with_the_raised_threshold(
     monkeypatch.setenv("HIVENET_ROUTER_ADMIN_API_KEYS", "admin-key")
     assert main(argv(tmp_path)) == 0
     assert seen == [(YOUNG_THRESHOLD, 10, 10)]
+
+
+class Node:
+    def __init__(self) -> None:
+        self.other: Node | None = None
+
+
+@pytest.fixture
+def unfrozen() -> Iterator[None]:
+    gc.unfreeze()
+    yield
+    gc.unfreeze()
+
+
+def test_survivors_of_a_full_pass_are_frozen_and_thawed_when_grown(unfrozen: None) -> None:
+    freezer = OldFreezer()
+    freezer.install()
+    try:
+        freezer.tick()  # no full pass yet: nothing to do
+        assert gc.get_freeze_count() == 0
+        # A cycle alive at the first full pass is frozen with the rest.
+        a, b = Node(), Node()
+        a.other, b.other = b, a
+        dead = weakref.ref(a)
+        gc.collect()
+        freezer.tick()
+        assert gc.get_freeze_count() > 0
+        assert freezer.baseline == gc.get_freeze_count()
+        del a, b
+        gc.collect()
+        freezer.tick()
+        assert dead() is not None, "a frozen cycle waits for a thaw"
+        assert freezer.thaws == 0
+        # The frozen set grows by more than a quarter: it is thawed, and the next full
+        # pass, complete, frees the cycle; its survivors are the new baseline.
+        grown = [[i] for i in range(int(freezer.baseline * 0.3) + 1)]
+        gc.collect()
+        freezer.tick()
+        assert freezer.thaws == 1
+        assert gc.get_freeze_count() == 0
+        gc.collect()
+        assert dead() is None
+        freezer.tick()
+        assert freezer.baseline == gc.get_freeze_count() > len(grown)
+    finally:
+        freezer.uninstall()
+    assert freezer.on_gc not in gc.callbacks
+
+
+def test_young_passes_change_nothing(unfrozen: None) -> None:
+    freezer = OldFreezer()
+    freezer.install()
+    try:
+        gc.collect(0)
+        gc.collect(1)
+        freezer.tick()
+        assert gc.get_freeze_count() == 0
+    finally:
+        freezer.uninstall()
