@@ -1,6 +1,6 @@
 """An engine without `/v1/completions` or `/v1/responses` (issue 47 item 3): a llama.cpp
 build from before its `/v1/responses`, here the sim as llama-server answering its own
-404 for both. The client gets 404 `endpoint_not_supported` (README 5.4), the agent is
+404 for both. The client gets 404 `endpoint_not_supported` (docs/api/client.md), the agent is
 charged nothing, the router remembers the agent lacks the path and sends the next
 requests for it to the model's other agents without asking it again."""
 

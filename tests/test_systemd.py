@@ -424,7 +424,8 @@ def test_units_declare_what_operations_rely_on() -> None:
         # Stopping waits out the drain (plus the router's 5 s wind-down), never less.
         drain = next(v for k, v in unit.defaults().items() if k.endswith("_DRAIN_TIMEOUT"))
         assert parse_duration(unit.value("TimeoutStopSec")) >= parse_duration(drain) + 10
-        # The README's install unpacks this repository into /opt/hivenet: the page is in it.
+        # The install (docs/getting-started/first-fleet.md) unpacks this repository into
+        # /opt/hivenet: the page is in it.
         docs = unit.value("Documentation", "Unit")
         assert docs.startswith(f"file:{INSTALL_ROOT}"), docs
         assert (ROOT / docs.removeprefix(f"file:{INSTALL_ROOT}")).is_file(), docs
