@@ -1,7 +1,7 @@
 """The agent's HTTP/1.1 client for its one engine, on the request path.
 
-httpx cost the agent more CPU per request than the whole router (README, *Router
-overhead*): its pool, h11's pure-Python parsing, and per-request machinery the agent
+httpx cost the agent more CPU per request than the whole router (docs/benchmarks/index.md,
+*Router overhead*): its pool, h11's pure-Python parsing, and per-request machinery the agent
 never uses (cookies alone were 5% of the agent's samples, redirects, proxies, auth,
 content decoding). The agent talks to one origin over a handful of keep-alive
 connections, so this is all it needs: a LIFO pool of trio streams, responses parsed by

@@ -43,7 +43,7 @@ class Sent:
     # carry one (OpenAI's `usage` in every chunk, which the agent asks vLLM, SGLang and
     # the sim for: agent/usage.py), plus one per content event after the last count.
     # vLLM packs several tokens into one event when its reader lags, so counting events
-    # alone undercounts (README 5.6).
+    # alone undercounts (docs/api/client.md, *Stream continuation*).
     tokens: int = 0
     # The prompt's tokens as the engine counted them (the same running usage), which
     # the spliced usage reports: the continuation's prompt holds the text sent too.

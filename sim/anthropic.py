@@ -55,54 +55,35 @@ def _stop_reason(job: Job) -> str:
 _STOP_REASONS = {"length": "max_tokens", "tool_calls": "tool_use"}
 
 
-async def _messages_full(engine: SimEngine, job: Job, exchange: Exchange) -> None:
-    await engine.generate(job, None)
-    body = {
-        "id": f"msg_sim{engine.next_id()}",
+def _message(engine: SimEngine, job: Job, number: int, content: list, done: bool) -> dict:
+    """A Messages API message: the whole answer when `done`, else the head of a stream
+    (no stop reason yet, no output tokens)."""
+    return {
+        "id": f"msg_sim{number}",
         "type": "message",
         "role": "assistant",
         "model": engine.model,
-        "content": [{"type": "text", "text": "".join(job.pieces)}],
-        "stop_reason": _stop_reason(job),
+        "content": content,
+        "stop_reason": _stop_reason(job) if done else None,
         "stop_sequence": None,
-        "usage": {"input_tokens": job.prompt_tokens, "output_tokens": len(job.pieces)},
+        "usage": {
+            "input_tokens": job.prompt_tokens,
+            "output_tokens": len(job.pieces) if done else 0,
+        },
     }
-    await exchange.reply(200, dumps(body))
 
 
-async def _messages_stream(engine: SimEngine, job: Job, exchange: Exchange) -> None:
-    message = {
-        "id": f"msg_sim{engine.next_id()}",
-        "type": "message",
-        "role": "assistant",
-        "model": engine.model,
-        "content": [],
-        "stop_reason": None,
-        "stop_sequence": None,
-        "usage": {"input_tokens": job.prompt_tokens, "output_tokens": 0},
-    }
-    delta_head = (
-        b"event: content_block_delta\ndata: "
-        b'{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":'
+def _stream_head(message: dict, block: dict) -> bytes:
+    """`message_start`, then the start of the one content block."""
+    return sse_event("message_start", {"type": "message_start", "message": message}) + sse_event(
+        "content_block_start",
+        {"type": "content_block_start", "index": 0, "content_block": block},
     )
 
-    async def emit(index: int, piece: str) -> None:
-        await exchange.chunk(delta_head + dumps(piece) + b"}}\n\n")
 
-    await exchange.start(200, SSE_HEADERS)
-    await exchange.chunk(
-        sse_event("message_start", {"type": "message_start", "message": message})
-        + sse_event(
-            "content_block_start",
-            {
-                "type": "content_block_start",
-                "index": 0,
-                "content_block": {"type": "text", "text": ""},
-            },
-        )
-    )
-    await engine.generate(job, emit)
-    await exchange.finish(
+def _stream_tail(job: Job) -> bytes:
+    """The block's end, the stop reason with the output tokens, `message_stop`."""
+    return (
         sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
         + sse_event(
             "message_delta",
@@ -114,6 +95,28 @@ async def _messages_stream(engine: SimEngine, job: Job, exchange: Exchange) -> N
         )
         + sse_event("message_stop", {"type": "message_stop"})
     )
+
+
+async def _messages_full(engine: SimEngine, job: Job, exchange: Exchange) -> None:
+    await engine.generate(job, None)
+    content = [{"type": "text", "text": "".join(job.pieces)}]
+    await exchange.reply(200, dumps(_message(engine, job, engine.next_id(), content, True)))
+
+
+async def _messages_stream(engine: SimEngine, job: Job, exchange: Exchange) -> None:
+    message = _message(engine, job, engine.next_id(), [], False)
+    delta_head = (
+        b"event: content_block_delta\ndata: "
+        b'{"type":"content_block_delta","index":0,"delta":{"type":"text_delta","text":'
+    )
+
+    async def emit(index: int, piece: str) -> None:
+        await exchange.chunk(delta_head + dumps(piece) + b"}}\n\n")
+
+    await exchange.start(200, SSE_HEADERS)
+    await exchange.chunk(_stream_head(message, {"type": "text", "text": ""}))
+    await engine.generate(job, emit)
+    await exchange.finish(_stream_tail(job))
 
 
 async def _tool_use_full(engine: SimEngine, job: Job, call: ToolCall, exchange: Exchange) -> None:
@@ -125,35 +128,15 @@ async def _tool_use_full(engine: SimEngine, job: Job, call: ToolCall, exchange: 
         arguments = json.loads("".join(job.pieces))
     except ValueError:
         arguments = {}
-    body = {
-        "id": f"msg_sim{number}",
-        "type": "message",
-        "role": "assistant",
-        "model": engine.model,
-        "content": [
-            {"type": "tool_use", "id": f"toolu_sim{number}", "name": call.name, "input": arguments}
-        ],
-        "stop_reason": _stop_reason(job),
-        "stop_sequence": None,
-        "usage": {"input_tokens": job.prompt_tokens, "output_tokens": len(job.pieces)},
-    }
-    await exchange.reply(200, dumps(body))
+    block = {"type": "tool_use", "id": f"toolu_sim{number}", "name": call.name, "input": arguments}
+    await exchange.reply(200, dumps(_message(engine, job, number, [block], True)))
 
 
 async def _tool_use_stream(engine: SimEngine, job: Job, call: ToolCall, exchange: Exchange) -> None:
     """A `tool_use` block as Anthropic streams one: the block with an empty input, then
     the input's JSON in `input_json_delta` fragments."""
     number = engine.next_id()
-    message = {
-        "id": f"msg_sim{number}",
-        "type": "message",
-        "role": "assistant",
-        "model": engine.model,
-        "content": [],
-        "stop_reason": None,
-        "stop_sequence": None,
-        "usage": {"input_tokens": job.prompt_tokens, "output_tokens": 0},
-    }
+    message = _message(engine, job, number, [], False)
     block = {"type": "tool_use", "id": f"toolu_sim{number}", "name": call.name, "input": {}}
 
     async def emit(index: int, piece: str) -> None:
@@ -162,23 +145,6 @@ async def _tool_use_stream(engine: SimEngine, job: Job, call: ToolCall, exchange
         await exchange.chunk(sse_event("content_block_delta", event))
 
     await exchange.start(200, SSE_HEADERS)
-    await exchange.chunk(
-        sse_event("message_start", {"type": "message_start", "message": message})
-        + sse_event(
-            "content_block_start",
-            {"type": "content_block_start", "index": 0, "content_block": block},
-        )
-    )
+    await exchange.chunk(_stream_head(message, block))
     await engine.generate(job, emit)
-    await exchange.finish(
-        sse_event("content_block_stop", {"type": "content_block_stop", "index": 0})
-        + sse_event(
-            "message_delta",
-            {
-                "type": "message_delta",
-                "delta": {"stop_reason": _stop_reason(job), "stop_sequence": None},
-                "usage": {"output_tokens": len(job.pieces)},
-            },
-        )
-        + sse_event("message_stop", {"type": "message_stop"})
-    )
+    await exchange.finish(_stream_tail(job))

@@ -98,24 +98,25 @@ def prepare_chat(engine: SimEngine, payload: dict[str, Any], started: float) -> 
     return partial(_chat_full, engine, job)
 
 
+def _chat_completion(engine: SimEngine, job: Job, number: int, message: dict) -> bytes:
+    """A whole `chat.completion` with its one choice."""
+    choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": job.finish}
+    return dumps(
+        {
+            "id": f"chatcmpl-sim{number}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": engine.model,
+            "choices": [choice],
+            "usage": job.usage(),
+        }
+    )
+
+
 async def _chat_full(engine: SimEngine, job: Job, exchange: Exchange) -> None:
     await engine.generate(job, None)
-    body = {
-        "id": f"chatcmpl-sim{engine.next_id()}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": engine.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": "".join(job.pieces)},
-                "logprobs": None,
-                "finish_reason": job.finish,
-            }
-        ],
-        "usage": job.usage(),
-    }
-    await exchange.reply(200, dumps(body))
+    message = {"role": "assistant", "content": "".join(job.pieces)}
+    await exchange.reply(200, _chat_completion(engine, job, engine.next_id(), message))
 
 
 async def _chat_stream(
@@ -161,22 +162,8 @@ async def _chat_tool_full(engine: SimEngine, job: Job, call: ToolCall, exchange:
         "type": "function",
         "function": {"name": call.name, "arguments": "".join(job.pieces)},
     }
-    body = {
-        "id": f"chatcmpl-sim{number}",
-        "object": "chat.completion",
-        "created": int(time.time()),
-        "model": engine.model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {"role": "assistant", "content": None, "tool_calls": [tool_call]},
-                "logprobs": None,
-                "finish_reason": job.finish,
-            }
-        ],
-        "usage": job.usage(),
-    }
-    await exchange.reply(200, dumps(body))
+    message = {"role": "assistant", "content": None, "tool_calls": [tool_call]}
+    await exchange.reply(200, _chat_completion(engine, job, number, message))
 
 
 async def _chat_tool_stream(

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import httpx
 import pytest
@@ -151,3 +152,36 @@ class EgressRecorder:
 
     def close(self) -> None:
         self.proc.stop()
+
+
+class ClientRun:
+    """A client program's own home (no settings, login or history of the machine's user)
+    and project folder, beside the fleet it talks to and the recorder of its other
+    traffic. Subclasses run the program."""
+
+    def __init__(self, fleet: ClientFleet, egress: EgressRecorder, directory: Path) -> None:
+        self.fleet = fleet
+        self.egress = egress
+        self.home = directory / "home"
+        self.home.mkdir()
+        self.project = directory / "project"
+        self.project.mkdir()
+
+
+RunT = TypeVar("RunT", bound=ClientRun)
+
+
+@contextmanager
+def client_run(
+    tmp_path_factory: pytest.TempPathFactory, program: str, kind: type[RunT]
+) -> Iterator[RunT]:
+    """A fleet, an egress recorder and a `kind` for the installed client `program`: the
+    body of a module-scoped fixture."""
+    require_node_clients(program)
+    directory = Path(tmp_path_factory.mktemp(program))
+    egress = EgressRecorder(directory)
+    try:
+        with client_fleet(directory) as fleet:
+            yield kind(fleet, egress, directory)
+    finally:
+        egress.close()

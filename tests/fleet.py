@@ -123,6 +123,29 @@ def wait_until(check: Callable[[], Any], timeout: float = 15.0, what: str = "con
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
 
 
+@contextmanager
+def sim_process(*flags: str) -> Iterator[str]:
+    """`python -m sim FLAGS` on a free port, as an operator runs it beside an agent; its
+    URL once `/v1/models` answers (20 s at the most), stopped when the block ends."""
+    port = free_port()
+    argv = [sys.executable, "-m", "sim", *flags, "--port", str(port)]
+    proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+
+    def up() -> bool:
+        try:
+            return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    try:
+        wait_until(up, 20, f"sim {' '.join(flags)}")
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 class Proc:
     def __init__(
         self,

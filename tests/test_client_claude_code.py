@@ -24,10 +24,8 @@ from tests.client_fleet import (
     CONTEXT,
     MODEL,
     NODE_MODULES,
-    ClientFleet,
-    EgressRecorder,
-    client_fleet,
-    require_node_clients,
+    ClientRun,
+    client_run,
 )
 
 CLAUDE = NODE_MODULES / ".bin" / "claude"
@@ -57,15 +55,7 @@ def claude_env(router_url: str, home: Path) -> dict[str, str]:
     }
 
 
-class ClaudeRun:
-    def __init__(self, fleet: ClientFleet, egress: EgressRecorder, directory: Path) -> None:
-        self.fleet = fleet
-        self.egress = egress
-        self.home = directory / "home"
-        self.home.mkdir()
-        self.project = directory / "project"
-        self.project.mkdir()
-
+class ClaudeRun(ClientRun):
     def __call__(self, *args: str) -> subprocess.CompletedProcess[str]:
         env = {**claude_env(self.fleet.url, self.home), **self.egress.env()}
         return subprocess.run(
@@ -81,14 +71,8 @@ class ClaudeRun:
 
 @pytest.fixture(scope="module")
 def claude(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ClaudeRun]:
-    require_node_clients("claude")
-    directory = Path(tmp_path_factory.mktemp("claude-code"))
-    egress = EgressRecorder(directory)
-    try:
-        with client_fleet(directory) as fleet:
-            yield ClaudeRun(fleet, egress, directory)
-    finally:
-        egress.close()
+    with client_run(tmp_path_factory, "claude", ClaudeRun) as run:
+        yield run
 
 
 def test_claude_p_gets_its_answer_through_the_router(claude: ClaudeRun) -> None:

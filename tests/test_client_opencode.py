@@ -27,9 +27,9 @@ from tests.client_fleet import (
     MODEL,
     NODE_MODULES,
     ClientFleet,
+    ClientRun,
     EgressRecorder,
-    client_fleet,
-    require_node_clients,
+    client_run,
 )
 
 OPENCODE = NODE_MODULES / ".bin" / "opencode"
@@ -69,14 +69,9 @@ def opencode_env(home: Path) -> dict[str, str]:
     }
 
 
-class OpencodeRun:
+class OpencodeRun(ClientRun):
     def __init__(self, fleet: ClientFleet, egress: EgressRecorder, directory: Path) -> None:
-        self.fleet = fleet
-        self.egress = egress
-        self.home = directory / "home"
-        self.home.mkdir()
-        self.project = directory / "project"
-        self.project.mkdir()
+        super().__init__(fleet, egress, directory)
         config = json.dumps(opencode_config(fleet.url), indent=2)
         (self.project / "opencode.json").write_text(config)
 
@@ -97,14 +92,8 @@ class OpencodeRun:
 
 @pytest.fixture(scope="module")
 def opencode(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OpencodeRun]:
-    require_node_clients("opencode")
-    directory = Path(tmp_path_factory.mktemp("opencode"))
-    egress = EgressRecorder(directory)
-    try:
-        with client_fleet(directory) as fleet:
-            yield OpencodeRun(fleet, egress, directory)
-    finally:
-        egress.close()
+    with client_run(tmp_path_factory, "opencode", OpencodeRun) as run:
+        yield run
 
 
 def _texts(events: list[dict]) -> list[str]:

@@ -25,7 +25,7 @@ import subprocess
 from pathlib import Path
 
 from tests.fleet import free_ports
-from tests.test_systemd import checkout_copies, systemd_analyze
+from tests.test_systemd import assert_units_verify
 
 ROOT = Path(__file__).resolve().parent.parent
 PAGE = ROOT / "docs" / "getting-started" / "index.md"
@@ -87,17 +87,6 @@ def test_the_operator_path_runs_as_written() -> None:
 
 
 def test_the_units_the_first_fleet_page_installs_verify(tmp_path: Path) -> None:
-    analyze = systemd_analyze()
     installed = re.findall(r"/opt/hivenet/systemd/(\S+\.service)", FIRST_FLEET.read_text())
     assert set(installed) == {"hivenet-router.service", "hivenet-agent@.service"}
-    checkout_copies(tmp_path)
-    for name in ("hivenet-router.service", "hivenet-agent@llama-8b.service"):
-        r = subprocess.run(
-            [analyze, "verify", "--man=no", f"./{name}"],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
-        ours = [line for line in (r.stdout + r.stderr).splitlines() if "hivenet" in line]
-        assert r.returncode == 0 and not ours, (name, r.stdout, r.stderr)
+    assert_units_verify(tmp_path, "hivenet-router.service", "hivenet-agent@llama-8b.service")

@@ -7,14 +7,13 @@ engine's health going away when the engine says it is not serving.
 
 from __future__ import annotations
 
-import subprocess
-import sys
+import contextlib
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.fleet import Agent, Fleet, Router, free_port, wait_until
+from tests.fleet import Agent, Fleet, Router, sim_process, wait_until
 
 KINDS = ("sglang", "llamacpp", "ollama")
 # The engine fields each kind gives the router with no request run yet.
@@ -28,34 +27,11 @@ REPORTED = {
 @pytest.fixture
 def engines() -> Iterator[dict[str, str]]:
     """One sim per kind, as `python -m sim --kind K` runs it; kind -> URL."""
-    urls: dict[str, str] = {}
-    procs: list[subprocess.Popen[bytes]] = []
-    try:
-        for kind in KINDS:
-            port = free_port()
-            argv = [sys.executable, "-m", "sim", "--kind", kind, "--model", "m1"]
-            procs.append(
-                subprocess.Popen(
-                    [*argv, "--port", str(port)],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.DEVNULL,
-                )
-            )
-            urls[kind] = f"http://127.0.0.1:{port}"
-        for url in urls.values():
-            wait_until(lambda url=url: _up(url), 20, f"sim at {url}")
-        yield urls
-    finally:
-        for proc in procs:
-            proc.terminate()
-            proc.wait(10)
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
+    with contextlib.ExitStack() as stack:
+        yield {
+            kind: stack.enter_context(sim_process("--kind", kind, "--model", "m1"))
+            for kind in KINDS
+        }
 
 
 def _view(router: Router, agent: Agent) -> dict:

@@ -1,19 +1,17 @@
 """An engine without `/v1/completions` or `/v1/responses` (issue 47 item 3): a llama.cpp
 build from before its `/v1/responses`, here the sim as llama-server answering its own
-404 for both. The client gets 404 `endpoint_not_supported` (README 5.4), the agent is
+404 for both. The client gets 404 `endpoint_not_supported` (docs/api/client.md), the agent is
 charged nothing, the router remembers the agent lacks the path and sends the next
 requests for it to the model's other agents without asking it again."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import httpx
 import pytest
 
-from tests.fleet import Agent, Fleet, Router, free_port, wait_until
+from tests.fleet import Agent, Fleet, Router, sim_process, wait_until
 
 PATHS = {
     "/v1/completions": {"model": "m1", "prompt": "hello", "max_tokens": 4},
@@ -24,30 +22,14 @@ PATHS = {
 @pytest.fixture
 def old_llamacpp() -> Iterator[str]:
     """`python -m sim --kind llamacpp` without the two routes; its URL."""
-    port = free_port()
-    argv = [sys.executable, "-m", "sim", "--kind", "llamacpp", "--model", "m1"]
+    flags = ["--kind", "llamacpp", "--model", "m1"]
     for path in PATHS:
-        argv += ["--missing-route", path]
-    proc = subprocess.Popen(
-        [*argv, "--port", str(port)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-    )
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_until(lambda: _up(url), 20, "sim up")
+        flags += ["--missing-route", path]
+    with sim_process(*flags) as url:
         # The engine itself answers its own 404 for them, as llama-server does.
         missing = httpx.post(url + "/v1/responses", json=PATHS["/v1/responses"], timeout=5)
         assert missing.status_code == 404 and "File Not Found" in missing.text
         yield url
-    finally:
-        proc.terminate()
-        proc.wait(10)
-
-
-def _up(url: str) -> bool:
-    try:
-        return httpx.get(f"{url}/v1/models", timeout=2).status_code == 200
-    except httpx.HTTPError:
-        return False
 
 
 def post(router: Router, path: str) -> httpx.Response:

@@ -44,6 +44,24 @@ def _agent(
     )
 
 
+async def read_chat_stream(
+    stream: openai.AsyncStream,
+) -> tuple[set[tuple[str, int, str]], str, list[str], list[tuple[int, int]]]:
+    """An SDK chat stream, read to its end: the (id, created, model) seen, the text, the
+    finish reasons and the (prompt, completion) tokens of the usage-only chunk."""
+    ids, text, finish, usage = set(), "", [], []
+    async for chunk in stream:
+        ids.add((chunk.id, chunk.created, chunk.model))
+        for choice in chunk.choices:
+            text += choice.delta.content or ""
+            if choice.finish_reason:
+                finish.append(choice.finish_reason)
+        # The usage chunk (every chunk carries the running count: agent/usage.py).
+        if chunk.usage is not None and not chunk.choices:
+            usage.append((chunk.usage.prompt_tokens, chunk.usage.completion_tokens))
+    return ids, text, finish, usage
+
+
 async def _chat(router: Router, problems: list[str], errors: list[str]) -> None:
     client = openai.AsyncOpenAI(base_url=router.url + "/v1", api_key="x", max_retries=0)
     try:
@@ -53,16 +71,7 @@ async def _chat(router: Router, problems: list[str], errors: list[str]) -> None:
             stream=True,
             stream_options={"include_usage": True},
         )
-        ids, text, finish, usage = set(), "", [], []
-        async for chunk in stream:
-            ids.add((chunk.id, chunk.created, chunk.model))
-            for choice in chunk.choices:
-                text += choice.delta.content or ""
-                if choice.finish_reason:
-                    finish.append(choice.finish_reason)
-            # The usage chunk (every chunk carries the running count: agent/usage.py).
-            if chunk.usage is not None and not chunk.choices:
-                usage.append((chunk.usage.prompt_tokens, chunk.usage.completion_tokens))
+        ids, text, finish, usage = await read_chat_stream(stream)
     except openai.APIError as exc:
         errors.append(f"chat: {exc}")
         return

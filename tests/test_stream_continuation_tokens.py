@@ -17,6 +17,7 @@ import openai
 import trio
 
 from tests.fleet import Fleet, Router, wait_until
+from tests.test_stream_continuation import read_chat_stream
 
 WORDS = [f"w{i}" for i in range(30)]
 PROMPT = " ".join(WORDS)
@@ -42,14 +43,7 @@ async def _sdk(router: Router, limit: int | None, out: dict) -> None:
             temperature=0,
             **extra,
         )
-        text, finish, usage = "", [], []
-        async for chunk in stream:
-            for choice in chunk.choices:
-                text += choice.delta.content or ""
-                if choice.finish_reason:
-                    finish.append(choice.finish_reason)
-            if chunk.usage is not None and not chunk.choices:
-                usage.append((chunk.usage.prompt_tokens, chunk.usage.completion_tokens))
+        _, text, finish, usage = await read_chat_stream(stream)
         out[limit] = (text, finish, usage)
     finally:
         await client.close()

@@ -323,13 +323,15 @@ def checkout_copies(directory: Path) -> list[Path]:
     return copies
 
 
-def test_systemd_analyze_verify_passes_on_the_units(tmp_path: Path) -> None:
+def assert_units_verify(directory: Path, *names: str) -> None:
+    """`systemd-analyze verify` on the checkout's copies of the units, as instance
+    `names`: it exits 0 and says nothing about ours."""
     analyze = systemd_analyze()
-    checkout_copies(tmp_path)
-    for name in ("hivenet-router.service", "hivenet-agent@vllm.service"):
+    checkout_copies(directory)
+    for name in names:
         r = subprocess.run(
             [analyze, "verify", "--man=no", f"./{name}"],
-            cwd=tmp_path,
+            cwd=directory,
             capture_output=True,
             text=True,
             timeout=60,
@@ -337,6 +339,10 @@ def test_systemd_analyze_verify_passes_on_the_units(tmp_path: Path) -> None:
         # verify exits 0 on warnings too (an unknown key, a bad value): none may name us.
         ours = [line for line in (r.stdout + r.stderr).splitlines() if "hivenet" in line]
         assert r.returncode == 0 and not ours, (name, r.returncode, r.stdout, r.stderr)
+
+
+def test_systemd_analyze_verify_passes_on_the_units(tmp_path: Path) -> None:
+    assert_units_verify(tmp_path, "hivenet-router.service", "hivenet-agent@vllm.service")
 
 
 def test_verify_would_catch_a_broken_unit(tmp_path: Path) -> None:
@@ -418,7 +424,8 @@ def test_units_declare_what_operations_rely_on() -> None:
         # Stopping waits out the drain (plus the router's 5 s wind-down), never less.
         drain = next(v for k, v in unit.defaults().items() if k.endswith("_DRAIN_TIMEOUT"))
         assert parse_duration(unit.value("TimeoutStopSec")) >= parse_duration(drain) + 10
-        # The README's install unpacks this repository into /opt/hivenet: the page is in it.
+        # The install (docs/getting-started/first-fleet.md) unpacks this repository into
+        # /opt/hivenet: the page is in it.
         docs = unit.value("Documentation", "Unit")
         assert docs.startswith(f"file:{INSTALL_ROOT}"), docs
         assert (ROOT / docs.removeprefix(f"file:{INSTALL_ROOT}")).is_file(), docs

@@ -2,9 +2,9 @@
 
 Pure, no I/O, in the manner of h11's `Connection.receive_data/next_event`, which this
 replaced: h11's pure-Python parsing was about 15% of the router's CPU at 64 clients
-(README, *Router overhead*). llhttp is a push parser: one `feed` runs every callback
-for the bytes it is given, a pipelined request's included, so the events wait in a
-queue until the server asks for them. The server feeds only what it reads, and reads
+(docs/benchmarks/index.md, *Router overhead*). llhttp is a push parser: one `feed` runs
+every callback for the bytes it is given, a pipelined request's included, so the events
+wait in a queue until the server asks for them. The server feeds only what it reads, and reads
 ahead at most MAX_AHEAD_BYTES while it answers, so the queue stays bounded.
 
 What llhttp accepts and the server must not, this refuses (a `Refusal` event, after

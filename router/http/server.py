@@ -3,7 +3,7 @@
 It replaced Hypercorn in the router because Hypercorn's per-request machinery (a task
 and several cancel scopes per request, a shielded socket write per ASGI message, a
 separate write for the response head) cost more router CPU than all of the routing:
-see the README's Benchmarks. Only what the router's apps use is here: HTTP/1.1 and
+see docs/benchmarks/index.md. Only what the router's apps use is here: HTTP/1.1 and
 1.0 with keep-alive, request bodies streamed to `receive()`, `http.disconnect` when the
 client leaves, and a graceful stop. There is no lifespan protocol (the router's apps
 keep no state that needs it), no HTTP/2 and no WebSocket.

@@ -9,7 +9,6 @@ the client the engine's own vectors, to the last float.
 from __future__ import annotations
 
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -17,8 +16,8 @@ import httpx
 import openai
 import pytest
 
-from tests.fleet import Fleet, free_port, wait_until
-from tests.real_engines.vllm_server import ENV, stop_group, vllm_server
+from tests.fleet import Fleet, free_port
+from tests.real_engines.vllm_server import ENV, engine_server, vllm_server
 
 MODEL = "minilm"
 TEXTS = ["The router sends each request to an agent.", "Prefix caching keeps keys and values."]
@@ -61,25 +60,8 @@ def infinity(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     # Upstream's guide: the API under /v1; no usage report leaves the machine.
     env = {**os.environ, **ENV, "INFINITY_URL_PREFIX": "/v1"}
     env["INFINITY_ANONYMOUS_USAGE_STATS"] = "0"
-    with open(log_path, "ab") as log:
-        server = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        if server.poll() is not None:
-            raise AssertionError(f"infinity exited:\n{log_path.read_text()[-3000:]}")
-        try:
-            return httpx.get(url + "/health", timeout=5).status_code == 200
-        except httpx.HTTPError:
-            return False
-
-    try:
-        wait_until(healthy, 180, "infinity healthy")
+    with engine_server(argv, env, log_path, port, 180) as url:
         yield url
-    finally:
-        stop_group(server)
 
 
 def _vectors(base: str) -> list[list[float]]:

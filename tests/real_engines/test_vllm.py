@@ -394,7 +394,7 @@ def test_engine_errors_reach_the_client_and_are_not_charged_to_the_agent(
     messages = anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0)
     # A model no agent serves: 404 in each protocol. (An agent that announces a model
     # its engine lacks gets the engine's 404, which is that agent's fault: another
-    # agent may serve the model, so it is a retried backend_error, as README 4 says.)
+    # agent may serve the model, so it is a retried backend_error: docs/reference/errors.md.)
     with pytest.raises(openai.NotFoundError) as missing:
         client.chat.completions.create(model="not-served", messages=HELLO, max_tokens=4)
     assert "not-served" in str(missing.value)

@@ -50,8 +50,17 @@ def vllm_server(log_dir: Path, model: str, served: str, *flags: str) -> Iterator
         *("--dtype", "float32", "--enforce-eager"),
         *flags,
     ]
-    env = {**os.environ, **ENV}
     log_path = log_dir / f"vllm-{served}.log"
+    with engine_server(argv, {**os.environ, **ENV}, log_path, port, 240) as url:
+        yield url
+
+
+@contextmanager
+def engine_server(
+    argv: list[str], env: dict[str, str], log_path: Path, port: int, seconds: float
+) -> Iterator[str]:
+    """An engine server started from `argv`; yields its URL once `/health` answers 200
+    (`seconds` at the most), stops it however the test ends."""
     # Its own process group: vLLM runs its engine core and worker as child processes,
     # which go with it when the test ends however it ends.
     with open(log_path, "ab") as log:
@@ -59,17 +68,19 @@ def vllm_server(log_dir: Path, model: str, served: str, *flags: str) -> Iterator
             argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
         )
     url = f"http://127.0.0.1:{port}"
+    name = Path(argv[0]).name
 
     def healthy() -> bool:
         if server.poll() is not None:
-            raise AssertionError(f"vllm exited:\n{log_path.read_text(errors='replace')[-3000:]}")
+            tail = log_path.read_text(errors="replace")[-3000:]
+            raise AssertionError(f"{name} exited:\n{tail}")
         try:
             return httpx.get(url + "/health", timeout=5).status_code == 200
         except httpx.HTTPError:
             return False
 
     try:
-        wait_until(healthy, 240, f"vllm serving {served}")
+        wait_until(healthy, seconds, f"{name} healthy")
         yield url
     finally:
         stop_group(server)
