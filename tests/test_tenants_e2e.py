@@ -178,7 +178,9 @@ def test_tenants_keys_models_and_every_limit(fleet: Fleet, tmp_path: Path) -> No
 
     wait_until(lambda: tokens_charged() == counted, 5, "non-streaming usage charged")
     # A stream whose client did not ask for usage: the router asked for it (through
-    # the agent) and the client still sees no usage-only chunk.
+    # the agent) and the client still sees no usage-only chunk. Each chunk carries the
+    # running count the agent asks for so that a broken stream can be continued
+    # (docs/api/client.md, stream continuation): never more than the whole answer's.
     chunks = list(
         delta.chat.completions.create(
             model="m1",
@@ -186,7 +188,9 @@ def test_tenants_keys_models_and_every_limit(fleet: Fleet, tmp_path: Path) -> No
             stream=True,
         )
     )
-    assert chunks and all(c.choices and c.usage is None for c in chunks)
+    assert chunks and all(c.choices for c in chunks)
+    running = [c.usage.completion_tokens for c in chunks if c.usage is not None]
+    assert running == sorted(running) and all(n <= full.usage.completion_tokens for n in running)
     counted += full.usage.prompt_tokens + full.usage.completion_tokens  # the same question
     wait_until(lambda: tokens_charged() == counted, 5, "streaming usage charged")
     # An Anthropic stream: usage from message_start and message_delta. (Its declared
