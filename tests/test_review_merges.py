@@ -1,0 +1,83 @@
+"""Where the branches merged on one day meet: the console's recent-requests ring on
+requests that are cancelled or share an ID, `POST /admin/explain` with hostile fields,
+and forwarding headers from a trusted proxy. Driven through the router's ASGI app with
+the console attached, as router/http/console_setup.py attaches it."""
+
+from __future__ import annotations
+
+import trio
+
+from router.explain import Explainer
+from router.http.app import RouterApp
+from router.http.console import Console
+from router.policy.rank import Ranking
+from router.recent import RecentRequests
+from tests.test_fuzz import build_app
+
+CHAT = "/v1/chat/completions"
+
+
+def with_console() -> tuple[RouterApp, RecentRequests]:
+    app, _link, table, queue = build_app()
+    explainer = Explainer(
+        table, queue, Ranking(), app.store.for_model, lambda *_: None, trio.current_time
+    )
+    recent = RecentRequests()
+    app.console = Console(explainer, recent, app.store, app.client_keys)
+    return app, recent
+
+
+def scope_of(method: str, path: str, headers: list[tuple[bytes, bytes]]) -> dict:
+    return {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": b"",
+        "headers": headers,
+        "client": ("127.0.0.1", 5000),
+        "server": ("127.0.0.1", 8080),
+    }
+
+
+async def stalled_request(app: RouterApp, rid: str, seconds: float) -> None:
+    """A chat request whose body never arrives, cut after `seconds` the way the HTTP
+    server cuts one (the answer deadline, a drain's end): its cancel scope."""
+    headers = [(b"content-type", b"application/json"), (b"x-request-id", rid.encode())]
+
+    async def receive() -> dict:
+        await trio.sleep_forever()
+        raise AssertionError
+
+    async def send(message: dict) -> None:
+        pass
+
+    with trio.move_on_after(seconds):
+        await app(scope_of("POST", CHAT, headers), receive, send)
+
+
+async def test_a_cancelled_request_leaves_nothing_open_in_the_ring() -> None:
+    app, recent = with_console()
+    rid = "6f1c2d3e-4b5a-4c6d-8e7f-0a1b2c3d4e5f"
+    await stalled_request(app, rid, 0.05)
+    # The ring's open requests are capped (MAX_OPEN): each one a cut request left
+    # there would be lost for good, and past the cap no request gets a story.
+    assert not recent._open, recent
+    listed = recent.list({}, 10)
+    assert [r["id"] for r in listed] == [rid]
+    assert listed[0]["status"] == 499
+
+
+async def test_two_requests_with_one_id_each_keep_their_entry() -> None:
+    """A client-chosen X-Request-ID may run twice at once (idempotent retries join the
+    first): the first to end must not take the other's open entry with it."""
+    recent = RecentRequests()
+    first = recent.begin("r", CHAT)
+    second = recent.begin("r", CHAT)
+    recent.end(first)
+    assert recent._open.get("r") is second
+    recent.end(second)
+    assert not recent._open
