@@ -77,7 +77,7 @@ def parse_request(body: object, endpoints: dict[str, tuple[str, str]]) -> Explai
     if messages is not None and not isinstance(messages, list):
         raise ExplainInvalid("`messages` must be a list of chat messages")
     path = body.get("path", "/v1/chat/completions")
-    if path not in endpoints:
+    if not isinstance(path, str) or path not in endpoints:
         raise ExplainInvalid(f"`path` must be one of {', '.join(sorted(endpoints))}")
     lowered = {str(k).lower(): v for k, v in headers.items()}
     return ExplainRequest(model, tenant, lowered, messages, path)

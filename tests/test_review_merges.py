@@ -5,6 +5,8 @@ the console attached, as router/http/console_setup.py attaches it."""
 
 from __future__ import annotations
 
+import json
+
 import trio
 
 from router.explain import Explainer
@@ -12,7 +14,7 @@ from router.http.app import RouterApp
 from router.http.console import Console
 from router.policy.rank import Ranking
 from router.recent import RecentRequests
-from tests.test_fuzz import build_app
+from tests.test_fuzz import ADMIN_KEY, build_app
 
 CHAT = "/v1/chat/completions"
 
@@ -81,3 +83,37 @@ async def test_two_requests_with_one_id_each_keep_their_entry() -> None:
     assert recent._open.get("r") is second
     recent.end(second)
     assert not recent._open
+
+
+async def post_json(app: RouterApp, path: str, body: bytes) -> tuple[int, dict]:
+    sent: list[dict] = []
+    incoming = [{"type": "http.request", "body": body, "more_body": False}]
+
+    async def receive() -> dict:
+        if incoming:
+            return incoming.pop(0)
+        await trio.sleep_forever()
+        raise AssertionError
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    headers = [(b"authorization", f"Bearer {ADMIN_KEY}".encode())]
+    await app(scope_of("POST", path, headers), receive, send)
+    start, *bodies = sent
+    return start["status"], json.loads(b"".join(b.get("body", b"") for b in bodies))
+
+
+async def test_explain_refuses_fields_of_the_wrong_type_with_400() -> None:
+    app, _ = with_console()
+    for bad in (
+        {"model": "m", "path": ["/v1/chat/completions"]},
+        {"model": "m", "path": {"a": 1}},
+        {"model": "m", "path": 7},
+    ):
+        status, body = await post_json(app, "/admin/explain", json.dumps(bad).encode())
+        assert status == 400, (bad, body)
+        assert body["error"]["code"] == "request_invalid", body
+        assert "`path`" in body["error"]["message"]
+    status, body = await post_json(app, "/admin/explain", b'{"model": "m"}')
+    assert status == 200 and body["outcome"] != "routed", body
