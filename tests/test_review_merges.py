@@ -11,6 +11,7 @@ import trio
 
 from router.explain import Explainer
 from router.http.app import RouterApp
+from router.http.client_ip import TrustedProxies
 from router.http.console import Console
 from router.policy.rank import Ranking
 from router.recent import RecentRequests
@@ -117,3 +118,16 @@ async def test_explain_refuses_fields_of_the_wrong_type_with_400() -> None:
         assert "`path`" in body["error"]["message"]
     status, body = await post_json(app, "/admin/explain", b'{"model": "m"}')
     assert status == 200 and body["outcome"] != "routed", body
+
+
+def test_a_forwarded_address_with_a_zone_is_not_believed() -> None:
+    """An IPv6 zone (`fe80::1%…`) is free text to Python's parser: a client behind a
+    trusted proxy would write what it likes into the audit line's `source_ip`."""
+    proxies = TrustedProxies.parse("127.0.0.0/8")
+    for hostile in (b'fe80::1%"><script>', b"fe80::1%a b", b"fe80::1%" + b"z" * 4000):
+        scope = {"client": ("127.0.0.1", 1), "headers": [(b"x-forwarded-for", hostile)]}
+        assert proxies.client_ip(scope) == "127.0.0.1"
+        scope = {"client": ("127.0.0.1", 1), "headers": [(b"x-real-ip", hostile)]}
+        assert proxies.client_ip(scope) == "127.0.0.1"
+    scope = {"client": ("127.0.0.1", 1), "headers": [(b"x-forwarded-for", b"2001:db8::7")]}
+    assert proxies.client_ip(scope) == "2001:db8::7"
