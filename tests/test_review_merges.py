@@ -6,18 +6,25 @@ the console attached, as router/http/console_setup.py attaches it."""
 from __future__ import annotations
 
 import json
+from typing import Any
 
+import pytest
 import trio
 
-from router.explain import Explainer
+from protocol.errors import ErrorCode, RouterError
+from router.explain import Explainer, ExplainRequest
 from router.http.app import RouterApp
 from router.http.client_ip import TrustedProxies
 from router.http.console import Console
 from router.policy.rank import Ranking
 from router.recent import RecentRequests
+from router.session import Served
 from tests.test_fuzz import ADMIN_KEY, build_app
+from tests.test_session import ANY, MODEL, Harness, fail, make_peer, policy, request
 
 CHAT = "/v1/chat/completions"
+RESPONSES = "/v1/responses"
+NOT_SERVED = ErrorCode.ENDPOINT_NOT_SUPPORTED
 
 
 def with_console() -> tuple[RouterApp, RecentRequests]:
@@ -131,3 +138,34 @@ def test_a_forwarded_address_with_a_zone_is_not_believed() -> None:
         assert proxies.client_ip(scope) == "127.0.0.1"
     scope = {"client": ("127.0.0.1", 1), "headers": [(b"x-forwarded-for", b"2001:db8::7")]}
     assert proxies.client_ip(scope) == "2001:db8::7"
+
+
+async def test_explain_leaves_out_an_agent_known_to_lack_the_path(autojump_clock: Any) -> None:
+    """Explain (issue 52) and the memory of an engine's missing route (issue 47) were
+    written side by side: a real request skips an agent that lately answered
+    `endpoint_not_supported` for its path, so explain must too, or it names an agent
+    the request never goes to."""
+    h = Harness(policy(ANY), [make_peer("A"), make_peer("B")], script={"A": [fail(NOT_SERVED)]})
+    served = await h.dispatcher().dispatch(request(path=RESPONSES))
+    assert isinstance(served, Served) and served.peer.peer_id == "B"
+    served.response.close()
+    explainer = Explainer(
+        h.table, h.queue, h.session.ranking, h.store.for_model, lambda *_: None, trio.current_time
+    )
+    answer = explainer.explain(ExplainRequest(MODEL, path=RESPONSES), "llm", "t", 0)
+    assert answer["chosen"] == "B", answer
+    (step,) = answer["steps"]
+    verdicts = {a["peer_id"]: a["excluded_by"] for a in step["agents"]}
+    assert verdicts["A"] is not None and verdicts["A"].startswith("gate[5]"), verdicts
+    assert verdicts["B"] is None
+    # Another path still goes to A, as a real request does.
+    chat = explainer.explain(ExplainRequest(MODEL), "llm", "t", 0)
+    assert chat["chosen"] == "A", chat
+    # A alone: the client would hear endpoint_not_supported, and explain says so.
+    h.table.remove(h.table.get("B"))  # type: ignore[arg-type]
+    with pytest.raises(RouterError) as refused:
+        await h.dispatcher().dispatch(request(path=RESPONSES))
+    assert refused.value.code is NOT_SERVED
+    alone = explainer.explain(ExplainRequest(MODEL, path=RESPONSES), "llm", "t", 0)
+    assert alone["outcome"] == "exhausted", alone
+    assert alone["exhaustion"]["error"] == "endpoint_not_supported", alone
