@@ -1,7 +1,8 @@
 """Where the branches merged on one day meet: the console's recent-requests ring on
-requests that are cancelled or share an ID, `POST /admin/explain` with hostile fields,
-and forwarding headers from a trusted proxy. Driven through the router's ASGI app with
-the console attached, as router/http/console_setup.py attaches it."""
+requests that are cancelled or share an ID, `POST /admin/explain` with hostile fields
+and an engine's missing route, forwarding headers from a trusted proxy, and the
+console's paths and query parameters. Driven through the router's ASGI app with the
+console attached, as router/http/console_setup.py attaches it."""
 
 from __future__ import annotations
 
@@ -169,3 +170,62 @@ async def test_explain_leaves_out_an_agent_known_to_lack_the_path(autojump_clock
     alone = explainer.explain(ExplainRequest(MODEL, path=RESPONSES), "llm", "t", 0)
     assert alone["outcome"] == "exhausted", alone
     assert alone["exhaustion"]["error"] == "endpoint_not_supported", alone
+
+
+async def call(
+    app: RouterApp, method: str, path: str, query: bytes = b""
+) -> tuple[int, dict, bytes]:
+    sent: list[dict] = []
+
+    async def receive() -> dict:
+        return {"type": "http.request", "body": b"", "more_body": False}
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    scope = scope_of(method, path, [(b"authorization", f"Bearer {ADMIN_KEY}".encode())])
+    scope["query_string"] = query
+    await app(scope, receive, send)
+    start, *bodies = sent
+    headers = {k.decode(): v.decode() for k, v in start["headers"]}
+    return start["status"], headers, b"".join(b.get("body", b"") for b in bodies)
+
+
+async def test_console_paths_outside_its_files_are_404_with_its_headers() -> None:
+    app, _ = with_console()
+    status, headers, body = await call(app, "GET", "/ui/")
+    assert status == 200 and b"<html" in body.lower()
+    for path in (
+        "/ui/../pyproject.toml",
+        "/ui/%2e%2e/pyproject.toml",
+        "/ui/..%2f..%2fetc/passwd",
+        "/ui/./index.html",
+        "/ui//etc/passwd",
+        "/ui/index.html\x00.js",
+        "/ui/\\..\\pyproject.toml",
+        "/ui/" + "a" * 100_000,
+    ):
+        status, headers, body = await call(app, "GET", path)
+        assert status == 404, path[:40]
+        assert json.loads(body)["error"]["code"] == "not_found"
+        assert "frame-ancestors 'none'" in headers["content-security-policy"]
+
+
+async def test_recent_requests_query_parameters_are_checked() -> None:
+    app, _ = with_console()
+    for query in (
+        b"limit=0",
+        b"limit=501",
+        b"limit=-1",
+        b"limit=1e2",
+        b"limit=" + b"9" * 5000,
+        b"limit=%00",
+    ):
+        status, _, body = await call(app, "GET", "/admin/requests", query)
+        assert status == 400, query[:30]
+        assert "`limit`" in json.loads(body)["error"]["message"]
+    hostile = b"&".join(
+        [b"model=%ff%fe", b"status=" + b"5" * 3000, b"tenant=" + b"%" * 2000, b"x=1"] * 50
+    )
+    status, _, body = await call(app, "GET", "/admin/requests", hostile)
+    assert status == 200 and json.loads(body)["count"] == 0
