@@ -229,3 +229,45 @@ async def test_recent_requests_query_parameters_are_checked() -> None:
     )
     status, _, body = await call(app, "GET", "/admin/requests", hostile)
     assert status == 200 and json.loads(body)["count"] == 0
+
+
+async def put_policy(app: RouterApp, text: str, if_match: bytes) -> tuple[int, dict, dict]:
+    sent: list[dict] = []
+    incoming = [{"type": "http.request", "body": text.encode(), "more_body": False}]
+
+    async def receive() -> dict:
+        if incoming:
+            return incoming.pop(0)
+        await trio.sleep_forever()
+        raise AssertionError
+
+    async def send(message: dict) -> None:
+        sent.append(message)
+
+    headers = [(b"authorization", f"Bearer {ADMIN_KEY}".encode()), (b"if-match", if_match)]
+    await app(scope_of("PUT", "/admin/policy", headers), receive, send)
+    start, *bodies = sent
+    head = {k.decode(): v.decode() for k, v in start["headers"]}
+    return start["status"], head, json.loads(b"".join(b.get("body", b"") for b in bodies))
+
+
+async def test_if_match_headers_huge_many_or_odd_get_412_in_the_flat_shape() -> None:
+    """`If-Match` (issue 49) on the write whose errors are upstream's flat
+    `{"error": …}` (issue 47): what a script sends back is compared, never trusted."""
+    app, _ = with_console()
+    text = "routing_policy:\n  strategy: round-robin\n"
+    current = f'"{app.store.version()}"'.encode()
+    for hostile in (
+        b'"x", ' * 3000,  # 15 kB of stale tags
+        b"W/" + current,  # a weak tag never matches a strong comparison
+        b"\xff\xfe" + current,
+        current[:-1],
+        b",,,,",
+        b"",
+    ):
+        status, head, body = await put_policy(app, text, hostile)
+        assert status == 412, hostile[:30]
+        assert isinstance(body["error"], str) and body["current_etag"] == current.decode()
+        assert head["etag"] == current.decode()
+    status, head, body = await put_policy(app, text, b'"a", ' * 2000 + current)
+    assert status == 200, body
