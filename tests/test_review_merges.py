@@ -173,7 +173,7 @@ async def test_explain_leaves_out_an_agent_known_to_lack_the_path(autojump_clock
 
 
 async def call(
-    app: RouterApp, method: str, path: str, query: bytes = b""
+    app: RouterApp, method: str, path: str, query: bytes = b"", accept: bytes = b""
 ) -> tuple[int, dict, bytes]:
     sent: list[dict] = []
 
@@ -183,7 +183,10 @@ async def call(
     async def send(message: dict) -> None:
         sent.append(message)
 
-    scope = scope_of(method, path, [(b"authorization", f"Bearer {ADMIN_KEY}".encode())])
+    headers = [(b"authorization", f"Bearer {ADMIN_KEY}".encode())]
+    if accept:
+        headers.append((b"accept", accept))
+    scope = scope_of(method, path, headers)
     scope["query_string"] = query
     await app(scope, receive, send)
     start, *bodies = sent
@@ -271,3 +274,32 @@ async def test_if_match_headers_huge_many_or_odd_get_412_in_the_flat_shape() -> 
         assert head["etag"] == current.decode()
     status, head, body = await put_policy(app, text, b'"a", ' * 2000 + current)
     assert status == 200, body
+
+
+async def test_policy_as_json_does_not_expand_yaml_aliases_without_bound() -> None:
+    """`GET /admin/policy` as JSON (issue 47) writes the YAML's aliases out in full: a
+    policy of 64 steps sharing one long tag list by alias is 64 copies of it (a 0.8 MB
+    policy became 63 MB of JSON and 3.4 s of the router's one thread). Past a bound the
+    fields are left out, as for YAML that JSON cannot hold; the YAML form is whole."""
+    app, _ = with_console()
+    tags = ", ".join(f"t{i:05d}" for i in range(20_000))
+    steps = "".join(
+        f"  - name: s{i}\n    match: {{tags: *a}}\n    strategy: round-robin\n" for i in range(63)
+    )
+    text = (
+        f"routing_policy:\n  match: {{tags: &a [{tags}]}}\n  strategy: round-robin\n"
+        f"fallback_chain:\n{steps}"
+    )
+    assert app.store.replace(text, "test") == []
+    status, _, body = await call(app, "GET", "/admin/policy", accept=b"application/json")
+    assert status == 200
+    assert len(body) < 1 << 20, len(body)
+    answer = json.loads(body)
+    assert len(answer["chain"]) == 64 and answer["version"] == app.store.version()
+    assert "routing_policy" not in answer
+    status, _, body = await call(app, "GET", "/admin/policy")
+    assert status == 200 and body.decode() == text
+    # A policy of ordinary size is answered whole.
+    assert app.store.replace("routing_policy:\n  strategy: round-robin\n", "test") == []
+    status, _, body = await call(app, "GET", "/admin/policy", accept=b"application/json")
+    assert json.loads(body)["routing_policy"] == {"strategy": "round-robin"}
