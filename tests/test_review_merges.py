@@ -21,6 +21,7 @@ from router.http.console import Console
 from router.policy.rank import Ranking
 from router.recent import RecentRequests
 from router.session import Served
+from router.state_url import parse_sentinel_url
 from tests.test_fuzz import ADMIN_KEY, build_app
 from tests.test_session import ANY, MODEL, Harness, fail, make_peer, policy, request
 
@@ -330,3 +331,17 @@ async def test_policy_validate_does_not_diff_two_huge_policies_line_by_line() ->
     small = b"routing_policy:\n  strategy: least-loaded\n"
     status, body = await post_json(app, "/admin/policy/validate", small)
     assert status == 200 and "+  strategy: least-loaded\n" in body["diff"]
+
+
+def test_sentinel_urls_with_odd_digits_are_refused_with_the_form() -> None:
+    """`str.isdigit` is true of `²` and of Arabic-Indic digits, and `int` refuses 5,000
+    digits with its own words: each is refused naming what was wrong."""
+    for bad, words in (
+        ("redis+sentinel://h:²/m", "is not HOST:PORT"),
+        ("redis+sentinel://h:" + "9" * 5000 + "/m", "is not HOST:PORT"),
+        ("redis+sentinel://h:1/m?db=²", "is not a database number"),
+        ("redis+sentinel://h:1/m?db=" + "9" * 5000, "is not a database number"),
+    ):
+        with pytest.raises(ValueError, match=words):
+            parse_sentinel_url(bad)
+    assert parse_sentinel_url("redis+sentinel://h:1/m?db=3").db == 3
