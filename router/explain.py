@@ -77,7 +77,7 @@ def parse_request(body: object, endpoints: dict[str, tuple[str, str]]) -> Explai
     if messages is not None and not isinstance(messages, list):
         raise ExplainInvalid("`messages` must be a list of chat messages")
     path = body.get("path", "/v1/chat/completions")
-    if path not in endpoints:
+    if not isinstance(path, str) or path not in endpoints:
         raise ExplainInvalid(f"`path` must be one of {', '.join(sorted(endpoints))}")
     lowered = {str(k).lower(): v for k, v in headers.items()}
     return ExplainRequest(model, tenant, lowered, messages, path)
@@ -119,6 +119,9 @@ class Explainer:
                 out["shed"] = {"step": "shed_if", "rule": hit.detail()}
                 out["outcome"] = "load_shed"
                 return out
+        # Agents whose engine lately said it lacks this path: a real request starts each
+        # step with them failed (gate 5) and asks them nothing (router/session.py).
+        lacking = frozenset(p.peer_id for p in pool if p.lacks and p.lacks_path(req.path, now))
         reasons: list[str] = []
         for step in policy.steps:
             if step.shed_if is not None:
@@ -130,7 +133,7 @@ class Explainer:
                     out["outcome"] = "load_shed"
                     out["reason"] = " | ".join(reasons)
                     return out
-            view = self._step(step, pool, capability, rank_request, now)
+            view = self._step(step, pool, capability, rank_request, now, lacking)
             out["steps"].append(view)
             if view["chosen"] is not None:
                 out["chosen"] = view["chosen"]
@@ -149,7 +152,7 @@ class Explainer:
             "tried": f"{len(reasons)}/{len(policy.steps)}",
             # A step drained only by full agents queues the request first (--queue-depth).
             "would_queue": waits,
-            "error": _error_code(pool, waits),
+            "error": _error_code(pool, waits, bool(lacking)),
         }
         out["provider_fallback"] = (
             {"engine": provider.engine, "model": provider.model} if provider is not None else None
@@ -163,9 +166,10 @@ class Explainer:
         capability: str,
         rank_request: RankRequest,
         now: float,
+        failed: frozenset[str] = frozenset(),
     ) -> dict[str, Any]:
-        ev = evaluate(pool, step, capability, frozenset(), now, self.ranking, rank_request)
-        ctx = context(step, capability, frozenset(), now)
+        ev = evaluate(pool, step, capability, failed, now, self.ranking, rank_request)
+        ctx = context(step, capability, failed, now)
         agents = [agent_verdicts(peer, ctx) for peer in pool]
         survivors = [p for p, a in zip(pool, agents, strict=True) if a["excluded_by"] is None]
         return {
@@ -262,9 +266,12 @@ def _number(value: object) -> str:
     return quote(str(value))
 
 
-def _error_code(pool: Sequence[Peer], waits: bool) -> str:
+def _error_code(pool: Sequence[Peer], waits: bool, lacking: bool = False) -> str:
     if not pool:
         return "model_not_found"
+    if lacking:
+        # The session's exhaustion names the missing route first (RoutingSession._exhausted).
+        return "endpoint_not_supported"
     return "no_capacity" if waits else "no_agents_available"
 
 

@@ -76,7 +76,10 @@ class RecentRequests:
         return entry
 
     def end(self, entry: RecentRequest) -> None:
-        self._open.pop(entry.id, None)
+        # Only its own entry: a client-chosen ID may be in flight twice at once (an
+        # idempotent retry joins the first), and the other keeps its story.
+        if self._open.get(entry.id) is entry:
+            del self._open[entry.id]
         ring = self._ring
         if len(ring) >= self.size:
             old = ring.popleft()

@@ -56,13 +56,18 @@ def parse_sentinel_url(url: str) -> SentinelUrl:
         if not colon:
             host, port = part.strip(), str(DEFAULT_SENTINEL_PORT)
         host = host.strip("[]")  # an IPv6 address in brackets
-        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+        # ASCII digits, at most five: `isdigit` alone is true of `²`, which `int` refuses.
+        if not host or not _digits(port, 5) or not 0 < int(port) < 65536:
             raise ValueError(f"sentinel address {part!r} is not HOST:PORT (in {form})")
         sentinels.append((host, int(port)))
     db = parse_qs(query).get("db", ["0"])[-1]
-    if not db.isdigit():
+    if not _digits(db, 5):
         raise ValueError(f"db={db!r} is not a database number")
     return SentinelUrl(tuple(sentinels), master, int(db), password or None)
+
+
+def _digits(text: str, most: int) -> bool:
+    return 0 < len(text) <= most and text.isascii() and text.isdigit()
 
 
 def connect(url: str, timeout: float, **options: Any) -> redis.Redis:

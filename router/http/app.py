@@ -169,6 +169,15 @@ class RouterApp:
             # The response may have started; then the client sees a cut stream.
             with contextlib.suppress(Exception):
                 await send_error(send, protocol, err, [("x-request-id", rid)], scope.get(TICKET))
+        except BaseException:
+            # Cut by the server (the answer deadline, a drain's end): no access line, but
+            # the ring's open entry goes (its open requests are capped at MAX_OPEN, and
+            # one left there would hold a place for good), shown as cut (499).
+            if kept is not None and console is not None:
+                ticket = scope.get(TICKET)
+                who = ticket.tenant if ticket is not None else tenant
+                console.end(kept, scope, 499, who, trio.current_time() - started)
+            raise
         elapsed = trio.current_time() - started
         trace_id = span.trace_id
         if path.startswith("/admin/"):

@@ -72,6 +72,11 @@ class TrustedProxies:
         for hop in reversed(hops):
             hop = hop.strip()
             try:
+                # No IPv6 zone (`fe80::1%eth0`): the parser takes any text after the `%`,
+                # which a client would write into the audit line, and a zone of the
+                # proxy's own host names no client anyway.
+                if "%" in hop:
+                    raise ValueError(hop)
                 address = str(ipaddress.ip_address(hop))
             except ValueError:
                 return ""  # a hop that is no address: the chain cannot be followed
