@@ -786,6 +786,34 @@ AUDIT = Dashboard(
                 stat("Agents connected", "sum(hivenet_router_agents_connected)"),
             ),
         ),
+        Row(
+            "Event loop",
+            (
+                series(
+                    "Event-loop lag",
+                    *quantiles("hivenet_router_event_loop_lag_seconds", "", ROUTER, (0.99, 0.999)),
+                    unit="s",
+                    description="How long one turn of the router's loop kept every other task"
+                    " waiting (wall clock); a long turn delays every request in flight",
+                ),
+                series(
+                    "Event-loop turn CPU",
+                    *quantiles("hivenet_router_event_loop_busy_seconds", "", ROUTER, (0.99, 0.999)),
+                    unit="s",
+                    description="CPU time of one turn: lag without it is the host's scheduler",
+                ),
+                series(
+                    "Collector pauses by generation",
+                    t(
+                        "histogram_quantile(0.99, sum by (le, generation)"
+                        " (rate(hivenet_router_gc_pause_seconds_bucket"
+                        f"{{{ROUTER}}}[$__rate_interval])))",
+                        "gen {{generation}} p99",
+                    ),
+                    unit="s",
+                ),
+            ),
+        ),
     ),
 )
 
