@@ -120,7 +120,7 @@ def test_agents_discover_the_model_and_gate_7_reads_the_real_gauges(
             lambda: all(
                 (router.agent(x.peer_id)["engine"]["waiting_requests"] or 0) > 0 for x in (a, b)
             ),
-            30,
+            45,
             "the engine's waiting requests in the routing table",
         )
         with pytest.raises(openai.APIStatusError) as refused:
