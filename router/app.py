@@ -134,6 +134,7 @@ class RouterDaemon:
                 unjoined=UnjoinedLimits(per_address=settings.max_unjoined_per_ip),
                 workers=settings.workers,
                 previous_secret=settings.jwt_secret_previous,
+                engine_upstream=settings.metrics_compat == COMPAT_MODE,
             ),
             self.registrations,
             self.lifetime,

@@ -95,6 +95,9 @@ class LinkSettings:
     workers: list[dict] = field(default_factory=list)
     # --jwt-secret-previous-file: still accepted while agents move to `secret`.
     previous_secret: bytes = b""
+    # --metrics-compat upstream: keep the engine's histograms a heartbeat carries
+    # (`engine.upstream`); otherwise nothing reads them, so they are not checked.
+    engine_upstream: bool = False
 
     @property
     def liveness_interval(self) -> float:
@@ -764,7 +767,7 @@ class AgentLink:
             peer.engine_at = now - _age(engine)
             peer.engine_interval = _interval(engine, peer.engine_interval)
             peer.preemptions = preemptions_of(engine)
-            if "upstream" in engine:
+            if self.settings.engine_upstream and "upstream" in engine:
                 peer.engine_upstream = upstream_of(engine)
         hardware = msg.get("hardware")
         if hardware:

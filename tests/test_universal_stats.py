@@ -458,3 +458,18 @@ async def test_agent_and_backend_failures_count_transitions(autojump_clock: Any)
     got = _samples(registry)
     assert got[("hivenet_router_agent_failure_total", peer.peer_id)] == 2
     assert got[("hivenet_router_agent_backend_failure_total", peer.peer_id)] == 2
+
+
+async def test_the_engines_upstream_histograms_are_kept_only_with_metrics_compat(
+    autojump_clock: Any,
+) -> None:
+    """Only `--metrics-compat upstream` reads `engine.upstream`: without it a heartbeat's
+    histograms are not checked per heartbeat for nothing."""
+    upstream = {"finish_reasons": {"stop": 3}, "predicted_tps": 41.5}
+    msg = m.heartbeat(0.0, True, {**ENGINE, "age": 0.0, "upstream": upstream}, HARDWARE)
+    link, _, _, peer = _link()
+    link.heartbeat(peer, msg)
+    assert peer.engine_upstream == {}
+    link.settings.engine_upstream = True
+    link.heartbeat(peer, msg)
+    assert peer.engine_upstream == {"finish_reasons": {"stop": 3}, "predicted_tps": 41.5}
