@@ -166,8 +166,9 @@ def _read_anthropic(sent: Sent, name: str | None, event: dict[str, Any]) -> None
         sent.started = True
         message = event.get("message")
         usage = message.get("usage") if isinstance(message, dict) else None
-        if isinstance(usage, dict) and isinstance(usage.get("input_tokens"), int):
-            sent.input_tokens = usage["input_tokens"]
+        if isinstance(usage, dict) and _count(usage.get("input_tokens")):
+            # The client's prompt as the engine counted it, which the spliced usage keeps.
+            sent.input_tokens = sent.prompt_tokens = usage["input_tokens"]
     elif kind == "content_block_start":
         block = event.get("content_block")
         if not isinstance(block, dict) or block.get("type") != "text":

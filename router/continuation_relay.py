@@ -23,6 +23,7 @@ from router.continuation import (
     CHAT_PATH,
     CONTINUABLE_ENGINES,
     FLAGGED_ENGINES,
+    MAX_COUNT,
     MAX_TRANSCRIPT_BYTES,
     MESSAGES_PATH,
     PREFILL_ENGINES,
@@ -36,6 +37,12 @@ from router.continuation import (
 )
 from router.dispatch import Dispatcher
 from router.http.asgi import Send, send_body
+from router.http.count_tokens import (
+    CHAT_TOKENIZERS,
+    TEXT_TOKENIZERS,
+    TOKENIZE_PATH,
+    input_tokens,
+)
 from router.link import AgentResponse, StreamBroken
 from router.metrics import RouterMetrics
 from router.peers import PeerTable
@@ -44,6 +51,7 @@ from router.session import BackendRejected, RouteRequest
 log = logging.getLogger("http")
 
 _CONTINUED_PATHS = (CHAT_PATH, MESSAGES_PATH)
+_TOKENIZERS = CHAT_TOKENIZERS | TEXT_TOKENIZERS
 
 
 def record_break(metrics: RouterMetrics, req: RouteRequest, broken: StreamBroken) -> None:
@@ -109,6 +117,50 @@ class StreamContinuer:
                 assert isinstance(served.response, AgentResponse)
                 return served.response
         return None
+
+    async def count_sent(self, req: RouteRequest, sent: Sent, exclude: frozenset[str]) -> None:
+        """Count `sent.text` with an engine's own tokenizer, in place, where the stream
+        carried no running count (Anthropic's): one token per content event undercounts
+        when the engine packs several into one (issue 48: vLLM), and the continuation's
+        `max_tokens` and the spliced usage are only as right as this count. No agent
+        with a tokenizer, or a failed call: the event count stands."""
+        if not sent.text or not any(
+            p.metadata.engine in _TOKENIZERS and p.peer_id not in exclude
+            for p in self.table.for_model(req.model)
+        ):
+            return
+        payload = {"model": req.model, "prompt": sent.text, "add_special_tokens": False}
+        body = json.dumps(payload, separators=(",", ":")).encode()
+        ask = dataclasses.replace(
+            req,
+            path=TOKENIZE_PATH,
+            body=body,
+            payload=payload,
+            stream=False,
+            engines=_TOKENIZERS,
+            exclude=exclude,
+            waited=0.0,
+        )
+        try:
+            served = await self.dispatcher.continuation(ask)
+            if served is None:
+                return
+            response = served.response
+            assert isinstance(response, AgentResponse)
+            try:
+                count = input_tokens(await response.read_all())["input_tokens"]
+            finally:
+                response.close()
+        except (BackendRejected, RouterError, StreamBroken) as exc:
+            log.info(
+                "req=%s stream_tokens_uncounted reason=%s tenant=%s",
+                req.request_id,
+                quote(str(exc)),
+                quote(req.tenant),
+            )
+            return
+        if 0 <= count < MAX_COUNT:
+            sent.tokens = count
 
 
 class StreamRelay:
@@ -207,6 +259,9 @@ class StreamRelay:
         gone = self.response.session.peer
         gone_id = gone.peer_id if gone is not None else "-"
         counter = metrics.stream_continuations
+        exclude = req.exclude | {gone_id}
+        if req.path == MESSAGES_PATH and sent.problem is None and not sent.finished:
+            await self.continuer.count_sent(req, sent, exclude)
         left = tokens_left(req.payload, sent)
         if sent.problem is None and (sent.finished or (left is not None and left < 1)):
             # Nothing is missing but the end: the router writes it.
@@ -220,7 +275,6 @@ class StreamRelay:
             counter.labels(req.model, req.tenant, "unsupported").inc()
             self._log("stream_not_continued", gone_id, "-", sent, sent.problem)
             raise broken
-        exclude = req.exclude | {gone_id}
         self.req = dataclasses.replace(req, exclude=exclude)
         response = await self.continuer.continue_after(req, sent, exclude)
         if response is None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import signal
 
+import anthropic
 import httpx
 import openai
 import trio
@@ -100,4 +101,53 @@ async def test_a_continued_stream_counts_the_tokens_sent_not_the_events(fleet: F
     assert text == _answer(20), text
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
     assert router.metric("hivenet_router_stream_continuations_total", outcome="continued") >= 3
+    assert f"sent_tokens={STALL} " in router.log()
+
+
+async def _messages(router: Router, limit: int, out: dict) -> None:
+    """Anthropic's SDK: its stream carries no running count."""
+    client = anthropic.AsyncAnthropic(base_url=router.url, api_key="x", max_retries=0)
+    try:
+        async with client.messages.stream(
+            model="m1",
+            max_tokens=limit,
+            messages=[{"role": "user", "content": PROMPT}],
+        ) as stream:
+            text = "".join([piece async for piece in stream.text_stream])
+            message = await stream.get_final_message()
+        out[limit] = (
+            text,
+            message.stop_reason,
+            message.usage.input_tokens,
+            message.usage.output_tokens,
+        )
+    finally:
+        await client.close()
+
+
+async def test_a_continued_messages_stream_counts_tokens_by_the_engines_tokenizer(
+    fleet: Fleet,
+) -> None:
+    """Anthropic's events carry no running count: the router asks the continuing
+    agent's engine to tokenize the text sent (`/tokenize`), not one per event."""
+    router = fleet.router()
+    first = [fleet.agent(router, "m1", wait=False) for _ in range(2)]
+    for agent in first:
+        router.wait_agent(agent.peer_id)
+        agent.sim_state(tokens_per_event=PER_EVENT, stall_after_tokens=STALL)
+    out: dict = {}
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_messages, router, 100, out)
+        nursery.start_soon(_messages, router, 20, out)
+        held = lambda: sum(a.sim_state()["in_flight"] for a in first) == 2  # noqa: E731
+        await trio.to_thread.run_sync(lambda: wait_until(held, 15, "two held streams"))
+        last = await trio.to_thread.run_sync(lambda: fleet.agent(router, "m1"))
+        last.sim_state(tokens_per_event=PER_EVENT)
+        for agent in first:
+            await trio.to_thread.run_sync(lambda a=agent: a.stop(signal.SIGKILL))
+
+    # The uninterrupted answer's usage: 30 prompt tokens, 31 generated.
+    assert out[100] == (_answer(31), "end_turn", 30, 31), out[100]
+    # max_tokens 20 holds: 12 sent (4 events), 8 more, not 16.
+    assert out[20] == (_answer(20), "max_tokens", 30, 20), out[20]
     assert f"sent_tokens={STALL} " in router.log()
