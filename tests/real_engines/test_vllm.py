@@ -115,14 +115,26 @@ def test_agents_discover_the_model_and_gate_7_reads_the_real_gauges(
     # 48 long requests against 4 sequences (several seconds of work): 44 wait, and gate
     # 7 excludes both agents.
     threads = _load(vllm_url, 48, 480)
-    try:
-        wait_until(
-            lambda: all(
-                (router.agent(x.peer_id)["engine"]["waiting_requests"] or 0) > 0 for x in (a, b)
-            ),
-            45,
-            "the engine's waiting requests in the routing table",
+    seen: list[tuple] = []  # what the wait saw, for the failure's message
+
+    def both_waiting() -> bool:
+        rows = [router.agent(x.peer_id)["engine"] for x in (a, b)]
+        seen.append(
+            (
+                round(time.monotonic() - started, 2),
+                gauge(vllm_url, "vllm:num_requests_waiting"),
+                *((r["waiting_requests"], r["age_seconds"]) for r in rows),
+            )
         )
+        return all((r["waiting_requests"] or 0) > 0 for r in rows)
+
+    started = time.monotonic()
+    try:
+        try:
+            wait_until(both_waiting, 45, "the engine's waiting requests in the routing table")
+        except AssertionError as exc:
+            # (seconds, the engine's own gauge, (waiting, age) in each agent's row)
+            raise AssertionError(f"{exc}; seen: {seen[:: max(1, len(seen) // 40)]}") from None
         with pytest.raises(openai.APIStatusError) as refused:
             client.chat.completions.create(model=SERVED, messages=HELLO, max_tokens=4)
         assert refused.value.status_code == 503, refused.value
@@ -298,6 +310,70 @@ def test_a_stream_continued_after_its_agent_is_killed_is_whole_and_adds_up(
     if REPORT:
         with open(REPORT, "a") as out:
             print(summary, *notes, sep="\n", file=out)
+
+
+def test_a_continued_messages_stream_is_counted_by_the_engines_tokenizer(
+    fleet: Fleet, vllm_url: str, tmp_path: Path
+) -> None:
+    """Anthropic's stream carries no running count; vLLM packs tokens into events: the
+    router counts the text sent with vLLM's `/tokenize` before it continues, so
+    `max_tokens` holds and the usage is the engine's."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "routing_policy:\n  match:\n    region: first\n  strategy: least-loaded\n"
+        "fallback_chain:\n  - name: any\n    strategy: least-loaded\n"
+    )
+    router = fleet.router("--policy-file", str(policy))
+    _pair_one(fleet, router, vllm_url, "second")
+    limit = 300
+    reference = _messages_stream(router, limit, None)
+    assert reference["stop"] == "max_tokens" and reference["output"] == limit, reference
+    cut = 0
+    for run in range(3):
+        first = _pair_one(fleet, router, vllm_url, "first")
+        before = router.metric("hivenet_router_stream_continuations_total", outcome="continued")
+        got = _messages_stream(router, limit, first, after=1 + run)
+        assert not first.alive()
+        assert got["input"] == reference["input"], (got, reference)
+        assert got["output"] <= limit, got
+        if got["stop"] == "max_tokens":
+            assert got["output"] == limit, got
+        after = router.metric("hivenet_router_stream_continuations_total", outcome="continued")
+        cut += after > before
+        print(f"run {run}: continued {after > before}, {got['times']}")
+    # As for chat: a kill can land after the router had the whole answer.
+    assert cut >= 1, cut
+    assert "stream_tokens_uncounted" not in router.log()
+
+
+def _messages_stream(router: Router, limit: int, kill: Agent | None, after: int = 0) -> dict:
+    """A greedy `/v1/messages` stream read through the raw SSE; `kill` is SIGKILLed
+    once `after` text deltas have arrived."""
+    body = {"model": SERVED, "messages": HELLO, "max_tokens": limit, "temperature": 0}
+    out: dict = {"text": "", "input": None, "output": None, "stop": None, "times": []}
+    deltas, started = 0, time.monotonic()
+    url = router.url + "/v1/messages"
+    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            assert event["type"] != "error", event
+            if event["type"] == "message_start":
+                out["input"] = event["message"]["usage"]["input_tokens"]
+            elif event["type"] == "content_block_delta":
+                out["text"] += event["delta"].get("text", "")
+                deltas += 1
+                if kill is not None and deltas == after:
+                    out["times"].append(("kill", round(time.monotonic() - started, 3)))
+                    kill.stop(signal.SIGKILL)
+                    out["times"].append(("killed", round(time.monotonic() - started, 3)))
+            elif event["type"] == "message_delta":
+                out["stop"] = event["delta"].get("stop_reason")
+                out["output"] = event["usage"]["output_tokens"]
+    out["times"].append(("end", round(time.monotonic() - started, 3)))
+    return out
 
 
 def _first_difference(a: str, b: str) -> int:
