@@ -32,13 +32,18 @@ _INCLUDE_USAGE_PATHS = (CHAT, COMPLETIONS)
 # Engines that put the usage so far in every chunk when asked
 # (`stream_options.continuous_usage_stats`, with `include_usage`).
 CONTINUOUS_USAGE_ENGINES = frozenset({"vllm", "sglang", "sim"})
+# Engines that put their running counts in every chunk's `timings` when asked
+# (llama.cpp's `timings_per_token`: `predicted_n`, and the prompt's `prompt_n` +
+# `cache_n`); router/continuation.py reads them as it reads a running `usage`.
+TIMINGS_ENGINES = frozenset({"llamacpp"})
+RUNNING_COUNT_ENGINES = CONTINUOUS_USAGE_ENGINES | TIMINGS_ENGINES
 
 
 def wanted(msg: dict, engine: str) -> bool:
     """Whether a request needs a UsageTap: the router asked for usage, or for a stream's
     running token count on an engine that gives one."""
     return bool(msg.get("report_usage")) or (
-        bool(msg.get("stream_tokens")) and engine in CONTINUOUS_USAGE_ENGINES
+        bool(msg.get("stream_tokens")) and engine in RUNNING_COUNT_ENGINES
     )
 
 
@@ -49,12 +54,12 @@ class UsageTap:
         self.strip = False
         self.usage: dict[str, int] | None = None
         if msg["stream"] and msg["path"] in _INCLUDE_USAGE_PATHS:
-            continuous = (
-                msg["path"] == CHAT
-                and bool(msg.get("stream_tokens"))
-                and engine in CONTINUOUS_USAGE_ENGINES
+            running = msg["path"] == CHAT and bool(msg.get("stream_tokens"))
+            rewritten, asked = _ask_for_usage(
+                self.body,
+                running and engine in CONTINUOUS_USAGE_ENGINES,
+                running and engine in TIMINGS_ENGINES,
             )
-            rewritten, asked = _ask_for_usage(self.body, continuous)
             if rewritten is not None:
                 self.body = rewritten
                 self.strip = not asked
@@ -85,11 +90,13 @@ class UsageTap:
         return self.strip and event.get("choices") == []
 
 
-def _ask_for_usage(body: bytes, continuous: bool) -> tuple[bytes | None, bool]:
-    """The body with `include_usage` set (and `continuous_usage_stats` when `continuous`),
-    and whether the client had asked for the usage chunk itself. None when the body asks
-    for all that already (or is not a JSON object: the engine answers that one with its
-    own error)."""
+def _ask_for_usage(
+    body: bytes, continuous: bool, timings: bool = False
+) -> tuple[bytes | None, bool]:
+    """The body with `include_usage` set (and `continuous_usage_stats` when `continuous`,
+    `timings_per_token` when `timings`), and whether the client had asked for the usage
+    chunk itself. None when the body asks for all that already (or is not a JSON object:
+    the engine answers that one with its own error)."""
     try:
         payload = json.loads(body)
     except (ValueError, UnicodeDecodeError, RecursionError):
@@ -99,10 +106,16 @@ def _ask_for_usage(body: bytes, continuous: bool) -> tuple[bytes | None, bool]:
     options = payload.get("stream_options")
     options = options if isinstance(options, dict) else {}
     asked = options.get("include_usage") is True
-    if asked and (not continuous or options.get("continuous_usage_stats") is True):
+    if (
+        asked
+        and (not continuous or options.get("continuous_usage_stats") is True)
+        and (not timings or payload.get("timings_per_token") is True)
+    ):
         return None, True
     options = {**options, "include_usage": True}
     if continuous:
         options["continuous_usage_stats"] = True
+    if timings:
+        payload["timings_per_token"] = True
     payload["stream_options"] = options
     return json.dumps(payload, separators=(",", ":")).encode(), asked

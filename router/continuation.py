@@ -145,11 +145,22 @@ def _read_openai(sent: Sent, name: str | None, event: dict[str, Any]) -> None:
         if choice.get("finish_reason") is not None:
             sent.finished = True
     usage = event.get("usage")
+    timings = event.get("timings")
     if isinstance(usage, dict):
         # A running count includes this event's own tokens.
         completion, prompt = usage.get(COMPLETION), usage.get(PROMPT)
         if _count(completion) and _count(prompt):
             sent.tokens, sent.prompt_tokens = completion, prompt
+    elif isinstance(timings, dict):
+        # llama.cpp's running counts (`timings_per_token`, agent/usage.py): the tokens
+        # generated, and the prompt's as processed plus as found in its cache.
+        done, fresh, cached = (
+            timings.get("predicted_n"),
+            timings.get("prompt_n"),
+            timings.get("cache_n", 0),
+        )
+        if _count(done) and _count(fresh) and _count(cached):
+            sent.tokens, sent.prompt_tokens = done, fresh + cached
 
 
 # A count past this is no engine's (the bound the router puts on an agent's usage).

@@ -213,6 +213,21 @@ def test_the_engines_running_count_says_how_many_tokens_were_sent() -> None:
         assert read_sent(CHAT, _data(chunk)).tokens == 1, bad
 
 
+def test_llama_cpps_running_timings_say_how_many_tokens_were_sent() -> None:
+    """llama.cpp with `timings_per_token`: `predicted_n` generated so far, the prompt
+    as processed (`prompt_n`) plus as found in the cache (`cache_n`)."""
+    out = b""
+    for text, done in (("Echo: a", 2), (" b c", 5)):
+        chunk = {"id": "c", "created": 7, "model": "m", "choices": [_c({"content": text})]}
+        chunk["timings"] = {"cache_n": 20, "prompt_n": 16, "predicted_n": done}
+        out += _data(chunk)
+    sent = read_sent(CHAT, out)
+    assert (sent.text, sent.tokens, sent.prompt_tokens) == ("Echo: a b c", 5, 36)
+    for bad in ({"prompt_n": 3}, {"predicted_n": True, "prompt_n": 3}, {"predicted_n": 1}):
+        chunk = {"id": "c", "choices": [_c({"content": "a"})], "timings": bad}
+        assert read_sent(CHAT, _data(chunk)).tokens == 1, bad
+
+
 def test_streams_that_cannot_be_continued_say_why() -> None:
     tool = _data({"id": "c", "choices": [_c({"tool_calls": [{"index": 0, "id": "t"}]})]})
     assert read_sent(CHAT, tool).problem == "tool-call streams are not continued"

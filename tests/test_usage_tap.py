@@ -21,8 +21,9 @@ def _options(tap: UsageTap) -> dict | None:
 def test_a_continuable_stream_asks_engines_that_can_for_the_running_count() -> None:
     msg = _msg(stream_tokens=True)
     assert wanted(msg, "vllm") and wanted(msg, "sglang") and wanted(msg, "sim")
-    # llama.cpp and the rest have no running count: no tap unless usage was asked for.
-    assert not wanted(msg, "llamacpp") and not wanted(msg, "custom")
+    assert wanted(msg, "llamacpp")  # its `timings`, below
+    # The rest have no running count: no tap unless usage was asked for.
+    assert not wanted(msg, "ollama") and not wanted(msg, "custom")
     tap = UsageTap(msg, "vllm")
     assert _options(tap) == {"include_usage": True, "continuous_usage_stats": True}
     assert tap.strip  # the client did not ask for the usage-only chunk: it is left out
@@ -42,10 +43,26 @@ def test_a_continuable_stream_asks_engines_that_can_for_the_running_count() -> N
     assert tap.body == _msg(stream_tokens=True, body={"stream_options": both})["body"]
 
 
+def test_llama_cpp_is_asked_for_its_running_timings() -> None:
+    tap = UsageTap(_msg(stream_tokens=True), "llamacpp")
+    body = json.loads(tap.body)
+    assert body["timings_per_token"] is True
+    assert body["stream_options"] == {"include_usage": True}
+    assert tap.strip
+    # Usage asked for (quotas) on a stream the router will not continue: no timings.
+    tap = UsageTap(_msg(report_usage=True), "llamacpp")
+    assert "timings_per_token" not in json.loads(tap.body)
+    # Asked already: the body goes as it came.
+    done = _msg(stream_tokens=True, body={"stream_options": {"include_usage": True}})
+    done["body"] = json.dumps({**json.loads(done["body"]), "timings_per_token": True}).encode()
+    assert UsageTap(done, "llamacpp").body == done["body"]
+
+
 def test_only_chat_streams_on_those_engines_get_the_running_count() -> None:
-    # Usage asked for (quotas) on llama.cpp: include_usage alone, as before.
-    tap = UsageTap(_msg(report_usage=True, stream_tokens=True), "llamacpp")
+    # Usage asked for (quotas) on llama.cpp's completions: include_usage alone.
+    tap = UsageTap(_msg(COMPLETIONS, report_usage=True, stream_tokens=True), "llamacpp")
     assert _options(tap) == {"include_usage": True}
+    assert "timings_per_token" not in json.loads(tap.body)
     tap = UsageTap(_msg(COMPLETIONS, report_usage=True, stream_tokens=True), "vllm")
     assert _options(tap) == {"include_usage": True}
     tap = UsageTap(_msg(EMBEDDINGS, stream=False, report_usage=True), "vllm")
