@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -18,7 +20,8 @@ import httpx
 import openai
 import pytest
 
-from tests.fleet import Fleet, Proc, free_port, wait_until
+from tests.fleet import Agent, Fleet, Proc, Router, free_port, wait_until
+from tests.real_engines.vllm_server import gauge
 
 ALIAS = "tiny-llama"
 
@@ -31,7 +34,9 @@ def llama_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         os.environ["HIVENET_LLAMA_SERVER"],
         *("--model", os.environ["HIVENET_TINY_GGUF"], "--alias", ALIAS),
         *("--host", "127.0.0.1", "--port", str(port), "--metrics"),
-        *("--ctx-size", "1024", "--parallel", "2", "--threads", "2"),
+        # Two slots of 1,024 tokens: room for a continuation's prompt, which holds the
+        # text sent (a random-weight model's text can tokenize to more tokens again).
+        *("--ctx-size", "2048", "--parallel", "2", "--threads", "2"),
     ]
     server = Proc("llama-server", argv, dict(os.environ), log).start()
     url = f"http://127.0.0.1:{port}"
@@ -126,3 +131,128 @@ def test_anthropic_messages_through_a_real_llama_server(fleet: Fleet, llama_url:
         final = stream.get_final_message()
     assert final.usage.output_tokens >= 1
     assert "malformed_answer" not in agent.log()
+
+
+def _agent(fleet: Fleet, router: Router, url: str, region: str = "any") -> Agent:
+    return fleet.agent(
+        router,
+        ALIAS,
+        *("--backend-url", url, "--engine-sample-interval", "200ms", "--region", region),
+        engine="llamacpp",
+    )
+
+
+def _stream(router: Router, limit: int, kill: Agent | None = None, after: int = 0) -> dict:
+    """A greedy chat stream through the raw SSE, every event checked; `kill` is
+    SIGKILLed once `after` content events have arrived."""
+    body = {
+        "model": ALIAS,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": limit,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    out: dict = {"text": "", "finish": None, "usage": None, "done": 0}
+    content = 0
+    url = router.url + "/v1/chat/completions"
+    with httpx.stream("POST", url, json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                out["done"] += 1
+                continue
+            event = json.loads(line[6:])
+            assert "error" not in event, event
+            out["usage"] = event.get("usage") or out["usage"]
+            for choice in event["choices"]:
+                piece = choice["delta"].get("content") or ""
+                out["text"] += piece
+                content += bool(piece)
+                out["finish"] = choice.get("finish_reason") or out["finish"]
+            if kill is not None and content == after:
+                kill.stop(signal.SIGKILL)
+    return out
+
+
+def test_a_stream_continued_after_its_agent_is_killed_adds_up(
+    fleet: Fleet, llama_url: str, tmp_path: Path
+) -> None:
+    """llama.cpp continues an assistant turn as a prefill: the client's stream, whose
+    agent is SIGKILLed mid-answer, is whole and well formed, and its usage adds up."""
+    policy = tmp_path / "policy.yaml"
+    policy.write_text(
+        "routing_policy:\n  match:\n    region: first\n  strategy: least-loaded\n"
+        "fallback_chain:\n  - name: any\n    strategy: least-loaded\n"
+    )
+    router = fleet.router("--policy-file", str(policy))
+    _agent(fleet, router, llama_url, "second")
+    limit = 300
+    reference = _stream(router, limit)
+    assert reference["finish"] == "length" and reference["done"] == 1, reference
+    assert reference["usage"]["completion_tokens"] == limit, reference["usage"]
+    counter = "hivenet_router_stream_continuations_total"
+    cut = 0
+    for run in range(3):
+        first = _agent(fleet, router, llama_url, "first")
+        before = router.metric(counter, outcome="continued")
+        got = _stream(router, limit, first, after=1 + run)
+        assert not first.alive()
+        assert got["done"] == 1 and got["finish"] == "length", got
+        usage = got["usage"]
+        # The client's prompt as llama.cpp counted it in the first part's `timings`
+        # (the agent asks for `timings_per_token`), not the continuation's, which holds
+        # the text sent tokenized again (12 tokens more in one run here).
+        assert usage["prompt_tokens"] == reference["usage"]["prompt_tokens"], usage
+        assert usage["completion_tokens"] == limit, usage
+        assert usage["total_tokens"] == usage["prompt_tokens"] + limit, usage
+        cut += router.metric(counter, outcome="continued") > before
+    # A kill can land after the router had the whole answer; most land mid-answer.
+    assert cut >= 1, router.log()[-3000:]
+
+
+def test_a_client_that_leaves_stops_the_generation(fleet: Fleet, llama_url: str) -> None:
+    router = fleet.router()
+    _agent(fleet, router, llama_url)
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    predicted = gauge(llama_url, "llamacpp:tokens_predicted_total")
+    stream = client.chat.completions.create(
+        model=ALIAS,
+        messages=[{"role": "user", "content": "hello there"}],
+        max_tokens=900,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    next(iter(stream))
+    stream.close()
+    left = time.monotonic()
+    wait_until(
+        lambda: gauge(llama_url, "llamacpp:requests_processing") == 0, 5, "generation stopped"
+    )
+    stopped = time.monotonic() - left
+    time.sleep(1)
+    tokens = gauge(llama_url, "llamacpp:tokens_predicted_total") - predicted
+    # Stopped within a second, not finished: fewer than the 900 tokens asked for.
+    assert stopped < 1.0, stopped
+    assert tokens < 900, tokens
+
+
+def test_engine_errors_reach_the_client_and_are_not_charged(fleet: Fleet, llama_url: str) -> None:
+    router = fleet.router()
+    agent = _agent(fleet, router, llama_url)
+    client = openai.OpenAI(base_url=router.url + "/v1", api_key="unused", max_retries=0)
+    messages = anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0)
+    # More than a slot's context: llama.cpp's 400, in each client's protocol.
+    long = [{"role": "user", "content": "hello " * 3000}]
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model=ALIAS, messages=long, max_tokens=4)
+    with pytest.raises(anthropic.BadRequestError) as refused:
+        messages.messages.create(model=ALIAS, messages=long, max_tokens=4)
+    assert refused.value.body["type"] == "error", refused.value.body
+    row = router.agent(agent.peer_id)
+    assert row["status"]["healthy"] is True, row
+    assert row["universal"]["consecutive_failures"] == 0, row
+    assert row["universal"]["failed_requests_total"] == 0, row
