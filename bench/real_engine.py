@@ -9,14 +9,24 @@ Each of `concurrency` clients sends greedy streams of `--tokens` output tokens
 another, for `--duration` seconds. Reported per level: output tokens per second (from
 the engine's usage chunks) direct and routed and their ratio, and the time to the first
 content token, p50 and p99, direct and routed and the difference. Direct and routed
-levels alternate, so a machine that slows down mid-run affects both alike.
+levels alternate, so a machine that slows down mid-run affects both alike; `--rounds N`
+runs every level N times over and reports each cell's median round.
+
+`--router-cpus 1` runs the router and the agent on those CPUs only, and the load
+generator too (`--client-cpus`, the same by default): with the engine started on the
+others (`taskset -c 0 vllm serve ...`), the router and agent take no CPU from the
+engine, as on a GPU host, where the engine's work is not on the router's cores. Without
+it everything shares every core, and each CPU-second the router spends is one a
+CPU-only engine does not get.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import statistics
 import subprocess
 import time
 from dataclasses import dataclass, field
@@ -105,24 +115,46 @@ def main() -> None:
     parser.add_argument("--concurrency", default="1,16,64")
     parser.add_argument("--duration", type=float, default=20.0)
     parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--router-cpus", default="", help="e.g. 1: the router's and agent's")
+    parser.add_argument("--client-cpus", default="", help="the load's (default: --router-cpus)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    router_cpus = _cpus(args.router_cpus)
+    client_cpus = _cpus(args.client_cpus) or router_cpus
+    if client_cpus:
+        os.sched_setaffinity(0, client_cpus)
     procs = Procs()
     try:
         http, metrics, p2p = free_port(), free_port(), free_port()
-        _, addr = procs.router(http, metrics, p2p)
-        procs.agent(addr, args.model, args.engine_url)
+        router, addr = procs.router(http, metrics, p2p)
+        agent = procs.agent(addr, args.model, args.engine_url)
+        if router_cpus:
+            for proc in (router, agent):
+                os.sched_setaffinity(proc.pid, router_cpus)
         routed_url = f"http://127.0.0.1:{http}"
         wait_models(routed_url, args.model, 1)
-        rows = []
-        for level in levels:
-            direct = trio.run(load, args.engine_url, args.model, level, args.duration, args.tokens)
-            routed = trio.run(load, routed_url, args.model, level, args.duration, args.tokens)
-            rows.append((level, direct, routed))
+        runs: dict[int, list[tuple[Run, Run]]] = {level: [] for level in levels}
+        for _ in range(args.rounds):
+            for level in levels:
+                d = trio.run(load, args.engine_url, args.model, level, args.duration, args.tokens)
+                r = trio.run(load, routed_url, args.model, level, args.duration, args.tokens)
+                runs[level].append((d, r))
     finally:
         procs.close()
-    report(rows, args)
+    report([(level, *_median(pairs)) for level, pairs in runs.items()], args)
+
+
+def _cpus(text: str) -> set[int]:
+    return {int(c) for c in text.split(",") if c.strip()}
+
+
+def _median(pairs: list[tuple[Run, Run]]) -> tuple[Run, Run]:
+    """The round whose routed/direct ratio is the median of the rounds'."""
+    ratios = [r.tokens_per_s / d.tokens_per_s if d.tokens_per_s else 0.0 for d, r in pairs]
+    middle = statistics.median_low(ratios)
+    return pairs[ratios.index(middle)]
 
 
 def report(rows: list[tuple[int, Run, Run]], args: argparse.Namespace) -> None:
@@ -151,10 +183,12 @@ def report(rows: list[tuple[int, Run, Run]], args: argparse.Namespace) -> None:
         text=True,
         cwd=Path(__file__).parent,
     ).stdout.strip()
+    load_cpus = args.client_cpus or args.router_cpus or "all"
     print(
         f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, build {commit}, "
         f"{platform.processor() or platform.machine()}, {args.tokens} tokens a stream, "
-        f"{args.duration:g} s a level"
+        f"{args.duration:g} s a level, median of {args.rounds} round(s), router and agent"
+        f" on CPUs {args.router_cpus or 'all'}, load on {load_cpus}"
     )
     print(
         "| streams | direct tok/s | routed tok/s | ratio | TTFT p50 direct / routed / added ms "

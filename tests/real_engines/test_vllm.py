@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -112,9 +114,12 @@ def test_agents_discover_the_model_and_gate_7_reads_the_real_gauges(
     client = _client(router)
     assert client.chat.completions.create(model=SERVED, messages=HELLO, max_tokens=4).choices
 
-    # 48 long requests against 4 sequences (several seconds of work): 44 wait, and gate
-    # 7 excludes both agents.
-    threads = _load(vllm_url, 48, 480)
+    # 32 long requests against 4 sequences: 28 wait, and gate 7 excludes both agents.
+    # Each is long (960 tokens, about 4 s on two cores) because vLLM's API server hands
+    # requests to its engine only as fast as it gets CPU: on a busy host they trickled
+    # in at 1 or 2 a second, and 480-token answers ended as fast, so none waited (seen
+    # here: the engine's own gauge at 0 for 45 s, "Running: 1 reqs, Waiting: 0 reqs").
+    threads = _load(vllm_url, 32, 960)
     seen: list[tuple] = []  # what the wait saw, for the failure's message
 
     def both_waiting() -> bool:
@@ -488,3 +493,17 @@ def test_engine_errors_reach_the_client_and_are_not_charged_to_the_agent(
         assert row["status"]["healthy"] is True, row
         assert row["universal"]["consecutive_failures"] == 0, row
         assert row["universal"]["failed_requests_total"] == 0, row
+
+
+def test_the_real_engine_benchmark_runs(vllm_url: str) -> None:
+    """docs/benchmarks/real-engine.md's command, short: both paths answer, no errors."""
+    argv = [sys.executable, "-m", "bench.real_engine", "--engine-url", vllm_url]
+    argv += ["--model", SERVED, "--duration", "2", "--concurrency", "1,4", "--tokens", "16"]
+    argv += ["--rounds", "2", "--router-cpus", "0", "--json"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout)
+    assert [row["concurrency"] for row in rows] == [1, 4], rows
+    for row in rows:
+        assert row["errors"] == 0, row
+        assert row["direct_tokens_per_s"] > 0 and row["routed_tokens_per_s"] > 0, row
