@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import json
 import signal
+from collections.abc import Awaitable, Callable
+from functools import partial
 
 import anthropic
 import httpx
@@ -70,24 +72,35 @@ async def _raw(router: Router, out: dict) -> None:
     out["raw"] = events
 
 
-async def test_a_continued_stream_counts_the_tokens_sent_not_the_events(fleet: Fleet) -> None:
-    router = fleet.router()
+async def _continued(fleet: Fleet, router: Router, *clients: Callable[[], Awaitable]) -> None:
+    """`clients` run while two agents' engines hold their streams after STALL tokens,
+    packed PER_EVENT to an event; then a third agent joins and the two are SIGKILLed."""
     first = [fleet.agent(router, "m1", wait=False) for _ in range(2)]
     for agent in first:
         router.wait_agent(agent.peer_id)
         agent.sim_state(tokens_per_event=PER_EVENT, stall_after_tokens=STALL)
-    out: dict = {}
     async with trio.open_nursery() as nursery:
-        nursery.start_soon(_sdk, router, None, out)
-        nursery.start_soon(_sdk, router, 20, out)
-        nursery.start_soon(_raw, router, out)
-        held = lambda: sum(a.sim_state()["in_flight"] for a in first) == 3  # noqa: E731
-        await trio.to_thread.run_sync(lambda: wait_until(held, 15, "three held streams"))
+        for client in clients:
+            nursery.start_soon(client)
+        held = lambda: sum(a.sim_state()["in_flight"] for a in first) == len(clients)  # noqa: E731
+        await trio.to_thread.run_sync(lambda: wait_until(held, 15, "the held streams"))
         # The one that continues them joins now, packing tokens as well.
         last = await trio.to_thread.run_sync(lambda: fleet.agent(router, "m1"))
         last.sim_state(tokens_per_event=PER_EVENT)
         for agent in first:
             await trio.to_thread.run_sync(lambda a=agent: a.stop(signal.SIGKILL))
+
+
+async def test_a_continued_stream_counts_the_tokens_sent_not_the_events(fleet: Fleet) -> None:
+    router = fleet.router()
+    out: dict = {}
+    await _continued(
+        fleet,
+        router,
+        partial(_sdk, router, None, out),
+        partial(_sdk, router, 20, out),
+        partial(_raw, router, out),
+    )
 
     # The whole answer, and the uninterrupted usage: 30 prompt tokens, 31 generated.
     assert out[None] == (_answer(31), ["stop"], [(30, 31)]), out[None]
@@ -131,20 +144,10 @@ async def test_a_continued_messages_stream_counts_tokens_by_the_engines_tokenize
     """Anthropic's events carry no running count: the router asks the continuing
     agent's engine to tokenize the text sent (`/tokenize`), not one per event."""
     router = fleet.router()
-    first = [fleet.agent(router, "m1", wait=False) for _ in range(2)]
-    for agent in first:
-        router.wait_agent(agent.peer_id)
-        agent.sim_state(tokens_per_event=PER_EVENT, stall_after_tokens=STALL)
     out: dict = {}
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(_messages, router, 100, out)
-        nursery.start_soon(_messages, router, 20, out)
-        held = lambda: sum(a.sim_state()["in_flight"] for a in first) == 2  # noqa: E731
-        await trio.to_thread.run_sync(lambda: wait_until(held, 15, "two held streams"))
-        last = await trio.to_thread.run_sync(lambda: fleet.agent(router, "m1"))
-        last.sim_state(tokens_per_event=PER_EVENT)
-        for agent in first:
-            await trio.to_thread.run_sync(lambda a=agent: a.stop(signal.SIGKILL))
+    await _continued(
+        fleet, router, partial(_messages, router, 100, out), partial(_messages, router, 20, out)
+    )
 
     # The uninterrupted answer's usage: 30 prompt tokens, 31 generated.
     assert out[100] == (_answer(31), "end_turn", 30, 31), out[100]

@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from tests.fleet import Agent, Fleet, Proc, Router, free_port, wait_until
-from tests.real_engines.vllm_server import gauge
+from tests.real_engines.vllm_server import first_then_any, gauge
 
 ALIAS = "tiny-llama"
 
@@ -183,12 +183,7 @@ def test_a_stream_continued_after_its_agent_is_killed_adds_up(
 ) -> None:
     """llama.cpp continues an assistant turn as a prefill: the client's stream, whose
     agent is SIGKILLed mid-answer, is whole and well formed, and its usage adds up."""
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(
-        "routing_policy:\n  match:\n    region: first\n  strategy: least-loaded\n"
-        "fallback_chain:\n  - name: any\n    strategy: least-loaded\n"
-    )
-    router = fleet.router("--policy-file", str(policy))
+    router = fleet.router("--policy-file", first_then_any(tmp_path))
     _agent(fleet, router, llama_url, "second")
     limit = 300
     reference = _stream(router, limit)

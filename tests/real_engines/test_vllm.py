@@ -25,7 +25,7 @@ import openai
 import pytest
 
 from tests.fleet import Agent, Fleet, Router, wait_until
-from tests.real_engines.vllm_server import SERVED, gauge, vllm_server
+from tests.real_engines.vllm_server import SERVED, first_then_any, gauge, vllm_server
 
 MAX_NUM_SEQS = 4
 REPORT = os.environ.get("HIVENET_REAL_ENGINES_REPORT")
@@ -253,14 +253,7 @@ def _stream(router: Router, limit: int, kill: _Killer | None = None, after: int 
 def test_a_stream_continued_after_its_agent_is_killed_is_whole_and_adds_up(
     fleet: Fleet, vllm_url: str, tmp_path: Path
 ) -> None:
-    # Streams go to the `first` agent while it lives, then to any other (the fallback):
-    # the test knows which agent to kill, and the continuation has somewhere to go.
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(
-        "routing_policy:\n  match:\n    region: first\n  strategy: least-loaded\n"
-        "fallback_chain:\n  - name: any\n    strategy: least-loaded\n"
-    )
-    router = fleet.router("--policy-file", str(policy))
+    router = fleet.router("--policy-file", first_then_any(tmp_path))
     _pair_one(fleet, router, vllm_url, "second")
     # About 1 s to generate on two cores, with room in the 1024-token context for the
     # continuation's prompt: the text sent, tokenized again, can take three times the
@@ -323,12 +316,7 @@ def test_a_continued_messages_stream_is_counted_by_the_engines_tokenizer(
     """Anthropic's stream carries no running count; vLLM packs tokens into events: the
     router counts the text sent with vLLM's `/tokenize` before it continues, so
     `max_tokens` holds and the usage is the engine's."""
-    policy = tmp_path / "policy.yaml"
-    policy.write_text(
-        "routing_policy:\n  match:\n    region: first\n  strategy: least-loaded\n"
-        "fallback_chain:\n  - name: any\n    strategy: least-loaded\n"
-    )
-    router = fleet.router("--policy-file", str(policy))
+    router = fleet.router("--policy-file", first_then_any(tmp_path))
     _pair_one(fleet, router, vllm_url, "second")
     limit = 300
     reference = _messages_stream(router, limit, None)

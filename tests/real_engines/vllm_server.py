@@ -108,3 +108,15 @@ def gauge(url: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.rpartition(" ")[2])
     return total
+
+
+def first_then_any(folder: Path) -> str:
+    """A policy file: requests go to the agent of region `first` while it lives, then
+    to any other (the fallback), so a test knows which agent to kill, and a
+    continuation has somewhere to go."""
+    policy = folder / "policy.yaml"
+    policy.write_text(
+        "routing_policy:\n  match:\n    region: first\n  strategy: least-loaded\n"
+        "fallback_chain:\n  - name: any\n    strategy: least-loaded\n"
+    )
+    return str(policy)
