@@ -229,3 +229,74 @@ def test_the_operators_if_match_script_runs_as_documented(fleet: Fleet, tmp_path
     )  # fmt: skip
     assert out.returncode == 0 and out.stdout.strip() == "200", (out.stdout, out.stderr)
     wait_until(lambda: "round-robin" in httpx.get(a.url + "/admin/policy", headers=ADMIN).text)
+
+
+def _named(router: Router, name: str, strategy: str, tag: str | None = None) -> httpx.Response:
+    text = f"models: [{name}-model]\nrouting_policy:\n  strategy: {strategy}\n"
+    headers = ADMIN if tag is None else {**ADMIN, "If-Match": tag}
+    url = f"{router.url}/admin/policy/models/{name}"
+    return httpx.put(url, content=text, headers=headers, timeout=30)
+
+
+def test_a_per_model_policys_if_match_is_checked_against_the_fleets_copy(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    a, b, c = three_routers(fleet, tmp_path)
+    first = _named(a, "alpha", "least-loaded")
+    assert first.status_code == 200, first.text
+    tag = first.headers["etag"]
+    url = "/admin/policy/models/alpha"
+    wait_until(lambda: httpx.get(b.url + url, headers=ADMIN).headers.get("etag") == tag)
+    second = _named(b, "alpha", "round-robin", tag)
+    assert second.status_code == 200, second.text
+    # At once on a third router, before any poll could tell it: the tag is stale there.
+    stale = _named(c, "alpha", "lowest-queue", tag)
+    assert stale.status_code == 412, stale.text
+    assert stale.headers["etag"] == stale.json()["current_etag"] == second.headers["etag"] != tag
+    gone = httpx.delete(a.url + url, headers={**ADMIN, "If-Match": tag})
+    assert gone.status_code == 412, gone.text
+    gone = httpx.delete(a.url + url, headers={**ADMIN, "If-Match": second.headers["etag"]})
+    assert gone.status_code == 200, gone.text
+    for router in (a, b, c):
+        wait_until(lambda r=router: "alpha" not in r.admin("/admin/policy/models"), 2, "gone")
+    # No document: `*` matches nothing; without If-Match a PUT creates it.
+    assert _named(b, "alpha", "lowest-queue", "*").status_code == 412
+    made = _named(b, "alpha", "lowest-queue")
+    assert made.status_code == 200, made.text
+
+    # Many writers with the tag they all read: one lands, every other is told 412.
+    tag = made.headers["etag"]
+    for router in (a, b, c):
+        wait_until(
+            lambda r=router: httpx.get(r.url + url, headers=ADMIN).headers.get("etag") == tag
+        )
+    strategies = ["least-loaded", "round-robin", "lowest-srtt"] * 4
+    with ThreadPoolExecutor(len(strategies)) as pool:
+        answers = list(
+            pool.map(
+                lambda i: _named((a, b, c)[i % 3], "alpha", strategies[i], tag),
+                range(len(strategies)),
+            )
+        )
+    statuses = sorted(r.status_code for r in answers)
+    assert statuses.count(200) == 1 and statuses.count(412) == len(strategies) - 1, statuses
+    won = next(r for r in answers if r.status_code == 200).headers["etag"]
+    for router in (a, b, c):
+        wait_until(
+            lambda r=router: httpx.get(r.url + url, headers=ADMIN).headers.get("etag") == won
+        )
+
+
+def test_a_per_model_policys_if_match_on_one_router(fleet: Fleet) -> None:
+    router = fleet.router()
+    made = _named(router, "solo", "least-loaded")
+    assert made.status_code == 200 and made.headers["etag"].startswith('"'), made.text
+    assert (
+        httpx.get(router.url + "/admin/policy/models/solo", headers=ADMIN).headers["etag"]
+        == made.headers["etag"]
+    )
+    changed = _named(router, "solo", "round-robin", made.headers["etag"])
+    assert changed.status_code == 200, changed.text
+    stale = _named(router, "solo", "lowest-queue", made.headers["etag"])
+    assert stale.status_code == 412 and stale.headers["etag"] == changed.headers["etag"]
+    assert _named(router, "other", "lowest-queue", "*").status_code == 412

@@ -28,7 +28,8 @@ DELETE, a SIGHUP of --policy-model-dir) by comparing each poll what it runs with
 it last had in step with the fleet (`NamedPolicies`), so no write path needs a hook.
 
 A write through the admin API (`DocumentStore.change`: `PUT /admin/policy`, `PUT
-/admin/auth`, each `/admin/api-keys` write) is a compare-and-swap on the fleet's copy,
+/admin/auth`, each `/admin/api-keys` write; `PolicyStore.change_named`: each
+`/admin/policy/models/<name>` PUT and DELETE) is a compare-and-swap on the fleet's copy,
 so no write is lost when several routers take writes at once: the router first adopts
 the fleet's version (one HGET; the text only when it differs), checks `If-Match`
 against it, builds and validates the next document from it, then one Lua script
@@ -160,6 +161,7 @@ class ConfigSync:
     def add_named_policies(self, store: PolicyStore) -> None:
         """Keep `store`'s per-model policies the same on every router."""
         self.named = NamedPolicies(store)
+        store.named_fleet = self
 
     async def run(self) -> None:
         await self._start()
@@ -247,6 +249,72 @@ class ConfigSync:
                 raise Contended(kind)
             finally:
                 self.writing.discard(kind)
+
+    async def write_named(
+        self, name: str, text: str | None, origin: str, if_match: str | None
+    ) -> list[str]:
+        """`PolicyStore.change_named` with --state-url: a compare-and-swap on the
+        fleet's copy of document `name`, as `write` is for the other documents."""
+        named = self.named
+        assert named is not None
+        store, kind = named.store, NAMED + name
+        lock = self._locks.setdefault(kind, trio.Lock())
+        async with lock:
+            self.writing.add(kind)
+            try:
+                for _ in range(MAX_TRIES):
+                    base = await self._adopt_named(named, name)
+                    current = store.named_version(name)
+                    if if_match is not None and (current is None or not matches(if_match, current)):
+                        raise PreconditionFailed(current or TOMBSTONE)
+                    if text is None:
+                        errors = store.check_removal(name)
+                        if errors:
+                            return store.reject(errors, origin)
+                        policy = None
+                    else:
+                        try:
+                            policy = store.check_named(name, text)
+                        except DocumentError as exc:
+                            return store.reject(exc.errors, origin)
+                    landed = None if base is None else await self._cas(kind, base, text or "")
+                    if landed is False:
+                        continue  # another router's write landed first: build on it
+                    if policy is None:
+                        store.delete_named(name, origin)
+                    else:
+                        store.install_named(name, policy, origin)
+                    if landed:
+                        named.synced[name] = named.version(name)
+                        log.info(
+                            "config_published kind=%s version=%s",
+                            quote(kind),
+                            named.version(name),
+                        )
+                    # else Redis is away: the polls publish it when it is back.
+                    return []
+                raise Contended(kind)
+            finally:
+                self.writing.discard(kind)
+
+    async def _adopt_named(self, named: NamedPolicies, name: str) -> str | None:
+        """Run the fleet's copy of document `name` when it differs from this router's;
+        the fleet's version ('' when it has none, None when Redis is away)."""
+        kind = NAMED + name
+        fetched = await self._call(lambda: self.client.hmget(KEY + kind, "version", "text"))
+        if fetched is None:
+            return None
+        if fetched[0] is None or fetched[1] is None:
+            return ""
+        version = fetched[0].decode()
+        if version != named.version(name) and self.rejected.get(kind) != version:
+            try:
+                errors = named.install(name, fetched[1].decode("utf-8", "replace"))
+            except ModelConflict as exc:
+                errors = named.store.reject([str(exc)], FLEET_ORIGIN)
+            if not errors:
+                named.synced[name] = named.version(name)
+        return version
 
     async def _adopt(self, store: DocumentStore[Any]) -> str | None:
         """Make the fleet's copy of `store`'s document the running one, when they
@@ -369,6 +437,8 @@ class ConfigSync:
 
     async def _sync_named(self, named: NamedPolicies, name: str, fleet: str | None) -> None:
         kind, mine = NAMED + name, named.version(name)
+        if kind in self.writing:
+            return  # an admin write of it is under way here: it publishes itself
         synced = named.synced.get(name, TOMBSTONE)
         if fleet == mine:
             named.synced[name] = mine

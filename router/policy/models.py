@@ -66,12 +66,16 @@ class ModelPolicies:
         name = self.owner.get(model)
         return None if name is None else self.named[name].policy
 
-    def put(self, name: str, policy: Policy, origin: str) -> None:
-        """Install or replace `name`; ModelConflict when another document has a model."""
+    def check(self, name: str, policy: Policy) -> None:
+        """ModelConflict when another document than `name` has one of `policy`'s models."""
         for model in policy.models:
             other = self.owner.get(model)
             if other is not None and other != name:
                 raise ModelConflict(f"model {model!r} already belongs to policy {other!r}")
+
+    def put(self, name: str, policy: Policy, origin: str) -> None:
+        """Install or replace `name`; ModelConflict when another document has a model."""
+        self.check(name, policy)
         self.delete(name)
         self.named[name] = Named(name, policy, origin)
         self.owner.update(dict.fromkeys(policy.models, name))

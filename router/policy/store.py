@@ -4,10 +4,17 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Protocol
 
 from protocol.logs import quote
 from router.admission.crosscheck import PolicyLimits
-from router.documents import DocumentError, DocumentStore
+from router.documents import (
+    DocumentError,
+    DocumentStore,
+    PreconditionFailed,
+    matches,
+    version_of,
+)
 from router.metrics import RouterMetrics
 from router.policy.models import (
     ModelConflict,
@@ -27,6 +34,15 @@ from router.policy.schema import (
 log = logging.getLogger("policy")
 
 
+class NamedWriter(Protocol):
+    """What runs per-model policy writes against the copy several routers share
+    (router/fleet/config_sync.py)."""
+
+    async def write_named(
+        self, name: str, text: str | None, origin: str, if_match: str | None
+    ) -> list[str]: ...
+
+
 class PolicyStore(DocumentStore[Policy]):
     kind = "policy"
     noun = "policy"
@@ -44,6 +60,8 @@ class PolicyStore(DocumentStore[Policy]):
         # The keys' side of the serverless cross-check (router/admission/crosscheck.py):
         # the errors a set of policy caps would give; the daemon points it at the keys.
         self.cross_check: Callable[[list[PolicyLimits]], list[str]] = lambda caps: []
+        # With --state-url: per-model writes go through the fleet's copy (ConfigSync).
+        self.named_fleet: NamedWriter | None = None
         if path is not None:
             # At start-up a bad file is fatal (PolicyError names every problem).
             self.current = load_policy_file(path)
@@ -83,12 +101,49 @@ class PolicyStore(DocumentStore[Policy]):
     def put_named(self, name: str, text: str, origin: str) -> list[str]:
         """Validate `text` and make it document `name`; the errors (ModelConflict raised)."""
         try:
-            policy = parse_named(text)
+            policy = self.check_named(name, text)
         except DocumentError as exc:
             return self.reject(exc.errors, origin)
+        self.install_named(name, policy, origin)
+        return []
+
+    def check_named(self, name: str, text: str) -> Policy:
+        """Document `name` as `text` would be, installed nowhere: DocumentError with
+        the reasons, ModelConflict when another document has one of its models."""
+        policy = parse_named(text)
         errors = self.cross_check(self.caps(named=(name, policy)))
         if errors:
-            return self.reject(errors, origin)
+            raise DocumentError(errors)
+        self.models.check(name, policy)
+        return policy
+
+    def check_removal(self, name: str) -> list[str]:
+        """Why document `name` cannot be removed now (a key over the global cap)."""
+        return self.cross_check(self.caps(named=(name, None)))
+
+    def named_version(self, name: str) -> str | None:
+        """Document `name`'s version (its ETag), None when there is none."""
+        doc = self.models.named.get(name)
+        return None if doc is None else version_of(doc.policy.source)
+
+    async def change_named(
+        self, name: str, text: str | None, origin: str, if_match: str | None
+    ) -> list[str]:
+        """A write of document `name` through the admin API (`text` None: remove it).
+        `If-Match` must name the running document, or the fleet's with --state-url
+        (PreconditionFailed; a document that does not exist matches no tag). The
+        errors, empty on success; ModelConflict raised."""
+        if self.named_fleet is not None:
+            return await self.named_fleet.write_named(name, text, origin, if_match)
+        current = self.named_version(name)
+        if if_match is not None and (current is None or not matches(if_match, current)):
+            raise PreconditionFailed(current or version_of(""))
+        if text is None:
+            return self.delete_named(name, origin)
+        return self.put_named(name, text, origin)
+
+    def install_named(self, name: str, policy: Policy, origin: str) -> None:
+        """Run a checked document `policy` as `name`, and say so."""
         self.models.put(name, policy, origin)
         for listener in self.listeners:
             listener(policy, name)
@@ -105,7 +160,7 @@ class PolicyStore(DocumentStore[Policy]):
     def delete_named(self, name: str, origin: str) -> list[str]:
         """Remove document `name` (its models follow the global policy again); the
         errors when a key could not pass the global policy's cap there."""
-        errors = self.cross_check(self.caps(named=(name, None)))
+        errors = self.check_removal(name)
         if errors:
             return self.reject(errors, origin)
         if self.models.delete(name):
