@@ -10,6 +10,7 @@ from typing import NoReturn, Protocol
 
 from protocol.errors import ErrorCode, RouterError
 from protocol.paths import GENERATIVE
+from protocol.tracing import NULL_SPAN, Span
 from router.forward_limit import ForwardLimit
 from router.metrics import UNREGISTERED_MODEL, RouterMetrics
 from router.peers import PeerTable
@@ -107,6 +108,27 @@ class Dispatcher:
         """Serve `req`, or raise RouterError (BackendRejected for request-level errors)."""
         policy = self.policy_of(req)
         root = req.span
+        if root is NULL_SPAN and self.limit.limiter is None:
+            # Untraced and unbounded, as most routers run: no span to open and no slot
+            # to hold, each a context manager per request.
+            outcome = await self.session.route(policy, req)
+        else:
+            outcome = await self._route_traced(policy, req, root)
+        if isinstance(outcome, Served):
+            metrics = self.metrics
+            metrics.routed.labels(req.model, req.tenant).inc()
+            if outcome.step_index == 0:
+                metrics.primary.labels(req.model, req.tenant).inc()
+            else:
+                metrics.fallback.labels(req.model, req.tenant).inc()
+            return outcome
+        if isinstance(outcome, LoadShed):
+            self._shed(req, outcome)
+        return await self._after_chain(policy, req, outcome)
+
+    async def _route_traced(
+        self, policy: Policy, req: RouteRequest, root: Span
+    ) -> Served | Exhausted | LoadShed:
         with root.child("route", {"hivenet.model": req.model}) as span:
             # The spans of the routing (its forwards) go under this one.
             req.span = span
@@ -120,17 +142,7 @@ class Dispatcher:
                 span.set("hivenet.peer_id", outcome.peer.peer_id)
             else:
                 span.fail("load shed" if isinstance(outcome, LoadShed) else "chain exhausted")
-        if isinstance(outcome, Served):
-            metrics = self.metrics
-            metrics.routed.labels(req.model, req.tenant).inc()
-            if outcome.step_index == 0:
-                metrics.primary.labels(req.model, req.tenant).inc()
-            else:
-                metrics.fallback.labels(req.model, req.tenant).inc()
-            return outcome
-        if isinstance(outcome, LoadShed):
-            self._shed(req, outcome)
-        return await self._after_chain(policy, req, outcome)
+        return outcome
 
     async def continuation(self, req: RouteRequest) -> Served | None:
         """Route a broken stream's continuation (router/continuation_relay.py) through

@@ -297,15 +297,18 @@ class RoutingSession:
                     step.name, hit, retry_after, " | ".join(reasons), chain, len(reasons)
                 )
             parent = req.span
-            with parent.child("step", {"hivenet.step": step.name}) as span:
-                # The step's queue wait and tries go under its span.
-                req.span = span
-                try:
-                    outcome = await self._run_step(index, step, req, recovered, rank_request)
-                finally:
-                    req.span = parent
-                if not isinstance(outcome, Served):
-                    span.fail(outcome.reason)
+            if parent is NULL_SPAN:  # untraced: no span, nor its attributes, per step
+                outcome = await self._run_step(index, step, req, recovered, rank_request)
+            else:
+                with parent.child("step", {"hivenet.step": step.name}) as span:
+                    # The step's queue wait and tries go under its span.
+                    req.span = span
+                    try:
+                        outcome = await self._run_step(index, step, req, recovered, rank_request)
+                    finally:
+                        req.span = parent
+                    if not isinstance(outcome, Served):
+                        span.fail(outcome.reason)
             if isinstance(outcome, Served):
                 return outcome
             reasons.append(f"{step.name}: {outcome.reason}")
@@ -387,7 +390,12 @@ class RoutingSession:
                 parent, peer = req.span, action.slot.peer
                 req.tries += 1
                 req.agent = peer.peer_id
-                with parent.child("try", {"hivenet.peer_id": peer.peer_id}) as attempt:
+                attempt = (
+                    parent
+                    if parent is NULL_SPAN
+                    else parent.child("try", {"hivenet.peer_id": peer.peer_id})
+                )
+                with attempt:
                     # The link's forward span goes under this try's.
                     req.span = attempt
                     try:
@@ -469,7 +477,7 @@ class RoutingSession:
                     counted,
                     quote(req.tenant),
                 )
-            probe = is_probe(peer, step, trio.current_time())
+            probe = is_probe(peer, step, now)  # nothing awaited since `now` was read
             held = peer.stats.start_probe() if probe else 0.0
             return _SendTo(Slot(peer, self.on_release), probe, held)
 

@@ -145,7 +145,13 @@ async def read_body(scope: Scope, receive: Receive, limit: int) -> bytes:
 
 
 def encode_headers(headers: Iterable[tuple[str, str]]) -> list[tuple[bytes, bytes]]:
-    return [(_header_bytes(k), _header_bytes(v)) for k, v in headers]
+    headers = list(headers)
+    try:
+        # Nearly every head is Latin-1 whole: one comprehension, no call per name and
+        # value (two calls each cost a whole answer's head about 2 µs).
+        return [(k.encode("latin-1"), v.encode("latin-1")) for k, v in headers]
+    except UnicodeEncodeError:
+        return [(_header_bytes(k), _header_bytes(v)) for k, v in headers]
 
 
 def _header_bytes(text: str) -> bytes:
