@@ -444,8 +444,11 @@ class Ticket:
         tenant = self.record
         if tenant is None or not (self.slot_taken or (tokens and tenant.tokens_per_day)):
             return
+        state = self.gate.state
+        if state.release_now(tenant.name, self.id, tokens, self.shared, self.day):
+            return  # no call: no shielded scope either (about 4 µs a request)
         with trio.CancelScope(shield=True):
-            await self.gate.state.release(tenant.name, self.id, tokens, self.shared, self.day)
+            await state.release(tenant.name, self.id, tokens, self.shared, self.day)
 
 
 def _refusal_message(t: Tenant, verdict: Verdict, need: int, output: int = 0) -> str:
