@@ -7,10 +7,11 @@ Rows, one after the other, each against the same simulated engine through one ag
 one router process; `--workers 2`; then, `--rounds` times interleaved (A, B, A, B on a
 shared host), one router with `--state-url` and a tenant whose key has no limits (A),
 and the same router with the tenant's requests per minute, concurrency and tokens per
-day counted in Redis (B: three Redis calls per whole answer, the admission script, the
-day's count and the release), and the same limits counted by the router alone (C: no
-`--state-url`). `--before CHECKOUT` adds B run from another checkout (a `git worktree`
-or `git archive` of an older build) in each round. Then, in-process, the
+day counted in Redis (B: leased, router/tenants/shared.py: one admission script per
+grant of up to 64 requests, the requests between counted from the lease), and the
+same limits counted by the router alone (C: no `--state-url`). `--before CHECKOUT`
+adds B run from another checkout (a `git worktree` or `git archive` of an older build)
+in each round. Then, in-process, the
 per-request cost of the shared capacity (the agent's count over every router, the
 router's `elsewhere` bookkeeping). CPU is the router's (all its workers) and Redis's,
 in seconds per 1,000 requests; the ratios are each row's over A's of the same round. The load
@@ -189,6 +190,7 @@ def main() -> None:
         "--before", type=Path, help="a checkout whose router also runs the limits row"
     )
     args = parser.parse_args()
+    print(f"load average {os.getloadavg()[0]:.1f} at the start")
 
     procs = Procs()
     pairs: list[list[Row]] = []
@@ -205,7 +207,7 @@ def main() -> None:
         shared = ("--state-url", url)
         variants = [
             ("A: --state-url, a tenant, no limits", plain, None, shared),
-            ("B: --state-url, RPM + concurrency + tokens/day in Redis", limited, None, shared),
+            ("B: --state-url, the limits leased from Redis", limited, None, shared),
             ("C: the same limits counted locally (no --state-url)", limited, None, ()),
         ]
         if args.before is not None:
