@@ -8,10 +8,12 @@ import os
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
 import trio
+import trio.lowlevel
 
 from protocol.errors import ErrorCode
 from router.metrics import RouterMetrics
@@ -215,3 +217,54 @@ async def test_redis_lost_under_a_lease_counts_locally(redis_server: RedisServer
         assert not a.leases["t"].used
     finally:
         close([a])
+
+
+async def test_top_ups_under_concurrent_load_never_pass_the_limit(
+    redis_server: RedisServer,
+) -> None:
+    """Two routers, 32 requests at a time on each, their leases topped up in the
+    background while they admit: never more than the limit, and all of it once both
+    routers refuse."""
+    states = routers(redis_server, 2)
+    tenant = Tenant("t", max_concurrent=3000, requests_per_minute=60, burst=100_000)
+    admitted = [0, 0]
+    calls = [0]
+    for state in states:
+        assert state.store is not None
+        evalsha = state.store.evalsha
+
+        async def counted(*args: object, evalsha: Any = evalsha) -> Any:
+            calls[0] += 1
+            return await evalsha(*args)
+
+        state.store.evalsha = counted  # type: ignore[method-assign]
+    try:
+        async with trio.open_nursery() as nursery:
+            for state in states:
+                nursery.start_soon(state.watch)
+
+            async def client(k: int, c: int) -> None:
+                n = 0
+                while True:
+                    n += 1
+                    verdict, _ = await states[k].admit(tenant, f"{k}-{c}-{n}")
+                    if verdict.code is not None:
+                        return
+                    admitted[k] += 1
+                    await trio.lowlevel.checkpoint()
+
+            async with trio.open_nursery() as clients:
+                for k in (0, 1):
+                    for c in range(32):
+                        clients.start_soon(client, k, c)
+            assert sum(admitted) <= 3000
+            # Leased, and topped up as they grew: far fewer calls than admissions.
+            assert calls[0] < sum(admitted) / 10
+            # A top-up that came after the last refusal is spent by one more pass.
+            await trio.sleep(0.05)
+            rest = await fill(states, tenant)
+            nursery.cancel_scope.cancel()
+        assert sum(admitted) + sum(rest) == 3000
+        assert in_flight(redis_server, "t") == 3000
+    finally:
+        close(states)
