@@ -1,6 +1,6 @@
 """Router throughput with 1 and 2 workers on this host, and what sharing costs.
 
-    python -m bench.scale [--duration 5] [--concurrency 64] [--rounds 2]
+    python -m bench.scale [--duration 5] [--concurrency 64] [--rounds 2] [--rate N]
                           [--limits-only] [--before CHECKOUT]
 
 Rows, one after the other, each against the same simulated engine through one agent:
@@ -119,7 +119,7 @@ def measure(
         redis_proc = [psutil.Process(redis_pid)] if redis_pid else []
         before, redis_before = cpu(watched), cpu(redis_proc)
         result = trio.run(
-            run_load, "127.0.0.1", http, request, args.concurrency, args.duration, False
+            run_load, "127.0.0.1", http, request, args.concurrency, args.duration, False, args.rate
         )
         per_1k = 1000 / max(result.count, 1)
         router_cpu = (cpu(watched) - before) * per_1k
@@ -185,6 +185,13 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2, help="A, B pairs of the limits rows")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="requests/s in all (0: as fast as answers come); a rate every row reaches"
+        " compares their CPU per request at one load on a busy host",
+    )
     parser.add_argument("--limits-only", action="store_true", help="skip the 1 and 2 worker rows")
     parser.add_argument(
         "--before", type=Path, help="a checkout whose router also runs the limits row"
@@ -263,6 +270,7 @@ def report(rows: list[Row], agent_us: float, router_us: float, args: argparse.Na
     print(
         f"{args.concurrency} keep-alive clients, {args.duration:g}s per row, "
         f"{args.tokens} tokens per answer, engine latency 0"
+        + (f", paced to {args.rate:g} requests/s" if args.rate else "")
     )
     print()
     print("| routers | req/s | p50/p99 ms | errors | router CPU s/1k req | Redis CPU s/1k req |")
