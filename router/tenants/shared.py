@@ -329,17 +329,20 @@ class TenantState:
         give back leases nobody uses."""
         if self.store is None:
             return
-        async with trio.open_nursery() as nursery:
-            self._nursery = nursery
-            nursery.start_soon(self._sweep_leases)
-            while True:
-                try:
-                    await self.store.call("PING")
-                except StoreError as exc:
-                    self._down(exc)
-                else:
-                    self._up()
-                await trio.sleep(PING_INTERVAL)
+        try:
+            async with trio.open_nursery() as nursery:
+                self._nursery = nursery
+                nursery.start_soon(self._sweep_leases)
+                while True:
+                    try:
+                        await self.store.call("PING")
+                    except StoreError as exc:
+                        self._down(exc)
+                    else:
+                        self._up()
+                    await trio.sleep(PING_INTERVAL)
+        finally:
+            self._nursery = None  # stopping: leases are renewed when spent, no top-ups
 
     def _up(self) -> None:
         if not self.up:
