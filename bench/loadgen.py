@@ -121,10 +121,21 @@ class _Conn:
 
 
 async def run_load(
-    host: str, port: int, request: bytes, concurrency: int, duration: float, stream: bool
+    host: str,
+    port: int,
+    request: bytes,
+    concurrency: int,
+    duration: float,
+    stream: bool,
+    rate: float = 0.0,
 ) -> Result:
+    """`concurrency` keep-alive clients, each sending its next request when its last
+    answer came; `rate` > 0 paces them to that many requests/s in all (each waits for
+    the next send time), so rows compared run at one load whatever each costs."""
     result = Result()
     stop_at = trio.current_time() + duration
+    interval = 1.0 / rate if rate > 0 else 0.0
+    next_send = [trio.current_time()]
 
     async def worker() -> None:
         conn = _Conn(await trio.open_tcp_stream(host, port))
@@ -133,6 +144,10 @@ async def run_load(
                 if conn.closing:
                     await conn.stream.aclose()
                     conn = _Conn(await trio.open_tcp_stream(host, port))
+                if interval:
+                    at = next_send[0]
+                    next_send[0] = at + interval
+                    await trio.sleep_until(at)
                 started = trio.current_time()
                 chunk_times: list[float] = []
                 await conn.stream.send_all(request)

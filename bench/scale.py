@@ -1,16 +1,17 @@
 """Router throughput with 1 and 2 workers on this host, and what sharing costs.
 
-    python -m bench.scale [--duration 5] [--concurrency 64] [--rounds 2]
+    python -m bench.scale [--duration 5] [--concurrency 64] [--rounds 2] [--rate N]
                           [--limits-only] [--before CHECKOUT]
 
 Rows, one after the other, each against the same simulated engine through one agent:
 one router process; `--workers 2`; then, `--rounds` times interleaved (A, B, A, B on a
 shared host), one router with `--state-url` and a tenant whose key has no limits (A),
 and the same router with the tenant's requests per minute, concurrency and tokens per
-day counted in Redis (B: three Redis calls per whole answer, the admission script, the
-day's count and the release), and the same limits counted by the router alone (C: no
-`--state-url`). `--before CHECKOUT` adds B run from another checkout (a `git worktree`
-or `git archive` of an older build) in each round. Then, in-process, the
+day counted in Redis (B: leased, router/tenants/shared.py: one admission script per
+grant of up to 64 requests, the requests between counted from the lease), and the
+same limits counted by the router alone (C: no `--state-url`). `--before CHECKOUT`
+adds B run from another checkout (a `git worktree` or `git archive` of an older build)
+in each round. Then, in-process, the
 per-request cost of the shared capacity (the agent's count over every router, the
 router's `elsewhere` bookkeeping). CPU is the router's (all its workers) and Redis's,
 in seconds per 1,000 requests; the ratios are each row's over A's of the same round. The load
@@ -118,7 +119,7 @@ def measure(
         redis_proc = [psutil.Process(redis_pid)] if redis_pid else []
         before, redis_before = cpu(watched), cpu(redis_proc)
         result = trio.run(
-            run_load, "127.0.0.1", http, request, args.concurrency, args.duration, False
+            run_load, "127.0.0.1", http, request, args.concurrency, args.duration, False, args.rate
         )
         per_1k = 1000 / max(result.count, 1)
         router_cpu = (cpu(watched) - before) * per_1k
@@ -184,11 +185,19 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=64)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=2, help="A, B pairs of the limits rows")
+    parser.add_argument(
+        "--rate",
+        type=float,
+        default=0.0,
+        help="requests/s in all (0: as fast as answers come); a rate every row reaches"
+        " compares their CPU per request at one load on a busy host",
+    )
     parser.add_argument("--limits-only", action="store_true", help="skip the 1 and 2 worker rows")
     parser.add_argument(
         "--before", type=Path, help="a checkout whose router also runs the limits row"
     )
     args = parser.parse_args()
+    print(f"load average {os.getloadavg()[0]:.1f} at the start")
 
     procs = Procs()
     pairs: list[list[Row]] = []
@@ -205,7 +214,7 @@ def main() -> None:
         shared = ("--state-url", url)
         variants = [
             ("A: --state-url, a tenant, no limits", plain, None, shared),
-            ("B: --state-url, RPM + concurrency + tokens/day in Redis", limited, None, shared),
+            ("B: --state-url, the limits leased from Redis", limited, None, shared),
             ("C: the same limits counted locally (no --state-url)", limited, None, ()),
         ]
         if args.before is not None:
@@ -261,6 +270,7 @@ def report(rows: list[Row], agent_us: float, router_us: float, args: argparse.Na
     print(
         f"{args.concurrency} keep-alive clients, {args.duration:g}s per row, "
         f"{args.tokens} tokens per answer, engine latency 0"
+        + (f", paced to {args.rate:g} requests/s" if args.rate else "")
     )
     print()
     print("| routers | req/s | p50/p99 ms | errors | router CPU s/1k req | Redis CPU s/1k req |")

@@ -421,6 +421,9 @@ class RouterDaemon:
                     await self.lifetime.write()
                     await self.tracer.flush()
                     await self.fleet.leave()
+                    # What this router leased of tenants' limits goes back to the others.
+                    with trio.move_on_after(1.0):
+                        await self.tenants.state.give_back()
                 self.tenants.close()
                 self.lifetime.close()
                 if self.fleet_redis is not None:
