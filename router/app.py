@@ -13,7 +13,7 @@ import multiaddr
 import redis
 import trio
 
-from protocol.collector import OldFreezer
+from protocol.collector import Freezer
 from protocol.logs import quote
 from protocol.messages import PROTOCOL_ID
 from protocol.p2p import load_or_create_identity, peer_id_of
@@ -97,7 +97,7 @@ class RouterDaemon:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.metrics = RouterMetrics()
-        self.freezer = OldFreezer()
+        self.freezer = Freezer()
         self.table = PeerTable()
         agent_collector = self.agent_collector = AgentCollector(self.table, self.metrics.registry)
         self.queue = WaitQueue(settings.queue_depth)
