@@ -351,6 +351,7 @@ class RouterDaemon:
             m.loop_lag.labels(), m.loop_busy.labels(), [m.gc_pause.labels(str(g)) for g in "012"]
         )
         watch.install()
+        m.trio_tasks.set_function(lambda: float(watch.tasks))
         try:
             with story_capture(self.app.console):
                 await self._run(task_status=task_status)
