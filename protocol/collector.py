@@ -85,6 +85,12 @@ class Freezer:
         gc.collect(1)
         gc.freeze()
 
+    def freeze(self) -> None:
+        """Freeze what is alive now, uncollected: for objects known to die by their
+        reference count (a `/metrics` page being built), which no pass need walk."""
+        if self.baseline:  # after the first complete pass
+            gc.freeze()
+
     def complete(self) -> None:
         """Thaw, collect everything, freeze the survivors: the new baseline."""
         gc.unfreeze()

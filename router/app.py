@@ -392,9 +392,10 @@ class RouterDaemon:
                         self.app if self.compat is None else counted(self.app, self.compat.activity)
                     )
                     await nursery.start(self._serve_http, app, s.http_addr, True)
-                    metrics_app = with_lifespan(
-                        metrics_only(metrics_page(self.metrics.registry, self.agent_collector))
+                    page = metrics_page(
+                        self.metrics.registry, self.agent_collector, self.freezer.freeze
                     )
+                    metrics_app = with_lifespan(metrics_only(page))
                     await nursery.start(self._serve_http, metrics_app, s.metrics_addr)
                     for addr in self.announce_addrs(host):
                         log.info("router_listening p2p=%s", addr)
