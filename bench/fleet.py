@@ -12,7 +12,9 @@ reported. The router's own `hivenet_router_event_loop_lag_seconds` (each run bat
 trio loop, wall clock), `..._event_loop_busy_seconds` (the same batches' CPU time) and
 `hivenet_router_gc_pause_seconds` are read before and after the measured window: the
 longest batch and collector pass (the upper bound of their histogram bucket), the
-batches' p99.9, and how many ran over 5 ms; then how long the last /metrics scrape took
+batches' p99.9, and how many ran over 5 ms (wall clock, then CPU; "the scheduler's": the
+difference, turns that ran long only because another process had the core), the
+collector's CPU in the window (ms per second); then how long the last /metrics scrape took
 (its batch is in the window, as a Prometheus scrape's would be). A checkout without
 them shows n/a.
 
@@ -115,6 +117,9 @@ def histograms(metrics_url: str) -> dict[str, Buckets]:
         if family.name not in (LAG, BUSY, GC):
             continue
         for sample in family.samples:
+            if sample.name.endswith("_sum"):  # seconds in all, under the key inf
+                sums = out.setdefault(family.name + "_sum", {})
+                sums[-1.0] = sums.get(-1.0, 0.0) + sample.value
             if sample.name.endswith("_bucket"):
                 le = float(sample.labels["le"])
                 keys = [family.name]
@@ -233,6 +238,15 @@ def run(
             "busy": window(before[BUSY], after[BUSY]),
             "gc": window(before[GC], after[GC]),
             "gc_by_generation": [window(before[GC + g], after[GC + g]) for g in "012"],
+            # The collector's CPU in the window, ms per second of it.
+            "gc_ms_per_s": (
+                (
+                    after.get(GC + "_sum", {}).get(-1.0, 0.0)
+                    - before.get(GC + "_sum", {}).get(-1.0, 0.0)
+                )
+                * 1000
+                / measure
+            ),
             "requests": load.count,
             "errors": load.errors,
             "scrape_ms": scrape_ms,
@@ -268,9 +282,10 @@ def main() -> None:
         "| build | agents | sessions | healthy | router CPU (share of one core) "
         "| router RSS MiB (idle) | requests (errors) | p50 / p99 / p99.9 ms "
         "| loop batches | lag max / p99.9 ms | over 5 ms | CPU max / p99.9 ms | over 5 ms "
-        "| GC passes, max CPU ms (generations 0; 1; 2) | a /metrics scrape, ms |"
+        "| the scheduler's | GC passes, max CPU ms (generations 0; 1; 2) | GC CPU ms/s "
+        "| a /metrics scrape, ms |"
     )
-    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for size in (int(s) for s in args.sizes.split(",")):
         for round_ in range(args.rounds):
             for name, root in builds if round_ % 2 == 0 else reversed(builds):
@@ -285,12 +300,22 @@ def main() -> None:
                     f"| {lag.get('count', 'n/a')} | {_ms(lag, 'max_le')} / {_ms(lag, 'p999_le')} "
                     f"| {lag.get('over_5ms', 'n/a')} "
                     f"| {_ms(busy, 'max_le')} / {_ms(busy, 'p999_le')} "
-                    f"| {busy.get('over_5ms', 'n/a')} "
+                    f"| {busy.get('over_5ms', 'n/a')} | {_scheduled(lag, busy)} "
                     f"| {gc.get('count', 'n/a')}, {_ms(gc, 'max_le')} "
                     f"({'; '.join(_ms(g, 'max_le') for g in r['gc_by_generation'])}) "
+                    f"| {r['gc_ms_per_s']:.2f} "
                     f"| {r['scrape_ms']:.0f} |",
                     flush=True,
                 )
+
+
+def _scheduled(lag: dict, busy: dict) -> str:
+    """Turns over 5 ms of wall clock less those over 5 ms of CPU: at least this many
+    stalled the loop for want of a core, not for the router's own work (the kernel gave
+    the time to other processes)."""
+    if "over_5ms" not in lag or "over_5ms" not in busy:
+        return "n/a"
+    return str(max(0, lag["over_5ms"] - busy["over_5ms"]))
 
 
 def _ms(counted: dict, key: str) -> str:

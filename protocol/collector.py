@@ -1,4 +1,4 @@
-"""The garbage collector's young-generation threshold for the daemons' processes.
+"""The garbage collector's work in the daemons' processes, kept in short passes.
 
 A trio daemon keeps each task suspended in a chain of coroutines that is built anew
 with every frame or request it waits for, so between two collections the youngest
@@ -15,6 +15,8 @@ garbage that waits for it meanwhile is a few MB at most.
 from __future__ import annotations
 
 import gc
+import sys
+from collections.abc import Callable
 
 import trio
 
@@ -27,69 +29,78 @@ def tune_collector() -> None:
     gc.set_threshold(YOUNG_THRESHOLD, older, oldest)
 
 
-# The frozen set may grow by this fraction (new long-lived objects, or cycles among
-# frozen objects that became garbage and that only a complete pass frees) before it is
-# thawed for one complete pass: CPython's own rule for its oldest generation (25%).
+# How often the router freezes what is alive (`Freezer`): a young pass then walks at
+# most what was allocated in this long and is still alive. At 1,000 agents about 2,000
+# objects (each agent's read waits on its connection, rebuilt by each heartbeat: about
+# 20 objects every 5 s), a fraction of a millisecond.
+TICK_SECONDS = 0.5
+# The memory in use may grow by this fraction (new sessions, or garbage cycles among
+# frozen objects, which only a complete pass frees) before everything is thawed for
+# one complete pass: CPython's own rule for its oldest generation (25%).
 THAW_GROWTH = 0.25
 
 
-class OldFreezer:
-    """Keeps what survives a full collection out of the next ones.
+class Freezer:
+    """Keeps every pass of the collector to what was allocated in the last tick.
 
-    A full (generation 2) pass walks every tracked object: at 1,000 agent sessions about
-    50 ms every 25 s, with the event loop stopped meanwhile (bench.fleet). Objects that
-    survived one are mostly the fleet's sessions and the process's modules, alive for
-    hours; `gc.freeze()` after such a pass moves them to the permanent generation, which
-    collections skip, so the next full pass walks only what was promoted since.
+    A pass walks every tracked object of the generations it collects. In a router with
+    1,000 agents the young ones are mostly the agents' waits: each heartbeat ends one
+    connection's read and starts the next, a new chain of coroutines, cells and trio
+    records (about 20 objects) that lives until the next heartbeat, 5 s on. Net of what
+    dies, a heartbeat allocates nothing, so the raised threshold lets 30 s or more go
+    between two young passes, and each then walked everyone's current wait: 50,000
+    objects and 15 to 50 ms of CPU in one turn of the loop (bench.fleet, at issue 51).
 
-    The cost: garbage cycles among frozen objects (a session that ended) wait. When the
-    frozen count has grown by `THAW_GROWTH` since the last complete pass, `gc.unfreeze()`
-    hands everything back, the next full pass is complete (one long pause), and what
-    survives it is frozen anew; a fleet that does not grow thaws rarely, one that churns
-    reclaims its dead sessions at that rate. Only trio code calls `tick` (a collection
-    callback must not freeze in the middle of a pass); `on_gc` just notes the pass.
+    Each tick collects the two young generations, which hold only what was allocated
+    since the last tick and is still alive (cycles that died in it are freed), then
+    `gc.freeze()`s what is left: the next passes, automatic or the next tick's, skip
+    it. A frozen object freed by its reference count is freed as any other; a garbage
+    cycle that holds a frozen object waits. When the memory in use has grown by
+    `THAW_GROWTH` since the last complete pass, a tick thaws everything and makes one
+    (one long pause, as the collector's own rule for its oldest generation would), and
+    freezes what survives it. The first tick makes one too.
+
+    Only trio code calls `tick` (a collection callback must not freeze in the middle
+    of a pass).
     """
 
-    def __init__(self, growth: float = THAW_GROWTH) -> None:
+    def __init__(
+        self,
+        growth: float = THAW_GROWTH,
+        in_use: Callable[[], int] = sys.getallocatedblocks,
+    ) -> None:
         self.growth = growth
-        self.full_passes = 0
-        self._seen = 0  # full passes handled by `tick`
-        self.baseline = gc.get_freeze_count()  # frozen after the last complete pass
-        self.thawed = True  # the next full pass walks everything
-        self.thaws = 0
-
-    def on_gc(self, phase: str, info: dict) -> None:
-        if phase == "stop" and info.get("generation") == 2:
-            self.full_passes += 1
+        # Memory blocks in use after the last complete pass; 0 before the first.
+        # sys.getallocatedblocks walks the allocator's pools (tens of µs here), where
+        # gc.get_freeze_count() walks every frozen object (27 ms for 300,000).
+        self.baseline = 0
+        self._in_use = in_use
+        self.complete_passes = 0
 
     def tick(self) -> None:
-        """After a full pass: freeze its survivors, or thaw for a complete one."""
-        if self.full_passes == self._seen:
+        """Freeze what the young generations hold, or make a complete pass."""
+        if not self.baseline or self._in_use() > self.baseline * (1 + self.growth):
+            self.complete()
             return
-        self._seen = self.full_passes
+        gc.collect(1)
         gc.freeze()
-        frozen = gc.get_freeze_count()
-        if self.thawed:
-            self.thawed = False
-            self.baseline = frozen
-        elif frozen > self.baseline * (1 + self.growth):
-            gc.unfreeze()
-            self.thawed = True
-            self.thaws += 1
 
-    def install(self) -> None:
-        gc.callbacks.append(self.on_gc)
+    def freeze(self) -> None:
+        """Freeze what is alive now, uncollected: for objects known to die by their
+        reference count (a `/metrics` page being built), which no pass need walk."""
+        if self.baseline:  # after the first complete pass
+            gc.freeze()
 
-    def uninstall(self) -> None:
-        if self.on_gc in gc.callbacks:
-            gc.callbacks.remove(self.on_gc)
+    def complete(self) -> None:
+        """Thaw, collect everything, freeze the survivors: the new baseline."""
+        gc.unfreeze()
+        gc.collect()
+        gc.freeze()
+        self.baseline = self._in_use()
+        self.complete_passes += 1
 
-    async def run(self, period: float = 1.0) -> None:
-        """Install, and tick every `period` seconds until cancelled."""
-        self.install()
-        try:
-            while True:
-                await trio.sleep(period)
-                self.tick()
-        finally:
-            self.uninstall()
+    async def run(self, period: float = TICK_SECONDS) -> None:
+        """Tick every `period` seconds until cancelled."""
+        while True:
+            await trio.sleep(period)
+            self.tick()

@@ -14,6 +14,7 @@ import contextlib
 import logging
 import math
 import os
+import random
 import socket
 import stat
 from collections import deque
@@ -30,6 +31,7 @@ from libp2p.crypto.keys import KeyPair
 from libp2p.io.exceptions import ConnectionClosedError
 from libp2p.io.trio import TrioTCPStream
 from libp2p.peer.id import ID
+from libp2p.stream_muxer.yamux import yamux as yamux_module
 from libp2p.stream_muxer.yamux.yamux import Yamux, YamuxStream
 
 from protocol import yamux_fast
@@ -116,6 +118,10 @@ def tune_libp2p() -> None:
       tuning an RTT: with the tuning replaced, the pings (a quarter of an idle
       session's frames at the default heartbeat) measure nothing. Pings from a peer
       are still answered.
+    - Each connection sweeps its closed streams every 30 s from when it opened: the
+      connections of a fleet that joined together (a router restarted) swept in the
+      same turn of the router's loop, hundreds at a time (3 ms and more). The first
+      sweep now comes at a random point of the first interval.
     - Each Noise message is read from the socket in two reads (its 2-byte length,
       then its body): one read now takes what the kernel holds, and the layers above
       take their pieces from that buffer. trio's read then passed through the
@@ -129,6 +135,7 @@ def tune_libp2p() -> None:
         raise RuntimeError(f"protocol/p2p.py patches py-libp2p {PATCHED_LIBP2P} yamux internals")
     YamuxStream._auto_tune_and_send_window_update = _release_in_batches  # type: ignore[method-assign]
     Yamux._measure_rtt_loop = _no_rtt_pings  # type: ignore[method-assign]
+    Yamux._stale_stream_sweeper = _stale_stream_sweeper  # type: ignore[method-assign]
     TrioTCPStream.read = _buffered_read  # type: ignore[method-assign]
     TrioTCPStream.write = _write  # type: ignore[method-assign]
     yamux_fast.install()
@@ -147,6 +154,20 @@ async def _release_in_batches(self: YamuxStream, *, bytes_read: int = 0) -> None
 
 async def _no_rtt_pings(self: Yamux) -> None:
     return
+
+
+async def _stale_stream_sweeper(self: Yamux) -> None:
+    """py-libp2p's sweep of a connection's closed streams, every 30 s as before, its
+    phase drawn at random instead of the connection's start."""
+    interval = yamux_module._STALE_STREAM_SWEEP_INTERVAL
+    delay = random.uniform(0, interval)
+    while not self.event_shutting_down.is_set():
+        await trio.sleep(delay)
+        delay = interval
+        if self.event_shutting_down.is_set():
+            break
+        async with self.streams_lock:
+            self._sweep_stale_streams()
 
 
 async def _buffered_read(self: TrioTCPStream, n: int | None = None) -> bytes:

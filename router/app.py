@@ -13,7 +13,7 @@ import multiaddr
 import redis
 import trio
 
-from protocol.collector import OldFreezer
+from protocol.collector import Freezer
 from protocol.logs import quote
 from protocol.messages import PROTOCOL_ID
 from protocol.p2p import load_or_create_identity, peer_id_of
@@ -97,7 +97,7 @@ class RouterDaemon:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.metrics = RouterMetrics()
-        self.freezer = OldFreezer()
+        self.freezer = Freezer()
         self.table = PeerTable()
         agent_collector = self.agent_collector = AgentCollector(self.table, self.metrics.registry)
         self.queue = WaitQueue(settings.queue_depth)
@@ -351,6 +351,7 @@ class RouterDaemon:
             m.loop_lag.labels(), m.loop_busy.labels(), [m.gc_pause.labels(str(g)) for g in "012"]
         )
         watch.install()
+        m.trio_tasks.set_function(lambda: float(watch.tasks))
         try:
             with story_capture(self.app.console):
                 await self._run(task_status=task_status)
@@ -391,9 +392,10 @@ class RouterDaemon:
                         self.app if self.compat is None else counted(self.app, self.compat.activity)
                     )
                     await nursery.start(self._serve_http, app, s.http_addr, True)
-                    metrics_app = with_lifespan(
-                        metrics_only(metrics_page(self.metrics.registry, self.agent_collector))
+                    page = metrics_page(
+                        self.metrics.registry, self.agent_collector, self.freezer.freeze
                     )
+                    metrics_app = with_lifespan(metrics_only(page))
                     await nursery.start(self._serve_http, metrics_app, s.metrics_addr)
                     for addr in self.announce_addrs(host):
                         log.info("router_listening p2p=%s", addr)

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import trio
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 from router.lean_metrics import LeanCounter, LeanHistogram
+from router.loop_watch import count_tasks
 
 P = "hivenet_router_"
 # The `model` label of a request for a model no agent has registered (404, or the
@@ -147,9 +147,9 @@ class RouterMetrics:
             registry=r,
         )
         # A task left behind per past connection is how py-libp2p leaks; watch for it.
-        Gauge(P + "trio_tasks", "Live trio tasks in the router", registry=r).set_function(
-            _count_tasks
-        )
+        # The daemon counts them with its LoopWatch (router/app.py); this walks the tree.
+        self.trio_tasks = Gauge(P + "trio_tasks", "Live trio tasks in the router", registry=r)
+        self.trio_tasks.set_function(lambda: float(count_tasks()))
         self.sessions_refused = Counter(
             P + "agent_sessions_refused_total",
             "Agent hellos refused, by reason",
@@ -213,18 +213,3 @@ class RouterMetrics:
             ["model"],
             registry=r,
         )
-
-
-def _count_tasks() -> float:
-    try:
-        root = trio.lowlevel.current_root_task()
-    except RuntimeError:  # scraped outside the trio thread: nothing to count
-        return 0.0
-    count = 0
-    stack = [root]
-    while stack:
-        task = stack.pop()
-        count += 1
-        for nursery in task.child_nurseries:
-            stack.extend(nursery.child_tasks)
-    return float(count)

@@ -1,5 +1,5 @@
 """Both daemons collect their young generation less often, and the router keeps what
-survives a full collection out of the next ones (protocol/collector.py)."""
+survives each short tick out of the next passes (protocol/collector.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import trio
 
 from agent import cli as agent_cli
-from protocol.collector import YOUNG_THRESHOLD, OldFreezer, tune_collector
+from protocol.collector import YOUNG_THRESHOLD, Freezer, tune_collector
 from router import cli as router_cli
 
 ROUTER_ADDR = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGQaEXi5zdK6sv4u1rjM8EQrfH3GnjJb8GrmyrXrU2yZ8"
@@ -82,48 +82,92 @@ def unfrozen() -> Iterator[None]:
     gc.unfreeze()
 
 
-def test_survivors_of_a_full_pass_are_frozen_and_thawed_when_grown(unfrozen: None) -> None:
-    freezer = OldFreezer()
-    freezer.install()
-    try:
-        freezer.tick()  # no full pass yet: nothing to do
-        assert gc.get_freeze_count() == 0
-        # A cycle alive at the first full pass is frozen with the rest.
-        a, b = Node(), Node()
-        a.other, b.other = b, a
-        dead = weakref.ref(a)
-        gc.collect()
-        freezer.tick()
-        assert gc.get_freeze_count() > 0
-        assert freezer.baseline == gc.get_freeze_count()
-        del a, b
-        gc.collect()
-        freezer.tick()
-        assert dead() is not None, "a frozen cycle waits for a thaw"
-        assert freezer.thaws == 0
-        # The frozen set grows by more than a quarter: it is thawed, and the next full
-        # pass, complete, frees the cycle; its survivors are the new baseline.
-        grown = [[i] for i in range(int(freezer.baseline * 0.3) + 1)]
-        gc.collect()
-        freezer.tick()
-        assert freezer.thaws == 1
-        assert gc.get_freeze_count() == 0
-        gc.collect()
-        assert dead() is None
-        freezer.tick()
-        assert freezer.baseline == gc.get_freeze_count() > len(grown)
-    finally:
-        freezer.uninstall()
-    assert freezer.on_gc not in gc.callbacks
+def unfrozen_objects() -> int:
+    """What the collector's passes walk: every tracked object not frozen."""
+    return sum(len(gc.get_objects(generation=g)) for g in range(3))
 
 
-def test_young_passes_change_nothing(unfrozen: None) -> None:
-    freezer = OldFreezer()
-    freezer.install()
+def test_a_young_pass_walks_only_what_the_last_tick_left(unfrozen: None) -> None:
+    """1,000 sessions, each waiting for its next heartbeat in a chain of coroutines that
+    a heartbeat rebuilds, as a router's agents do, a fifth of them heard from between
+    two ticks. Net of what dies, a heartbeat allocates nothing: the raised young
+    threshold is not reached, and without the ticks a pass, when one came, walked
+    every session's wait (each rebuilt since the last pass); with them, a fifth's."""
+    sessions, groups = 1000, 5
+    group = sessions // groups
+    walked: list[int] = []
+    freezer = Freezer()
+
+    async def wait_for(beat: trio.Event) -> None:
+        await beat.wait()
+
+    async def session(beats: list[trio.Event], i: int) -> None:
+        while True:
+            await wait_for(beats[i])
+
+    async def main() -> None:
+        beats = [trio.Event() for _ in range(sessions)]
+        async with trio.open_nursery() as nursery:
+            for i in range(sessions):
+                nursery.start_soon(session, beats, i)
+            await trio.sleep(0.01)
+            freezer.tick()  # the first: one complete pass
+            for r in range(2 * groups):  # two heartbeat periods
+                for i in range(r % groups * group, (r % groups + 1) * group):
+                    beat, beats[i] = beats[i], trio.Event()
+                    beat.set()
+                await trio.sleep(0.01)
+                walked.append(unfrozen_objects())
+                freezer.tick()
+            nursery.cancel_scope.cancel()
+
+    before = gc.get_threshold()
+    tune_collector()
     try:
-        gc.collect(0)
-        gc.collect(1)
-        freezer.tick()
-        assert gc.get_freeze_count() == 0
+        trio.run(main)
     finally:
-        freezer.uninstall()
+        gc.set_threshold(*before)
+    assert freezer.complete_passes == 1
+    # A wait is about a dozen objects; what a pass would walk is one group's waits,
+    # not every group's since the last pass (all 1,000 sessions' by the fifth tick).
+    assert all(group * 5 < n < group * 30 for n in walked), walked
+
+
+def test_a_tick_frees_young_cycles_and_freezes_the_survivors(unfrozen: None) -> None:
+    in_use = [100]
+    freezer = Freezer(in_use=lambda: in_use[0])
+    freezer.tick()  # the first tick: one complete pass, its survivors frozen
+    assert freezer.complete_passes == 1 and freezer.baseline == 100
+    assert unfrozen_objects() < 100
+    frozen = gc.get_freeze_count()
+    dead_young = Node()
+    dead_young.other = dead_young
+    young_gone = weakref.ref(dead_young)
+    kept = [Node() for _ in range(50)]
+    del dead_young
+    freezer.tick()
+    assert young_gone() is None, "a cycle that died before the tick is freed by it"
+    assert gc.get_freeze_count() >= frozen + len(kept)
+    assert unfrozen_objects() < 100
+    assert freezer.complete_passes == 1
+
+
+def test_frozen_cycles_wait_for_the_memory_to_grow_a_quarter(unfrozen: None) -> None:
+    in_use = [1000]
+    freezer = Freezer(in_use=lambda: in_use[0])
+    freezer.tick()
+    a, b = Node(), Node()
+    a.other, b.other = b, a
+    dead = weakref.ref(a)
+    freezer.tick()  # frozen alive
+    del a, b
+    in_use[0] = 1250  # a quarter more: not yet
+    freezer.tick()
+    gc.collect()  # an automatic full pass skips what is frozen
+    assert dead() is not None, "a frozen cycle waits for a complete pass"
+    assert freezer.complete_passes == 1
+    in_use[0] = 1251
+    freezer.tick()
+    assert dead() is None
+    assert freezer.complete_passes == 2 and freezer.baseline == 1251
+    assert gc.get_freeze_count() > 0

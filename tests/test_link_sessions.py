@@ -450,3 +450,40 @@ def test_a_dial_that_completes_after_the_drain_began_starts_no_session() -> None
     trio.run(connection.run, clock=trio.testing.MockClock(autojump_threshold=0))
     assert made == [] and host.closed == [host]
     assert connection.sessions_started == 0
+
+
+async def test_sessions_due_together_hear_the_routers_liveness_spread_over_passes() -> None:
+    # 1,000 agents joined together (a router restarted) fall due for the router's
+    # liveness frame in the same pass: it sends its share, twice over, and the rest in
+    # the next passes, well within the three intervals an agent waits.
+    link = AgentLink(
+        PeerTable(), RouterMetrics(), LinkSettings(SECRET.encode(), 5.0, 15.0, 30.0, "r")
+    )
+    sessions = []
+    for i in range(1000):
+        peer = f"{PEER[:-6]}{i:06d}"
+        session = AgentSession(link, RecordingStream(), peer)  # type: ignore[arg-type]
+        session.on_message(m.hello(issue_token(SECRET.encode(), peer, 60), METADATA))
+        sessions.append(session)
+    interval = link.settings.liveness_interval
+    sent_per_pass = []
+    now = trio.current_time() + interval
+    while len(sent_per_pass) < 30:
+        for session in sessions:
+            session.last_rx = now  # heartbeats keep coming
+        before = [len(s.fs.sent) for s in sessions]
+        link._liveness(now, 1.0)
+        sent = 0
+        for session, n in zip(sessions, before, strict=True):
+            if len(session.fs.sent) > n:
+                assert session.fs.sent[-1]["type"] == m.HEARTBEAT
+                session.fs.last_tx = now  # the frame left
+                sent += 1
+        sent_per_pass.append(sent)
+        now += 1.0
+    assert not any(s.fs.closed.is_set() for s in sessions)
+    # Every session heard from the router within 16 passes of falling due; no pass
+    # sent more than 67 (2 x 1,000 sessions x 1 s / 30 s).
+    assert max(sent_per_pass) == 67, sent_per_pass
+    assert sum(sent_per_pass[:16]) == 1000, sent_per_pass
+    assert sum(sent_per_pass[16:30]) == 0, sent_per_pass

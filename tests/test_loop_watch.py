@@ -12,7 +12,7 @@ import time
 
 import trio
 
-from router.loop_watch import LoopWatch
+from router.loop_watch import LoopWatch, count_tasks
 from tests.fleet import Fleet, wait_until
 
 
@@ -55,6 +55,33 @@ def test_a_blocking_batch_and_a_collection_are_timed() -> None:
     assert any(wall >= 0.03 and cpu >= 0.03 for wall, cpu in turns), "the spin: CPU"
     assert pauses[2].values, "gc.collect() is a generation-2 pass"
     assert watch._on_gc not in gc.callbacks
+
+
+def test_the_live_tasks_are_counted_as_they_come_and_go() -> None:
+    # hivenet_router_trio_tasks: a walk of the task tree at each scrape cost one turn
+    # 7 ms with 1,000 agents; the watch counts spawns and exits instead.
+    watch = LoopWatch(Recorded(), Recorded(), [Recorded()] * 3)
+    seen: list[tuple[int, int]] = []
+
+    async def main() -> None:
+        watch.install()
+        try:
+            seen.append((watch.tasks, count_tasks()))
+            async with trio.open_nursery() as nursery:
+                for _ in range(50):
+                    nursery.start_soon(trio.sleep_forever)
+                await trio.lowlevel.checkpoint()
+                seen.append((watch.tasks, count_tasks()))
+                nursery.cancel_scope.cancel()
+            seen.append((watch.tasks, count_tasks()))
+        finally:
+            watch.uninstall()
+
+    trio.run(main)
+    assert count_tasks() == 0  # outside a run
+    (before, walked), (during, walked_during), (after, walked_after) = seen
+    assert before == walked and during == walked_during and after == walked_after
+    assert during == before + 50 and after == before
 
 
 def test_uninstall_without_install_is_harmless() -> None:

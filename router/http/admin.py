@@ -3,6 +3,7 @@ replacement of a running document (policy, auth file) by `PUT`."""
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable
 from typing import Any
@@ -16,6 +17,7 @@ from router.capacity import WaitQueue
 from router.documents import Contended, DocumentStore, PreconditionFailed, etag
 from router.http.asgi import BodyTooLarge, ClientGone, Receive, Scope, Send, read_body, send_json
 from router.http.preconditions import if_match, send_contended, send_precondition_failed
+from router.metrics_page import Pace
 from router.peers import Peer, PeerTable
 from router.policy.gates import metric_value
 from router.policy.models import as_json
@@ -101,6 +103,21 @@ def routing_table(table: PeerTable) -> dict:
     now = trio.current_time()
     peers = sorted(table.all(), key=lambda p: (p.metadata.model, p.peer_id))
     return {"total": len(peers), "agents": [agent_view(p, now) for p in peers]}  # upstream's
+
+
+async def routing_table_json(table: PeerTable) -> bytes:
+    """`routing_table`'s JSON, the same bytes, built an agent at a time with a
+    checkpoint every `STEP_SECONDS`: with 1,000 agents the whole took one turn of the
+    event loop 22 to 33 ms (bench.fleet's polls, issue 51), once per poll of the console.
+    Each agent's view is whole; the agents are seen as they stand at their step."""
+    now = trio.current_time()
+    peers = sorted(table.all(), key=lambda p: (p.metadata.model, p.peer_id))
+    pace = Pace()
+    views = []
+    for peer in peers:
+        views.append(json.dumps(agent_view(peer, now), separators=(",", ":")))
+        await pace.step()
+    return f'{{"total":{len(peers)},"agents":[{",".join(views)}]}}'.encode()
 
 
 def health(table: PeerTable, queue: WaitQueue) -> dict:

@@ -304,7 +304,8 @@ class RouterApp:
             if self.fleet is not None and _fleet_scope(scope):
                 await send_json(send, 200, await self.fleet.routing_table(), extra)
             else:
-                await send_json(send, 200, admin.routing_table(self.table), extra)
+                body = await admin.routing_table_json(self.table)
+                await send_bytes(send, 200, body, "application/json", extra)
         elif method == "GET" and path == "/admin/registration-stream":
             return await registration_stream(self.registrations, receive, send, extra)
         elif path == "/admin/storage" and method == "GET" and self.lifetime:

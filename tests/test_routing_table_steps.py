@@ -1,0 +1,72 @@
+"""`GET /admin/routing-table` is built an agent at a time (router/http/admin.py): the
+same JSON as the whole table's, and other tasks run while a large fleet's is built."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import trio
+import trio.testing
+
+from router import metrics_page
+from router.http import admin
+from router.peers import AgentMetadata, Peer, PeerTable
+
+AGENTS = 300
+
+
+def _table() -> PeerTable:
+    async def send(msg: dict) -> None:
+        pass
+
+    table = PeerTable()
+    for i in range(AGENTS):
+        table.add(
+            Peer(
+                peer_id=f"12D3KooWPeer{i:04d}",
+                metadata=AgentMetadata(
+                    model=f"m{i % 7}", capability="llm", engine="sim", capacity=4
+                ),
+                send=send,
+                connected_at=0.0,
+                last_seen=0.0,
+            )
+        )
+    return table
+
+
+def test_the_stepped_table_is_the_whole_tables_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    table = _table()
+    monkeypatch.setattr(metrics_page, "STEP_SECONDS", 0.0)  # a checkpoint at every agent
+    monkeypatch.setattr(admin.time, "time", lambda: 1_700_000_000.0)  # wall-clock fields
+    turns = 0
+
+    async def main() -> tuple[bytes, bytes]:
+        nonlocal turns
+        done = False
+
+        async def other() -> None:
+            nonlocal turns
+            while not done:
+                turns += 1
+                await trio.lowlevel.checkpoint()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(other)
+            await trio.lowlevel.checkpoint()
+            whole = json.dumps(admin.routing_table(table), separators=(",", ":")).encode()
+            before = turns
+            stepped = await admin.routing_table_json(table)
+            done = True
+        assert turns - before >= AGENTS - 1  # the other task ran between the agents
+        return whole, stepped
+
+    whole, stepped = trio.run(main, clock=trio.testing.MockClock())  # time stands still
+    assert stepped == whole
+    assert json.loads(stepped)["total"] == AGENTS
+
+
+def test_an_empty_table() -> None:
+    body = trio.run(admin.routing_table_json, PeerTable())
+    assert json.loads(body) == {"total": 0, "agents": []}
