@@ -178,9 +178,9 @@ async def _relay(
     # The head waits for the first checked event: until it leaves, the router may
     # still try another agent.
     # Usage is read by the check's parse, so not from an unchecked stream (usage.py).
-    checker = (
-        SSEChecker(tap.of_event if tap else None) if ok and encoding in ("", "identity") else None
-    )
+    checker = None
+    if ok and encoding in ("", "identity"):
+        checker = SSEChecker(tap.of_event, tap.of_data) if tap else SSEChecker()
     head: dict | None = m.response_head(req_id, status, headers)
     if checker is None:
         send(head)
