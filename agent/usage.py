@@ -88,10 +88,19 @@ class UsageTap:
             if event.message is not UNSET or event.response is not UNSET:
                 return None
             return event.type, False
-        usage = _counted(counts)
-        if usage is None:
-            return event.type, False
-        prompt, completion = usage
+        if (
+            counts.input_tokens is UNSET
+            and counts.output_tokens is UNSET
+            and (prompt := counts.prompt_tokens) is not UNSET
+            and prompt >= 0  # type: ignore[operator]
+        ):
+            # OpenAI's names, as vLLM and SGLang send them in every chunk.
+            completion = _count(counts.completion_tokens) or 0
+        else:
+            usage = _counted(counts)
+            if usage is None:
+                return event.type, False
+            prompt, completion = usage
         old = self.usage
         if old is None:
             self.usage = {PROMPT: prompt, COMPLETION: completion}
@@ -235,9 +244,18 @@ def _counted(counts: _Counts) -> tuple[int, int] | None:
     return None if prompt is None else (prompt, _count(counts.completion_tokens) or 0)
 
 
+_EMPTY = msgspec.Raw(b"[]")
+_JSON_SPACE = b" \t\r\n"
+
+
 def _empty_list(raw: msgspec.Raw | UnsetType) -> bool:
-    """Whether a JSON value (valid, as msgspec read it) is the empty list."""
+    """Whether a JSON value (valid, as msgspec read it) is the empty list: a comparison
+    for `[]` and for a list that holds anything, the rest only for `[ ]`."""
     if raw is UNSET:
         return False
-    text = bytes(raw)  # type: ignore[arg-type]
-    return text[:1] == b"[" and not text[1:-1].strip(b" \t\r\n")
+    if raw == _EMPTY:
+        return True
+    view = memoryview(raw)  # type: ignore[arg-type]
+    if view[0] != 0x5B or view[1] not in _JSON_SPACE:
+        return False
+    return not bytes(view[1:-1]).strip(_JSON_SPACE)
