@@ -9,7 +9,9 @@ That parse is the only one: what else reads the answer (the token usage of
 agent/usage.py) is handed the parsed values. It is orjson's (`parse_json`), which
 halved the check's CPU: 68 → 36 µs per 16-token stream, 2.9 → 0.7 µs per whole answer.
 An event nobody reads further is only checked, by msgspec, which builds nothing
-(`_kind_of`).
+(`_kind_of`); one whose token counts are read is read by msgspec too, for those counts
+alone (`read`, agent/usage.py `of_data`): a 16-token stream with its running count in
+every event, 63 → 41 µs.
 """
 
 from __future__ import annotations

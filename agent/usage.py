@@ -7,7 +7,8 @@ stream carries usage only when asked (`stream_options.include_usage`), so the ag
 asks the engine for it and removes that extra chunk when the client did not ask.
 
 The answer is parsed once, by the check of agent/answers.py: a whole answer's object
-is handed to `of_answer`, a stream's events to `of_event` as the SSEChecker's observer.
+is handed to `of_answer`, a stream's events to `of_event` as the SSEChecker's observer,
+or, as nearly always, read for their counts alone by `of_data` without being built.
 A chat stream the router may continue (`stream_tokens` on the request frame) needs what
 the client was sent counted in tokens, not events: vLLM packs several tokens into one
 event when its reader lags. On engines that can, the agent asks for the running count
