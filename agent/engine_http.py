@@ -767,9 +767,13 @@ class ReadPump:
     only when its step is done: an answer's head read, a whole body, a stream's end.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, lone: bool = False) -> None:
         self._epoll = select.epoll()
         self._waits: dict[int, _PumpWait] = {}
+        # Whether a stream is read here with none other (`takes`).
+        self.lone = lone
+        # Streamed bodies being read now, here or by their own tasks (agent/forward.py).
+        self.streams = 0
 
     async def run(self) -> None:
         epoll, waits = self._epoll, self._waits
@@ -779,6 +783,14 @@ class ReadPump:
                 wait = waits.get(fd)
                 if wait is not None:
                     wait.ready()
+
+    def takes(self) -> bool:
+        """Whether a stream starting now (counted in `streams`) is read here. A stream
+        that starts alone reads for itself:
+        the pump saves the scheduler's work per read only where one wake-up reads
+        several streams, and costs a lone one a registration and a wake-up more
+        (`bench.stream_relay --concurrency 1`)."""
+        return self.lone or self.streams > 1
 
     def close(self) -> None:
         """The pump stops: each wait still registered ends as broken off."""

@@ -191,17 +191,21 @@ async def _relay(
     # held, so events that arrive together leave in one frame.
     limits.stream()
     pump = engine.pump
-    raw = response.raw_socket() if pump is not None else None
-    if pump is not None and raw is not None:
-        # What came with the head first; then the pump's reads, each handed on as it
-        # comes, the end included, and this task woken once, after it.
-        if not relay.step(response, None):
-            await pump.wait(raw, partial(relay.step, response, raw))
+    if pump is None:
+        await relay.read(response)
     else:
-        while piece := await response.receive():
-            if relay.take(piece):
-                break
-        relay.finish()
+        pump.streams += 1
+        try:
+            raw = response.raw_socket() if pump.takes() else None
+            if raw is None:
+                await relay.read(response)
+            elif not relay.step(response, None):
+                # What came with the head went first; then the pump's reads, each
+                # handed on as it comes, the end included, and this task woken once,
+                # after it.
+                await pump.wait(raw, partial(relay.step, response, raw))
+        finally:
+            pump.streams -= 1
     if checker is not None and checker.finished and not response.finish_later():
         await _drain(response, limits)
 
@@ -259,6 +263,13 @@ class _Pieces:
             self.checker.close()
         tap = self.tap
         self.send(m.response_end(self.req_id, tap.usage if tap else None))
+
+    async def read(self, response: EngineResponse) -> None:
+        """Read and relay the body, and its end, in this task."""
+        while piece := await response.receive():
+            if self.take(piece):
+                break
+        self.finish()
 
     def step(self, response: EngineResponse, raw: socket.socket | None) -> bool:
         """One read of `response` (none with `raw` None: what it holds), relayed (a

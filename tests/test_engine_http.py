@@ -153,7 +153,7 @@ def pumped(request: pytest.FixtureRequest) -> Iterator[bool]:
 def pool(engine: Engine, read: float = 5.0) -> EnginePool:
     p = EnginePool(f"http://127.0.0.1:{engine.port}", EngineTimeouts(2.0, read), 8)
     if _PUMPED:
-        p.pump = engine_http.ReadPump()
+        p.pump = engine_http.ReadPump(lone=True)
         trio.lowlevel.spawn_system_task(p.pump.run)
     return p
 
@@ -1138,6 +1138,7 @@ async def test_a_stream_the_pump_reads_when_the_pump_stops_breaks_off(
         nursery.start_soon(pump)
         await trio.sleep(0.05)
         assert p.pump is not None
+        p.pump.lone = True
         sent: list[dict] = []
         nursery.start_soon(forward, p, request(stream=True), sent.append)
         await trio.sleep(0.1)
@@ -1149,3 +1150,41 @@ async def test_a_stream_the_pump_reads_when_the_pump_stops_breaks_off(
         assert "engine reader stopped" in sent[0]["message"]
         later = await run(p, request(stream=True, req_id=2))
         assert [f["type"] for f in later][-1] == m.RESPONSE_END
+
+
+async def test_a_lone_stream_reads_for_itself_and_concurrent_ones_join_the_pump(
+    serve: Callable, pumped: bool
+) -> None:
+    """Streams are read by the pump where there are several at once; one alone is read
+    by its own task (the pump would cost it a registration and a wake-up more). Both
+    relay the same frames."""
+    if pumped:
+        return  # this test runs a pool's pump of its own
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    head += b"transfer-encoding: chunked\r\n\r\n"
+    event = b'data: {"a":1}\n\ndata: [DONE]\n\n'
+    go = trio.Event()
+
+    async def held(conn: Conn) -> None:
+        buf = bytearray()
+        while await read_request(conn, buf):
+            await conn.send_all(head)
+            await go.wait()
+            await conn.send_all(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
+
+    engine = await serve(held)
+    async with pool(engine) as p, trio.open_nursery() as nursery:
+        p.pump = engine_http.ReadPump()
+        trio.lowlevel.spawn_system_task(p.pump.run)
+        sent: list[list[dict]] = [[], []]
+        nursery.start_soon(forward, p, request(stream=True), sent[0].append)
+        await trio.sleep(0.1)
+        assert p.pump.streams == 1 and not p.pump._waits  # alone: its own reads
+        nursery.start_soon(forward, p, request(stream=True, req_id=2), sent[1].append)
+        await trio.sleep(0.1)
+        assert p.pump.streams == 2 and len(p.pump._waits) == 1  # the second: the pump's
+        go.set()
+    assert p.pump.streams == 0 and not p.pump._waits
+    for frames in sent:
+        assert [f["type"] for f in frames] == [m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END]
+        assert frames[1]["data"] == event
