@@ -45,6 +45,13 @@ import trio
 from protocol.sockets import readable_now, receive_when_ready, send_at_once, stdlib_socket
 
 RECEIVE_BYTES = 64 * 1024
+# After a wake-up that found several streams with bytes, the pump reads again this much
+# later at the soonest, so that what their engines write meanwhile leaves in one frame
+# and one write: read as soon as it came, each stream's bytes went in more, smaller
+# frames, which cost both daemons (`bench.stream_relay --tokens 512 --concurrency 8`:
+# router 5.55 → 3.26, agent 9.75 → 5.92 ms CPU per stream). An event that comes in this
+# time waits for its end, 0.2 ms at most; a stream read alone never waits.
+PUMP_PACE = 0.0002
 # An engine's head is a few hundred bytes; h11 (httpx) refused any over 16 KiB. A
 # head still unfinished after this much is not an answer.
 MAX_HEAD_BYTES = 64 * 1024
@@ -764,7 +771,8 @@ class ReadPump:
     Here a socket is registered once per wait, in an epoll set of the pump's own that
     trio watches as one descriptor, and each wake-up reads every socket that has
     bytes, handing them on at once (`wait`'s `step`); the task that waits is woken
-    only when its step is done: an answer's head read, a whole body, a stream's end.
+    only when its step is done (a stream's end). After a wake-up that read several
+    sockets it waits `PUMP_PACE` before it reads again.
     """
 
     def __init__(self, lone: bool = False) -> None:
@@ -779,10 +787,13 @@ class ReadPump:
         epoll, waits = self._epoll, self._waits
         while True:
             await trio.lowlevel.wait_readable(epoll)
-            for fd, _ in epoll.poll(0):
+            ready = epoll.poll(0)
+            for fd, _ in ready:
                 wait = waits.get(fd)
                 if wait is not None:
                     wait.ready()
+            if len(ready) > 1:
+                await trio.sleep(PUMP_PACE)
 
     def takes(self) -> bool:
         """Whether a stream starting now (counted in `streams`) is read here. A stream
