@@ -123,6 +123,7 @@ class AgentDaemon:
             engine = EnginePool(ep.backend_url, timeouts, s.capacity)
             engine.kind = s.engine
             nursery.start_soon(engine.tidy)
+            nursery.start_soon(engine.run_pump)
             if not self.model:
                 self.model = await self._discover(probe, ep)
             await self._probe_health(probe, ep)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import logging
+import socket
 from collections.abc import Callable
+from functools import partial
 
 import trio
 
@@ -96,7 +98,7 @@ async def _forward(
                 msg["method"], msg["path"], headers, tap.body if tap else msg["body"], limits
             )
             span.set("http.response.status_code", response.status)
-            await _relay(response, msg, tap, send, limits, whole, missing)
+            await _relay(engine, response, msg, tap, send, limits, whole, missing)
         except trio.Cancelled as exc:
             expired = limits.expired()
             if expired is None:
@@ -124,6 +126,7 @@ async def _forward(
 
 
 async def _relay(
+    engine: EnginePool,
     response: EngineResponse,
     msg: dict,
     tap: UsageTap | None,
@@ -178,35 +181,108 @@ async def _relay(
     # The head waits for the first checked event: until it leaves, the router may
     # still try another agent.
     # Usage is read by the check's parse, so not from an unchecked stream (usage.py).
-    checker = (
-        SSEChecker(tap.of_event if tap else None) if ok and encoding in ("", "identity") else None
-    )
-    head: dict | None = m.response_head(req_id, status, headers)
+    checker = None
+    if ok and encoding in ("", "identity"):
+        checker = SSEChecker(tap.of_event, tap.of_data) if tap else SSEChecker()
+    relay = _Pieces(req_id, send, limits, checker, tap, m.response_head(req_id, status, headers))
     if checker is None:
-        send(head)
-        head = None
+        relay.send_head()
     # Each piece is all that one socket read brought, however many chunks and events it
     # held, so events that arrive together leave in one frame.
     limits.stream()
-    while piece := await response.receive():
-        limits.arrived()
-        if checker is not None:
-            piece = checker.feed(piece)
-            if not piece:
-                continue
-            if head is not None:
-                send(head)
-                head = None
-        send(m.response_chunk(req_id, piece))
-        if checker is not None and checker.finished:
-            # The last event and the end leave in one write: an SDK leaves at
-            # `[DONE]`, and the router must have the end (and the usage) by then.
-            break
-    if checker is not None:
-        checker.close()
-    send(m.response_end(req_id, tap.usage if tap else None))
+    pump = engine.pump
+    if pump is None:
+        await relay.read(response)
+    else:
+        pump.streams += 1
+        try:
+            raw = response.raw_socket() if pump.takes() else None
+            if raw is None:
+                await relay.read(response)
+            elif not relay.step(response, None):
+                # What came with the head went first; then the pump's reads, each
+                # handed on as it comes, the end included, and this task woken once,
+                # after it.
+                await pump.wait(raw, partial(relay.step, response, raw))
+        finally:
+            pump.streams -= 1
     if checker is not None and checker.finished and not response.finish_later():
         await _drain(response, limits)
+
+
+class _Pieces:
+    """Relays a streamed body piece by piece, checked when `checker` is given, and its
+    end, with the usage `tap` read."""
+
+    __slots__ = ("checker", "head", "limits", "req_id", "send", "tap")
+
+    def __init__(
+        self,
+        req_id: int,
+        send: Callable[[dict], None],
+        limits: ReadLimits,
+        checker: SSEChecker | None,
+        tap: UsageTap | None,
+        head: dict,
+    ) -> None:
+        self.req_id = req_id
+        self.send = send
+        self.limits = limits
+        self.checker = checker
+        self.tap = tap
+        # The head waits for the first checked event: until it leaves, the router may
+        # still try another agent.
+        self.head: dict | None = head
+
+    def send_head(self) -> None:
+        if self.head is not None:
+            self.send(self.head)
+            self.head = None
+
+    def take(self, piece: bytes) -> bool:
+        """Relay one piece; True at the answer's last event, whose frame the end
+        follows in the same write: an SDK leaves at `[DONE]`, and the router must have
+        the end (and the usage) by then."""
+        self.limits.arrived()
+        checker = self.checker
+        if checker is None:
+            self.send(m.response_chunk(self.req_id, piece))
+            return False
+        piece = checker.feed(piece)
+        if not piece:
+            return False
+        if self.head is not None:
+            self.send_head()
+        self.send(m.response_chunk(self.req_id, piece))
+        return checker.finished
+
+    def finish(self) -> None:
+        """The body ended, or its last event left: the check's verdict on the whole
+        stream, then the end (in the same write as the last event)."""
+        if self.checker is not None:
+            self.checker.close()
+        tap = self.tap
+        self.send(m.response_end(self.req_id, tap.usage if tap else None))
+
+    async def read(self, response: EngineResponse) -> None:
+        """Read and relay the body, and its end, in this task."""
+        while piece := await response.receive():
+            if self.take(piece):
+                break
+        self.finish()
+
+    def step(self, response: EngineResponse, raw: socket.socket | None) -> bool:
+        """One read of `response` (none with `raw` None: what it holds), relayed (a
+        `ReadPump` step); True once the end has been sent."""
+        piece = response.read_now(raw)
+        while piece:
+            if self.take(piece):
+                break
+            piece = response.read_now(None)
+        if piece is None:
+            return False
+        self.finish()
+        return True
 
 
 async def _drain(response: EngineResponse, limits: ReadLimits) -> None:

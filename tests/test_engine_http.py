@@ -17,7 +17,7 @@ import os
 import socket
 import ssl
 import struct
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from functools import partial
 from pathlib import Path
 
@@ -136,8 +136,26 @@ async def serve(nursery: trio.Nursery) -> AsyncIterator[Callable[[Handler], Awai
     yield start
 
 
+# Set while a test runs with a ReadPump reading its streams (`pumped`).
+_PUMPED: list[bool] = []
+
+
+@pytest.fixture(autouse=True, params=[False, True], ids=["own-reads", "pumped"])
+def pumped(request: pytest.FixtureRequest) -> Iterator[bool]:
+    """Every test here runs twice: streamed bodies read by their own tasks, and by a
+    ReadPump, as the agent daemon has them read (agent/app.py)."""
+    if request.param:
+        _PUMPED.append(True)
+    yield request.param
+    _PUMPED.clear()
+
+
 def pool(engine: Engine, read: float = 5.0) -> EnginePool:
-    return EnginePool(f"http://127.0.0.1:{engine.port}", EngineTimeouts(2.0, read), 8)
+    p = EnginePool(f"http://127.0.0.1:{engine.port}", EngineTimeouts(2.0, read), 8)
+    if _PUMPED:
+        p.pump = engine_http.ReadPump(lone=True)
+        trio.lowlevel.spawn_system_task(p.pump.run)
+    return p
 
 
 def request(stream: bool = False, req_id: int = 1, **headers: str) -> dict:
@@ -1092,3 +1110,81 @@ async def test_a_metrics_page_too_large_or_decoding_too_large_fails_the_scrape(
             await page.text()
     finally:
         page.close()
+
+
+async def test_a_stream_the_pump_reads_when_the_pump_stops_breaks_off(
+    serve: Callable, pumped: bool
+) -> None:
+    """The agent's engine reader stopping (the daemon ending) ends each stream it was
+    reading as broken off, and a stream that comes later reads for itself."""
+    if pumped:
+        return  # this test runs the pool's own pump
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    head += b"transfer-encoding: chunked\r\n\r\n"
+    event = b'data: {"a":1}\n\ndata: [DONE]\n\n'
+    whole = head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event)
+
+    async def first_silent(conn: Conn) -> None:
+        await answering(head if conn.engine.connections == 1 else whole)(conn)
+
+    engine = await serve(first_silent)
+    async with pool(engine) as p, trio.open_nursery() as nursery:
+        pump_scope = trio.CancelScope()
+
+        async def pump() -> None:
+            with pump_scope:
+                await p.run_pump()
+
+        nursery.start_soon(pump)
+        await trio.sleep(0.05)
+        assert p.pump is not None
+        p.pump.lone = True
+        sent: list[dict] = []
+        nursery.start_soon(forward, p, request(stream=True), sent.append)
+        await trio.sleep(0.1)
+        assert sent == []  # no event yet: the stream waits in the pump
+        pump_scope.cancel()
+        await trio.sleep(0.05)
+        assert p.pump is None
+        assert only_error(sent)["code"] == "backend_error"
+        assert "engine reader stopped" in sent[0]["message"]
+        later = await run(p, request(stream=True, req_id=2))
+        assert [f["type"] for f in later][-1] == m.RESPONSE_END
+
+
+async def test_a_lone_stream_reads_for_itself_and_concurrent_ones_join_the_pump(
+    serve: Callable, pumped: bool
+) -> None:
+    """Streams are read by the pump where there are several at once; one alone is read
+    by its own task (the pump would cost it a registration and a wake-up more). Both
+    relay the same frames."""
+    if pumped:
+        return  # this test runs a pool's pump of its own
+    head = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\n"
+    head += b"transfer-encoding: chunked\r\n\r\n"
+    event = b'data: {"a":1}\n\ndata: [DONE]\n\n'
+    go = trio.Event()
+
+    async def held(conn: Conn) -> None:
+        buf = bytearray()
+        while await read_request(conn, buf):
+            await conn.send_all(head)
+            await go.wait()
+            await conn.send_all(b"%x\r\n%s\r\n0\r\n\r\n" % (len(event), event))
+
+    engine = await serve(held)
+    async with pool(engine) as p, trio.open_nursery() as nursery:
+        p.pump = engine_http.ReadPump()
+        trio.lowlevel.spawn_system_task(p.pump.run)
+        sent: list[list[dict]] = [[], []]
+        nursery.start_soon(forward, p, request(stream=True), sent[0].append)
+        await trio.sleep(0.1)
+        assert p.pump.streams == 1 and not p.pump._waits  # alone: its own reads
+        nursery.start_soon(forward, p, request(stream=True, req_id=2), sent[1].append)
+        await trio.sleep(0.1)
+        assert p.pump.streams == 2 and len(p.pump._waits) == 1  # the second: the pump's
+        go.set()
+    assert p.pump.streams == 0 and not p.pump._waits
+    for frames in sent:
+        assert [f["type"] for f in frames] == [m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END]
+        assert frames[1]["data"] == event
