@@ -39,6 +39,7 @@ GEN = generator()
 # Flags of other programs the pages run (systemd, useradd, apt, podman, the engines).
 OTHER_TOOLS = {
     "--no-pager": "systemctl, journalctl",
+    "--gil": "py-spy record",
     "--now": "systemctl enable",
     "--unit": "systemd-run",
     "--grep": "journalctl",
