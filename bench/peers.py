@@ -474,7 +474,7 @@ def report(
         )
     if checks := issue_checks(rounds):
         print()
-        print("Issue 26's targets, each a ratio within one round:")
+        print("Issue 51's targets (and issue 26's beside them), each a ratio within one round:")
         for check in checks:
             print(check.line())
 

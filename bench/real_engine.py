@@ -118,6 +118,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--router-cpus", default="", help="e.g. 1: the router's and agent's")
     parser.add_argument("--client-cpus", default="", help="the load's (default: --router-cpus)")
+    parser.add_argument("--policy-file", help="the router's policy (e.g. stream_continuation)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -128,7 +129,8 @@ def main() -> None:
     procs = Procs()
     try:
         http, metrics, p2p = free_port(), free_port(), free_port()
-        router, addr = procs.router(http, metrics, p2p)
+        policy = ("--policy-file", args.policy_file) if args.policy_file else ()
+        router, addr = procs.router(http, metrics, p2p, *policy)
         agent = procs.agent(addr, args.model, args.engine_url)
         if router_cpus:
             for proc in (router, agent):
