@@ -592,12 +592,17 @@ class EngineResponse:
             data = await self._read(wait_first)
             wait_first = True
             if not data:
-                if self._close_delimited():
-                    self._complete = True
-                    self._keep_alive = False
-                    return b""
-                raise EngineBrokeOff("engine closed the connection inside the answer")
+                return self._closed_by_engine()
             self._feed(data)
+
+    def _closed_by_engine(self) -> bytes:
+        """The engine closed the connection: the end of an answer it delimits so (b""),
+        else EngineBrokeOff."""
+        if self._close_delimited():
+            self._complete = True
+            self._keep_alive = False
+            return b""
+        raise EngineBrokeOff("engine closed the connection inside the answer")
 
     async def read_all(self, limit: int, limits: ReadLimits | None = None) -> bytes:
         """The whole body, within one read timeout; EngineBrokeOff past `limit` bytes.
@@ -730,11 +735,7 @@ class EngineResponse:
             except OSError as exc:
                 raise EngineBrokeOff(f"engine connection failed: {_why(exc)}") from None
             if not data:
-                if self._close_delimited():
-                    self._complete = True
-                    self._keep_alive = False
-                    return b""
-                raise EngineBrokeOff("engine closed the connection inside the answer")
+                return self._closed_by_engine()
             self._feed(data)
             if not self._body:
                 return self.read_now(None)

@@ -17,28 +17,13 @@ from router import metrics_page
 from router.agent_metrics import AgentCollector
 from router.lean_metrics import LeanHistogram
 from router.metrics_page import PREPARED
-from router.peers import AgentMetadata, Peer, PeerTable
+from tests.peer_tables import many_agents
 
 AGENTS = 300
 
 
 def _fleet() -> tuple[CollectorRegistry, AgentCollector]:
-    async def send(msg: dict) -> None:
-        pass
-
-    table = PeerTable()
-    for i in range(AGENTS):
-        table.add(
-            Peer(
-                peer_id=f"12D3KooWPeer{i:04d}",
-                metadata=AgentMetadata(
-                    model=f"m{i % 7}", capability="llm", engine="sim", capacity=4
-                ),
-                send=send,
-                connected_at=0.0,
-                last_seen=0.0,
-            )
-        )
+    table = many_agents(AGENTS)
     registry = CollectorRegistry()
     collector = AgentCollector(table, registry)
     counter = Counter("hivenet_router_x_total", "a counter", ["model"], registry=registry)

@@ -11,28 +11,14 @@ import trio.testing
 
 from router import metrics_page
 from router.http import admin
-from router.peers import AgentMetadata, Peer, PeerTable
+from router.peers import PeerTable
+from tests.peer_tables import many_agents
 
 AGENTS = 300
 
 
 def _table() -> PeerTable:
-    async def send(msg: dict) -> None:
-        pass
-
-    table = PeerTable()
-    for i in range(AGENTS):
-        table.add(
-            Peer(
-                peer_id=f"12D3KooWPeer{i:04d}",
-                metadata=AgentMetadata(
-                    model=f"m{i % 7}", capability="llm", engine="sim", capacity=4
-                ),
-                send=send,
-                connected_at=0.0,
-                last_seen=0.0,
-            )
-        )
+    table = many_agents(AGENTS)
     return table
 
 
