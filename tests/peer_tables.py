@@ -1,9 +1,17 @@
-"""A routing core's peer table of many agents, built in-process (no link): for tests of
-what the router does per agent (its pages, its metrics) at fleet size."""
+"""A routing core's peer table of many agents, built in-process (no link), and a count of
+the loop turns a page's building leaves to other tasks: for tests of what the router
+does per agent (its pages, its metrics) at fleet size."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
+
+import trio
+
 from router.peers import AgentMetadata, Peer, PeerTable
+
+T = TypeVar("T")
 
 
 def many_agents(count: int) -> PeerTable:
@@ -26,3 +34,24 @@ def many_agents(count: int) -> PeerTable:
             )
         )
     return table
+
+
+async def turns_during(work: Callable[[], Awaitable[T]]) -> tuple[T, int]:
+    """`work()`'s result, and how many times another task ran while it did: a page built
+    in steps lets it run between them; one built in a single turn, not at all."""
+    turns = 0
+    done = False
+
+    async def other() -> None:
+        nonlocal turns
+        while not done:
+            turns += 1
+            await trio.lowlevel.checkpoint()
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(other)
+        await trio.lowlevel.checkpoint()
+        before = turns
+        result = await work()
+        done = True
+    return result, turns - before

@@ -17,7 +17,7 @@ from router import metrics_page
 from router.agent_metrics import AgentCollector
 from router.lean_metrics import LeanHistogram
 from router.metrics_page import PREPARED
-from tests.peer_tables import many_agents
+from tests.peer_tables import many_agents, turns_during
 
 AGENTS = 300
 
@@ -87,27 +87,12 @@ def test_other_tasks_run_while_a_large_page_is_built(monkeypatch: pytest.MonkeyP
     registry, collector = _fleet()
     page = metrics_page.metrics_page(registry, collector)
     monkeypatch.setattr(metrics_page, "STEP_SECONDS", 0.0)  # a checkpoint at every step
-    turns = 0
 
     async def main() -> None:
-        nonlocal turns
-        done = False
-
-        async def other() -> None:
-            nonlocal turns
-            while not done:
-                turns += 1
-                await trio.lowlevel.checkpoint()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(other)
-            await trio.lowlevel.checkpoint()
-            before = turns
-            _, body = await _get(page, [])
-            done = True
+        (_, body), turns = await turns_during(lambda: _get(page, []))
         assert _steady(body) == _steady(generate_latest(registry))
         # One turn at least per agent built and per slice formatted.
-        assert turns - before >= AGENTS
+        assert turns >= AGENTS
 
     trio.run(main)
 

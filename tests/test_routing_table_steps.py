@@ -12,7 +12,7 @@ import trio.testing
 from router import metrics_page
 from router.http import admin
 from router.peers import PeerTable
-from tests.peer_tables import many_agents
+from tests.peer_tables import many_agents, turns_during
 
 AGENTS = 300
 
@@ -26,26 +26,11 @@ def test_the_stepped_table_is_the_whole_tables_json(monkeypatch: pytest.MonkeyPa
     table = _table()
     monkeypatch.setattr(metrics_page, "STEP_SECONDS", 0.0)  # a checkpoint at every agent
     monkeypatch.setattr(admin.time, "time", lambda: 1_700_000_000.0)  # wall-clock fields
-    turns = 0
 
     async def main() -> tuple[bytes, bytes]:
-        nonlocal turns
-        done = False
-
-        async def other() -> None:
-            nonlocal turns
-            while not done:
-                turns += 1
-                await trio.lowlevel.checkpoint()
-
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(other)
-            await trio.lowlevel.checkpoint()
-            whole = json.dumps(admin.routing_table(table), separators=(",", ":")).encode()
-            before = turns
-            stepped = await admin.routing_table_json(table)
-            done = True
-        assert turns - before >= AGENTS - 1  # the other task ran between the agents
+        whole = json.dumps(admin.routing_table(table), separators=(",", ":")).encode()
+        stepped, turns = await turns_during(lambda: admin.routing_table_json(table))
+        assert turns >= AGENTS - 1  # the other task ran between the agents
         return whole, stepped
 
     whole, stepped = trio.run(main, clock=trio.testing.MockClock())  # time stands still
