@@ -144,7 +144,7 @@ class StreamContinuer:
         try:
             served = await self.dispatcher.continuation(ask)
             if served is None:
-                return
+                raise RouterError(ErrorCode.BACKEND_ERROR, "no agent's engine could count it")
             response = served.response
             assert isinstance(response, AgentResponse)
             try:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import signal
 from collections.abc import Awaitable, Callable
+from contextlib import ExitStack
 from functools import partial
 
 import anthropic
@@ -19,7 +20,7 @@ import httpx
 import openai
 import trio
 
-from tests.fleet import Fleet, Router, wait_until
+from tests.fleet import Fleet, Router, sim_process, wait_until
 from tests.test_stream_continuation import read_chat_stream
 
 WORDS = [f"w{i}" for i in range(30)]
@@ -154,3 +155,33 @@ async def test_a_continued_messages_stream_counts_tokens_by_the_engines_tokenize
     # max_tokens 20 holds: 12 sent (4 events), 8 more, not 16.
     assert out[20] == (_answer(20), "max_tokens", 30, 20), out[20]
     assert f"sent_tokens={STALL} " in router.log()
+
+
+async def test_a_tokenizer_that_fails_leaves_the_event_count(fleet: Fleet) -> None:
+    """No engine of the model has `/tokenize` (each answers its 404): the stream is
+    still continued, counted one token per event as before, and the log says so."""
+    router = fleet.router()
+    out: dict = {}
+    with ExitStack() as engines:
+        urls = [
+            engines.enter_context(sim_process("--model", "m1", "--missing-route", "/tokenize"))
+            for _ in range(3)
+        ]
+        first = fleet.agent(router, "m1", "--backend-url", urls[0], engine="vllm")
+        state = {"tokens_per_event": PER_EVENT}
+        for url, extra in ((urls[0], {"stall_after_tokens": STALL}), (urls[1], {})):
+            await trio.to_thread.run_sync(
+                lambda u=url, e=extra: httpx.post(u + "/sim/state", json={**state, **e})
+            )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_messages, router, 20, out)
+            held = lambda: httpx.get(urls[0] + "/sim/state").json()["in_flight"] == 1  # noqa: E731
+            await trio.to_thread.run_sync(lambda: wait_until(held, 15, "the held stream"))
+            await trio.to_thread.run_sync(
+                lambda: fleet.agent(router, "m1", "--backend-url", urls[1], engine="vllm")
+            )
+            await trio.to_thread.run_sync(lambda: first.stop(signal.SIGKILL))
+    # 12 tokens sent in 4 events, counted as 4: the continuation may write 16 more.
+    assert out[20] == (_answer(28), "max_tokens", 30, 20), out[20]
+    assert "stream_tokens_uncounted" in router.log()
+    assert "stream_continued" in router.log()
