@@ -137,9 +137,14 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Fleet, Rou
 
 
 def wait(driver: Any, condition: Any, timeout: float = 20) -> Any:
+    from selenium.common.exceptions import StaleElementReferenceException
     from selenium.webdriver.support.ui import WebDriverWait
 
-    return WebDriverWait(driver, timeout, poll_frequency=0.1).until(condition)
+    # The console re-renders its tables on each poll: an element read in the middle of
+    # that is stale, and the condition is asked again (it failed 2 full runs in ~5).
+    ignored = [StaleElementReferenceException]
+    waiting = WebDriverWait(driver, timeout, poll_frequency=0.1, ignored_exceptions=ignored)
+    return waiting.until(condition)
 
 
 def by_id(driver: Any, name: str) -> Any:
