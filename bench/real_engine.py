@@ -2,7 +2,7 @@
 vLLM and through a router and one agent in front of it, in one run.
 
     python -m bench.real_engine --engine-url http://127.0.0.1:8000 --model tiny \\
-        [--concurrency 1,16,64] [--duration 20] [--tokens 128]
+        [--concurrency 1,16,64] [--duration 20] [--tokens 128] [--staggered]
 
 Each of `concurrency` clients sends greedy streams of `--tokens` output tokens
 (`ignore_eos`, so every answer has the same length) with `include_usage`, one after
@@ -10,7 +10,13 @@ another, for `--duration` seconds. Reported per level: output tokens per second 
 the engine's usage chunks) direct and routed and their ratio, and the time to the first
 content token, p50 and p99, direct and routed and the difference. Direct and routed
 levels alternate, so a machine that slows down mid-run affects both alike; `--rounds N`
-runs every level N times over and reports each cell's median round.
+runs every level N times over and reports each cell's median round. Clients start
+together (every answer has the same length, so they stay in step: their requests reach
+the engine in one burst), or with `--staggered` spread over one stream's length, as
+independent users' requests arrive. `--think S`: each client pauses a random time
+between its streams (exponential, mean S seconds; the same pauses direct and routed),
+so that a request does not leave the instant the engine's step that ended the last
+one does.
 
 `--router-cpus 1` runs the router and the agent on those CPUs only, and the load
 generator too (`--client-cpus`, the same by default): with the engine started on the
@@ -26,6 +32,7 @@ import argparse
 import json
 import os
 import platform
+import random
 import statistics
 import subprocess
 import time
@@ -76,7 +83,15 @@ async def one_stream(client: httpx.AsyncClient, url: str, body: dict, run: Run) 
         run.ttft.append(first)
 
 
-async def load(base: str, model: str, concurrency: int, duration: float, tokens: int) -> Run:
+async def load(
+    base: str,
+    model: str,
+    concurrency: int,
+    duration: float,
+    tokens: int,
+    staggered: bool = False,
+    think: float = 0.0,
+) -> Run:
     body = {
         "model": model,
         "messages": [{"role": "user", "content": "hello there"}],
@@ -91,19 +106,30 @@ async def load(base: str, model: str, concurrency: int, duration: float, tokens:
     limits = httpx.Limits(max_connections=concurrency + 4)
     async with httpx.AsyncClient(timeout=120, limits=limits) as client:
         # Warm-up: connections open, the engine's first requests done.
+        warm = time.perf_counter()
         async with trio.open_nursery() as nursery:
             for _ in range(concurrency):
                 nursery.start_soon(one_stream, client, url, body, Run())
-        started = time.perf_counter()
+        # Staggered: client i starts i/N of a stream's length late, so that streams
+        # begin and end spread over time as independent users' do, not all in one
+        # engine step (every answer has the same length: clients that start together
+        # stay together). The count starts once every client runs.
+        ramp = (time.perf_counter() - warm) if staggered else 0.0
+        started = time.perf_counter() + ramp
         deadline = started + duration
 
-        async def worker() -> None:
+        # The same pauses for direct and routed: one seeded sequence per client.
+        async def worker(offset: float, pauses: random.Random) -> None:
+            await trio.sleep(offset)
             while time.perf_counter() < deadline:
-                await one_stream(client, url, body, run)
+                mine = run if time.perf_counter() >= started else Run()
+                await one_stream(client, url, body, mine)
+                if think:
+                    await trio.sleep(pauses.expovariate(1 / think))
 
         async with trio.open_nursery() as nursery:
-            for _ in range(concurrency):
-                nursery.start_soon(worker)
+            for i in range(concurrency):
+                nursery.start_soon(worker, ramp * i / concurrency, random.Random(i))
         run.elapsed = time.perf_counter() - started
     return run
 
@@ -119,6 +145,17 @@ def main() -> None:
     parser.add_argument("--router-cpus", default="", help="e.g. 1: the router's and agent's")
     parser.add_argument("--client-cpus", default="", help="the load's (default: --router-cpus)")
     parser.add_argument("--policy-file", help="the router's policy (e.g. stream_continuation)")
+    parser.add_argument(
+        "--staggered",
+        action="store_true",
+        help="clients start spread over a stream's length, not together",
+    )
+    parser.add_argument(
+        "--think",
+        type=float,
+        default=0.0,
+        help="mean seconds a client pauses between its streams (exponential; 0: none)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
@@ -140,8 +177,9 @@ def main() -> None:
         runs: dict[int, list[tuple[Run, Run]]] = {level: [] for level in levels}
         for _ in range(args.rounds):
             for level in levels:
-                d = trio.run(load, args.engine_url, args.model, level, args.duration, args.tokens)
-                r = trio.run(load, routed_url, args.model, level, args.duration, args.tokens)
+                for_level = (level, args.duration, args.tokens, args.staggered, args.think)
+                d = trio.run(load, args.engine_url, args.model, *for_level)
+                r = trio.run(load, routed_url, args.model, *for_level)
                 runs[level].append((d, r))
     finally:
         procs.close()
@@ -189,7 +227,9 @@ def report(rows: list[tuple[int, Run, Run]], args: argparse.Namespace) -> None:
     print(
         f"# {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, build {commit}, "
         f"{platform.processor() or platform.machine()}, {args.tokens} tokens a stream, "
-        f"{args.duration:g} s a level, median of {args.rounds} round(s), router and agent"
+        f"{args.duration:g} s a level, median of {args.rounds} round(s),"
+        f" {'staggered' if args.staggered else 'lockstep'} clients, think {args.think:g} s,"
+        " router and agent"
         f" on CPUs {args.router_cpus or 'all'}, load on {load_cpus}"
     )
     print(

@@ -533,3 +533,13 @@ def test_the_real_engine_benchmark_runs(vllm_url: str) -> None:
     for row in rows:
         assert row["errors"] == 0, row
         assert row["direct_tokens_per_s"] > 0 and row["routed_tokens_per_s"] > 0, row
+    # The page's other arrivals: clients spread over a stream's length, with pauses.
+    argv[argv.index("--rounds") + 1] = "1"
+    done = subprocess.run(
+        [*argv, "--staggered", "--think", "0.02"], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    for row in json.loads(done.stdout):
+        assert row["errors"] == 0, row
+        assert row["direct_tokens_per_s"] > 0 and row["routed_tokens_per_s"] > 0, row
+        assert all(ms > 0 for ms in row["ttft_ms"]["p50"]), row
