@@ -408,9 +408,11 @@ class Left:
 
 
 def _leave(base: str, vllm_url: str) -> Left:
-    """A stream of 960 tokens left after its first chunk. On an idle machine the tiny
-    model can finish before the gauge is read: up to three tries for one that is still
-    running then."""
+    """A stream of 960 tokens left after its first chunk: up to three tries for one
+    whose engine still runs when its first chunk has come. A routed try's first chunk
+    has come only at the answer's end (2.5 to 2.9 s) in four tries, in two runs of
+    about twenty, all three tries of one: a defect whose cause is not found yet
+    (docs/known-limits.md); the test fails when every try meets it."""
     for _ in range(3):
         found = _leave_once(base, vllm_url)
         if found.running == 1:
@@ -442,6 +444,22 @@ def _leave_once(base: str, vllm_url: str) -> Left:
     return Left(running, stopped, tokens, left - sent, request_id)
 
 
+def _long_turns(router: Router) -> dict[str, float]:
+    """How many turns of the router's event loop ran past 0.25 s and 1 s (wall clock,
+    its own histogram): for a failure's message, a loop held up shows there."""
+    counts: dict[str, float] = {}
+    for line in router.metrics().splitlines():
+        if line.startswith("hivenet_router_event_loop_lag_seconds_"):
+            name, _, value = line.rpartition(" ")
+            counts[name.partition("_seconds_")[2]] = float(value)
+    total = counts.get("count", 0.0)
+    return {
+        "turns": total,
+        "over_0.25s": total - counts.get('bucket{le="0.25"}', total),
+        "over_1s": total - counts.get('bucket{le="1.0"}', total),
+    }
+
+
 def _finished_line(router: Router, request_id: str) -> str | None:
     """The router's line for the request's end (its status and duration)."""
     for line in router.log().splitlines():
@@ -462,7 +480,10 @@ def test_a_client_that_leaves_stops_the_generation(fleet: Fleet, vllm_url: str) 
     line = wait_until(lambda: _finished_line(router, routed.request_id), 5, "the request's end")
     assert " status=499 " in line, line
     duration = float(line.rpartition("duration_ms=")[2].split()[0]) / 1000
-    assert duration < routed.open_for + 0.5, (line, routed)
+    assert duration < routed.open_for + 0.5, (line, routed, _long_turns(router))
+    # The first chunk came while the engine was still generating (twice the whole
+    # answer, 2.5 to 2.9 s, came first at its end: the failure this keeps in view).
+    assert routed.open_for < 1.0, (routed, _long_turns(router))
     # The agent's close of its engine call stopped the generation: vLLM's running
     # gauge fell to 0 within a second of the client's close (read every few tens of
     # milliseconds). vLLM's token counter is printed, not judged: for a client that
