@@ -474,7 +474,7 @@ def test_a_client_that_leaves_stops_the_generation(fleet: Fleet, vllm_url: str) 
     direct = _leave(vllm_url, vllm_url)
     routed = _leave(router.url, vllm_url)
     print(f"client left: direct {direct}, routed {routed}")
-    assert routed.running == 1
+    assert routed.running == 1, (routed, _long_turns(router))
     # The router saw the client leave and ended the request then (499), not at the
     # answer's end, 2 s later: its own part, read from its log.
     line = wait_until(lambda: _finished_line(router, routed.request_id), 5, "the request's end")
