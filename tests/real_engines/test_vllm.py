@@ -410,7 +410,7 @@ class Left:
 def _leave(base: str, vllm_url: str) -> Left:
     """A stream of 960 tokens left after its first chunk: up to three tries for one
     whose engine still runs when its first chunk has come. A routed try's first chunk
-    has come only at the answer's end (2.5 to 2.9 s) in four tries, in two runs of
+    has come only at the answer's end (2.4 to 2.9 s) in five tries, in three runs of
     about twenty, all three tries of one: a defect whose cause is not found yet
     (docs/known-limits.md); the test fails when every try meets it."""
     for _ in range(3):
