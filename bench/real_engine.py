@@ -2,7 +2,7 @@
 vLLM and through a router and one agent in front of it, in one run.
 
     python -m bench.real_engine --engine-url http://127.0.0.1:8000 --model tiny \\
-        [--concurrency 1,16,64] [--duration 20] [--tokens 128] [--staggered]
+        [--concurrency 1,16,64] [--duration 20] [--tokens 128] [--staggered] [--think S]
 
 Each of `concurrency` clients sends greedy streams of `--tokens` output tokens
 (`ignore_eos`, so every answer has the same length) with `include_usage`, one after

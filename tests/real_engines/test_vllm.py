@@ -481,8 +481,8 @@ def test_a_client_that_leaves_stops_the_generation(fleet: Fleet, vllm_url: str) 
     assert " status=499 " in line, line
     duration = float(line.rpartition("duration_ms=")[2].split()[0]) / 1000
     assert duration < routed.open_for + 0.5, (line, routed, _long_turns(router))
-    # The first chunk came while the engine was still generating (twice the whole
-    # answer, 2.5 to 2.9 s, came first at its end: the failure this keeps in view).
+    # The first chunk came while the engine was still generating, not at the answer's
+    # end (the stall `_leave` describes).
     assert routed.open_for < 1.0, (routed, _long_turns(router))
     # The agent's close of its engine call stopped the generation: vLLM's running
     # gauge fell to 0 within a second of the client's close (read every few tens of
