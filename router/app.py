@@ -455,16 +455,15 @@ class RouterDaemon:
         )
         # The API's listener closes after the drain delay; its connections stay up while
         # draining, so in-flight streams can finish. Metrics are served to the end. The
-        # workers of one host share the HTTP port (the metrics ports differ: port 0 never
-        # shares).
+        # workers of one host share the HTTP port, a socket each that their supervisor
+        # bound (the metrics ports differ).
         if api:
             self._api_server = server
-        reuse = self.settings.worker_count > 1 and addr == self.settings.http_addr
         await server.serve(
             addr,
             self._http_stop.wait,
             accept_until=self._accept_stop.wait if api else None,
-            reuse_port=reuse,
+            listen_fd=self.settings.listen_fd if api else None,
             task_status=task_status,
         )
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import socket
 import stat
 import sys
 import time
@@ -222,6 +223,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--worker-count", type=int, default=1, help=argparse.SUPPRESS)
     serve.add_argument("--supervisor-fd", type=int, default=None, help=argparse.SUPPRESS)
     serve.add_argument("--worker-wait-agents", action="store_true", help=argparse.SUPPRESS)
+    serve.add_argument("--listen-fd", type=int, default=None, help=argparse.SUPPRESS)
 
     check = sub.add_parser(
         "check-policy",
@@ -320,6 +322,7 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         worker_index=args.worker_index,
         worker_count=args.worker_count,
         supervisor_fd=args.supervisor_fd,
+        listen_fd=args.listen_fd,
         worker_wait_agents=args.worker_wait_agents,
     )
     if s.worker_count > 1:
@@ -393,6 +396,12 @@ def settings_from(args: argparse.Namespace) -> RouterSettings:
         )
     if s.supervisor_fd is not None and not _is_socket(s.supervisor_fd):
         raise ValueError(f"--supervisor-fd {s.supervisor_fd} is not an open socket")
+    if s.listen_fd is not None:
+        if not _is_socket(s.listen_fd):
+            raise ValueError(f"--listen-fd {s.listen_fd} is not an open socket")
+        # The port the supervisor bound (the first free one, for port 0).
+        with socket.socket(fileno=os.dup(s.listen_fd)) as sock:
+            s.http_addr = (s.http_addr[0], sock.getsockname()[1])
     return s
 
 
@@ -431,6 +440,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     import trio
 
     from router.app import RouterDaemon
+    from router.fleet.shared_port import bind_shared
     from router.fleet.workers import MAX_WORKERS, Supervisor
 
     if args.worker_count == 1:  # a --workers worker: its supervisor has said it
@@ -442,8 +452,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
             # Checked once here, so a bad flag exits 2 before any worker starts; the
             # identities are made here too, never by two workers at once.
             args.worker_count = args.workers
-            settings_from(args)
-            return trio.run(Supervisor(args.serve_argv, args.workers).run)
+            http_addr = settings_from(args).http_addr
+            try:
+                listeners = bind_shared(http_addr, args.workers)
+            except OSError as exc:  # a port in use may be free on the next start
+                where = "%s:%d" % http_addr  # noqa: UP031 (a tuple, whole)
+                print(f"hivenet-router: cannot listen on {where}: {exc}", file=sys.stderr)
+                return 1
+            return trio.run(Supervisor(args.serve_argv, listeners).run)
         settings = settings_from(args)
         daemon = RouterDaemon(settings)
     except Exception as exc:  # every startup problem ends here with its reason

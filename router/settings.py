@@ -133,6 +133,9 @@ class RouterSettings:
     worker_count: int = 1
     # A worker's end of the socket pair its supervisor holds (router/fleet/workers.py).
     supervisor_fd: int | None = None
+    # A worker's share of the HTTP port, a listening socket its supervisor bound and
+    # holds (router/fleet/shared_port.py).
+    listen_fd: int | None = None
     # A worker its supervisor started again: it opens the HTTP port once agents are back.
     worker_wait_agents: bool = False
     # HIVENET_ROUTER_ADMIT_FRACTION and HIVENET_ROUTER_ADMIT_PARK_TIMEOUT (admission B2).

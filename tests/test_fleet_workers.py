@@ -6,8 +6,11 @@ import json
 import os
 import re
 import signal
+import socket
+import stat
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -20,6 +23,7 @@ from agent.link import RouterConnection
 from agent.settings import AgentSettings
 from protocol.p2p import peer_id_of
 from router.cli import build_parser
+from router.fleet.shared_port import bind_shared
 from router.fleet.workers import Supervisor, worker_argv
 from tests.fleet import Fleet, Proc, Router, wait_until
 
@@ -88,6 +92,17 @@ def test_workers_out_of_range_exit_with_the_reason(fleet: Fleet) -> None:
     Proc.start(router)  # it never gets to router_ready
     assert router.popen is not None and router.popen.wait(20) == 2
     assert "--workers must be 1 to 64, got 0" in router.log()
+
+
+def test_a_port_in_use_stops_the_supervisor_before_any_worker_starts(fleet: Fleet) -> None:
+    router = fleet.router("--workers", "2", start=False)
+    with socket.socket() as taken:  # not SO_REUSEPORT: the workers' sockets cannot join it
+        taken.bind(("127.0.0.1", router.http_port))
+        taken.listen()
+        Proc.start(router)
+        assert router.popen is not None and router.popen.wait(20) == 1
+    assert f"cannot listen on 127.0.0.1:{router.http_port}: " in router.log()
+    assert "worker_started" not in router.log()
 
 
 class _Nursery:
@@ -185,21 +200,28 @@ class _SlowToStart:
 def test_a_stop_while_a_worker_is_being_started_reaches_that_worker(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    supervisor = Supervisor(["--http-port", ":0"], 2)
+    listeners = bind_shared(("127.0.0.1", 0), 2)
+    supervisor = Supervisor(["--http-port", ":0"], listeners)
     started: list[_SlowToStart] = []
+    passed: list[tuple[int, ...]] = []
 
-    async def open_process(argv: list[str], **kwargs: object) -> _SlowToStart:
+    async def open_process(argv: list[str], **kwargs: Any) -> _SlowToStart:
         if not started:
             # SIGTERM arrives while the first worker's process is being made (in a
             # thread, in trio): no worker has a process to pass it to yet.
             supervisor._on_signal(signal.SIGTERM)
+        # The socket the worker inherits is still open while it is being made.
+        passed.append(tuple(stat.S_ISSOCK(os.fstat(fd).st_mode) for fd in kwargs["pass_fds"]))
         started.append(_SlowToStart(1000 + len(started)))
         return started[-1]
 
     monkeypatch.setattr(trio.lowlevel, "open_process", open_process)
 
     assert trio.run(supervisor.run, clock=trio.testing.MockClock(autojump_threshold=0)) == 0
-    assert [p.signals for p in started] == [[signal.SIGTERM], [signal.SIGTERM]]
+    # The one being made gets the stop; the other, not started yet, is not started.
+    assert [p.signals for p in started] == [[signal.SIGTERM]]
+    assert passed == [(True, True)]
+    assert all(sock.fileno() == -1 for sock in listeners)  # the supervisor let go of them
 
 
 def _worker_pids(router: Router) -> dict[int, int]:
@@ -322,6 +344,7 @@ def test_sigusr2_restarts_the_workers_one_at_a_time_and_loses_no_request(fleet: 
     assert not any(_running(p) for p in before.values())
     log = router.log()
     assert log.count("worker_rolled index=") == 2 and "worker_exited" not in log
+    assert "workers_steering_failed" not in log
     # One at a time: worker 1 was told to drain only after worker 0's successor was ready.
     assert log.index("worker_rolled index=0") < log.index("worker_rolled index=1")
     failures = [r for r in results if r != (200, "ok")]

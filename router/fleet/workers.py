@@ -3,8 +3,10 @@
 One trio process uses one core, so a many-core host runs one router per core. Each
 worker is a whole router: its own libp2p port (`--p2p-port` + i, WebSocket ports too)
 and identity (`<identity-path>.worker<i>` for i > 0), its own metrics port
-(`--metrics-port` + i). They share the HTTP port through SO_REUSEPORT, where the
-kernel spreads new connections over them. Agents need only the first worker's
+(`--metrics-port` + i). They share the HTTP port: the supervisor binds one SO_REUSEPORT
+socket per worker and holds it, and steers new connections to the workers that serve
+(router/fleet/shared_port.py), so a worker being replaced resets no connection. Agents
+need only the first worker's
 address: its welcome names the others (`workers`), and the agent dials them too.
 
 What is per worker: the peer table's statistics, the capacity queue and the metrics,
@@ -34,6 +36,7 @@ import trio
 
 from protocol.logs import quote
 from protocol.p2p import load_or_create_identity, peer_id_of
+from router.fleet.shared_port import steer
 from router.settings import CONFIG_ERROR
 
 log = logging.getLogger("router")
@@ -74,6 +77,11 @@ def worker_argv(argv: list[str], index: int, count: int) -> list[str]:
     return [*out, "--workers", "1", "--worker-index", str(index), "--worker-count", str(count)]
 
 
+# A rolling restart steers new connections off a worker this long before it tells the
+# worker to close: a handshake the kernel began on its socket completes in a round trip,
+# and the worker accepts what is queued before it closes (what comes later still waits
+# for its successor, on the socket the supervisor holds).
+ROLL_SETTLE = 0.25
 # A rolling restart waits this long for each new worker to say it is ready before it
 # gives up on the rest (a worker that cannot start is restarted, as ever).
 READY_TIMEOUT = 60.0
@@ -83,7 +91,12 @@ READY_TIMEOUT = 60.0
 class Worker:
     index: int
     argv: list[str]
+    # Its share of the HTTP port, held by the supervisor across the worker's restarts;
+    # closed when the host stops.
+    listener: socket.socket | None = None
     process: Any = None
+    # open_process runs in a thread: the listener must stay open until it returns.
+    starting: bool = False
     starts: int = 0
     # The supervisor's end of the socket pair shared with the running process.
     line: Any = None
@@ -95,23 +108,35 @@ class Worker:
 
 
 class Supervisor:
-    def __init__(self, argv: list[str], count: int) -> None:
-        self.workers = [Worker(i, worker_argv(argv, i, count)) for i in range(count)]
+    def __init__(self, argv: list[str], listeners: list[socket.socket]) -> None:
+        """`listeners`: one per worker, from shared_port.bind_shared, in bind order."""
+        count = len(listeners)
+        self.workers = [
+            Worker(i, worker_argv(argv, i, count), listener) for i, listener in enumerate(listeners)
+        ]
         self.stopping = False
         self.rolling = False
         self.exit_code = 0
+        # The workers whose sockets get new connections: those that said they are
+        # ready and were not told to drain since.
+        self.serving: set[int] = set()
+        self.steering_failed = False
 
     def __repr__(self) -> str:
         alive = sum(1 for w in self.workers if w.process is not None)
         return f"<Supervisor {alive}/{len(self.workers)} workers, stopping={self.stopping}>"
 
     async def run(self) -> int:
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self._signals)
-            async with trio.open_nursery() as keepers:
-                for worker in self.workers:
-                    keepers.start_soon(self._keep, worker)
-            nursery.cancel_scope.cancel()
+        try:
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(self._signals)
+                async with trio.open_nursery() as keepers:
+                    for worker in self.workers:
+                        keepers.start_soon(self._keep, worker)
+                nursery.cancel_scope.cancel()
+        finally:
+            for worker in self.workers:
+                self._release(worker)
         log.info("workers_stopped count=%d code=%d", len(self.workers), self.exit_code)
         return self.exit_code
 
@@ -120,21 +145,28 @@ class Supervisor:
             # The worker's line to this process: it says when it is ready, hears when to
             # drain, and its end of file tells the worker that this supervisor is gone
             # (SIGKILL included), so no worker outlives it (router/app.py `_supervised`).
+            if worker.listener is None:  # the host stopped
+                return
             mine, theirs = socket.socketpair()
             argv = [sys.executable, "-m", "router.cli", "serve", *worker.argv]
             argv += ["--supervisor-fd", str(theirs.fileno())]
+            argv += ["--listen-fd", str(worker.listener.fileno())]
             if worker.starts:
                 # Its siblings serve the shared port meanwhile: it takes clients once
                 # its agents are back (router/app.py `_wait_for_agents`).
                 argv.append("--worker-wait-agents")
             # The workers inherit stdout/stderr: one log stream, each line naming its
             # router by peer_id as a single router's do.
+            worker.starting = True
             try:
-                worker.process = await trio.lowlevel.open_process(argv, pass_fds=(theirs.fileno(),))
+                worker.process = await trio.lowlevel.open_process(
+                    argv, pass_fds=(theirs.fileno(), worker.listener.fileno())
+                )
             except BaseException:
                 mine.close()
                 raise
             finally:
+                worker.starting = False
                 theirs.close()
             worker.line = trio.socket.from_stdlib_socket(mine)
             exited = worker.exited = trio.Event()
@@ -149,6 +181,7 @@ class Supervisor:
                 # The stop came while this worker was being started (open_process
                 # runs in a thread), so it was not passed on: the worker would run on.
                 worker.process.send_signal(signal.SIGTERM)
+                self._release(worker)
             with trio.CancelScope(shield=True):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(self._hear, worker)
@@ -157,6 +190,7 @@ class Supervisor:
             worker.line.close()
             worker.process = worker.line = None
             worker.ready = trio.Event()
+            self._serve(worker, False)
             exited.set()
             if worker.rolling and not self.stopping:
                 worker.rolling = False
@@ -187,8 +221,10 @@ class Supervisor:
         ready = worker.ready
         try:
             while data := await worker.line.recv(64):
-                if b"R" in data:
+                if b"R" in data and not ready.is_set():
                     ready.set()
+                    if not worker.rolling:
+                        self._serve(worker, True)
         except OSError:
             pass
 
@@ -207,11 +243,12 @@ class Supervisor:
                         self._on_signal(signum)
 
     async def roll(self) -> None:
-        """Restart every worker, one at a time, on the code now installed: the worker
-        closes its listener at once (its siblings go on serving the shared port, so
-        /health stays 200 and the host stays in its balancer's pool), drains what it
-        holds as a stopped router does, and exits; its successor starts, and the next
-        worker goes only once that one is ready."""
+        """Restart every worker, one at a time, on the code now installed: new
+        connections are steered off the worker, which then accepts what was queued for
+        it, closes its listener (its siblings go on serving the shared port, so /health
+        stays 200 and the host stays in its balancer's pool), drains what it holds as a
+        stopped router does, and exits; its successor starts on the same socket, and the
+        next worker goes only once that one is ready."""
         self.rolling = True
         log.info("workers_rolling count=%d", len(self.workers))
         try:
@@ -222,6 +259,8 @@ class Supervisor:
                     continue
                 exited = worker.exited
                 worker.rolling = True
+                self._serve(worker, False)
+                await trio.sleep(ROLL_SETTLE)
                 try:
                     await worker.line.send(b"D")
                 except OSError:
@@ -246,9 +285,34 @@ class Supervisor:
         finally:
             self.rolling = False
 
+    def _serve(self, worker: Worker, serving: bool) -> None:
+        """Steer new connections to `worker`'s socket, or off it."""
+        if serving == (worker.index in self.serving) or self.stopping:
+            return
+        (self.serving.add if serving else self.serving.discard)(worker.index)
+        listener = next((w.listener for w in self.workers if w.listener is not None), None)
+        if listener is None or self.steering_failed:
+            return
+        try:
+            steer(listener, sorted(self.serving))
+        except OSError as exc:
+            # The kernel's hash spreads connections over every worker's socket then: a
+            # worker being replaced still gets its share, which waits for its successor.
+            self.steering_failed = True
+            log.warning("workers_steering_failed error=%s", quote(str(exc)))
+
+    def _release(self, worker: Worker) -> None:
+        """Close the supervisor's copy of the worker's socket: the running worker's is
+        then the last, and its close refuses new connections, as a single router's."""
+        if worker.listener is not None and not worker.starting:
+            worker.listener.close()
+            worker.listener = None
+
     def _on_signal(self, signum: int) -> None:
         if signum != signal.SIGHUP:
             self.stopping = True
         for worker in self.workers:
             if worker.process is not None:
                 worker.process.send_signal(signum)
+            if self.stopping:
+                self._release(worker)

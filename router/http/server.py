@@ -43,6 +43,7 @@ import logging
 import math
 import re
 import select
+import socket
 import time
 import uuid
 from collections.abc import Awaitable, Callable, Iterable
@@ -216,21 +217,24 @@ class HttpServer:
         shutdown_trigger: Callable[[], Awaitable[Any]],
         *,
         accept_until: Callable[[], Awaitable[Any]] | None = None,
-        reuse_port: bool = False,
+        listen_fd: int | None = None,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve until `shutdown_trigger` returns; then stop accepting, let requests in
         progress finish for up to graceful_timeout, and cancel what is left. Started
-        with the port it listens on (for port 0). `reuse_port`: share the port with the
-        host's other router workers (SO_REUSEPORT; the kernel spreads connections).
+        with the port it listens on (for port 0). `listen_fd`: accept on this listening
+        socket (a `--workers` worker's share of the port, which its supervisor bound)
+        instead of binding `addr`; the server owns it from now on.
 
         `accept_until`: stop accepting earlier, when it returns. The listener closes (a
         new connection is refused, not answered), idle connections end, and each busy
         one ends after its answer (`Connection: close`); the answers in progress go on
         until `shutdown_trigger`. This is the router's drain: in-flight streams finish
         while nothing new can reach it."""
-        if reuse_port:
-            listeners = [await _reuse_port_listener(addr)]
+        if listen_fd is not None:
+            listeners = [
+                trio.SocketListener(trio.socket.from_stdlib_socket(socket.socket(fileno=listen_fd)))
+            ]
         else:
             listeners = await trio.open_tcp_listeners(addr[1], host=addr[0])
         try:
@@ -289,9 +293,9 @@ class HttpServer:
         """Close `listener` losing as few connections as the kernel allows: those it
         completed but nobody accepted yet would be reset by the close, so what is
         queued is accepted (and served) first. One the kernel completes between the
-        last accept and the close is still reset before any answer: a balancer's retry
-        covers it, and with `sysctl net.ipv4.tcp_migrate_req=1` the kernel hands it to
-        a sibling worker of the shared port instead."""
+        last accept and the close is still reset before any answer (a balancer's retry
+        covers it), unless another process holds the socket too: a `--workers`
+        worker's supervisor does, and that connection waits for its successor."""
         try:
             while readable_now(listener.socket):
                 nursery.start_soon(self.run_connection, await listener.accept())
@@ -1050,17 +1054,3 @@ def _addr(value: Any) -> tuple[str, int] | None:
     if isinstance(value, tuple) and len(value) >= 2:
         return (str(value[0]), int(value[1]))
     return None
-
-
-async def _reuse_port_listener(addr: tuple[str, int]) -> trio.SocketListener:
-    sock = trio.socket.socket(trio.socket.AF_INET, trio.socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEADDR, 1)
-        sock.setsockopt(trio.socket.SOL_SOCKET, trio.socket.SO_REUSEPORT, 1)
-        await sock.bind(addr)
-        # trio's own default backlog (open_tcp_listeners), the kernel's somaxconn.
-        sock.listen(0xFFFF)
-    except BaseException:
-        sock.close()
-        raise
-    return trio.SocketListener(sock)
