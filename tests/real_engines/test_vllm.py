@@ -27,6 +27,7 @@ import openai
 import pytest
 
 from tests.fleet import Agent, Fleet, Router, wait_until
+from tests.real_engines.stalls import Stalls
 from tests.real_engines.vllm_server import SERVED, first_then_any, gauge, vllm_server
 
 MAX_NUM_SEQS = 4
@@ -48,6 +49,15 @@ def vllm_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         *("--num-gpu-blocks-override", "16", "--enable-prefix-caching"),
     ) as url:
         yield url
+
+
+@pytest.fixture(scope="module")
+def stalls(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stalls]:
+    watch = Stalls(tmp_path_factory.mktemp("stalls"))
+    try:
+        yield watch
+    finally:
+        watch.close()
 
 
 def _pair(fleet: Fleet, router: Router, url: str) -> tuple[Agent, Agent]:
@@ -85,7 +95,7 @@ def _load(url: str, streams: int, tokens: int) -> list[threading.Thread]:
 
 
 def test_agents_discover_the_model_and_gate_7_reads_the_real_gauges(
-    fleet: Fleet, vllm_url: str, tmp_path: Path
+    fleet: Fleet, vllm_url: str, tmp_path: Path, stalls: Stalls
 ) -> None:
     policy = tmp_path / "policy.yaml"
     policy.write_text(
@@ -121,7 +131,6 @@ def test_agents_discover_the_model_and_gate_7_reads_the_real_gauges(
     # requests to its engine only as fast as it gets CPU: on a busy host they trickled
     # in at 1 or 2 a second, and 480-token answers ended as fast, so none waited (seen
     # here: the engine's own gauge at 0 for 45 s, "Running: 1 reqs, Waiting: 0 reqs").
-    threads = _load(vllm_url, 32, 960)
     seen: list[tuple] = []  # what the wait saw, for the failure's message
 
     def both_waiting() -> bool:
@@ -129,8 +138,6 @@ def test_agents_discover_the_model_and_gate_7_reads_the_real_gauges(
             rows = [router.agent(x.peer_id)["engine"] for x in (a, b)]
             engine_says = gauge(vllm_url, "vllm:num_requests_waiting")
         except (httpx.HTTPError, OSError) as exc:
-            # Recorded too: once the first reading came 19.6 s late, the engine's own
-            # gauge at 0 from then on.
             seen.append((round(time.monotonic() - started, 2), type(exc).__name__))
             raise
         seen.append(
@@ -142,20 +149,34 @@ def test_agents_discover_the_model_and_gate_7_reads_the_real_gauges(
         )
         return all((r["waiting_requests"] or 0) > 0 for r in rows)
 
-    started = time.monotonic()
-    try:
+    # Up to three loads: one whose waiting requests went unseen while the machine
+    # stalled (tests/real_engines/stalls.py; once the first reading came 19.6 s late,
+    # the engine's own gauge at 0 from then on) is run again; one unseen without a
+    # stall is the router's failure.
+    missed = ""
+    for _ in range(3):
+        seen.clear()
+        started = time.monotonic()
+        threads = _load(vllm_url, 32, 960)
         try:
-            wait_until(both_waiting, 45, "the engine's waiting requests in the routing table")
-        except AssertionError as exc:
-            # (seconds, the engine's own gauge, (waiting, age) in each agent's row)
-            raise AssertionError(f"{exc}; seen: {seen[:: max(1, len(seen) // 40)]}") from None
-        with pytest.raises(openai.APIStatusError) as refused:
-            client.chat.completions.create(model=SERVED, messages=HELLO, max_tokens=4)
-        assert refused.value.status_code == 503, refused.value
-        assert "gate[7] exclude_if [waiting_requests=2]" in router.log()
-    finally:
-        for t in threads:
-            t.join(120)
+            try:
+                wait_until(both_waiting, 45, "the engine's waiting requests in the routing table")
+            except AssertionError as exc:
+                stalled = stalls.during(started, time.monotonic())
+                # (seconds, the engine's own gauge, (waiting, age) in each agent's row)
+                missed = f"{exc}; seen: {seen[:: max(1, len(seen) // 40)]}; stalls: {stalled}"
+                assert stalled, missed
+                continue
+            with pytest.raises(openai.APIStatusError) as refused:
+                client.chat.completions.create(model=SERVED, messages=HELLO, max_tokens=4)
+            assert refused.value.status_code == 503, refused.value
+            assert "gate[7] exclude_if [waiting_requests=2]" in router.log()
+            break
+        finally:
+            for t in threads:
+                t.join(120)
+    else:
+        raise AssertionError(f"every load was missed during a stall of the machine: {missed}")
     # The load ends: admitted again.
     wait_until(
         lambda: all(router.agent(x.peer_id)["engine"]["waiting_requests"] == 0 for x in (a, b)),
@@ -395,32 +416,21 @@ def _pair_one(fleet: Fleet, router: Router, url: str, region: str) -> Agent:
 
 @dataclass
 class Left:
-    """One stream left after its first chunk: the engine's running requests just before
-    the client closed, the seconds from the close until its gauge said none run, the
-    tokens the engine counted for it, the seconds from sending to the close, and the
-    request id it was sent with."""
+    """One stream left after its first chunk: the seconds from sending to that chunk,
+    the engine's running requests just before the client closed, the seconds from
+    sending to the close, from the close until the engine's gauge said none run, the
+    tokens the engine counted for it, and the request id it was sent with."""
 
+    first: float
     running: float
+    open_for: float
     stopped: float
     tokens: float
-    open_for: float
     request_id: str
 
 
 def _leave(base: str, vllm_url: str) -> Left:
-    """A stream of 960 tokens left after its first chunk: up to three tries for one
-    whose engine still runs when its first chunk has come. A routed try's first chunk
-    has come only at the answer's end (2.4 to 2.9 s) in five tries, in three runs of
-    about twenty, all three tries of one: a defect whose cause is not found yet
-    (docs/known-limits.md); the test fails when every try meets it."""
-    for _ in range(3):
-        found = _leave_once(base, vllm_url)
-        if found.running == 1:
-            break
-    return found
-
-
-def _leave_once(base: str, vllm_url: str) -> Left:
+    """A stream of 960 tokens, left after its first chunk."""
     client = openai.OpenAI(base_url=base + "/v1", api_key="unused", max_retries=0)
     generated = gauge(vllm_url, "vllm:generation_tokens_total")
     request_id = str(uuid.uuid4())
@@ -434,6 +444,9 @@ def _leave_once(base: str, vllm_url: str) -> Left:
         extra_headers={"X-Request-ID": request_id},
     )
     next(iter(stream))
+    first = time.monotonic() - sent
+    # Read before the close, so it tells whether the engine still generated then; it
+    # waits on vLLM's API server, which is slow to answer when the machine stalls.
     running = gauge(vllm_url, "vllm:num_requests_running")
     stream.close()
     left = time.monotonic()
@@ -441,7 +454,30 @@ def _leave_once(base: str, vllm_url: str) -> Left:
     stopped = time.monotonic() - left
     time.sleep(1)
     tokens = gauge(vllm_url, "vllm:generation_tokens_total") - generated
-    return Left(running, stopped, tokens, left - sent, request_id)
+    return Left(first, running, left - sent, stopped, tokens, request_id)
+
+
+def _left_wrong(router: Router, routed: Left) -> str | None:
+    """What is wrong with a routed stream the client left, or None."""
+    if routed.first >= 1.0:
+        # The first chunk came while the engine was generating, not at the answer's end.
+        return f"the first chunk came after {routed.first:.2f} s"
+    if routed.running != 1:
+        return f"the engine ran {routed.running:g} requests when the client left"
+    # The router saw the client leave and ended the request then (499), not at the
+    # answer's end: its own part, read from its log.
+    line = wait_until(lambda: _finished_line(router, routed.request_id), 5, "the request's end")
+    duration = float(line.rpartition("duration_ms=")[2].split()[0]) / 1000
+    if " status=499 " not in line or duration > routed.open_for + 0.5:
+        return f"the router ended it so: {line}"
+    # The agent's close of its engine call stopped the generation: vLLM's running
+    # gauge fell to 0 within a second of the client's close (read every few tens of
+    # milliseconds). vLLM's token counter is printed, not judged: for a client that
+    # left it direct it counted 10 to 862 of the 960 tokens (twelve runs), with the
+    # same gauge at 0 within 0.06 s of the close.
+    if routed.stopped >= 1.0:
+        return f"the engine stopped {routed.stopped:.2f} s after the client left"
+    return None
 
 
 def _long_turns(router: Router) -> dict[str, float]:
@@ -468,28 +504,26 @@ def _finished_line(router: Router, request_id: str) -> str | None:
     return None
 
 
-def test_a_client_that_leaves_stops_the_generation(fleet: Fleet, vllm_url: str) -> None:
+def test_a_client_that_leaves_stops_the_generation(
+    fleet: Fleet, vllm_url: str, stalls: Stalls
+) -> None:
     router = fleet.router()
     _pair(fleet, router, vllm_url)
     direct = _leave(vllm_url, vllm_url)
-    routed = _leave(router.url, vllm_url)
-    print(f"client left: direct {direct}, routed {routed}")
-    assert routed.running == 1, (routed, _long_turns(router))
-    # The router saw the client leave and ended the request then (499), not at the
-    # answer's end, 2 s later: its own part, read from its log.
-    line = wait_until(lambda: _finished_line(router, routed.request_id), 5, "the request's end")
-    assert " status=499 " in line, line
-    duration = float(line.rpartition("duration_ms=")[2].split()[0]) / 1000
-    assert duration < routed.open_for + 0.5, (line, routed, _long_turns(router))
-    # The first chunk came while the engine was still generating, not at the answer's
-    # end (the stall `_leave` describes).
-    assert routed.open_for < 1.0, (routed, _long_turns(router))
-    # The agent's close of its engine call stopped the generation: vLLM's running
-    # gauge fell to 0 within a second of the client's close (read every few tens of
-    # milliseconds). vLLM's token counter is printed, not judged: for a client that
-    # left it direct it counted 10 to 862 of the 960 tokens (twelve runs), with the
-    # same gauge at 0 within 0.06 s of the close.
-    assert routed.stopped < 1.0, (direct, routed)
+    tries: list[tuple[Left, str | None, list]] = []
+    for _ in range(4):
+        since = time.monotonic()
+        routed = _leave(router.url, vllm_url)
+        wrong = _left_wrong(router, routed)
+        stalled = stalls.during(since, time.monotonic())
+        tries.append((routed, wrong, stalled))
+        # A try that went wrong while the machine stalled (tests/real_engines/stalls.py)
+        # is run again; one that went wrong without a stall is the router's failure.
+        assert wrong is None or stalled, (wrong, tries, _long_turns(router))
+        if wrong is None:
+            break
+    print(f"client left: direct {direct}, routed {tries}")
+    assert wrong is None, ("every try went wrong during a stall of the machine", tries)
 
 
 def test_prefix_aware_sends_a_prompt_back_to_the_engine_that_cached_it(
