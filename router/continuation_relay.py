@@ -39,6 +39,7 @@ from router.dispatch import Dispatcher
 from router.http.asgi import Send, send_body
 from router.http.count_tokens import (
     CHAT_TOKENIZERS,
+    CONTENT_TOKENIZERS,
     TEXT_TOKENIZERS,
     TOKENIZE_PATH,
     input_tokens,
@@ -51,7 +52,8 @@ from router.session import BackendRejected, RouteRequest
 log = logging.getLogger("http")
 
 _CONTINUED_PATHS = (CHAT_PATH, MESSAGES_PATH)
-_TOKENIZERS = CHAT_TOKENIZERS | TEXT_TOKENIZERS
+# vLLM's and SGLang's `/tokenize` take `prompt` (the text, with no template).
+_PROMPT_TOKENIZERS = CHAT_TOKENIZERS | TEXT_TOKENIZERS
 
 
 def record_break(metrics: RouterMetrics, req: RouteRequest, broken: StreamBroken) -> None:
@@ -124,12 +126,20 @@ class StreamContinuer:
         when the engine packs several into one (issue 48: vLLM), and the continuation's
         `max_tokens` and the spliced usage are only as right as this count. No agent
         with a tokenizer, or a failed call: the event count stands."""
-        if not sent.text or not any(
-            p.metadata.engine in _TOKENIZERS and p.peer_id not in exclude
-            for p in self.table.for_model(req.model)
-        ):
+        engines = {
+            p.metadata.engine for p in self.table.for_model(req.model) if p.peer_id not in exclude
+        }
+        if not sent.text:
             return
-        payload = {"model": req.model, "prompt": sent.text, "add_special_tokens": False}
+        payload: dict
+        if engines & _PROMPT_TOKENIZERS:
+            tokenizers = _PROMPT_TOKENIZERS
+            payload = {"model": req.model, "prompt": sent.text, "add_special_tokens": False}
+        elif engines & CONTENT_TOKENIZERS:
+            tokenizers = CONTENT_TOKENIZERS
+            payload = {"content": sent.text, "add_special": False}
+        else:
+            return
         body = json.dumps(payload, separators=(",", ":")).encode()
         ask = dataclasses.replace(
             req,
@@ -137,7 +147,7 @@ class StreamContinuer:
             body=body,
             payload=payload,
             stream=False,
-            engines=_TOKENIZERS,
+            engines=tokenizers,
             exclude=exclude,
             waited=0.0,
         )
@@ -160,6 +170,13 @@ class StreamContinuer:
             )
             return
         if 0 <= count < MAX_COUNT:
+            log.info(
+                "req=%s stream_tokens_counted tokens=%d events=%d tenant=%s",
+                req.request_id,
+                count,
+                sent.tokens,
+                quote(req.tenant),
+            )
             sent.tokens = count
 
 

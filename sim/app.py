@@ -156,10 +156,10 @@ class SimEngine:
         routes["/health"] = {"GET": self._health}
         routes["/metrics"] = {"GET": self._metrics}
         routes["/v1/rerank"] = {"POST": self._api(vllm.prepare_rerank, openai.error_body)}
-        if kind != "llamacpp":
-            # vLLM's form, which SGLang's text form is a part of; llama-server's
-            # `/tokenize` takes another body (`content`), which the router never sends.
-            routes["/tokenize"] = {"POST": self._api(vllm.prepare_tokenize, openai.error_body)}
+        # vLLM's form, which SGLang's text form is a part of; llama-server's takes
+        # `content` and answers the token ids alone.
+        tokenize = vllm.prepare_llamacpp_tokenize if kind == "llamacpp" else vllm.prepare_tokenize
+        routes["/tokenize"] = {"POST": self._api(tokenize, openai.error_body)}
         return routes
 
     def _api(self, prepare: Prepare, error_body: ErrorBody) -> Handler:

@@ -1,4 +1,5 @@
-"""vLLM's own endpoints beside the OpenAI ones: `/v1/rerank` and `/tokenize`."""
+"""vLLM's own endpoints beside the OpenAI ones: `/v1/rerank` and `/tokenize` (and
+llama-server's `/tokenize`, another body)."""
 
 from __future__ import annotations
 
@@ -70,10 +71,35 @@ def prepare_tokenize(engine: SimEngine, payload: dict[str, Any], started: float)
     else:
         raise RequestError(400, "either `messages` or `prompt` (a string) is required")
     # Word ids stand in for token ids; the count is what generation reports as usage.
-    tokens = [int.from_bytes(hashlib.blake2s(w.encode()).digest()[:2]) for w in prompt]
+    tokens = [_word_id(w) for w in prompt]
     body = dumps({"count": count, "max_model_len": engine.max_context, "tokens": tokens})
 
     async def run(exchange: Exchange) -> None:
         await exchange.reply(200, body)
 
     return run
+
+
+# The id llama.cpp's models give the beginning of text, which `add_special` puts first.
+_BOS = 1
+
+
+def prepare_llamacpp_tokenize(engine: SimEngine, payload: dict[str, Any], started: float) -> Run:
+    """llama-server's `/tokenize`: `{"content"}` in, `{"tokens": [...]}` out, no count."""
+    content = payload.get("content")
+    if not isinstance(content, str):
+        raise RequestError(400, "`content` (a string) is required")
+    tokens = [_word_id(w) for w in words(content)]
+    if payload.get("add_special") is True:
+        tokens.insert(0, _BOS)
+    body = dumps({"tokens": tokens})
+
+    async def run(exchange: Exchange) -> None:
+        await exchange.reply(200, body)
+
+    return run
+
+
+def _word_id(word: str) -> int:
+    """A word's stand-in token id."""
+    return int.from_bytes(hashlib.blake2s(word.encode()).digest()[:2])

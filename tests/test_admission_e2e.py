@@ -172,16 +172,16 @@ def test_count_tokens_is_refused_when_no_agent_has_a_tokenizer(
     fleet: Fleet, tmp_path: Path
 ) -> None:
     router = fleet.router(env={"HIVENET_ROUTER_API_KEYS": KEYS})
-    # A llama.cpp agent (no /tokenize the router uses), its engine played by the sim.
+    # An Ollama agent (no /tokenize), its engine played by the sim.
     port = free_port()
     backend = subprocess.Popen(
-        [sys.executable, "-m", "sim", "--model", "m2", "--port", str(port)],
+        [sys.executable, "-m", "sim", "--model", "m2", "--port", str(port), "--kind", "ollama"],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
     try:
-        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200)
-        fleet.agent(router, "m2", "--backend-url", f"http://127.0.0.1:{port}", engine="llamacpp")
+        wait_until(lambda: httpx.get(f"http://127.0.0.1:{port}/api/tags").status_code == 200)
+        fleet.agent(router, "m2", "--backend-url", f"http://127.0.0.1:{port}", engine="ollama")
         claude = anthropic.Anthropic(base_url=router.url, api_key=WEB_KEY, max_retries=0)
         with pytest.raises(anthropic.NotFoundError) as caught:
             claude.messages.count_tokens(
@@ -190,7 +190,7 @@ def test_count_tokens_is_refused_when_no_agent_has_a_tokenizer(
         body = caught.value.body
         assert body["type"] == "error"  # type: ignore[index]
         assert body["error"]["code"] == "tokenizer_unavailable"  # type: ignore[index]
-        assert "served by: llamacpp" in body["error"]["message"]  # type: ignore[index]
+        assert "served by: ollama" in body["error"]["message"]  # type: ignore[index]
         # The same model still answers messages: only counting needs a tokenizer.
         answer = claude.messages.create(
             model="m2", max_tokens=4, messages=[{"role": "user", "content": "hello"}]

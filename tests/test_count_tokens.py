@@ -80,14 +80,26 @@ async def test_sglang_alone_gets_the_text() -> None:
     assert json.loads(req.body) == {"model": "m", "prompt": "hi"}
 
 
+async def test_llamacpp_gets_the_text_as_content_after_sglang() -> None:
+    chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
+    req = request()
+    to_tokenize(req, chat, [make_peer("A", engine="llamacpp"), make_peer("B", engine="sglang")])
+    assert req.engines == {"sglang"}
+    req = request()
+    to_tokenize(req, chat, [make_peer("A", engine="llamacpp"), make_peer("B", engine="ollama")])
+    assert req.engines == {"llamacpp"}
+    assert json.loads(req.body) == {"content": "hi", "add_special": True}
+
+
 async def test_no_tokenizer_engine_is_refused_naming_the_engines() -> None:
     req = request()
-    peers = [make_peer("A", engine="ollama"), make_peer("B", engine="llamacpp")]
+    peers = [make_peer("A", engine="ollama"), make_peer("B", engine="custom")]
     with pytest.raises(RouterError) as caught:
         to_tokenize(req, {"model": "m", "messages": [{"role": "user", "content": "x"}]}, peers)
     assert caught.value.code == ErrorCode.TOKENIZER_UNAVAILABLE
     assert caught.value.http_status == 404
-    assert "served by: llamacpp, ollama" in caught.value.message
+    assert "served by: custom, ollama" in caught.value.message
+    assert "(llamacpp, sglang, sim, vllm)" in caught.value.message
 
 
 @pytest.mark.parametrize(
@@ -108,7 +120,10 @@ async def test_bad_bodies_are_request_invalid(payload: dict, expected: str) -> N
 
 def test_the_engine_count_becomes_input_tokens() -> None:
     assert input_tokens(b'{"count": 7, "max_model_len": 4096, "tokens": []}') == {"input_tokens": 7}
-    for bad in (b"not json", b"[]", b'{"count": "7"}', b'{"count": true}', b'{"count": [1, 2]}'):
+    # llama.cpp answers the ids alone.
+    assert input_tokens(b'{"tokens": [1, 15043, 3186]}') == {"input_tokens": 3}
+    bad_bodies = (b"not json", b"[]", b'{"count": "7"}', b'{"count": true}', b'{"count": [1, 2]}')
+    for bad in (*bad_bodies, b'{"tokens": 3}', b"{}"):
         with pytest.raises(RouterError) as caught:
             input_tokens(bad)
         assert caught.value.code == ErrorCode.BACKEND_ERROR

@@ -185,3 +185,35 @@ async def test_a_tokenizer_that_fails_leaves_the_event_count(fleet: Fleet) -> No
     assert out[20] == (_answer(28), "max_tokens", 30, 20), out[20]
     assert "stream_tokens_uncounted" in router.log()
     assert "stream_continued" in router.log()
+
+
+async def test_llama_cpps_tokenizer_counts_a_continued_messages_stream(fleet: Fleet) -> None:
+    """llama-server's `/tokenize` takes `content` and answers the token ids alone: the
+    router asks it in that form and counts the ids, so a fleet of llama.cpp agents
+    holds `max_tokens` as vLLM's does."""
+    router = fleet.router()
+    out: dict = {}
+    with ExitStack() as engines:
+        urls = [
+            engines.enter_context(sim_process("--model", "m1", "--kind", "llamacpp"))
+            for _ in range(2)
+        ]
+        first = fleet.agent(router, "m1", "--backend-url", urls[0], engine="llamacpp")
+        state = {"tokens_per_event": PER_EVENT}
+        for url, extra in ((urls[0], {"stall_after_tokens": STALL}), (urls[1], {})):
+            await trio.to_thread.run_sync(
+                lambda u=url, e=extra: httpx.post(u + "/sim/state", json={**state, **e})
+            )
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(_messages, router, 20, out)
+            held = lambda: httpx.get(urls[0] + "/sim/state").json()["in_flight"] == 1  # noqa: E731
+            await trio.to_thread.run_sync(lambda: wait_until(held, 15, "the held stream"))
+            await trio.to_thread.run_sync(
+                lambda: fleet.agent(router, "m1", "--backend-url", urls[1], engine="llamacpp")
+            )
+            await trio.to_thread.run_sync(lambda: first.stop(signal.SIGKILL))
+    # 12 tokens sent in 4 events, counted as 12 by the engine: 8 more, not 16.
+    assert out[20] == (_answer(20), "max_tokens", 30, 20), out[20]
+    assert f"stream_tokens_counted tokens={STALL} events=4 " in router.log()
+    assert f"sent_tokens={STALL} " in router.log()
+    assert "stream_tokens_uncounted" not in router.log()

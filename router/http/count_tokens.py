@@ -3,9 +3,11 @@
 The request is routed like any other (policy steps, gates, slots, queue) to an agent
 of the model whose engine tokenizes over HTTP: vLLM's `/tokenize` takes the chat and
 applies the model's chat template, so its count is what the prompt costs; SGLang's
-takes text only, so its count leaves out the template's few tokens. Agents of vLLM
-(and the simulated engine, which speaks vLLM's API) are preferred when the model has
-any; the engine's `{"count": N, ...}` becomes Anthropic's `{"input_tokens": N}`.
+takes text only, so its count leaves out the template's few tokens, and so does
+llama.cpp's, which takes it as `content` and answers the token ids without a count.
+Agents of vLLM (and the simulated engine, which speaks vLLM's API) are preferred when
+the model has any, then SGLang's, then llama.cpp's; the engine's `{"count": N, ...}`
+(or its `tokens`, counted) becomes Anthropic's `{"input_tokens": N}`.
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ TOKENIZE_PATH = "/tokenize"
 CHAT_TOKENIZERS = frozenset({"vllm", "sim"})
 # Engines whose `/tokenize` accepts `{"model", "prompt"}` only (SGLang).
 TEXT_TOKENIZERS = frozenset({"sglang"})
+# Engines whose `/tokenize` takes `{"content"}` and answers `{"tokens": [...]}` only
+# (llama.cpp's llama-server).
+CONTENT_TOKENIZERS = frozenset({"llamacpp"})
+TOKENIZERS = CHAT_TOKENIZERS | TEXT_TOKENIZERS | CONTENT_TOKENIZERS
 
 
 def to_tokenize(req: RouteRequest, payload: dict, pool: Sequence[Peer]) -> None:
@@ -46,11 +52,14 @@ def to_tokenize(req: RouteRequest, payload: dict, pool: Sequence[Peer]) -> None:
             body["tools"] = tools
         req.engines = CHAT_TOKENIZERS
     elif engines & TEXT_TOKENIZERS:
-        text = [m["content"] for m in messages] + [json.dumps(t) for t in tools]
-        body = {"model": req.model, "prompt": "\n".join(text)}
+        body = {"model": req.model, "prompt": _joined(messages, tools)}
         req.engines = TEXT_TOKENIZERS
+    elif engines & CONTENT_TOKENIZERS:
+        # The beginning-of-text token counted too, as the engine adds it to a prompt.
+        body = {"content": _joined(messages, tools), "add_special": True}
+        req.engines = CONTENT_TOKENIZERS
     else:
-        known = ", ".join(sorted(CHAT_TOKENIZERS | TEXT_TOKENIZERS))
+        known = ", ".join(sorted(TOKENIZERS))
         raise RouterError(
             ErrorCode.TOKENIZER_UNAVAILABLE,
             f"token counting needs an agent whose engine has a tokenizer endpoint ({known});"
@@ -82,18 +91,27 @@ async def answer(req: RouteRequest, response: AgentResponse) -> dict | RouterErr
 
 
 def input_tokens(body: bytes) -> dict:
-    """Anthropic's answer from the engine's `/tokenize` answer."""
+    """Anthropic's answer from the engine's `/tokenize` answer: its `count`, or as many
+    as its `tokens` where it gives no count (llama.cpp)."""
     try:
-        count = json.loads(body).get("count")
+        answer = json.loads(body)
+        count = answer.get("count")
+        if count is None and isinstance(answer.get("tokens"), list):
+            count = len(answer["tokens"])
     except (ValueError, UnicodeDecodeError, AttributeError):
         count = None
     if isinstance(count, bool) or not isinstance(count, int):
         raise RouterError(
             ErrorCode.BACKEND_ERROR,
-            "the engine's /tokenize answer has no integer 'count'",
+            "the engine's /tokenize answer has no integer 'count' nor a 'tokens' list",
             "backend",
         )
     return {"input_tokens": count}
+
+
+def _joined(messages: list[dict], tools: list[dict]) -> str:
+    """The conversation as the text a text-only tokenizer counts."""
+    return "\n".join([m["content"] for m in messages] + [json.dumps(t) for t in tools])
 
 
 def _messages(payload: dict) -> list[dict]:

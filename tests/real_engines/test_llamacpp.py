@@ -251,3 +251,67 @@ def test_engine_errors_reach_the_client_and_are_not_charged(fleet: Fleet, llama_
     assert row["status"]["healthy"] is True, row
     assert row["universal"]["consecutive_failures"] == 0, row
     assert row["universal"]["failed_requests_total"] == 0, row
+
+
+def test_llama_cpps_tokenizer_counts_prompts_and_continued_messages_streams(
+    fleet: Fleet, llama_url: str, tmp_path: Path
+) -> None:
+    """llama-server's `/tokenize` takes `content` and answers the ids: count_tokens is
+    its count of the conversation's text, and a `/v1/messages` stream (no running
+    count in its events) whose agent is SIGKILLed is counted by it before it is
+    continued, so `max_tokens` holds."""
+    router = fleet.router("--policy-file", first_then_any(tmp_path))
+    _agent(fleet, router, llama_url, "second")
+    claude = anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0)
+    hello = [{"role": "user", "content": "hello there"}]
+    counted = claude.messages.count_tokens(model=ALIAS, messages=hello).input_tokens
+    own = httpx.post(
+        llama_url + "/tokenize", json={"content": "hello there", "add_special": True}, timeout=10
+    ).json()["tokens"]
+    assert counted == len(own) > 0, (counted, own)
+    limit = 300
+    counter = "hivenet_router_stream_continuations_total"
+    cut = 0
+    for run in range(3):
+        first = _agent(fleet, router, llama_url, "first")
+        before = router.metric(counter, outcome="continued")
+        got = _messages_stream(router, limit, first, after=1 + run)
+        assert not first.alive()
+        assert got["output"] is not None and got["output"] <= limit, got
+        if got["stop"] == "max_tokens":
+            assert got["output"] == limit, got
+        cut += router.metric(counter, outcome="continued") > before
+    assert cut >= 1, router.log()[-3000:]
+    log = router.log()
+    assert log.count("stream_tokens_counted") == cut, log[-3000:]
+    assert "stream_tokens_uncounted" not in log
+
+
+def _messages_stream(router: Router, limit: int, kill: Agent, after: int) -> dict:
+    """A greedy `/v1/messages` stream through the raw SSE; `kill` is SIGKILLed once
+    `after` text deltas have arrived."""
+    body = {
+        "model": ALIAS,
+        "messages": [{"role": "user", "content": "hello there"}],
+        "max_tokens": limit,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+    }
+    out: dict = {"output": None, "stop": None}
+    deltas = 0
+    with httpx.stream("POST", router.url + "/v1/messages", json=body, timeout=120) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            assert event["type"] != "error", event
+            if event["type"] == "content_block_delta":
+                deltas += 1
+                if deltas == after:
+                    kill.stop(signal.SIGKILL)
+            elif event["type"] == "message_delta":
+                out["stop"] = event["delta"].get("stop_reason")
+                out["output"] = event["usage"]["output_tokens"]
+    return out
