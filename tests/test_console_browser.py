@@ -147,6 +147,14 @@ def wait(driver: Any, condition: Any, timeout: float = 20) -> Any:
     return waiting.until(condition)
 
 
+def in_table(driver: Any, css: str, act: Any) -> Any:
+    """`act` on the element `css` names in a table the console re-renders on each poll:
+    an element found just before a re-render is stale, and is found again."""
+    from selenium.webdriver.common.by import By
+
+    return wait(driver, lambda d: [act(d.find_element(By.CSS_SELECTOR, css))])[0]
+
+
 def by_id(driver: Any, name: str) -> Any:
     from selenium.webdriver.common.by import By
 
@@ -252,13 +260,13 @@ def test_console_walkthrough(browser: Any, fleet: tuple[Fleet, Router, Router]) 
 
     driver.find_element(By.CSS_SELECTOR, "#tabs [data-view=requests]").click()
     wait(driver, lambda d: rid in rows(d, "requests-table", "id"))
-    driver.find_element(By.CSS_SELECTOR, f"#requests-table tr[data-id='{rid}']").click()
+    in_table(driver, f"#requests-table tr[data-id='{rid}']", lambda e: e.click())
     wait(driver, lambda d: f"req={rid}" in by_id(d, "story").text)
     assert (
         f"req={rid} step_selected step=routing_policy peer={joined.peer_id}"
         in by_id(driver, "story").text
     )
-    row = driver.find_element(By.CSS_SELECTOR, f"#requests-table tr[data-id='{rid}']").text
+    row = in_table(driver, f"#requests-table tr[data-id='{rid}']", lambda e: e.text)
     assert joined.peer_id in row and "200" in row
     shoot(driver, "requests")
 
@@ -266,7 +274,7 @@ def test_console_walkthrough(browser: Any, fleet: tuple[Fleet, Router, Router]) 
     driver.find_element(By.CSS_SELECTOR, "#tabs [data-view=keys]").click()
     wait(driver, lambda d: "ci-key" in rows(d, "keys-table", "key"))
     shoot(driver, "keys")
-    driver.find_element(By.CSS_SELECTOR, "#keys-table tr[data-key='ci-key'] .revoke").click()
+    in_table(driver, "#keys-table tr[data-key='ci-key'] .revoke", lambda e: e.click())
     driver.switch_to.alert.accept()
     wait(driver, lambda d: "ci-key" not in rows(d, "keys-table", "key"))
     r = httpx.post(router.url + "/v1/chat/completions", json=body, headers=client, timeout=20)
