@@ -18,6 +18,11 @@ between its streams (exponential, mean S seconds; the same pauses direct and rou
 so that a request does not leave the instant the engine's step that ended the last
 one does.
 
+Each run's machine stalls are reported beside it: the CPU-seconds in which a process
+pinned to each CPU could not run at all (bench/stalls.py). These machines stop a CPU
+for up to seconds under a CPU vLLM's load, and a run that lost more of them than the
+run it is compared to measured the machine.
+
 `--router-cpus 1` runs the router and the agent on those CPUs only, and the load
 generator too (`--client-cpus`, the same by default): with the engine started on the
 others (`taskset -c 0 vllm serve ...`), the router and agent take no CPU from the
@@ -35,6 +40,7 @@ import platform
 import random
 import statistics
 import subprocess
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -43,6 +49,7 @@ import httpx
 import trio
 
 from bench.procs import Procs, free_port, wait_models
+from bench.stalls import Stalls
 
 
 @dataclass
@@ -51,6 +58,10 @@ class Run:
     ttft: list[float] = field(default_factory=list)
     errors: int = 0
     elapsed: float = 0.0
+    # The measured span (time.monotonic()), and the machine's stalls in it, CPU-seconds.
+    began: float = 0.0
+    ended: float = 0.0
+    stalled: float = 0.0
 
     @property
     def tokens_per_s(self) -> float:
@@ -116,6 +127,7 @@ async def load(
         # stay together). The count starts once every client runs.
         ramp = (time.perf_counter() - warm) if staggered else 0.0
         started = time.perf_counter() + ramp
+        run.began = time.monotonic() + ramp
         deadline = started + duration
 
         # The same pauses for direct and routed: one seeded sequence per client.
@@ -131,6 +143,7 @@ async def load(
             for i in range(concurrency):
                 nursery.start_soon(worker, ramp * i / concurrency, random.Random(i))
         run.elapsed = time.perf_counter() - started
+        run.ended = time.monotonic()
     return run
 
 
@@ -161,6 +174,8 @@ def main() -> None:
     levels = [int(c) for c in args.concurrency.split(",")]
     router_cpus = _cpus(args.router_cpus)
     client_cpus = _cpus(args.client_cpus) or router_cpus
+    # Every CPU watched, before this process keeps to its own.
+    stalls = Stalls(Path(tempfile.mkdtemp(prefix="bench-stalls-")))
     if client_cpus:
         os.sched_setaffinity(0, client_cpus)
     procs = Procs()
@@ -180,8 +195,11 @@ def main() -> None:
                 for_level = (level, args.duration, args.tokens, args.staggered, args.think)
                 d = trio.run(load, args.engine_url, args.model, *for_level)
                 r = trio.run(load, routed_url, args.model, *for_level)
+                for run in (d, r):
+                    run.stalled = stalls.lost(run.began, run.ended)
                 runs[level].append((d, r))
     finally:
+        stalls.close()
         procs.close()
     report([(level, *_median(pairs)) for level, pairs in runs.items()], args)
 
@@ -211,6 +229,7 @@ def report(rows: list[tuple[int, Run, Run]], args: argparse.Namespace) -> None:
                             for q, p in (("p50", 0.5), ("p99", 0.99))
                         },
                         "errors": d.errors + r.errors,
+                        "stalled_s": [round(d.stalled, 2), round(r.stalled, 2)],
                     }
                     for level, d, r in rows
                 ]
@@ -234,9 +253,9 @@ def report(rows: list[tuple[int, Run, Run]], args: argparse.Namespace) -> None:
     )
     print(
         "| streams | direct tok/s | routed tok/s | ratio | TTFT p50 direct / routed / added ms "
-        "| TTFT p99 direct / routed / added ms | errors |"
+        "| TTFT p99 direct / routed / added ms | errors | stalls s direct / routed |"
     )
-    print("|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|")
     for level, d, r in rows:
         ratio = r.tokens_per_s / d.tokens_per_s if d.tokens_per_s else float("nan")
         cells = []
@@ -245,7 +264,8 @@ def report(rows: list[tuple[int, Run, Run]], args: argparse.Namespace) -> None:
             cells.append(f"{dq:.1f} / {rq:.1f} / {rq - dq:+.1f}")
         print(
             f"| {level} | {d.tokens_per_s:.0f} | {r.tokens_per_s:.0f} | {ratio:.3f} "
-            f"| {cells[0]} | {cells[1]} | {d.errors + r.errors} |"
+            f"| {cells[0]} | {cells[1]} | {d.errors + r.errors} "
+            f"| {d.stalled:.2f} / {r.stalled:.2f} |"
         )
 
 

@@ -26,8 +26,8 @@ import httpx
 import openai
 import pytest
 
+from bench.stalls import Stalls
 from tests.fleet import Agent, Fleet, Router, wait_until
-from tests.real_engines.stalls import Stalls
 from tests.real_engines.vllm_server import SERVED, first_then_any, gauge, vllm_server
 
 MAX_NUM_SEQS = 4
@@ -150,7 +150,7 @@ def test_agents_discover_the_model_and_gate_7_reads_the_real_gauges(
         return all((r["waiting_requests"] or 0) > 0 for r in rows)
 
     # Up to three loads: one whose waiting requests went unseen while the machine
-    # stalled (tests/real_engines/stalls.py; once the first reading came 19.6 s late,
+    # stalled (bench/stalls.py; once the first reading came 19.6 s late,
     # the engine's own gauge at 0 from then on) is run again; one unseen without a
     # stall is the router's failure.
     missed = ""
@@ -517,7 +517,7 @@ def test_a_client_that_leaves_stops_the_generation(
         wrong = _left_wrong(router, routed)
         stalled = stalls.during(since, time.monotonic())
         tries.append((routed, wrong, stalled))
-        # A try that went wrong while the machine stalled (tests/real_engines/stalls.py)
+        # A try that went wrong while the machine stalled (bench/stalls.py)
         # is run again; one that went wrong without a stall is the router's failure.
         assert wrong is None or stalled, (wrong, tries, _long_turns(router))
         if wrong is None:
@@ -595,6 +595,8 @@ def test_the_real_engine_benchmark_runs(vllm_url: str) -> None:
     for row in rows:
         assert row["errors"] == 0, row
         assert row["direct_tokens_per_s"] > 0 and row["routed_tokens_per_s"] > 0, row
+        # The seconds the machine stalled in each run, direct and routed.
+        assert len(row["stalled_s"]) == 2 and min(row["stalled_s"]) >= 0, row
     # The page's other arrivals: clients spread over a stream's length, with pauses.
     argv[argv.index("--rounds") + 1] = "1"
     done = subprocess.run(

@@ -1,13 +1,13 @@
-"""The machine's own stalls, seen from outside the processes under test.
+"""The machine's own stalls, seen from outside the processes under test or measured.
 
 On the project's virtual machines a CPU stops running anything now and then, for 0.1 to
-11 s at a time, while the CPU vLLM of these checks starts and serves (and not under a
-plain CPU or memory load): a process pinned to each CPU that sleeps 10 ms at a time saw
-its wake-ups that late, and the daemons' own timestamps showed the same gaps, an agent
-reading its router's cancel 2.45 s after the router wrote it on loopback. A timing that
-a check judges is then the machine's, not the router's: the checks that judge one run
-their scenario again when it failed during such a stall, and fail at once when it
-failed without one.
+12 s at a time, while a CPU vLLM serves a load (and not under a plain CPU or memory
+load): a process pinned to each CPU that sleeps 10 ms at a time saw its wake-ups that
+late, and the daemons' own timestamps showed the same gaps, an agent reading its
+router's cancel 2.45 s after the router wrote it on loopback. A timing taken then is the
+machine's, not the router's: the real-engine checks that judge one run their scenario
+again when it failed during such a stall (tests/real_engines/test_vllm.py), and
+`bench.real_engine` reports the seconds each of its runs lost to them.
 """
 
 from __future__ import annotations
@@ -54,13 +54,25 @@ class Stalls:
             process.kill()
             process.wait(10)
 
-    def during(self, since: float, until: float, least: float = 0.25) -> list[tuple[int, float]]:
-        """(CPU, seconds) of each stall of `least` seconds or more that overlapped the
-        span from `since` to `until` (time.monotonic())."""
-        found = []
+    def _spans(self) -> list[tuple[int, float, float]]:
+        spans = []
         for cpu, path in self.paths.items():
             for line in path.read_text().splitlines():
                 began, ended = (float(x) for x in line.split())
-                if ended - began >= least and began < until and ended > since:
-                    found.append((cpu, round(ended - began, 2)))
-        return found
+                spans.append((cpu, began, ended))
+        return spans
+
+    def lost(self, since: float, until: float) -> float:
+        """CPU-seconds of stalls within the span from `since` to `until`, all CPUs."""
+        return sum(
+            max(0.0, min(ended, until) - max(began, since)) for _, began, ended in self._spans()
+        )
+
+    def during(self, since: float, until: float, least: float = 0.25) -> list[tuple[int, float]]:
+        """(CPU, seconds) of each stall of `least` seconds or more that overlapped the
+        span from `since` to `until` (time.monotonic())."""
+        return [
+            (cpu, round(ended - began, 2))
+            for cpu, began, ended in self._spans()
+            if ended - began >= least and began < until and ended > since
+        ]
