@@ -157,17 +157,14 @@ async def test_a_continued_messages_stream_counts_tokens_by_the_engines_tokenize
     assert f"sent_tokens={STALL} " in router.log()
 
 
-async def test_a_tokenizer_that_fails_leaves_the_event_count(fleet: Fleet) -> None:
-    """No engine of the model has `/tokenize` (each answers its 404): the stream is
-    still continued, counted one token per event as before, and the log says so."""
-    router = fleet.router()
+async def _continued_on_engines(fleet: Fleet, router: Router, engine: str, *sim: str) -> dict:
+    """A `/v1/messages` stream of 20 tokens at most on agents of `engine`, whose engines
+    are sims started with `sim` flags: the first stalls after STALL tokens and its agent
+    is SIGKILLed; a second agent continues. The stream's outcome, by `max_tokens`."""
     out: dict = {}
     with ExitStack() as engines:
-        urls = [
-            engines.enter_context(sim_process("--model", "m1", "--missing-route", "/tokenize"))
-            for _ in range(3)
-        ]
-        first = fleet.agent(router, "m1", "--backend-url", urls[0], engine="vllm")
+        urls = [engines.enter_context(sim_process("--model", "m1", *sim)) for _ in range(2)]
+        first = fleet.agent(router, "m1", "--backend-url", urls[0], engine=engine)
         state = {"tokens_per_event": PER_EVENT}
         for url, extra in ((urls[0], {"stall_after_tokens": STALL}), (urls[1], {})):
             await trio.to_thread.run_sync(
@@ -178,9 +175,17 @@ async def test_a_tokenizer_that_fails_leaves_the_event_count(fleet: Fleet) -> No
             held = lambda: httpx.get(urls[0] + "/sim/state").json()["in_flight"] == 1  # noqa: E731
             await trio.to_thread.run_sync(lambda: wait_until(held, 15, "the held stream"))
             await trio.to_thread.run_sync(
-                lambda: fleet.agent(router, "m1", "--backend-url", urls[1], engine="vllm")
+                lambda: fleet.agent(router, "m1", "--backend-url", urls[1], engine=engine)
             )
             await trio.to_thread.run_sync(lambda: first.stop(signal.SIGKILL))
+    return out
+
+
+async def test_a_tokenizer_that_fails_leaves_the_event_count(fleet: Fleet) -> None:
+    """No engine of the model has `/tokenize` (each answers its 404): the stream is
+    still continued, counted one token per event as before, and the log says so."""
+    router = fleet.router()
+    out = await _continued_on_engines(fleet, router, "vllm", "--missing-route", "/tokenize")
     # 12 tokens sent in 4 events, counted as 4: the continuation may write 16 more.
     assert out[20] == (_answer(28), "max_tokens", 30, 20), out[20]
     assert "stream_tokens_uncounted" in router.log()
@@ -192,26 +197,7 @@ async def test_llama_cpps_tokenizer_counts_a_continued_messages_stream(fleet: Fl
     router asks it in that form and counts the ids, so a fleet of llama.cpp agents
     holds `max_tokens` as vLLM's does."""
     router = fleet.router()
-    out: dict = {}
-    with ExitStack() as engines:
-        urls = [
-            engines.enter_context(sim_process("--model", "m1", "--kind", "llamacpp"))
-            for _ in range(2)
-        ]
-        first = fleet.agent(router, "m1", "--backend-url", urls[0], engine="llamacpp")
-        state = {"tokens_per_event": PER_EVENT}
-        for url, extra in ((urls[0], {"stall_after_tokens": STALL}), (urls[1], {})):
-            await trio.to_thread.run_sync(
-                lambda u=url, e=extra: httpx.post(u + "/sim/state", json={**state, **e})
-            )
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(_messages, router, 20, out)
-            held = lambda: httpx.get(urls[0] + "/sim/state").json()["in_flight"] == 1  # noqa: E731
-            await trio.to_thread.run_sync(lambda: wait_until(held, 15, "the held stream"))
-            await trio.to_thread.run_sync(
-                lambda: fleet.agent(router, "m1", "--backend-url", urls[1], engine="llamacpp")
-            )
-            await trio.to_thread.run_sync(lambda: first.stop(signal.SIGKILL))
+    out = await _continued_on_engines(fleet, router, "llamacpp", "--kind", "llamacpp")
     # 12 tokens sent in 4 events, counted as 12 by the engine: 8 more, not 16.
     assert out[20] == (_answer(20), "max_tokens", 30, 20), out[20]
     assert f"stream_tokens_counted tokens={STALL} events=4 " in router.log()

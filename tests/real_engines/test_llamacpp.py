@@ -21,7 +21,7 @@ import openai
 import pytest
 
 from tests.fleet import Agent, Fleet, Proc, Router, free_port, wait_until
-from tests.real_engines.vllm_server import first_then_any, gauge
+from tests.real_engines.vllm_server import first_then_any, gauge, messages_stream
 
 ALIAS = "tiny-llama"
 
@@ -288,30 +288,11 @@ def test_llama_cpps_tokenizer_counts_prompts_and_continued_messages_streams(
 
 
 def _messages_stream(router: Router, limit: int, kill: Agent, after: int) -> dict:
-    """A greedy `/v1/messages` stream through the raw SSE; `kill` is SIGKILLed once
-    `after` text deltas have arrived."""
     body = {
         "model": ALIAS,
         "messages": [{"role": "user", "content": "hello there"}],
         "max_tokens": limit,
         "temperature": 0,
         "ignore_eos": True,
-        "stream": True,
     }
-    out: dict = {"output": None, "stop": None}
-    deltas = 0
-    with httpx.stream("POST", router.url + "/v1/messages", json=body, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            event = json.loads(line[6:])
-            assert event["type"] != "error", event
-            if event["type"] == "content_block_delta":
-                deltas += 1
-                if deltas == after:
-                    kill.stop(signal.SIGKILL)
-            elif event["type"] == "message_delta":
-                out["stop"] = event["delta"].get("stop_reason")
-                out["output"] = event["usage"]["output_tokens"]
-    return out
+    return messages_stream(router.url, body, kill, after)

@@ -28,7 +28,13 @@ import pytest
 
 from bench.stalls import Stalls
 from tests.fleet import Agent, Fleet, Router, wait_until
-from tests.real_engines.vllm_server import SERVED, first_then_any, gauge, vllm_server
+from tests.real_engines.vllm_server import (
+    SERVED,
+    first_then_any,
+    gauge,
+    messages_stream,
+    vllm_server,
+)
 
 MAX_NUM_SEQS = 4
 REPORT = os.environ.get("HIVENET_REAL_ENGINES_REPORT")
@@ -370,33 +376,8 @@ def test_a_continued_messages_stream_is_counted_by_the_engines_tokenizer(
 
 
 def _messages_stream(router: Router, limit: int, kill: Agent | None, after: int = 0) -> dict:
-    """A greedy `/v1/messages` stream read through the raw SSE; `kill` is SIGKILLed
-    once `after` text deltas have arrived."""
     body = {"model": SERVED, "messages": HELLO, "max_tokens": limit, "temperature": 0}
-    out: dict = {"text": "", "input": None, "output": None, "stop": None, "times": []}
-    deltas, started = 0, time.monotonic()
-    url = router.url + "/v1/messages"
-    with httpx.stream("POST", url, json={**body, "stream": True}, timeout=120) as r:
-        assert r.status_code == 200, r.read()
-        for line in r.iter_lines():
-            if not line.startswith("data: "):
-                continue
-            event = json.loads(line[6:])
-            assert event["type"] != "error", event
-            if event["type"] == "message_start":
-                out["input"] = event["message"]["usage"]["input_tokens"]
-            elif event["type"] == "content_block_delta":
-                out["text"] += event["delta"].get("text", "")
-                deltas += 1
-                if kill is not None and deltas == after:
-                    out["times"].append(("kill", round(time.monotonic() - started, 3)))
-                    kill.stop(signal.SIGKILL)
-                    out["times"].append(("killed", round(time.monotonic() - started, 3)))
-            elif event["type"] == "message_delta":
-                out["stop"] = event["delta"].get("stop_reason")
-                out["output"] = event["usage"]["output_tokens"]
-    out["times"].append(("end", round(time.monotonic() - started, 3)))
-    return out
+    return messages_stream(router.url, body, kill, after)
 
 
 def _first_difference(a: str, b: str) -> int:

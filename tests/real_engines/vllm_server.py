@@ -10,12 +10,15 @@ the host's external address, and float32 is 2.7 times faster than bfloat16 there
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import subprocess
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -120,3 +123,34 @@ def first_then_any(folder: Path) -> str:
         "fallback_chain:\n  - name: any\n    strategy: least-loaded\n"
     )
     return str(policy)
+
+
+def messages_stream(base: str, body: dict, kill: Any | None, after: int = 0) -> dict:
+    """A `/v1/messages` stream of `body` read through the raw SSE, every event checked;
+    `kill` (an agent) is SIGKILLed once `after` text deltas have arrived. Its text,
+    input and output tokens, stop reason, and when the kill and the end came."""
+    out: dict = {"text": "", "input": None, "output": None, "stop": None, "times": []}
+    deltas, started = 0, time.monotonic()
+    with httpx.stream(
+        "POST", base + "/v1/messages", json={**body, "stream": True}, timeout=120
+    ) as r:
+        assert r.status_code == 200, r.read()
+        for line in r.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            event = json.loads(line[6:])
+            assert event["type"] != "error", event
+            if event["type"] == "message_start":
+                out["input"] = event["message"]["usage"]["input_tokens"]
+            elif event["type"] == "content_block_delta":
+                out["text"] += event["delta"].get("text", "")
+                deltas += 1
+                if kill is not None and deltas == after:
+                    out["times"].append(("kill", round(time.monotonic() - started, 3)))
+                    kill.stop(signal.SIGKILL)
+                    out["times"].append(("killed", round(time.monotonic() - started, 3)))
+            elif event["type"] == "message_delta":
+                out["stop"] = event["delta"].get("stop_reason")
+                out["output"] = event["usage"]["output_tokens"]
+    out["times"].append(("end", round(time.monotonic() - started, 3)))
+    return out
