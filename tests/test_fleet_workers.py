@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import signal
@@ -24,7 +25,7 @@ from agent.settings import AgentSettings
 from protocol.p2p import peer_id_of
 from router.cli import build_parser
 from router.fleet.shared_port import bind_shared
-from router.fleet.workers import Supervisor, worker_argv
+from router.fleet.workers import ROLL_SETTLE, Supervisor, worker_argv
 from tests.fleet import Fleet, Proc, Router, wait_until
 
 PEER_A = str(peer_id_of(create_new_key_pair()))
@@ -222,6 +223,69 @@ def test_a_stop_while_a_worker_is_being_started_reaches_that_worker(
     assert [p.signals for p in started] == [[signal.SIGTERM]]
     assert passed == [(True, True)]
     assert all(sock.fileno() == -1 for sock in listeners)  # the supervisor let go of them
+
+
+class _Ready:
+    """A worker process that says it is ready at once (`R` on its line, a copy of which
+    it keeps), and runs until `exit_at` (virtual time) or SIGTERM."""
+
+    def __init__(self, pid: int, line_fd: int, exit_at: float = math.inf) -> None:
+        self.pid = pid
+        self.line = socket.socket(fileno=os.dup(line_fd))
+        self.line.send(b"R")
+        self.exit_at = exit_at
+        self._stopped = trio.Event()
+
+    def send_signal(self, signum: int) -> None:
+        if signum == signal.SIGTERM:
+            self._stopped.set()
+
+    async def wait(self) -> int:
+        with trio.move_on_after(self.exit_at - trio.current_time()):
+            await self._stopped.wait()
+        return 0
+
+    def heard(self) -> bytes:
+        self.line.setblocking(False)
+        try:
+            return self.line.recv(64)
+        except BlockingIOError:
+            return b""
+
+
+def test_a_worker_that_exits_while_its_roll_settles_is_replaced_not_told_to_drain(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The worker being rolled dies in the quarter second between the steering and its
+    drain: it counts as rolled, and its successor, whose line it was then, is not told
+    to drain."""
+    supervisor = Supervisor(["--http-port", ":0"], bind_shared(("127.0.0.1", 0), 1))
+    started: list[_Ready] = []
+
+    async def open_process(argv: list[str], **kwargs: Any) -> _Ready:
+        line = next(
+            fd for fd in kwargs["pass_fds"] if str(fd) == argv[argv.index("--supervisor-fd") + 1]
+        )
+        # The first dies during the roll's settle (which begins at 10 s).
+        exit_at = 10 + ROLL_SETTLE / 2 if not started else math.inf
+        started.append(_Ready(1000 + len(started), line, exit_at))
+        return started[-1]
+
+    monkeypatch.setattr(trio.lowlevel, "open_process", open_process)
+
+    async def main() -> None:
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(supervisor.run)
+            await trio.sleep(10)
+            await supervisor.roll()
+            supervisor._on_signal(signal.SIGTERM)
+
+    trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert len(started) == 2, started
+    assert started[1].heard() == b"", "the successor was told to drain"
+    assert supervisor.workers[0].starts == 2
+    for process in started:
+        process.line.close()
 
 
 def _worker_pids(router: Router) -> dict[int, int]:

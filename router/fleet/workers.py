@@ -261,11 +261,14 @@ class Supervisor:
                 worker.rolling = True
                 self._serve(worker, False)
                 await trio.sleep(ROLL_SETTLE)
-                try:
-                    await worker.line.send(b"D")
-                except OSError:
-                    worker.rolling = False
-                    continue
+                # One that exited meanwhile counts as rolled (`_keep`), and its line may
+                # be its successor's by now: the successor is waited for as below.
+                if not exited.is_set():
+                    try:
+                        await worker.line.send(b"D")
+                    except OSError:
+                        worker.rolling = False
+                        continue
                 # The old one drains (its --drain-timeout bounds that), then its
                 # successor gets READY_TIMEOUT to say it is ready.
                 await exited.wait()
