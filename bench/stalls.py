@@ -1,12 +1,13 @@
 """The machine's own stalls, seen from outside the processes under test or measured.
 
-On the project's virtual machines a CPU stops running anything now and then, for 0.1 to
-12 s at a time, while a CPU vLLM serves a load (and not under a plain CPU or memory
-load): a process pinned to each CPU that sleeps 10 ms at a time saw its wake-ups that
-late, and the daemons' own timestamps showed the same gaps, an agent reading its
-router's cancel 2.45 s after the router wrote it on loopback. A timing taken then is the
-machine's, not the router's: the real-engine checks that judge one run their scenario
-again when it failed during such a stall (tests/real_engines/test_vllm.py), and
+A process pinned to each CPU sleeps 10 ms at a time and notes every wake-up later than
+0.1 s: a span in which that CPU ran other work, or nothing, and every process under test
+may have waited as long. Seen here: a CPU vLLM started in a session of its own (setsid)
+under load kept the real-engine checks' processes off both CPUs for 0.3 to 12.5 s at a
+time (the kernel's autogroup scheduling gives each session a group; an agent read its
+router's cancel 2.45 s after the router wrote it on loopback). The checks now start
+engines in their own session, and the real-engine checks that judge a time run their
+scenario again only when it went wrong during a stall (tests/real_engines/test_vllm.py);
 `bench.real_engine` reports the seconds each of its runs lost to them.
 """
 

@@ -65,10 +65,14 @@ def engine_server(
     """An engine server started from `argv`; yields its URL once `/health` answers 200
     (`seconds` at the most), stops it however the test ends."""
     # Its own process group: vLLM runs its engine core and worker as child processes,
-    # which go with it when the test ends however it ends.
+    # which go with it when the test ends however it ends. Not a session of its own: with
+    # the kernel's autogroup scheduling (on here), a CPU vLLM in its own session kept
+    # the tests' processes, router and agents included, off both CPUs for 0.3 to 12.5 s
+    # at a time under load (bench/stalls.py saw 40 s of it in one module); in the
+    # tests' session, none over 0.1 s in a whole run.
     with open(log_path, "ab") as log:
         server = subprocess.Popen(
-            argv, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            argv, env=env, stdout=log, stderr=subprocess.STDOUT, process_group=0
         )
     url = f"http://127.0.0.1:{port}"
     name = Path(argv[0]).name
