@@ -456,7 +456,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             try:
                 listeners = bind_shared(http_addr, args.workers)
             except OSError as exc:  # a port in use may be free on the next start
-                where = "%s:%d" % http_addr  # noqa: UP031 (a tuple, whole)
+                where = f"{http_addr[0]}:{http_addr[1]}"
                 print(f"hivenet-router: cannot listen on {where}: {exc}", file=sys.stderr)
                 return 1
             return trio.run(Supervisor(args.serve_argv, listeners).run)

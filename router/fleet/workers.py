@@ -6,8 +6,8 @@ and identity (`<identity-path>.worker<i>` for i > 0), its own metrics port
 (`--metrics-port` + i). They share the HTTP port: the supervisor binds one SO_REUSEPORT
 socket per worker and holds it, and steers new connections to the workers that serve
 (router/fleet/shared_port.py), so a worker being replaced resets no connection. Agents
-need only the first worker's
-address: its welcome names the others (`workers`), and the agent dials them too.
+need only the first worker's address: its welcome names the others (`workers`), and
+the agent dials them too.
 
 What is per worker: the peer table's statistics, the capacity queue and the metrics,
 as with any routers; with `--state-url` tenant counts and the configuration are
