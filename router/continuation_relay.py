@@ -126,11 +126,11 @@ class StreamContinuer:
         when the engine packs several into one (issue 48: vLLM), and the continuation's
         `max_tokens` and the spliced usage are only as right as this count. No agent
         with a tokenizer, or a failed call: the event count stands."""
+        if not sent.text:
+            return
         engines = {
             p.metadata.engine for p in self.table.for_model(req.model) if p.peer_id not in exclude
         }
-        if not sent.text:
-            return
         payload: dict
         if engines & _PROMPT_TOKENIZERS:
             tokenizers = _PROMPT_TOKENIZERS

@@ -17,6 +17,7 @@ from agent.cli import build_parser as agent_parser
 from agent.cli import upstream_values
 from router.cli import build_parser as router_parser
 from router.cli import settings_from
+from router.fleet.shared_port import bind_shared
 from tests.fleet import SECRET, VENV_BIN, free_port
 
 ROUTER = str(VENV_BIN / "hivenet-router")
@@ -158,15 +159,21 @@ def test_the_drain_and_health_flags_refuse_what_makes_no_sense(
         router_parser().parse_args(["serve", "--drain-delay", "-1s"])
     with pytest.raises(ValueError, match="--health-min-agents must be at least 0"):
         settings_from(router_parser().parse_args(["serve", "--health-min-agents", "-1"]))
-    # The supervisor's socket, which only it passes: anything else is refused at start.
+    # The supervisor's sockets, which only it passes: anything else is refused at start.
     with open(os.devnull, "rb") as not_a_socket:
         for fd in (not_a_socket.fileno(), 100_000, -1, 2**70):
-            with pytest.raises(ValueError, match="is not an open socket"):
-                settings_from(router_parser().parse_args(["serve", "--supervisor-fd", str(fd)]))
+            for flag in ("--supervisor-fd", "--listen-fd"):
+                with pytest.raises(ValueError, match="is not an open socket"):
+                    settings_from(router_parser().parse_args(["serve", flag, str(fd)]))
     a, b = socket.socketpair()
     with a, b:
         args = router_parser().parse_args(["serve", "--supervisor-fd", str(a.fileno())])
         assert settings_from(args).supervisor_fd == a.fileno()
+    # The worker's share of the HTTP port: it serves the port the supervisor bound.
+    (shared,) = bind_shared(("127.0.0.1", 0), 1)
+    with shared:
+        args = router_parser().parse_args(["serve", "--listen-fd", str(shared.fileno())])
+        assert settings_from(args).http_addr[1] == shared.getsockname()[1]
 
 
 def test_an_infinity_agent_must_name_its_capability(capsys: pytest.CaptureFixture[str]) -> None:

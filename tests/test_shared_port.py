@@ -12,6 +12,7 @@ import pytest
 import trio
 
 from router.fleet.shared_port import KERNEL_HASH, bind_shared, steer, steering_program
+from router.fleet.workers import MAX_WORKERS
 from router.http.server import HttpServer
 from tests.test_http_server import echo
 
@@ -92,9 +93,20 @@ def test_a_connection_queued_when_a_worker_closes_waits_for_its_successor() -> N
                 assert client.recv(4) == b"pong"
 
 
-def test_a_program_for_the_most_workers_fits_the_kernels_limit() -> None:
-    # BPF_MAXINSNS is 4096; 64 workers (MAX_WORKERS) need 2 * 64 + 3.
-    assert len(steering_program(list(range(64)))) == 131
+def test_the_kernel_takes_the_program_for_the_most_workers_and_keeps_their_order() -> None:
+    """64 workers (MAX_WORKERS): the kernel accepts the program for all of them (it
+    checks every program it is given), and the index it returns names the socket
+    bound in that place."""
+    socks = bind_shared(("127.0.0.1", 0), MAX_WORKERS)
+    try:
+        for sock in socks:
+            sock.setblocking(False)
+        steer(socks[0], list(range(MAX_WORKERS)))
+        steer(socks[0], [MAX_WORKERS - 1])
+        assert _spread(socks, 10) == [0] * (MAX_WORKERS - 1) + [10]
+    finally:
+        for sock in socks:
+            sock.close()
 
 
 @pytest.mark.parametrize("held_by_supervisor", [True, False], ids=["held", "own-socket"])
