@@ -219,6 +219,94 @@ async def test_redis_lost_under_a_lease_counts_locally(redis_server: RedisServer
         close([a])
 
 
+async def outage(state: TenantState, server: RedisServer) -> None:
+    """Redis dies; the router's next call fails and it counts alone."""
+    server.kill()
+    for lease in state.leases.values():
+        lease.taken = -1e9  # stale: the next admission must call
+    verdict, shared = await state.admit(Tenant("probe", max_concurrent=1), "probe")
+    assert not state.up and not shared and verdict.code is None
+    await state.release("probe", "probe", 0, shared, verdict.day)
+
+
+async def admitted_alone(
+    state: TenantState, tenant: Tenant, need: int = 0, name: str = "local"
+) -> list[str]:
+    """Admit locally until refused: the tickets admitted."""
+    tickets: list[str] = []
+    while True:
+        ticket = f"{name}-{len(tickets)}"
+        verdict, shared = await state.admit(tenant, ticket, need=need, charge=need)
+        assert not shared
+        if verdict.code is not None:
+            return tickets
+        tickets.append(ticket)
+
+
+@pytest.mark.parametrize("limit", [100, 5], ids=["leased", "exact"])
+async def test_redis_lost_counts_what_is_in_flight(redis_server: RedisServer, limit: int) -> None:
+    """Counting alone after Redis goes, the requests Redis admitted (from a lease, or by
+    an exact call) and still running count against `max_concurrent`: the router never
+    has more than the limit in flight, and each release makes room for one more."""
+    (a,) = routers(redis_server, 1)
+    tenant = Tenant("t", max_concurrent=limit)
+    try:
+        running = []
+        for i in range(3):
+            verdict, shared = await a.admit(tenant, f"x{i}")
+            assert verdict.code is None and shared
+            running.append((f"x{i}", verdict.day))
+        assert ("t" in a.leases and bool(a.leases["t"].used)) == (limit == 100)
+        await outage(a, redis_server)
+        alone = await admitted_alone(a, tenant)
+        assert len(alone) == limit - 3
+        await a.release("t", running[0][0], 0, True, running[0][1])
+        assert len(await admitted_alone(a, tenant, name="more")) == 1
+        for ticket, day in running[1:]:
+            await a.release("t", ticket, 0, True, day)
+        assert len(a.local.counts["t"].inflight) == limit - 2
+    finally:
+        close([a])
+
+
+async def test_redis_lost_starts_the_days_tokens_from_the_count_seen(
+    redis_server: RedisServer,
+) -> None:
+    """The day's tokens counted alone start from the day's count the router last saw
+    in Redis (3,000 of 10,000 spent: 7 more requests of 1,000, not 10)."""
+    (a,) = routers(redis_server, 1)
+    tenant = Tenant("t", tokens_per_day=10_000)
+    try:
+        for i in range(3):
+            verdict, shared = await a.admit(tenant, f"x{i}", need=1000, charge=1000)
+            assert verdict.code is None and shared
+            await a.release("t", f"x{i}", 0, shared, verdict.day)
+        await outage(a, redis_server)
+        assert len(await admitted_alone(a, tenant, need=1000)) == 7
+    finally:
+        close([a])
+
+
+async def test_redis_back_releases_on_its_own_counts(redis_server: RedisServer) -> None:
+    """Redis back: the requests it admitted are its again (no longer in the local
+    counts), and those admitted alone meanwhile stay in the local counts."""
+    (a,) = routers(redis_server, 1)
+    tenant = Tenant("t", max_concurrent=100)
+    try:
+        verdict, shared = await a.admit(tenant, "x")
+        await outage(a, redis_server)
+        local, _ = await a.admit(tenant, "y")
+        assert a.local.counts["t"].inflight == {"x", "y"}
+        redis_server.start()
+        a._up()
+        assert a.local.counts["t"].inflight == {"y"}
+        await a.release("t", "x", 0, shared, verdict.day)
+        await a.release("t", "y", 0, False, local.day)
+        assert not a.local.counts["t"].inflight and not a.leases["t"].used
+    finally:
+        close([a])
+
+
 async def test_top_ups_under_concurrent_load_never_pass_the_limit(
     redis_server: RedisServer,
 ) -> None:

@@ -147,6 +147,24 @@ class LocalCounters:
             # Redis before it went away) must not lend the tenant tokens.
             counts.tokens = max(0, counts.tokens + tokens)
 
+    def hold(self, tenant: str, tickets: set[str], day: str = "", used: int = 0) -> None:
+        """Redis went away: `tickets` (admitted there, still in flight) count against
+        `max_concurrent` here until released, and `day`'s count is at least `used` (the
+        day's count last seen in Redis), so a router counting alone starts from what it
+        knew, not from zero."""
+        counts = self._of(tenant)
+        counts.inflight |= tickets
+        if day and day == utc_day(self.wall()):
+            if counts.day != day:
+                counts.day, counts.tokens = day, 0
+            counts.tokens = max(counts.tokens, used)
+
+    def unhold(self, tenant: str, tickets: set[str]) -> None:
+        """Redis is back: `tickets` are counted there again (their release goes there)."""
+        counts = self.counts.get(tenant)
+        if counts is not None:
+            counts.inflight -= tickets
+
     def sweep(self) -> int:
         """Forget what a new record would hold alike: a full request bucket, a count of
         a past UTC day, a record with neither and nothing in flight. Returns how many

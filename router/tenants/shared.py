@@ -302,6 +302,11 @@ class TenantState:
         # every admission one exact call (the routers' counts as before leases).
         self.leasing = leases
         self.leases: dict[str, Lease] = {}
+        # What a router counting alone starts from when Redis goes away (`_down`): the
+        # tickets Redis admitted by an exact call and not yet released (a lease's are in
+        # its `used`), and each tenant's day's count as last seen in Redis.
+        self.exact: dict[str, set[str]] = {}
+        self.seen: dict[str, tuple[str, int]] = {}
         # This process's name on the leases it holds in Redis.
         self.holder = secrets.token_hex(8)
         # Where lease top-ups run (`watch`'s); none: no top-ups, renewals only.
@@ -346,6 +351,8 @@ class TenantState:
 
     def _up(self) -> None:
         if not self.up:
+            for name in self.leases.keys() | self.exact.keys():
+                self.local.unhold(name, self._in_flight(name))
             self.up = True
             self._said_down = False
             self.metrics.state_store_up.labels("redis").set(1)
@@ -359,10 +366,21 @@ class TenantState:
                 quote(_safe(self.url)),
                 quote(state_url.reason(exc)),
             )
+        if self.up:
+            # Counting alone from here: this router's requests in flight count against
+            # `max_concurrent`, and the day's tokens start from the count last seen.
+            for name in self.leases.keys() | self.exact.keys() | self.seen.keys():
+                day, used = self.seen.get(name, ("", 0))
+                self.local.hold(name, self._in_flight(name), day, used)
         self.up = False
         self.metrics.state_store_up.labels("redis").set(0)
         for lease in self.leases.values():
             lease.forfeit()
+
+    def _in_flight(self, name: str) -> set[str]:
+        """`name`'s tickets that Redis admitted and this router has not released."""
+        lease = self.leases.get(name)
+        return (lease.used if lease is not None else set()) | self.exact.get(name, set())
 
     async def admit(
         self, tenant: Tenant, ticket_id: str, need: int = 0, charge: int = 0
@@ -436,9 +454,11 @@ class TenantState:
         if lease is None or ticket_id not in lease.used:
             return False
         lease.used.discard(ticket_id)
-        if lease.limits[2] and self.up:
+        if not self.up:
+            return False  # counted alone meanwhile: `release` frees it there
+        if lease.limits[2]:
             lease.free += 1  # still held in Redis: the next request's
-        if tokens and (day != lease.day or not self.up):
+        if tokens and day != lease.day:
             return False  # the slot is back; the tokens go to their day's count
         lease.allowance -= tokens
         return True
@@ -450,6 +470,11 @@ class TenantState:
         admission charged, `Verdict.day`)."""
         if self.release_now(tenant, ticket_id, tokens, shared, day):
             return
+        exact = self.exact.get(tenant)
+        if exact is not None:
+            exact.discard(ticket_id)
+            if not exact:
+                del self.exact[tenant]
         if self.up:
             try:
                 await self._release_shared(tenant, ticket_id, tokens, day)
@@ -533,6 +558,10 @@ class TenantState:
             if lease is not None:
                 self._settled(tenant.name, lease)
         requests, tokens, granted, allowance, counter = (int(v) for v in left)
+        if quota:
+            self.seen[tenant.name] = (day, counter)
+        if maxc and not code and not (lease is not None and granted):
+            self.exact.setdefault(tenant.name, set()).add(ticket_id)
         if lease is not None:
             lease.limits = (rpm, tenant.burst, maxc, quota)
             lease.day, lease.counter, lease.granted = day, counter, granted
@@ -613,6 +642,7 @@ class TenantState:
         lease.free += granted if maxc else 0
         lease.allowance += allowance
         lease.counter = counter
+        self.seen[name] = (day, counter)
         lease.bucket = max(0, requests - granted)
         # Not `taken`: what a lease holds still goes back LEASE_TTL after its last
         # renewal, whatever was added since.
