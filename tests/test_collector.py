@@ -4,6 +4,7 @@ survives each short tick out of the next passes (protocol/collector.py)."""
 from __future__ import annotations
 
 import gc
+import os
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
@@ -12,7 +13,7 @@ import pytest
 import trio
 
 from agent import cli as agent_cli
-from protocol.collector import YOUNG_THRESHOLD, Freezer, tune_collector
+from protocol.collector import YOUNG_THRESHOLD, Freezer, resident_pages, tune_collector
 from router import cli as router_cli
 
 ROUTER_ADDR = "/ip4/127.0.0.1/tcp/9/p2p/12D3KooWGQaEXi5zdK6sv4u1rjM8EQrfH3GnjJb8GrmyrXrU2yZ8"
@@ -171,3 +172,18 @@ def test_frozen_cycles_wait_for_the_memory_to_grow_a_quarter(unfrozen: None) -> 
     assert dead() is None
     assert freezer.complete_passes == 2 and freezer.baseline == 1251
     assert gc.get_freeze_count() > 0
+
+
+def test_the_memory_in_use_is_the_resident_pages_and_grows_with_it() -> None:
+    """The ticks' measure of memory (read every 0.5 s, so it must be cheap: not the
+    allocator's walk of its pools) is the process's resident pages, and it grows by
+    what is allocated and touched."""
+    before = resident_pages()
+    page = os.sysconf("SC_PAGE_SIZE")
+    held = bytearray(64 * 1024 * 1024)  # zeroed: every page touched
+    try:
+        grown = resident_pages() - before
+    finally:
+        del held
+    assert grown * page >= 48 * 1024 * 1024, (before, grown)
+    assert Freezer()._in_use is resident_pages
