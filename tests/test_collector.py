@@ -187,3 +187,14 @@ def test_the_memory_in_use_is_the_resident_pages_and_grows_with_it() -> None:
         del held
     assert grown * page >= 48 * 1024 * 1024, (before, grown)
     assert Freezer()._in_use is resident_pages
+
+
+def test_without_proc_the_memory_in_use_is_the_allocators_blocks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def no_proc(path: str, flags: int) -> int:
+        raise FileNotFoundError(path)
+
+    monkeypatch.setattr(os, "open", no_proc)
+    monkeypatch.setattr("sys.getallocatedblocks", lambda: 4242)
+    assert resident_pages() == 4242
