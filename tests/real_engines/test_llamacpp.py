@@ -142,18 +142,21 @@ def _agent(fleet: Fleet, router: Router, url: str, region: str = "any") -> Agent
     )
 
 
-def _stream(router: Router, limit: int, kill: Agent | None = None, after: int = 0) -> dict:
-    """A greedy chat stream through the raw SSE, every event checked; `kill` is
-    SIGKILLed once `after` content events have arrived."""
-    body = {
+def _greedy(limit: int) -> dict:
+    """The body both APIs' checks send: `limit` greedy tokens, the end of text ignored."""
+    return {
         "model": ALIAS,
         "messages": [{"role": "user", "content": "hello there"}],
         "max_tokens": limit,
         "temperature": 0,
         "ignore_eos": True,
-        "stream": True,
-        "stream_options": {"include_usage": True},
     }
+
+
+def _stream(router: Router, limit: int, kill: Agent | None = None, after: int = 0) -> dict:
+    """A greedy chat stream through the raw SSE, every event checked; `kill` is
+    SIGKILLed once `after` content events have arrived."""
+    body = {**_greedy(limit), "stream": True, "stream_options": {"include_usage": True}}
     out: dict = {"text": "", "finish": None, "usage": None, "done": 0}
     content = 0
     url = router.url + "/v1/chat/completions"
@@ -296,11 +299,4 @@ def test_llama_cpps_tokenizer_counts_prompts_and_continued_messages_streams(
 
 
 def _messages_stream(router: Router, limit: int, kill: Agent, after: int) -> dict:
-    body = {
-        "model": ALIAS,
-        "messages": [{"role": "user", "content": "hello there"}],
-        "max_tokens": limit,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
-    return messages_stream(router.url, body, kill, after)
+    return messages_stream(router.url, _greedy(limit), kill, after)
