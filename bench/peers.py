@@ -10,6 +10,8 @@ ignored), made on first use or by `--setup`; never in the product's dependencies
 A peer that cannot be installed or started here gets a row that says why.
 `trio-relays` is no router: two bare byte relays on trio in series (bench/relay.py),
 the floor under hivenet's two Python processes, router and agent, in one's path.
+`trio-floor` is no router either: a router and an agent of hivenet's shape that only
+carry requests (bench/floor.py), the least such a pair on trio spends per request.
 
 "Router CPU" is the CPU seconds of the router's process tree per 1,000 requests;
 hivenet's agent, a hop the others do not have, is shown beside its router.
@@ -49,7 +51,7 @@ PEER_PACKAGES = {
 }
 INSTALL_TIMEOUT = 600.0
 # Peers made here, with nothing to install.
-LOCAL_PEERS = ("trio-relays",)
+LOCAL_PEERS = ("trio-relays", "trio-floor")
 LITELLM_KEY = "sk-bench-0123456789abcdef"
 
 
@@ -182,6 +184,16 @@ def start_trio_relays(procs: Procs, engine: int) -> Target:
     target = started(procs, "relay-outer", Target("trio-relays", outer), second, "/health")
     if not target.missing:
         target.procs += tree(first)
+    return target
+
+
+def start_trio_floor(procs: Procs, engine: int) -> Target:
+    link, outer = free_port(), free_port()
+    floor = [sys.executable, "-m", "bench.floor"]
+    agent = procs.spawn("floor-agent", [*floor, "agent", str(link), str(engine)])
+    router = procs.spawn("floor-router", [*floor, "router", str(outer), str(link)])
+    target = started(procs, "floor-router", Target("trio-floor", outer), router, "/health")
+    target.agent = psutil.Process(agent.pid)
     return target
 
 
@@ -343,6 +355,22 @@ def issue_checks(rounds: list[list[Cell]], busy: int = 64) -> list[Check]:
                         hive.agent_cpu_per_1k / hive.cpu_per_1k,
                         0.7 if stream else 0.5,
                     )
+            floor = got.get(("trio-floor", stream, busy))
+            if floor and floor.cpu_per_1k and floor.agent_cpu_per_1k and peer and peer.cpu_per_1k:
+                # Items 3 and 4 together: an agent within 0.5x (0.7x) of a router that
+                # spends at most vllm-router's. The floor's agent, which only carries
+                # requests, shows whether an agent of this shape on trio can.
+                add(
+                    f"trio-floor agent CPU / vllm-router's, {mode}, {busy} clients "
+                    "(the least an agent on trio spends; items 3 and 4 together need this)",
+                    floor.agent_cpu_per_1k / peer.cpu_per_1k,
+                    0.7 if stream else 0.5,
+                )
+                add(
+                    f"trio-floor router CPU / vllm-router's, {mode}, {busy} clients (the floor)",
+                    floor.cpu_per_1k / peer.cpu_per_1k,
+                    1.0,
+                )
             if hive and direct:
                 add(
                     f"routed/direct req/s, {mode}, {busy} clients",
@@ -407,6 +435,7 @@ def main() -> None:
             "litellm": start_litellm,
             "vllm-router": start_vllm_router,
             "trio-relays": start_trio_relays,
+            "trio-floor": start_trio_floor,
         }
         for name in chosen:
             targets.append(starters[name](procs, engine))

@@ -86,3 +86,21 @@ def test_no_targets_without_vllm_router() -> None:
     names = {c.name for c in issue_checks([cells])}
     assert not any("vllm-router" in name for name in names)
     assert "agent CPU / router's, streaming, 64 clients" in names
+
+
+def test_the_floors_agent_is_judged_against_vllm_routers_cpu() -> None:
+    # Items 3 and 4 hold together only where an agent can spend at most 0.5x (whole)
+    # or 0.7x (streams) of vllm-router's CPU: the floor's agent shows whether one can.
+    cells = one_round(1.0, 0.3)
+    for stream, agent in ((False, 0.12), (True, 0.13)):
+        floor = cell("trio-floor", stream, 64, 70.0, 900, 0.1)
+        floor.agent_cpu_per_1k = agent
+        cells.append(floor)
+    checks = {c.name.split(" (")[0]: c for c in issue_checks([cells])}
+    whole = checks["trio-floor agent CPU / vllm-router's, non-streaming, 64 clients"]
+    assert whole.bound == 0.5 and [round(v, 2) for v in whole.values] == [0.6]
+    assert "NOT met" in whole.line()
+    streamed = checks["trio-floor agent CPU / vllm-router's, streaming, 64 clients"]
+    assert streamed.bound == 0.7 and [round(v, 2) for v in streamed.values] == [0.65]
+    assert "met, in 1 of 1" in streamed.line()
+    assert checks["trio-floor router CPU / vllm-router's, streaming, 64 clients"].bound == 1.0
