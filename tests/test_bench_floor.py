@@ -4,6 +4,9 @@ whole and streamed, so that `bench.peers --peers trio-floor` measures a working 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
+from pathlib import Path
 
 import httpx
 import trio
@@ -43,3 +46,21 @@ def test_the_floor_carries_whole_and_streamed_answers() -> None:
         )
     finally:
         procs.close()
+
+
+def test_bench_peers_runs_the_floor_beside_hivenet() -> None:
+    # The documented command, shortened: every cell of the floor has figures.
+    argv = [sys.executable, "-m", "bench.peers", "--duration", "0.4", "--concurrency", "2"]
+    out = subprocess.run(
+        [*argv, "--peers", "trio-floor"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=True,
+        cwd=Path(__file__).parents[1],
+    ).stdout
+    rows = [line for line in out.splitlines() if "| trio-floor |" in line]
+    assert len(rows) == 2, out  # whole and streamed
+    for row in rows:
+        cpu = row.rstrip(" |").rsplit("|", 1)[1]
+        assert "(+ agent " in cpu, row
