@@ -9,7 +9,7 @@ from functools import partial
 
 import trio
 
-from agent import engine_http
+from agent import chat_template, engine_http
 from agent.answers import MalformedAnswer, SSEChecker, check_json_answer, is_event_stream
 from agent.engine_http import (
     EngineBrokeOff,
@@ -94,9 +94,10 @@ async def _forward(
     cancelled: trio.Cancelled | None = None
     try:
         try:
-            response = await engine.send(
-                msg["method"], msg["path"], headers, tap.body if tap else msg["body"], limits
-            )
+            body = tap.body if tap else msg["body"]
+            if chat_template.wanted(msg, engine.kind):
+                body = await chat_template.templated(engine, body, limits)
+            response = await engine.send(msg["method"], msg["path"], headers, body, limits)
             span.set("http.response.status_code", response.status)
             await _relay(engine, response, msg, tap, send, limits, whole, missing)
         except trio.Cancelled as exc:

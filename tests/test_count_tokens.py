@@ -80,7 +80,7 @@ async def test_sglang_alone_gets_the_text() -> None:
     assert json.loads(req.body) == {"model": "m", "prompt": "hi"}
 
 
-async def test_llamacpp_gets_the_text_as_content_after_sglang() -> None:
+async def test_llamacpp_gets_the_text_as_content_and_the_conversation_after_sglang() -> None:
     chat = {"model": "m", "messages": [{"role": "user", "content": "hi"}]}
     req = request()
     to_tokenize(req, chat, [make_peer("A", engine="llamacpp"), make_peer("B", engine="sglang")])
@@ -88,7 +88,22 @@ async def test_llamacpp_gets_the_text_as_content_after_sglang() -> None:
     req = request()
     to_tokenize(req, chat, [make_peer("A", engine="llamacpp"), make_peer("B", engine="ollama")])
     assert req.engines == {"llamacpp"}
-    assert json.loads(req.body) == {"content": "hi", "add_special": True}
+    # The text for an agent that sends it as it is; the conversation for one that has
+    # the engine template it first (agent/chat_template.py).
+    assert json.loads(req.body) == {
+        "content": "hi",
+        "add_special": True,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    tool = {"name": "f", "input_schema": {"type": "object"}}
+    to_tokenize(
+        req, {**chat, "system": "be brief", "tools": [tool]}, [make_peer("A", engine="llamacpp")]
+    )
+    body = json.loads(req.body)
+    assert body["messages"][0] == {"role": "system", "content": "be brief"}
+    assert body["tools"] == [
+        {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}
+    ]
 
 
 async def test_no_tokenizer_engine_is_refused_naming_the_engines() -> None:

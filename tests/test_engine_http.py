@@ -1189,3 +1189,87 @@ async def test_a_lone_stream_reads_for_itself_and_concurrent_ones_join_the_pump(
     for frames in sent:
         assert [f["type"] for f in frames] == [m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END]
         assert frames[1]["data"] == event
+
+
+# --- llama.cpp's count with its chat template (agent/chat_template.py) ---------------
+
+
+def _llama_server(template: bool | bytes) -> Handler:
+    """llama-server's two endpoints, as it answers them (`/apply-template` only where
+    `template`: older builds answer 404; bytes: what a broken one answers instead)."""
+
+    async def handler(conn: Conn) -> None:
+        buf = bytearray()
+        while await read_request(conn, buf):
+            request = conn.engine.requests[-1]
+            path = request.split(b" ")[1]
+            payload = json.loads(request.split(b"\r\n\r\n", 1)[1])
+            if path == b"/apply-template" and isinstance(template, bytes):
+                await conn.send_all(json_answer(template))
+            elif path == b"/apply-template" and template:
+                turns = "".join(f"<|{t['role']}|>{t['content']}\n" for t in payload["messages"])
+                tools = "".join(
+                    f"<|tool|>{t['function']['name']}\n" for t in payload.get("tools", [])
+                )
+                answer = json.dumps({"prompt": tools + turns + "<|assistant|>"}).encode()
+                await conn.send_all(json_answer(answer))
+            elif path == b"/tokenize":
+                ids = list(range(len(payload["content"].split()) + payload["add_special"]))
+                await conn.send_all(json_answer(json.dumps({"tokens": ids}).encode()))
+            else:
+                await conn.send_all(b"HTTP/1.1 404 Not Found\r\ncontent-length: 0\r\n\r\n")
+
+    return handler
+
+
+def _count(body: dict) -> dict:
+    return m.request(7, "POST", "/tokenize", {}, json.dumps(body).encode(), False)
+
+
+_CONVERSATION = {
+    "content": "be brief\nhello there",
+    "add_special": True,
+    "messages": [
+        {"role": "system", "content": "be brief"},
+        {"role": "user", "content": "hello there"},
+    ],
+}
+
+
+@pytest.mark.parametrize(
+    "template",
+    [True, False, b'{"prompt": 12}', b"not json"],
+    ids=["templated", "older-server", "no-prompt", "junk"],
+)
+async def test_llamacpp_counts_the_conversation_as_its_template_makes_it(
+    serve: Callable, template: bool | bytes
+) -> None:
+    engine = await serve(_llama_server(template))
+    async with pool(engine) as p:
+        p.kind = "llamacpp"
+        sent = await run(p, _count(_CONVERSATION))
+    paths = [r.split(b" ")[1] for r in engine.requests]
+    assert paths == [b"/apply-template", b"/tokenize"]
+    asked = json.loads(engine.requests[0].split(b"\r\n\r\n", 1)[1])
+    assert asked == {"messages": _CONVERSATION["messages"]}
+    tokenized = json.loads(engine.requests[1].split(b"\r\n\r\n", 1)[1])
+    if template is True:
+        prompt = "<|system|>be brief\n<|user|>hello there\n<|assistant|>"
+        assert tokenized == {"content": prompt, "add_special": True}
+    else:  # the text alone, as the router wrote it
+        assert tokenized == {"content": "be brief\nhello there", "add_special": True}
+    assert [f["type"] for f in sent] == [m.RESPONSE_HEAD, m.RESPONSE_CHUNK, m.RESPONSE_END]
+    words = len(tokenized["content"].split())
+    assert json.loads(sent[1]["data"]) == {"tokens": list(range(words + 1))}
+
+
+async def test_a_text_count_or_another_engine_is_not_templated(serve: Callable) -> None:
+    engine = await serve(_llama_server(True))
+    async with pool(engine) as p:
+        p.kind = "llamacpp"
+        # A continuation's count of the text sent (router/continuation_relay.py).
+        await run(p, _count({"content": "some text", "add_special": True}))
+        p.kind = "sglang"
+        await run(p, _count(_CONVERSATION))
+    assert [r.split(b" ")[1] for r in engine.requests] == [b"/tokenize", b"/tokenize"]
+    assert json.loads(engine.requests[1].split(b"\r\n\r\n", 1)[1]) == _CONVERSATION

@@ -3,8 +3,9 @@
 The request is routed like any other (policy steps, gates, slots, queue) to an agent
 of the model whose engine tokenizes over HTTP: vLLM's `/tokenize` takes the chat and
 applies the model's chat template, so its count is what the prompt costs; SGLang's
-takes text only, so its count leaves out the template's few tokens, and so does
-llama.cpp's, which takes it as `content` and answers the token ids without a count.
+takes text only, so its count leaves out the template's few tokens; llama.cpp's takes
+text as `content` and answers the token ids without a count, and its agent first has
+the engine's `/apply-template` make the conversation its prompt, template included.
 Agents of vLLM (and the simulated engine, which speaks vLLM's API) are preferred when
 the model has any, then SGLang's, then llama.cpp's; the engine's `{"count": N, ...}`
 (or its `tokens`, counted) becomes Anthropic's `{"input_tokens": N}`.
@@ -56,7 +57,12 @@ def to_tokenize(req: RouteRequest, payload: dict, pool: Sequence[Peer]) -> None:
         req.engines = TEXT_TOKENIZERS
     elif engines & CONTENT_TOKENIZERS:
         # The beginning-of-text token counted too, as the engine adds it to a prompt.
-        body = {"content": _joined(messages, tools), "add_special": True}
+        # The conversation goes beside the text: the agent has llama-server template
+        # it first (agent/chat_template.py); the engine ignores it, and so an agent
+        # without that step counts the text.
+        body = {"content": _joined(messages, tools), "add_special": True, "messages": messages}
+        if tools:
+            body["tools"] = tools
         req.engines = CONTENT_TOKENIZERS
     else:
         known = ", ".join(sorted(TOKENIZERS))

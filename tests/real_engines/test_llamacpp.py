@@ -273,18 +273,28 @@ def test_llama_cpps_tokenizer_counts_prompts_and_continued_messages_streams(
     fleet: Fleet, llama_url: str, tmp_path: Path
 ) -> None:
     """llama-server's `/tokenize` takes `content` and answers the ids: count_tokens is
-    its count of the conversation's text, and a `/v1/messages` stream (no running
-    count in its events) whose agent is SIGKILLed is counted by it before it is
-    continued, so `max_tokens` holds."""
+    its count of the conversation as its own `/apply-template` makes it the prompt,
+    what a chat request of it is billed (`prompt_tokens`), and a `/v1/messages` stream
+    (no running count in its events) whose agent is SIGKILLed is counted by it before
+    it is continued, so `max_tokens` holds."""
     router = fleet.router("--policy-file", first_then_any(tmp_path))
     _agent(fleet, router, llama_url, "second")
     claude = anthropic.Anthropic(base_url=router.url, api_key="unused", max_retries=0)
     hello = [{"role": "user", "content": "hello there"}]
-    counted = claude.messages.count_tokens(model=ALIAS, messages=hello).input_tokens
-    own = httpx.post(
-        llama_url + "/tokenize", json={"content": "hello there", "add_special": True}, timeout=10
+    counted = claude.messages.count_tokens(
+        model=ALIAS, system="be brief", messages=hello
+    ).input_tokens
+    chat = [{"role": "system", "content": "be brief"}, *hello]
+    billed = httpx.post(
+        llama_url + "/v1/chat/completions", json={"messages": chat, "max_tokens": 1}, timeout=30
+    ).json()["usage"]["prompt_tokens"]
+    text = httpx.post(
+        llama_url + "/tokenize",
+        json={"content": "be brief\nhello there", "add_special": True},
+        timeout=10,
     ).json()["tokens"]
-    assert counted == len(own) > 0, (counted, own)
+    # The template's tokens are counted: more than the text's alone.
+    assert counted == billed > len(text), (counted, billed, text)
     limit = 300
     runs = _killed(
         fleet, router, llama_url, lambda kill, after: _messages_stream(router, limit, kill, after)
