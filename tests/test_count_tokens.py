@@ -8,6 +8,8 @@ from typing import Any
 import pytest
 
 from protocol.errors import ErrorCode, RouterError
+from protocol.frames import MAX_FRAME_BYTES
+from router.http import count_tokens
 from router.http.count_tokens import input_tokens, to_tokenize
 from tests.test_session import make_peer, request
 
@@ -143,3 +145,18 @@ def test_the_engine_count_becomes_input_tokens() -> None:
             input_tokens(bad)
         assert caught.value.code == ErrorCode.BACKEND_ERROR
         assert caught.value.source == "backend"
+
+
+async def test_a_conversation_too_large_to_go_twice_is_counted_as_text(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The text and the conversation in one frame: past the bound, the text alone.
+    assert count_tokens.MAX_TEMPLATED_BYTES < MAX_FRAME_BYTES
+    chat = {"model": "m", "messages": [{"role": "user", "content": "eleven char"}]}
+    monkeypatch.setattr(count_tokens, "MAX_TEMPLATED_BYTES", 97)  # this body's length
+    req = request()
+    to_tokenize(req, chat, [make_peer("A", engine="llamacpp")])
+    assert "messages" in json.loads(req.body)
+    monkeypatch.setattr(count_tokens, "MAX_TEMPLATED_BYTES", 96)
+    to_tokenize(req, chat, [make_peer("A", engine="llamacpp")])
+    assert json.loads(req.body) == {"content": "eleven char", "add_special": True}

@@ -18,6 +18,7 @@ import logging
 from collections.abc import Sequence
 
 from protocol.errors import ErrorCode, RouterError
+from protocol.frames import MAX_FRAME_BYTES
 from protocol.logs import quote
 from router.link import AgentResponse, StreamBroken
 from router.peers import Peer
@@ -35,6 +36,10 @@ TEXT_TOKENIZERS = frozenset({"sglang"})
 # (llama.cpp's llama-server).
 CONTENT_TOKENIZERS = frozenset({"llamacpp"})
 TOKENIZERS = CHAT_TOKENIZERS | TEXT_TOKENIZERS | CONTENT_TOKENIZERS
+# llama.cpp's count carries the conversation beside its text (its agent has the engine
+# template it): a body up to half a link frame (16 MiB), headers and all well within
+# it. Past it, a conversation of a million tokens or more, the text alone is counted.
+MAX_TEMPLATED_BYTES = MAX_FRAME_BYTES // 2
 
 
 def to_tokenize(req: RouteRequest, payload: dict, pool: Sequence[Peer]) -> None:
@@ -48,21 +53,16 @@ def to_tokenize(req: RouteRequest, payload: dict, pool: Sequence[Peer]) -> None:
     tools = _tools(payload.get("tools"))
     if engines & CHAT_TOKENIZERS or not pool:
         # No agent at all: routing answers model_not_found, as for any endpoint.
-        body: dict = {"model": req.model, "messages": messages}
+        chat: dict = {"model": req.model, "messages": messages}
         if tools:
-            body["tools"] = tools
+            chat["tools"] = tools
+        body = _encoded(chat)
         req.engines = CHAT_TOKENIZERS
     elif engines & TEXT_TOKENIZERS:
-        body = {"model": req.model, "prompt": _joined(messages, tools)}
+        body = _encoded({"model": req.model, "prompt": _joined(messages, tools)})
         req.engines = TEXT_TOKENIZERS
     elif engines & CONTENT_TOKENIZERS:
-        # The beginning-of-text token counted too, as the engine adds it to a prompt.
-        # The conversation goes beside the text: the agent has llama-server template
-        # it first (agent/chat_template.py); the engine ignores it, and so an agent
-        # without that step counts the text.
-        body = {"content": _joined(messages, tools), "add_special": True, "messages": messages}
-        if tools:
-            body["tools"] = tools
+        body = _content(messages, tools)
         req.engines = CONTENT_TOKENIZERS
     else:
         known = ", ".join(sorted(TOKENIZERS))
@@ -72,8 +72,27 @@ def to_tokenize(req: RouteRequest, payload: dict, pool: Sequence[Peer]) -> None:
             f" model {req.model!r} is served by: {', '.join(sorted(engines))}",
         )
     req.path = TOKENIZE_PATH
-    req.body = json.dumps(body, separators=(",", ":")).encode()
+    req.body = body
     req.stream = False
+
+
+def _content(messages: list[dict], tools: list[dict]) -> bytes:
+    """llama.cpp's body: the text as `content`, with the beginning-of-text token counted
+    as the engine adds it to a prompt; and the conversation beside it, which the agent
+    has the engine template first (agent/chat_template.py; the engine ignores it, and
+    so an agent without that step counts the text), where both fit the link's frame."""
+    text = _joined(messages, tools)
+    body: dict = {"content": text, "add_special": True, "messages": messages}
+    if tools:
+        body["tools"] = tools
+    encoded = _encoded(body)
+    if len(encoded) <= MAX_TEMPLATED_BYTES:
+        return encoded
+    return _encoded({"content": text, "add_special": True})
+
+
+def _encoded(body: dict) -> bytes:
+    return json.dumps(body, separators=(",", ":")).encode()
 
 
 async def answer(req: RouteRequest, response: AgentResponse) -> dict | RouterError:
