@@ -4,13 +4,15 @@ carry requests, in the shape hivenet carries them.
     python -m bench.floor router LISTEN_PORT AGENT_PORT
     python -m bench.floor agent LISTEN_PORT ENGINE_PORT
 
-The router reads each client's HTTP/1.1 requests (httptools, keep-alive), reads the
-JSON body's `model` (the least any router must parse), and forwards the request as one
-msgpack frame over a single TCP connection to the agent; the agent sends it to the
-engine over a pool of keep-alive connections and returns the answer's head, body parts
-and end as frames, which the router writes to the client (whole with a
-content-length, or streamed chunked). Frames to the other daemon are written once per
-turn of trio's loop, as hivenet's link writes them. No policy, gates, slots, metrics,
+The router reads each client's HTTP/1.1 requests (httptools, keep-alive, a task per
+connection), reads the JSON body's `model` and `stream` (the least any router must
+parse), and forwards the request as one msgpack frame over a single TCP connection to
+the agent; the agent sends it to the engine over a pool of keep-alive connections and
+returns the answer's head, body parts and end as frames, which the router writes to
+the client (whole with a content-length, or streamed chunked). The agent has no task
+per request: its link reader sends each request at once, and one task reads every
+engine socket that has bytes. Frames to the other daemon are written once per turn of
+trio's loop, as hivenet's link writes them. No policy, gates, slots, metrics,
 logs, encryption or multiplexer: what is left is trio, the sockets, HTTP parsing and
 framing, so its CPU per request is the least a router of this shape on trio can spend.
 `python -m bench.peers --peers trio-floor` starts the pair in front of the engine.
@@ -137,11 +139,37 @@ async def send_all(sock: socket.socket, data: bytes) -> None:
 
 
 class Waiter:
-    __slots__ = ("parts", "task")
+    """A client's task waiting for its answer's frames; the link's reader wakes it."""
+
+    __slots__ = ("parked", "parts", "task")
 
     def __init__(self) -> None:
         self.parts: list[list] = []
         self.task = trio.lowlevel.current_task()
+        # Waiting for frames (not writing to its client): only then may it be woken.
+        self.parked = False
+
+
+class Requests:
+    """httptools' callbacks: the requests read whole so far, as (url, headers, body)."""
+
+    def __init__(self) -> None:
+        self.whole: list[tuple[bytes, list[tuple[bytes, bytes]], bytes]] = []
+        self.url = b""
+        self.headers: list[tuple[bytes, bytes]] = []
+        self.body: list[bytes] = []
+
+    def on_url(self, url: bytes) -> None:
+        self.url, self.headers, self.body = url, [], []
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name, value))
+
+    def on_body(self, body: bytes) -> None:
+        self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.whole.append((self.url, self.headers, b"".join(self.body)))
 
 
 async def router(listen: int, agent_port: int) -> None:
@@ -163,38 +191,22 @@ async def router(listen: int, agent_port: int) -> None:
                 waiter = waiting.get(frame[0])
                 if waiter is not None:
                     waiter.parts.append(frame)
-                    if len(waiter.parts) == 1:
+                    if waiter.parked:
+                        waiter.parked = False
                         trio.lowlevel.reschedule(waiter.task)
 
     async def client(stream: trio.SocketStream) -> None:
         sock = stream.socket._sock  # type: ignore[attr-defined]
-        requests: list[tuple[bytes, list, bytes]] = []
-        state: dict = {}
-
-        class Parser:
-            def on_url(self, url: bytes) -> None:
-                state["url"] = url
-                state["headers"] = []
-                state["body"] = []
-
-            def on_header(self, name: bytes, value: bytes) -> None:
-                state["headers"].append((name, value))
-
-            def on_body(self, body: bytes) -> None:
-                state["body"].append(body)
-
-            def on_message_complete(self) -> None:
-                requests.append((state["url"], state["headers"], b"".join(state["body"])))
-
-        parser = httptools.HttpRequestParser(Parser())
+        requests = Requests()
+        parser = httptools.HttpRequestParser(requests)
         async with stream:
             while True:
                 data = await read_some(sock)
                 if not data:
                     return
                 parser.feed_data(data)
-                while requests:
-                    url, _headers, body = requests.pop(0)
+                while requests.whole:
+                    url, _headers, body = requests.whole.pop(0)
                     if url == b"/health":
                         await send_all(sock, b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
                         continue
@@ -211,6 +223,7 @@ async def router(listen: int, agent_port: int) -> None:
         streamed = False
         while True:
             if not waiter.parts:
+                waiter.parked = True
                 await trio.lowlevel.wait_task_rescheduled(lambda _: trio.lowlevel.Abort.SUCCEEDED)
             parts, waiter.parts = waiter.parts, []
             out = []
