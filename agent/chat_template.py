@@ -11,7 +11,7 @@ test suite's model, tests/real_engines/test_llamacpp.py).
 The router sends a count's `/tokenize` body with the text and the conversation both
 (router/http/count_tokens.py): `content` for an agent or engine that knows nothing of
 this (llama-server ignores the other fields), `messages` and `tools` for this step. A
-server without `/apply-template` (builds before 2025), or one that refuses the
+server without `/apply-template` (an older build), or one that refuses the
 conversation, gets the text as before.
 """
 
