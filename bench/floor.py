@@ -30,6 +30,8 @@ import msgpack
 import msgspec
 import trio
 
+from protocol.sockets import stdlib_socket
+
 HEAD, BODY, END = 0, 1, 2
 
 
@@ -118,6 +120,13 @@ class FlushAtBatchEnd(trio.abc.Instrument):
             f.flush()
 
 
+def raw(stream: object) -> socket.socket:
+    """The plain socket under a trio TCP stream, read and written directly."""
+    sock = stdlib_socket(stream)
+    assert sock is not None, "a plain TCP stream"
+    return sock
+
+
 async def read_some(sock: socket.socket) -> bytes:
     while True:
         try:
@@ -180,7 +189,7 @@ async def router(listen: int, agent_port: int) -> None:
             break
         except OSError:
             await trio.sleep(0.05)
-    link = Frames(stream.socket._sock)  # type: ignore[attr-defined]
+    link = Frames(raw(stream))
     trio.lowlevel.add_instrument(FlushAtBatchEnd([link]))
     waiting: dict[int, Waiter] = {}
     ids = iter(range(1, 1 << 62))
@@ -196,7 +205,7 @@ async def router(listen: int, agent_port: int) -> None:
                         trio.lowlevel.reschedule(waiter.task)
 
     async def client(stream: trio.SocketStream) -> None:
-        sock = stream.socket._sock  # type: ignore[attr-defined]
+        sock = raw(stream)
         requests = Requests()
         parser = httptools.HttpRequestParser(requests)
         async with stream:
@@ -307,7 +316,7 @@ async def agent(listen: int, engine_port: int) -> None:
     its own, feeding each answer's parser, whose callbacks queue the frames."""
     listener = (await trio.open_tcp_listeners(listen, host="127.0.0.1"))[0]
     accepted = await listener.accept()
-    link = Frames(accepted.socket._sock)  # type: ignore[attr-defined]
+    link = Frames(raw(accepted))
     trio.lowlevel.add_instrument(FlushAtBatchEnd([link]))
     idle: list[socket.socket] = []
     reading: dict[int, tuple[socket.socket, Answer, bytes]] = {}
@@ -316,7 +325,7 @@ async def agent(listen: int, engine_port: int) -> None:
     async def connect() -> socket.socket:
         # A plain socket: trio's would close it when collected.
         stream = await trio.open_tcp_stream("127.0.0.1", engine_port)
-        return stream.socket._sock.dup()  # type: ignore[attr-defined]
+        return raw(stream).dup()
 
     async def ask(sock: socket.socket, answer: Answer, request: bytes) -> None:
         await send_all(sock, request)  # on loopback the kernel takes it at once
