@@ -1273,3 +1273,14 @@ async def test_a_text_count_or_another_engine_is_not_templated(serve: Callable) 
         await run(p, _count(_CONVERSATION))
     assert [r.split(b" ")[1] for r in engine.requests] == [b"/tokenize", b"/tokenize"]
     assert json.loads(engine.requests[1].split(b"\r\n\r\n", 1)[1]) == _CONVERSATION
+
+
+async def test_a_count_body_that_is_no_json_object_goes_as_it_came(serve: Callable) -> None:
+    engine = await serve(answering(json_answer(), json_answer()))
+    async with pool(engine) as p:
+        p.kind = "llamacpp"
+        for body in (b"not json", b'["messages"]'):
+            msg = m.request(7, "POST", "/tokenize", {}, body, False)
+            assert (await run(p, msg))[0]["type"] == m.RESPONSE_HEAD
+    assert [r.split(b"\r\n\r\n", 1)[1] for r in engine.requests] == [b"not json", b'["messages"]']
+    assert all(r.startswith(b"POST /tokenize ") for r in engine.requests)  # no template asked
